@@ -1,1 +1,38 @@
-//! placeholder
+//! The Tessera store: where images live and how their bytes are read back.
+//!
+//! - [`LocalStore`]: the embedded default store, a directory with `blobs/sha256/<hex>`,
+//!   `images/<id hex>.json`, `refs/<tag>` and `tmp/`; every write is atomic (temp file, fsync,
+//!   rename, fsync the directory). Layout and protocol: `docs/formats/store.md`.
+//! - [`StoreLocation`]: the `--store` argument (`PATH`, `file://`, `http(s)://`, `docker://`).
+//! - [`ChunkSource`]: where stored chunk bytes come from (one method); tiers slot in behind it.
+//! - [`OpenImage`] + [`ImageReader`]: the verified read path used by `tessera export` and the
+//!   daemon: BlockMap plan → zeros / prefix bytes / chunk bytes (decompressed and checked against
+//!   their blake3 id).
+//! - [`export_raw`]: the full device as a sparse raw file.
+//!
+//! ```no_run
+//! use tessera_store::{export_raw, ImageReader, LocalStore, OpenImage};
+//! # fn main() -> Result<(), tessera_store::StoreError> {
+//! let store = LocalStore::open("/var/lib/tessera")?;
+//! let id = store.resolve("latest")?;
+//! let reader = ImageReader::new(OpenImage::load(&store, &id)?, store.clone());
+//! let mut first_block = vec![0u8; 4096];
+//! reader.read_at(0, &mut first_block)?;
+//! export_raw(&reader, "disk.raw".as_ref(), |p| eprintln!("{}/{}", p.done_bytes, p.total_bytes))?;
+//! # Ok(()) }
+//! ```
+#![forbid(unsafe_code)]
+
+mod error;
+mod export;
+mod local;
+mod location;
+mod reader;
+mod source;
+
+pub use error::StoreError;
+pub use export::{export_raw, ExportProgress, ExportStats};
+pub use local::{BlobWriter, KnownChunks, LocalStore};
+pub use location::StoreLocation;
+pub use reader::{decode_stored_chunk, ImageReader, OpenImage, DEFAULT_CHUNK_CACHE, MAX_CHUNK_LEN};
+pub use source::ChunkSource;

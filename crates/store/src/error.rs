@@ -1,0 +1,129 @@
+//! The store's error type.
+
+use std::io;
+use std::path::{Path, PathBuf};
+
+use tessera_image::{ChunkId, DecodeError, ImageId, Sha256Digest};
+use thiserror::Error;
+
+/// Everything that can go wrong in the store and on the image read path.
+///
+/// I/O errors carry the operation and the path. Writes that fail for lack of space become
+/// [`StoreError::Full`]; writes refused by the filesystem (read-only mount, immutable directory,
+/// permissions) become [`StoreError::ReadOnly`]. [`StoreError::is_usage_error`] tells the CLI which
+/// errors are the user's to fix (exit status 2).
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// An I/O error not covered by a more specific variant.
+    #[error("{op} {}: {source}", path.display())]
+    Io {
+        op: &'static str,
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    /// The filesystem holding the store (or the export target) has no space left.
+    #[error("{op} {}: the filesystem is full (no space left on the device)", path.display())]
+    Full { op: &'static str, path: PathBuf },
+    /// The filesystem refused a write: a read-only mount, an immutable directory or missing permission.
+    #[error("{op} {}: read-only (the filesystem refused the write: read-only mount, immutable directory or permissions)", path.display())]
+    ReadOnly { op: &'static str, path: PathBuf },
+    /// A write was asked of a store that is read-only by nature (an `http(s)://` store).
+    #[error("store {location} is read-only: http(s) stores can only be read")]
+    ReadOnlyStore { location: String },
+    /// A store location whose kind exists in the contract but is not implemented yet.
+    #[error("store {location}: {kind} stores are not supported yet")]
+    Unsupported { location: String, kind: &'static str },
+    /// A store location that cannot be parsed.
+    #[error("invalid store location {location:?}: {reason}")]
+    InvalidLocation { location: String, reason: &'static str },
+    /// The store directory does not exist (readers never create it).
+    #[error("store {} does not exist", path.display())]
+    NoSuchStore { path: PathBuf },
+    /// The path exists but is not a store.
+    #[error("{} is not a Tessera store: {reason}", path.display())]
+    NotAStore { path: PathBuf, reason: &'static str },
+    /// A blob the store should hold is missing.
+    #[error("blob {digest} is missing from the store ({})", path.display())]
+    BlobNotFound { digest: Sha256Digest, path: PathBuf },
+    /// A blob's content does not hash to its name, or is otherwise unusable.
+    #[error("blob {digest} ({what}) is corrupt: {reason} ({})", path.display())]
+    Corrupt { what: &'static str, digest: Sha256Digest, path: PathBuf, reason: String },
+    /// A blob's bytes could not be decoded.
+    #[error("blob {digest} ({what}) cannot be decoded: {source}")]
+    Decode {
+        what: &'static str,
+        digest: Sha256Digest,
+        #[source]
+        source: DecodeError,
+    },
+    /// An image entry (`images/<id>.json`) that cannot be parsed.
+    #[error("image entry {} is corrupt: {source}", path.display())]
+    BadEntry {
+        path: PathBuf,
+        #[source]
+        source: DecodeError,
+    },
+    /// A ref file (`refs/<tag>`) whose content is not `sha256:<64 hex>\n`.
+    #[error("ref {} is corrupt: expected `sha256:<64 hex>` and a newline", path.display())]
+    BadRef { path: PathBuf },
+    /// A tag names an image the store does not hold.
+    #[error("tag {tag} points to {id}, which is not in the store")]
+    DanglingRef { tag: String, id: ImageId },
+    /// No image in the store answers to this reference (an unknown tag or ID).
+    #[error("unknown image {reference}")]
+    UnknownImage { reference: String },
+    /// A reference that is neither `sha256:<64 hex>` nor a valid tag.
+    #[error(
+        "invalid image reference {reference:?}: expected sha256:<64 hex> or a tag [A-Za-z0-9_][A-Za-z0-9._-]{{0,127}}"
+    )]
+    InvalidReference { reference: String },
+    /// A tag that does not match `[A-Za-z0-9_][A-Za-z0-9._-]{0,127}`.
+    #[error("invalid tag {tag:?}: expected [A-Za-z0-9_][A-Za-z0-9._-]{{0,127}}")]
+    InvalidTag { tag: String },
+    /// A ranged read outside a blob.
+    #[error("read of {len} bytes at offset {offset} is outside blob {digest} of {blob_len} bytes")]
+    RangeOutOfBounds { digest: Sha256Digest, offset: u64, len: u64, blob_len: u64 },
+    /// The image's parts do not agree with each other (entry, record, prefix, pack index).
+    #[error("image {image} is inconsistent: {reason}")]
+    Inconsistent { image: ImageId, reason: String },
+    /// A stored chunk does not decompress to the bytes its id names. No bytes are returned.
+    #[error("chunk {chunk} in pack {pack} at offset {offset} is corrupt: {reason}")]
+    CorruptChunk { chunk: ChunkId, pack: Sha256Digest, offset: u64, reason: &'static str },
+    /// A read outside the device.
+    #[error("read outside the device: {0}")]
+    OutOfRange(#[source] tessera_image::Error),
+}
+
+impl StoreError {
+    /// Whether the error is a usage error (exit status 2): a write to a read-only store, an invalid
+    /// store location, tag or reference. Unknown images and corruption are failures (exit 1).
+    pub fn is_usage_error(&self) -> bool {
+        matches!(
+            self,
+            StoreError::ReadOnlyStore { .. }
+                | StoreError::ReadOnly { .. }
+                | StoreError::InvalidLocation { .. }
+                | StoreError::InvalidReference { .. }
+                | StoreError::InvalidTag { .. }
+        )
+    }
+
+    /// Classify an error from a write-side operation: ENOSPC/EDQUOT → [`StoreError::Full`],
+    /// EROFS/EACCES/EPERM → [`StoreError::ReadOnly`], anything else → [`StoreError::Io`].
+    pub(crate) fn write(op: &'static str, path: &Path, source: io::Error) -> Self {
+        match source.raw_os_error() {
+            Some(libc::ENOSPC) | Some(libc::EDQUOT) => StoreError::Full { op, path: path.to_owned() },
+            Some(libc::EROFS) | Some(libc::EACCES) | Some(libc::EPERM) => {
+                StoreError::ReadOnly { op, path: path.to_owned() }
+            }
+            _ => StoreError::Io { op, path: path.to_owned(), source },
+        }
+    }
+
+    /// An error from a read-side operation.
+    pub(crate) fn read(op: &'static str, path: &Path, source: io::Error) -> Self {
+        StoreError::Io { op, path: path.to_owned(), source }
+    }
+}

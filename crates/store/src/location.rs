@@ -1,0 +1,150 @@
+//! Parsing the `--store STORE` argument.
+
+use std::path::{Path, PathBuf};
+
+use crate::error::StoreError;
+use crate::local::LocalStore;
+
+/// Where a store lives, as given by `--store`.
+///
+/// - `PATH` or `file://PATH`: a local directory (read-write, the embedded default);
+/// - `http://…` / `https://…`: a static HTTP server holding the same layout (read-only);
+/// - `docker://HOST[:PORT]/REPO`: an OCI registry (read-write through the registry API).
+///
+/// Only local stores are implemented so far; the others parse, and opening them returns
+/// [`StoreError::Unsupported`] — or [`StoreError::ReadOnlyStore`] when writing to an HTTP store,
+/// which is a usage error whatever the implementation status.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreLocation {
+    /// A local directory.
+    Local(PathBuf),
+    /// An HTTP(S) base URL, as given.
+    Http(String),
+    /// A registry repository `HOST[:PORT]/REPO`, without the `docker://` scheme.
+    Registry(String),
+}
+
+impl StoreLocation {
+    /// Parse a `--store` value.
+    pub fn parse(text: &str) -> Result<Self, StoreError> {
+        let invalid = |reason| StoreError::InvalidLocation { location: text.to_owned(), reason };
+        if text.is_empty() {
+            return Err(invalid("empty"));
+        }
+        if let Some(path) = text.strip_prefix("file://") {
+            if path.is_empty() {
+                return Err(invalid("file:// needs a path"));
+            }
+            return Ok(StoreLocation::Local(PathBuf::from(path)));
+        }
+        let lower = text.to_ascii_lowercase();
+        if lower.starts_with("http://") || lower.starts_with("https://") {
+            let rest = text.split_once("://").map(|(_, r)| r).unwrap_or("");
+            if rest.is_empty() || rest.starts_with('/') {
+                return Err(invalid("an http(s) store needs a host"));
+            }
+            return Ok(StoreLocation::Http(text.to_owned()));
+        }
+        if let Some(rest) = text.strip_prefix("docker://") {
+            match rest.split_once('/') {
+                Some((host, repo)) if !host.is_empty() && !repo.is_empty() => {
+                    return Ok(StoreLocation::Registry(rest.to_owned()));
+                }
+                _ => return Err(invalid("expected docker://HOST[:PORT]/REPO")),
+            }
+        }
+        if let Some((scheme, _)) = text.split_once("://") {
+            if !scheme.is_empty() && scheme.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'+') {
+                return Err(invalid("unknown scheme (expected a path, file://, http(s):// or docker://)"));
+            }
+        }
+        Ok(StoreLocation::Local(PathBuf::from(text)))
+    }
+
+    /// The local directory, if this is a local store.
+    pub fn local_path(&self) -> Option<&Path> {
+        match self {
+            StoreLocation::Local(p) => Some(p),
+            _ => None,
+        }
+    }
+
+    /// Whether the store kind accepts writes at all (HTTP stores never do).
+    pub fn is_writable_kind(&self) -> bool {
+        !matches!(self, StoreLocation::Http(_))
+    }
+
+    /// Open the store for reading (it must exist).
+    pub fn open_for_read(&self) -> Result<LocalStore, StoreError> {
+        match self {
+            StoreLocation::Local(p) => LocalStore::open(p),
+            StoreLocation::Http(url) => {
+                Err(StoreError::Unsupported { location: url.clone(), kind: "http(s)" })
+            }
+            StoreLocation::Registry(r) => {
+                Err(StoreError::Unsupported { location: format!("docker://{r}"), kind: "registry" })
+            }
+        }
+    }
+
+    /// Open the store for writing, creating a local store if needed. Writing to an HTTP store is
+    /// [`StoreError::ReadOnlyStore`].
+    pub fn open_for_write(&self) -> Result<LocalStore, StoreError> {
+        match self {
+            StoreLocation::Local(p) => LocalStore::create_or_open(p),
+            StoreLocation::Http(url) => Err(StoreError::ReadOnlyStore { location: url.clone() }),
+            StoreLocation::Registry(r) => {
+                Err(StoreError::Unsupported { location: format!("docker://{r}"), kind: "registry" })
+            }
+        }
+    }
+}
+
+impl std::str::FromStr for StoreLocation {
+    type Err = StoreError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Self::parse(s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_each_kind() {
+        assert_eq!(StoreLocation::parse("/a/b").unwrap(), StoreLocation::Local("/a/b".into()));
+        assert_eq!(StoreLocation::parse("rel").unwrap(), StoreLocation::Local("rel".into()));
+        assert_eq!(StoreLocation::parse("file:///a/b").unwrap(), StoreLocation::Local("/a/b".into()));
+        assert_eq!(StoreLocation::parse("file://rel").unwrap(), StoreLocation::Local("rel".into()));
+        assert_eq!(
+            StoreLocation::parse("http://h:8080/p").unwrap(),
+            StoreLocation::Http("http://h:8080/p".into())
+        );
+        assert!(matches!(StoreLocation::parse("https://cdn").unwrap(), StoreLocation::Http(_)));
+        assert_eq!(
+            StoreLocation::parse("docker://localhost:5000/tessera/img").unwrap(),
+            StoreLocation::Registry("localhost:5000/tessera/img".into())
+        );
+        for bad in ["", "file://", "http://", "docker://host", "docker:///repo", "s3://bucket"] {
+            let e = StoreLocation::parse(bad).unwrap_err();
+            assert!(matches!(e, StoreError::InvalidLocation { .. }), "{bad}: {e}");
+            assert!(e.is_usage_error());
+        }
+    }
+
+    #[test]
+    fn remote_kinds_are_typed_errors() {
+        let http = StoreLocation::parse("http://h/p").unwrap();
+        let w = http.open_for_write().unwrap_err();
+        assert!(matches!(w, StoreError::ReadOnlyStore { .. }));
+        assert!(w.is_usage_error());
+        let r = http.open_for_read().unwrap_err();
+        assert!(matches!(r, StoreError::Unsupported { .. }));
+        assert!(!r.is_usage_error());
+        let reg = StoreLocation::parse("docker://h/r").unwrap();
+        assert!(matches!(reg.open_for_write(), Err(StoreError::Unsupported { .. })));
+        assert!(matches!(reg.open_for_read(), Err(StoreError::Unsupported { .. })));
+    }
+}

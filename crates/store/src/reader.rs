@@ -1,0 +1,451 @@
+//! The image read path: open an image (verify its parts), then read device bytes.
+//!
+//! `tessera export` uses it today; the daemon reuses it. Every byte handed out is either zeros
+//! (unmapped blocks), bytes of the verified metadata prefix, or bytes of a chunk whose blake3 has
+//! just been checked against its [`ChunkId`]. A chunk that fails verification is an error, never
+//! wrong bytes.
+
+use std::io::Read;
+use std::sync::{Arc, Mutex};
+
+use tessera_image::{
+    ChunkRef, Compression, ImageEntry, ImageId, ImageRecord, PackIndex, PackLocation, SegmentSource,
+    Sha256Digest, BLOCK_SIZE,
+};
+use tracing::{debug, trace};
+
+use crate::error::StoreError;
+use crate::local::LocalStore;
+use crate::source::ChunkSource;
+
+/// Largest chunk the reader accepts (chunk sizes go up to 16 MiB; this leaves room and stops a
+/// hostile pack index from making us allocate gigabytes).
+pub const MAX_CHUNK_LEN: u32 = 64 << 20;
+
+/// Decompressed chunks kept by an [`ImageReader`] unless told otherwise.
+pub const DEFAULT_CHUNK_CACHE: usize = 16;
+
+/// An image whose entry, record, prefix and pack index have been loaded and checked against each
+/// other. Holds the uncompressed metadata prefix in memory.
+#[derive(Debug)]
+pub struct OpenImage {
+    id: ImageId,
+    entry: ImageEntry,
+    record: ImageRecord,
+    prefix: Vec<u8>,
+    pack_index: PackIndex,
+    /// Pack and location of each BlockMap chunk, by chunk index.
+    locations: Vec<(Sha256Digest, PackLocation)>,
+}
+
+impl OpenImage {
+    /// Load image `id` from a local store and check it: the record hashes to the ID, the prefix
+    /// decompresses to `prefix.blocks × 4096` bytes with the recorded sha256, every chunk of the
+    /// BlockMap is in the pack index with the same length, and every pack exists and is long
+    /// enough for the chunks it holds.
+    pub fn load(store: &LocalStore, id: &ImageId) -> Result<Self, StoreError> {
+        let entry = store.get_entry(id)?;
+        if entry.record != id.digest() {
+            return Err(inconsistent(id, format!("the entry names record {}", entry.record)));
+        }
+        let record = store.read_blob_as(&entry.record, "image record")?;
+        let prefix = store.read_blob_as(&entry.prefix, "metadata prefix")?;
+        let pack_index = store.read_blob_as(&entry.pack_index, "pack index")?;
+        let image = Self::assemble(*id, entry, &record, &prefix, &pack_index)?;
+        let mut needed: std::collections::HashMap<Sha256Digest, u64> = Default::default();
+        for (pack, loc) in &image.locations {
+            let end = loc.offset.saturating_add(u64::from(loc.stored_len));
+            let e = needed.entry(*pack).or_default();
+            *e = (*e).max(end);
+        }
+        for (pack, end) in needed {
+            let len = store.blob_len(&pack)?;
+            if len < end {
+                return Err(inconsistent(id, format!("pack {pack} has {len} bytes, chunks need {end}")));
+            }
+        }
+        debug!(image = %id, chunks = image.locations.len(), "opened image");
+        Ok(image)
+    }
+
+    /// Check and assemble an image from the raw bytes of its blobs, however they were fetched:
+    /// each blob is verified against the digest the entry names, then as in [`Self::load`]
+    /// (except the pack existence check, which needs the store).
+    pub fn from_parts(
+        id: ImageId,
+        entry: ImageEntry,
+        record: &[u8],
+        prefix_compressed: &[u8],
+        pack_index: &[u8],
+    ) -> Result<Self, StoreError> {
+        for (what, digest, bytes) in [
+            ("image record", entry.record, record),
+            ("metadata prefix", entry.prefix, prefix_compressed),
+            ("pack index", entry.pack_index, pack_index),
+        ] {
+            let actual = Sha256Digest::of(bytes);
+            if actual != digest {
+                return Err(StoreError::Corrupt {
+                    what,
+                    digest,
+                    path: Default::default(),
+                    reason: format!("its content hashes to {actual}"),
+                });
+            }
+        }
+        Self::assemble(id, entry, record, prefix_compressed, pack_index)
+    }
+
+    /// Decode and cross-check parts whose blob digests are already verified.
+    fn assemble(
+        id: ImageId,
+        entry: ImageEntry,
+        record_bytes: &[u8],
+        prefix_compressed: &[u8],
+        pack_index_bytes: &[u8],
+    ) -> Result<Self, StoreError> {
+        if entry.record != id.digest() {
+            return Err(inconsistent(&id, format!("the entry names record {}", entry.record)));
+        }
+        let record = ImageRecord::decode(record_bytes).map_err(|source| StoreError::Decode {
+            what: "image record",
+            digest: entry.record,
+            source,
+        })?;
+
+        let expected = record.prefix.blocks.checked_mul(u64::from(BLOCK_SIZE)).ok_or_else(|| {
+            inconsistent(&id, format!("prefix of {} blocks is too large", record.prefix.blocks))
+        })?;
+        let prefix =
+            decompress_prefix(prefix_compressed, expected).map_err(|reason| StoreError::Corrupt {
+                what: "metadata prefix",
+                digest: entry.prefix,
+                path: Default::default(),
+                reason,
+            })?;
+        let actual = Sha256Digest::of(&prefix);
+        if actual != record.prefix.digest {
+            return Err(StoreError::Corrupt {
+                what: "metadata prefix",
+                digest: entry.prefix,
+                path: Default::default(),
+                reason: format!(
+                    "uncompressed it hashes to {actual}, the record says {}",
+                    record.prefix.digest
+                ),
+            });
+        }
+
+        let pack_index = PackIndex::decode(pack_index_bytes).map_err(|source| StoreError::Decode {
+            what: "pack index",
+            digest: entry.pack_index,
+            source,
+        })?;
+        let mut locations = Vec::with_capacity(record.block_map.chunks().len());
+        for (i, c) in record.block_map.chunks().iter().enumerate() {
+            let (pack, loc) = pack_index
+                .get(&c.id)
+                .ok_or_else(|| inconsistent(&id, format!("chunk #{i} {} is not in the pack index", c.id)))?;
+            if loc.raw_len != c.len {
+                return Err(inconsistent(
+                    &id,
+                    format!("chunk #{i} {} is {} bytes, the pack index says {}", c.id, c.len, loc.raw_len),
+                ));
+            }
+            if c.len > MAX_CHUNK_LEN || loc.stored_len > MAX_CHUNK_LEN {
+                return Err(inconsistent(
+                    &id,
+                    format!("chunk #{i} {} is larger than {MAX_CHUNK_LEN} bytes", c.id),
+                ));
+            }
+            locations.push((pack, loc));
+        }
+        Ok(Self { id, entry, record, prefix, pack_index, locations })
+    }
+
+    /// The image ID.
+    pub fn id(&self) -> &ImageId {
+        &self.id
+    }
+
+    /// The image entry.
+    pub fn entry(&self) -> &ImageEntry {
+        &self.entry
+    }
+
+    /// The decoded image record.
+    pub fn record(&self) -> &ImageRecord {
+        &self.record
+    }
+
+    /// The uncompressed metadata prefix.
+    pub fn prefix(&self) -> &[u8] {
+        &self.prefix
+    }
+
+    /// The pack index.
+    pub fn pack_index(&self) -> &PackIndex {
+        &self.pack_index
+    }
+
+    /// Device size in bytes.
+    pub fn device_bytes(&self) -> u64 {
+        self.record.block_map.device_bytes()
+    }
+
+    /// Where BlockMap chunk `index` is stored.
+    pub fn chunk_location(&self, index: u32) -> Option<(ChunkRef, Sha256Digest, PackLocation)> {
+        let c = *self.record.block_map.chunks().get(index as usize)?;
+        let (pack, loc) = *self.locations.get(index as usize)?;
+        Some((c, pack, loc))
+    }
+}
+
+fn inconsistent(id: &ImageId, reason: String) -> StoreError {
+    StoreError::Inconsistent { image: *id, reason }
+}
+
+/// Decompress a zstd prefix, insisting on exactly `expected` bytes without trusting `expected`
+/// for allocation (a lying record cannot make us allocate more than the data holds).
+fn decompress_prefix(compressed: &[u8], expected: u64) -> Result<Vec<u8>, String> {
+    let decoder = zstd::stream::read::Decoder::new(compressed).map_err(|e| format!("zstd: {e}"))?;
+    let mut out = Vec::with_capacity(usize::try_from(expected.min(64 << 20)).unwrap_or(0));
+    decoder
+        .take(expected.saturating_add(1))
+        .read_to_end(&mut out)
+        .map_err(|e| format!("it does not decompress: {e}"))?;
+    if out.len() as u64 != expected {
+        let got = if out.len() as u64 > expected { "more than".to_owned() } else { out.len().to_string() };
+        return Err(format!("it decompresses to {got} bytes, expected {expected}"));
+    }
+    Ok(out)
+}
+
+/// Turn stored chunk bytes into verified uncompressed bytes: decompress per `loc.compression`,
+/// check the length, check blake3 against the chunk id. Anything off is
+/// [`StoreError::CorruptChunk`].
+pub fn decode_stored_chunk(
+    chunk: &ChunkRef,
+    pack: &Sha256Digest,
+    loc: &PackLocation,
+    stored: &[u8],
+) -> Result<Vec<u8>, StoreError> {
+    let corrupt =
+        |reason| StoreError::CorruptChunk { chunk: chunk.id, pack: *pack, offset: loc.offset, reason };
+    if stored.len() as u64 != u64::from(loc.stored_len) {
+        return Err(corrupt("the source returned the wrong number of bytes"));
+    }
+    let raw_len = loc.raw_len as usize;
+    let data = match loc.compression {
+        Compression::None => stored.to_vec(),
+        Compression::Zstd => {
+            zstd::bulk::decompress(stored, raw_len).map_err(|_| corrupt("the zstd frame does not decode"))?
+        }
+    };
+    if data.len() != raw_len || loc.raw_len != chunk.len {
+        return Err(corrupt("it decompresses to the wrong length"));
+    }
+    if !chunk.id.matches(&data) {
+        return Err(corrupt("its blake3 does not match the chunk id"));
+    }
+    Ok(data)
+}
+
+/// Reads device bytes of an [`OpenImage`], fetching chunks from a [`ChunkSource`].
+///
+/// Keeps the last few decompressed chunks (a tiny LRU, [`DEFAULT_CHUNK_CACHE`] by default) so a
+/// sequential read decompresses each chunk once. Safe to share between threads.
+#[derive(Debug)]
+pub struct ImageReader<S> {
+    image: Arc<OpenImage>,
+    source: S,
+    cache: Mutex<ChunkCache>,
+}
+
+impl<S: ChunkSource> ImageReader<S> {
+    /// A reader of `image` fetching chunks from `source`.
+    pub fn new(image: impl Into<Arc<OpenImage>>, source: S) -> Self {
+        Self { image: image.into(), source, cache: Mutex::new(ChunkCache::new(DEFAULT_CHUNK_CACHE)) }
+    }
+
+    /// Keep up to `chunks` decompressed chunks (0 disables the cache).
+    pub fn with_cache_capacity(self, chunks: usize) -> Self {
+        Self { cache: Mutex::new(ChunkCache::new(chunks)), ..self }
+    }
+
+    /// The image.
+    pub fn image(&self) -> &OpenImage {
+        &self.image
+    }
+
+    /// The chunk source.
+    pub fn source(&self) -> &S {
+        &self.source
+    }
+
+    /// Device size in bytes.
+    pub fn device_bytes(&self) -> u64 {
+        self.image.device_bytes()
+    }
+
+    /// Fill `buf` with the device bytes at `offset`. Fails without partial results' meaning: on
+    /// error the content of `buf` is unspecified.
+    pub fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), StoreError> {
+        let map = &self.image.record.block_map;
+        let plan = map.plan(offset, buf.len() as u64).map_err(StoreError::OutOfRange)?;
+        let mut pos = 0usize;
+        for seg in plan {
+            // Segments add up to buf.len(), so each fits in usize.
+            let len = usize::try_from(seg.len).unwrap_or(usize::MAX).min(buf.len() - pos);
+            let out = &mut buf[pos..pos + len];
+            match seg.source {
+                SegmentSource::Zero => out.fill(0),
+                SegmentSource::Prefix { offset } => {
+                    let src = usize::try_from(offset)
+                        .ok()
+                        .and_then(|o| self.image.prefix.get(o..o.checked_add(len)?))
+                        .ok_or_else(|| {
+                            inconsistent(&self.image.id, format!("prefix read {offset}+{len} out of bounds"))
+                        })?;
+                    out.copy_from_slice(src);
+                }
+                SegmentSource::Chunk { chunk, offset } => {
+                    let data = self.chunk(chunk)?;
+                    let start = usize::try_from(offset).unwrap_or(usize::MAX).min(data.len());
+                    let avail = (data.len() - start).min(len);
+                    out[..avail].copy_from_slice(&data[start..start + avail]);
+                    out[avail..].fill(0);
+                }
+            }
+            pos += len;
+        }
+        Ok(())
+    }
+
+    /// The verified, uncompressed bytes of BlockMap chunk `index` (through the cache).
+    pub fn chunk(&self, index: u32) -> Result<Arc<Vec<u8>>, StoreError> {
+        if let Some(hit) = self.lock_cache().get(index) {
+            return Ok(hit);
+        }
+        let data = Arc::new(self.fetch_chunk(index)?);
+        self.lock_cache().insert(index, Arc::clone(&data));
+        Ok(data)
+    }
+
+    /// Fetch, decompress and verify chunk `index`, bypassing the cache.
+    pub fn fetch_chunk(&self, index: u32) -> Result<Vec<u8>, StoreError> {
+        let (chunk, pack, loc) = self
+            .image
+            .chunk_location(index)
+            .ok_or_else(|| inconsistent(&self.image.id, format!("chunk #{index} is not in the block map")))?;
+        trace!(index, chunk = %chunk.id, %pack, offset = loc.offset, len = loc.stored_len, "fetch chunk");
+        let stored = self.source.read_stored(&pack, loc.offset, loc.stored_len)?;
+        decode_stored_chunk(&chunk, &pack, &loc, &stored)
+    }
+
+    fn lock_cache(&self) -> std::sync::MutexGuard<'_, ChunkCache> {
+        // The cache holds only verified data; a panic elsewhere cannot leave it inconsistent.
+        self.cache.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A tiny LRU of decompressed chunks: most recently used last.
+#[derive(Debug)]
+struct ChunkCache {
+    capacity: usize,
+    entries: Vec<(u32, Arc<Vec<u8>>)>,
+}
+
+impl ChunkCache {
+    fn new(capacity: usize) -> Self {
+        Self { capacity, entries: Vec::with_capacity(capacity) }
+    }
+
+    fn get(&mut self, index: u32) -> Option<Arc<Vec<u8>>> {
+        let i = self.entries.iter().rposition(|e| e.0 == index)?;
+        let e = self.entries.remove(i);
+        let data = Arc::clone(&e.1);
+        self.entries.push(e);
+        Some(data)
+    }
+
+    fn insert(&mut self, index: u32, data: Arc<Vec<u8>>) {
+        if self.capacity == 0 {
+            return;
+        }
+        if let Some(i) = self.entries.iter().position(|e| e.0 == index) {
+            self.entries.remove(i);
+        } else if self.entries.len() >= self.capacity {
+            self.entries.remove(0);
+        }
+        self.entries.push((index, data));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lru_evicts_least_recent() {
+        let mut c = ChunkCache::new(2);
+        c.insert(1, Arc::new(vec![1]));
+        c.insert(2, Arc::new(vec![2]));
+        assert!(c.get(1).is_some()); // 1 is now most recent
+        c.insert(3, Arc::new(vec![3]));
+        assert!(c.get(2).is_none());
+        assert!(c.get(1).is_some());
+        assert!(c.get(3).is_some());
+        let mut off = ChunkCache::new(0);
+        off.insert(1, Arc::new(vec![1]));
+        assert!(off.get(1).is_none());
+    }
+
+    #[test]
+    fn decode_stored_chunk_checks_everything() {
+        let data = vec![7u8; 10_000];
+        let chunk = ChunkRef { id: tessera_image::ChunkId::of(&data), len: 10_000 };
+        let pack = Sha256Digest::of(b"pack");
+        let z = zstd::bulk::compress(&data, 3).unwrap();
+        let loc = PackLocation {
+            pack: 0,
+            offset: 0,
+            stored_len: z.len() as u32,
+            raw_len: 10_000,
+            compression: Compression::Zstd,
+        };
+        assert_eq!(decode_stored_chunk(&chunk, &pack, &loc, &z).unwrap(), data);
+        let raw = PackLocation { stored_len: 10_000, compression: Compression::None, ..loc };
+        assert_eq!(decode_stored_chunk(&chunk, &pack, &raw, &data).unwrap(), data);
+        let mut bad = data.clone();
+        bad[5] = 8;
+        assert!(matches!(
+            decode_stored_chunk(&chunk, &pack, &raw, &bad),
+            Err(StoreError::CorruptChunk { reason, .. }) if reason.contains("blake3")
+        ));
+        assert!(decode_stored_chunk(&chunk, &pack, &loc, &z[..z.len() - 1]).is_err());
+        let mut zbad = z.clone();
+        let n = zbad.len();
+        zbad[n / 2] ^= 0xff;
+        assert!(matches!(
+            decode_stored_chunk(&chunk, &pack, &loc, &zbad),
+            Err(StoreError::CorruptChunk { .. })
+        ));
+        // A frame that decodes to more than raw_len is refused, not truncated.
+        let big = zstd::bulk::compress(&vec![7u8; 10_001], 3).unwrap();
+        let loc_big = PackLocation { stored_len: big.len() as u32, ..loc };
+        assert!(decode_stored_chunk(&chunk, &pack, &loc_big, &big).is_err());
+    }
+
+    #[test]
+    fn prefix_length_is_exact() {
+        let p = vec![1u8; 8192];
+        let z = zstd::bulk::compress(&p, 3).unwrap();
+        assert_eq!(decompress_prefix(&z, 8192).unwrap(), p);
+        assert!(decompress_prefix(&z, 4096).is_err());
+        assert!(decompress_prefix(&z, 12288).is_err());
+        assert!(decompress_prefix(b"not zstd", 4096).is_err());
+        // A record claiming a huge prefix does not make us allocate it.
+        assert!(decompress_prefix(&z, 1 << 50).is_err());
+    }
+}

@@ -1,0 +1,36 @@
+//! Where stored chunks come from.
+
+use std::sync::Arc;
+
+use tessera_image::Sha256Digest;
+
+use crate::error::StoreError;
+
+/// A source of stored (possibly compressed) chunk bytes: a byte range of a pack.
+///
+/// The local store implements it with `pread`; HTTP, registry and cache tiers implement it later
+/// and compose as wrappers. Implementations return exactly `len` bytes or an error; verification
+/// (decompression, blake3 against the chunk id) is the caller's job, see
+/// [`crate::ImageReader`].
+pub trait ChunkSource: Send + Sync {
+    /// Read `len` bytes at `offset` of pack `pack`.
+    fn read_stored(&self, pack: &Sha256Digest, offset: u64, len: u32) -> Result<Vec<u8>, StoreError>;
+}
+
+impl<T: ChunkSource + ?Sized> ChunkSource for &T {
+    fn read_stored(&self, pack: &Sha256Digest, offset: u64, len: u32) -> Result<Vec<u8>, StoreError> {
+        (**self).read_stored(pack, offset, len)
+    }
+}
+
+impl<T: ChunkSource + ?Sized> ChunkSource for Arc<T> {
+    fn read_stored(&self, pack: &Sha256Digest, offset: u64, len: u32) -> Result<Vec<u8>, StoreError> {
+        (**self).read_stored(pack, offset, len)
+    }
+}
+
+impl<T: ChunkSource + ?Sized> ChunkSource for Box<T> {
+    fn read_stored(&self, pack: &Sha256Digest, offset: u64, len: u32) -> Result<Vec<u8>, StoreError> {
+        (**self).read_stored(pack, offset, len)
+    }
+}
