@@ -1,0 +1,879 @@
+//! The synthesizer proper: prepare every inode's content, size and lay out the device, then render.
+//!
+//! Order of work (reference §15 "order of computation"): content that does not depend on device
+//! positions (directory blocks use logical block numbers only, xattr bodies, extent counts) is prepared
+//! once; the layout is then computed (possibly several times while sizing); finally inodes, tree/xattr
+//! blocks, bitmaps, descriptors and superblocks are rendered with their checksums, in that order.
+
+use std::collections::BTreeMap;
+
+use sha2::{Digest, Sha256};
+
+use crate::bitmap::{block_bitmap, inode_bitmap};
+use crate::dir::{self, DirEnt};
+use crate::error::Ext4Error;
+use crate::extent::{self, Extent};
+use crate::group::GroupDesc;
+use crate::inode::{self, InodeData, XATTR_AREA_LEN};
+use crate::journal;
+use crate::layout::alloc::Allocator;
+use crate::layout::geometry::{self, BLOCKS_PER_GROUP, MAX_IPG};
+use crate::namespace::{self, Namespace, Slot, LINK_MAX, LOST_FOUND_INO};
+use crate::superblock::SuperblockParams;
+use crate::tree::{Meta, NodeKind, Timestamp, Tree};
+use crate::xattr::{self, DiskXattr};
+use crate::{Ext4Image, Geometry, MetadataRun, Options, PlacedExtent, SizePolicy, BLOCK_SIZE};
+
+/// Largest file: `ee_block` is 32 bits, so the last block index is 2^32 − 2.
+pub const MAX_FILE_SIZE: u64 = ((1u64 << 32) - 1) * BLOCK_SIZE;
+/// Largest filesystem we build (64 TiB); far beyond any container image, and keeps bitmaps in memory.
+pub const MAX_BLOCKS: u64 = 1 << 34;
+/// The kernel stops sharing an xattr block at this many references (`EXT4_XATTR_REFCOUNT_MAX`).
+const XATTR_REFCOUNT_MAX: u32 = 1024;
+/// Fast symlinks hold targets shorter than the 60-byte `i_block`.
+const FAST_SYMLINK_MAX: usize = 59;
+const DEFAULT_FREE_BLOCKS: u64 = (256 << 20) / BLOCK_SIZE;
+
+/// What one inode holds.
+#[derive(Debug)]
+enum ObjKind {
+    Dir { blocks: Vec<Vec<u8>>, htree: bool },
+    File { size: u64, ranges: Vec<(u64, u64)> },
+    Symlink { target: Vec<u8> },
+    Chr { major: u32, minor: u32 },
+    Blk { major: u32, minor: u32 },
+    Fifo,
+    Sock,
+}
+
+/// One inode to write: root, lost+found or a tree node.
+#[derive(Debug)]
+struct Obj {
+    ino: u32,
+    /// The tree node, or `None` for a lost+found we created.
+    node: Option<usize>,
+    meta: Meta,
+    kind: ObjKind,
+    links: u16,
+    xattr_area: [u8; XATTR_AREA_LEN],
+    xattr_block: Option<usize>,
+}
+
+impl Obj {
+    fn is_slow_symlink(&self) -> bool {
+        matches!(&self.kind, ObjKind::Symlink { target } if target.len() > FAST_SYMLINK_MAX)
+    }
+}
+
+/// A distinct external xattr block and how many inodes share it.
+#[derive(Debug)]
+struct XBlock {
+    body: Vec<u8>,
+    refcount: u32,
+}
+
+/// Where one object's blocks went.
+#[derive(Debug, Default, Clone)]
+struct ObjLayout {
+    extents: Vec<Extent>,
+    tree_blocks: Vec<u64>,
+    symlink_block: u64,
+}
+
+#[derive(Debug)]
+struct Layout {
+    groups: u64,
+    ipg: u64,
+    blocks_count: u64,
+    journal_blocks: u64,
+    block_bitmap: Vec<u64>,
+    inode_bitmap: Vec<u64>,
+    inode_table: Vec<u64>,
+    journal_start: u64,
+    objs: Vec<ObjLayout>,
+    xblock_nr: Vec<u64>,
+    /// Every allocated block range `(start, len)`.
+    used: Vec<(u64, u64)>,
+    data_start: u64,
+    data_end: u64,
+}
+
+/// Derive the UUID (version 4 and RFC 4122 variant bits) and the never-zero hash seed (§13).
+pub fn derive_ids(seed: &[u8; 32]) -> ([u8; 16], [u32; 4]) {
+    let d = Sha256::new().chain_update(b"ext4-uuid").chain_update(seed).finalize();
+    let mut uuid = [0u8; 16];
+    uuid.copy_from_slice(&d[..16]);
+    uuid[6] = (uuid[6] & 0x0F) | 0x40;
+    uuid[8] = (uuid[8] & 0x3F) | 0x80;
+    let h = Sha256::new().chain_update(b"ext4-hash-seed").chain_update(uuid).finalize();
+    let mut hash_seed = [0u32; 4];
+    for (i, w) in hash_seed.iter_mut().enumerate() {
+        *w = u32::from_le_bytes([h[4 * i], h[4 * i + 1], h[4 * i + 2], h[4 * i + 3]]);
+    }
+    if hash_seed == [0; 4] {
+        // An all-zero seed means "default MD4 IV" to readers; avoid it (astronomically unlikely).
+        hash_seed[0] = 1;
+    }
+    (uuid, hash_seed)
+}
+
+pub fn synthesize(tree: &Tree, opts: &Options) -> Result<Ext4Image, Ext4Error> {
+    if opts.label.len() > 16 {
+        return Err(Ext4Error::LabelTooLong { len: opts.label.len() });
+    }
+    let ns = namespace::number(tree)?;
+    let (uuid, hash_seed) = derive_ids(&opts.seed);
+    let fs_seed = crate::checksum::fs_seed(&uuid);
+    let (objs, xblocks) = prepare(tree, &ns, opts, &hash_seed, fs_seed)?;
+    // Regular files' data goes in NodeId order.
+    let mut files: Vec<usize> =
+        (0..objs.len()).filter(|&i| matches!(objs[i].kind, ObjKind::File { .. })).collect();
+    files.sort_by_key(|&i| objs[i].node);
+    let lay = size_and_layout(&objs, xblocks.len(), &files, ns.last_ino() as u64, opts)?;
+    Ok(render(tree, &objs, &xblocks, &lay, &ns, opts, uuid, hash_seed, fs_seed))
+}
+
+fn check_time(t: Timestamp, path: impl Fn() -> String) -> Result<(), Ext4Error> {
+    if inode::encode_time(t).is_none() {
+        return Err(Ext4Error::TimestampOutOfRange { path: path(), sec: t.sec, nsec: t.nsec });
+    }
+    Ok(())
+}
+
+fn file_type(kind: &NodeKind) -> u8 {
+    match kind {
+        NodeKind::Directory { .. } => dir::FT_DIR,
+        NodeKind::Regular { .. } => dir::FT_REG,
+        NodeKind::Symlink { .. } => dir::FT_SYMLINK,
+        NodeKind::CharDevice { .. } => dir::FT_CHR,
+        NodeKind::BlockDevice { .. } => dir::FT_BLK,
+        NodeKind::Fifo => dir::FT_FIFO,
+        NodeKind::Socket => dir::FT_SOCK,
+    }
+}
+
+/// Validate every node and build its inode content (directory blocks, xattrs, extents-to-be).
+fn prepare(
+    tree: &Tree,
+    ns: &Namespace,
+    opts: &Options,
+    hash_seed: &[u32; 4],
+    fs_seed: u32,
+) -> Result<(Vec<Obj>, Vec<XBlock>), Ext4Error> {
+    let t = Timestamp { sec: opts.fs_time, nsec: 0 };
+    let mut order: Vec<Option<usize>> = vec![Some(0)];
+    order.extend(ns.slots.iter().map(|s| match s {
+        Slot::Node(n) => Some(*n),
+        Slot::CreatedLostFound => None,
+    }));
+    let mut objs = Vec::with_capacity(order.len());
+    let mut xblocks: Vec<XBlock> = Vec::new();
+    // Sharing index: block body → xblocks index of the newest block with that body.
+    let mut shared: BTreeMap<Vec<u8>, usize> = BTreeMap::new();
+
+    for (k, node) in order.into_iter().enumerate() {
+        let ino = if k == 0 { namespace::ROOT_INO } else { LOST_FOUND_INO + k as u32 - 1 };
+        let Some(n) = node else {
+            // mke2fs's lost+found: 0700 root:root, 4 empty blocks so e2fsck can reconnect without
+            // allocating.
+            let blocks = dir::render_linear(ino, namespace::ROOT_INO, &[], 4, fs_seed);
+            let meta = Meta { mode: 0o700, uid: 0, gid: 0, atime: t, mtime: t, ctime: t };
+            objs.push(Obj {
+                ino,
+                node: None,
+                meta,
+                kind: ObjKind::Dir { blocks, htree: false },
+                links: 2,
+                xattr_area: [0; XATTR_AREA_LEN],
+                xattr_block: None,
+            });
+            continue;
+        };
+        let src = &tree.nodes[n];
+        let path = || ns.path(n);
+        for ts in [src.meta.atime, src.meta.mtime, src.meta.ctime] {
+            check_time(ts, path)?;
+        }
+        let mut links = ns.refs[n];
+        let kind = match &src.kind {
+            NodeKind::Directory { .. } => {
+                let parent = match ns.parent[n] {
+                    Some((p, _)) => ns.ino[p],
+                    None => namespace::ROOT_INO,
+                };
+                let mut children: Vec<DirEnt<'_>> = ns.sorted_entries[n]
+                    .iter()
+                    .map(|(name, c)| DirEnt {
+                        ino: ns.ino[*c],
+                        file_type: file_type(&tree.nodes[*c].kind),
+                        name,
+                    })
+                    .collect();
+                if n == 0 && ns.tree_lost_found.is_none() {
+                    children.push(DirEnt {
+                        ino: LOST_FOUND_INO,
+                        file_type: dir::FT_DIR,
+                        name: b"lost+found",
+                    });
+                }
+                let subdirs = children.iter().filter(|c| c.file_type == dir::FT_DIR).count() as u64;
+                links = 2 + subdirs;
+                if links > LINK_MAX {
+                    // dir_nlink: a directory with too many subdirectories stores 1.
+                    links = 1;
+                }
+                // Linear blocks are ordered by inode number (then name), like e2fsck writes them.
+                children.sort_by(|a, b| a.ino.cmp(&b.ino).then_with(|| a.name.cmp(b.name)));
+                let is_lf = ino == LOST_FOUND_INO;
+                let min_blocks = if is_lf { 4 } else { 1 };
+                let mut blocks = dir::render_linear(ino, parent, &children, min_blocks, fs_seed);
+                let mut htree = false;
+                // e2fsck -fp would index any linear directory of 3+ blocks (except lost+found); do it
+                // ourselves so a later fsck has nothing to change.
+                if blocks.len() >= 3 && !is_lf {
+                    if let Some(h) = crate::htree::render_htree(ino, parent, &children, hash_seed, fs_seed) {
+                        blocks = h;
+                        htree = true;
+                    }
+                }
+                ObjKind::Dir { blocks, htree }
+            }
+            NodeKind::Regular { size, data } => {
+                if *size > MAX_FILE_SIZE {
+                    return Err(Ext4Error::FileTooLarge { path: path(), size: *size, max: MAX_FILE_SIZE });
+                }
+                let limit = size.div_ceil(BLOCK_SIZE);
+                let mut ranges: Vec<(u64, u64)> = Vec::with_capacity(data.len());
+                for r in data {
+                    let end = r.start_block.checked_add(r.blocks);
+                    let prev_end = ranges.last().map(|&(s, l)| s + l).unwrap_or(0);
+                    match end {
+                        Some(end) if r.blocks > 0 && end <= limit && r.start_block >= prev_end => {}
+                        _ => return Err(Ext4Error::BadDataRanges { path: path(), size: *size }),
+                    }
+                    // Adjacent ranges are one run on disk too; merging keeps the extent count minimal.
+                    match ranges.last_mut() {
+                        Some(last) if last.0 + last.1 == r.start_block => last.1 += r.blocks,
+                        _ => ranges.push((r.start_block, r.blocks)),
+                    }
+                }
+                ObjKind::File { size: *size, ranges }
+            }
+            NodeKind::Symlink { target } => {
+                if target.is_empty() || target.len() > 4095 || target.contains(&0) {
+                    return Err(Ext4Error::BadSymlink { path: path(), len: target.len() });
+                }
+                ObjKind::Symlink { target: target.clone() }
+            }
+            NodeKind::CharDevice { major, minor } | NodeKind::BlockDevice { major, minor } => {
+                // Linux dev_t: 12-bit major, 20-bit minor.
+                if *major >= 1 << 12 || *minor >= 1 << 20 {
+                    return Err(Ext4Error::BadDeviceNumber { path: path(), major: *major, minor: *minor });
+                }
+                if matches!(src.kind, NodeKind::CharDevice { .. }) {
+                    ObjKind::Chr { major: *major, minor: *minor }
+                } else {
+                    ObjKind::Blk { major: *major, minor: *minor }
+                }
+            }
+            NodeKind::Fifo => ObjKind::Fifo,
+            NodeKind::Socket => ObjKind::Sock,
+        };
+        let (xattr_area, xattr_block) = place_xattrs(src, ns, n, &mut xblocks, &mut shared)?;
+        objs.push(Obj {
+            ino,
+            node: Some(n),
+            meta: src.meta,
+            kind,
+            links: links as u16,
+            xattr_area,
+            xattr_block,
+        });
+    }
+    Ok((objs, xblocks))
+}
+
+/// Decide where a node's xattrs go: all in the inode if they fit, else all in a (shared) block, else
+/// split greedily; error if even that does not fit.
+fn place_xattrs(
+    src: &crate::tree::Node,
+    ns: &Namespace,
+    n: usize,
+    xblocks: &mut Vec<XBlock>,
+    shared: &mut BTreeMap<Vec<u8>, usize>,
+) -> Result<([u8; XATTR_AREA_LEN], Option<usize>), Ext4Error> {
+    let mut list: Vec<DiskXattr> = Vec::with_capacity(src.xattrs.len());
+    for x in &src.xattrs {
+        let d = xattr::parse(&x.name, &x.value).map_err(|reason| Ext4Error::BadXattr {
+            path: ns.path(n),
+            name: namespace::escape(&x.name),
+            reason,
+        })?;
+        list.push(d);
+    }
+    if list.is_empty() {
+        return Ok(([0; XATTR_AREA_LEN], None));
+    }
+    xattr::sort(&mut list);
+    for w in list.windows(2) {
+        if w[0].index == w[1].index && w[0].name == w[1].name {
+            return Err(Ext4Error::BadXattr {
+                path: ns.path(n),
+                name: namespace::escape(&w[0].name),
+                reason: "duplicate attribute name",
+            });
+        }
+    }
+    let (in_inode, in_block): (Vec<DiskXattr>, Vec<DiskXattr>) = if xattr::fits_in_inode(&list) {
+        (list, Vec::new())
+    } else if xattr::fits_in_block(&list) {
+        (Vec::new(), list)
+    } else {
+        let mut inode_part = Vec::new();
+        let mut block_part = Vec::new();
+        for x in list {
+            inode_part.push(x);
+            if !xattr::fits_in_inode(&inode_part) {
+                if let Some(x) = inode_part.pop() {
+                    block_part.push(x);
+                }
+            }
+        }
+        (inode_part, block_part)
+    };
+    let too_large = |x: Option<&DiskXattr>| Ext4Error::XattrTooLarge {
+        path: ns.path(n),
+        name: x.map(|x| namespace::escape(&x.name)).unwrap_or_default(),
+        reason: "the attributes exceed the inode area plus one 4 KiB block",
+    };
+    let area = xattr::render_inode_area(&in_inode).ok_or_else(|| too_large(in_inode.last()))?;
+    if in_block.is_empty() {
+        return Ok((area, None));
+    }
+    let body = xattr::render_block_body(&in_block).ok_or_else(|| too_large(in_block.last()))?;
+    let idx = match shared.get(&body) {
+        Some(&i) if xblocks[i].refcount < XATTR_REFCOUNT_MAX => {
+            xblocks[i].refcount += 1;
+            i
+        }
+        _ => {
+            xblocks.push(XBlock { body: body.clone(), refcount: 1 });
+            shared.insert(body, xblocks.len() - 1);
+            xblocks.len() - 1
+        }
+    };
+    Ok((area, Some(idx)))
+}
+
+/// Find the geometry for the size policy and lay everything out.
+fn size_and_layout(
+    objs: &[Obj],
+    nxblocks: usize,
+    files: &[usize],
+    used_inodes: u64,
+    opts: &Options,
+) -> Result<Layout, Ext4Error> {
+    let data_blocks: u64 = files
+        .iter()
+        .map(|&i| match &objs[i].kind {
+            ObjKind::File { ranges, .. } => ranges.iter().map(|r| r.1).sum::<u64>(),
+            _ => 0,
+        })
+        .sum();
+    let want_inodes = match opts.inodes {
+        Some(min) => min.max(used_inodes),
+        None => used_inodes + (used_inodes / 4).max(4096),
+    };
+    let ipg_for = |groups: u64| -> u64 { want_inodes.div_ceil(groups).next_multiple_of(16).max(16) };
+    let check_inodes = |groups: u64, ipg: u64| -> Result<(), Ext4Error> {
+        if groups * ipg > u32::MAX as u64 {
+            return Err(Ext4Error::TooManyInodes { needed: want_inodes, max: u32::MAX as u64 / 16 * 16 });
+        }
+        Ok(())
+    };
+    match opts.size {
+        SizePolicy::Free(free) => {
+            let free_blocks = match free {
+                Some(bytes) => bytes.div_ceil(BLOCK_SIZE),
+                None => DEFAULT_FREE_BLOCKS.max(data_blocks.div_ceil(4)),
+            };
+            let mut groups = 1u64.max(want_inodes.div_ceil(MAX_IPG));
+            loop {
+                let ipg = ipg_for(groups);
+                if ipg > MAX_IPG {
+                    groups += 1;
+                    continue;
+                }
+                check_inodes(groups, ipg)?;
+                let blocks = groups * BLOCKS_PER_GROUP;
+                if blocks > MAX_BLOCKS {
+                    return Err(Ext4Error::ImageTooLarge { blocks, max: MAX_BLOCKS });
+                }
+                let j = journal::default_journal_blocks(blocks);
+                let lay = layout(objs, nxblocks, files, groups, ipg, blocks, j);
+                let needed = lay.data_end + free_blocks;
+                if needed <= blocks {
+                    return Ok(lay);
+                }
+                // Growing only ever adds room, so this converges.
+                groups = groups.max(needed.div_ceil(BLOCKS_PER_GROUP)).max(groups + 1);
+            }
+        }
+        SizePolicy::Exact(bytes) => {
+            let requested = bytes / BLOCK_SIZE;
+            if requested > MAX_BLOCKS {
+                return Err(Ext4Error::ImageTooLarge { blocks: requested, max: MAX_BLOCKS });
+            }
+            let mut blocks = requested;
+            let (groups, ipg) = loop {
+                let groups = blocks.div_ceil(BLOCKS_PER_GROUP).max(1);
+                let ipg = ipg_for(groups);
+                if ipg > MAX_IPG {
+                    return Err(Ext4Error::TooManyInodes { needed: want_inodes, max: groups * MAX_IPG });
+                }
+                let trimmed = geometry::trim_tail_group(blocks, ipg);
+                if trimmed == blocks {
+                    break (groups, ipg);
+                }
+                blocks = trimmed;
+            };
+            check_inodes(groups, ipg)?;
+            let j = journal::default_journal_blocks(blocks);
+            // The smallest sensible filesystem: the fixed metadata must fit in what is left.
+            if blocks < 1 + geometry::gdt_blocks(groups) + j + 64 {
+                return Err(Ext4Error::SizeTooSmall { requested: bytes, needed: (2048 + j) * BLOCK_SIZE });
+            }
+            let lay = layout(objs, nxblocks, files, groups, ipg, blocks, j);
+            if lay.data_end > blocks {
+                return Err(Ext4Error::SizeTooSmall { requested: bytes, needed: lay.data_end * BLOCK_SIZE });
+            }
+            Ok(lay)
+        }
+    }
+}
+
+/// Turn allocated pieces into extents, numbering logical blocks from `lblk`.
+fn pieces_to_extents(pieces: &[(u64, u64)], mut lblk: u64, out: &mut Vec<Extent>) -> u64 {
+    for &(p, len) in pieces {
+        extent::split_extents(lblk, p, len, out);
+        lblk += len;
+    }
+    lblk
+}
+
+/// Run the sequential allocator over everything for one candidate geometry.
+fn layout(
+    objs: &[Obj],
+    nxblocks: usize,
+    files: &[usize],
+    groups: u64,
+    ipg: u64,
+    blocks: u64,
+    jblocks: u64,
+) -> Layout {
+    let gdt = geometry::gdt_blocks(groups);
+    let backups = geometry::backup_ranges(groups, blocks);
+    let mut used: Vec<(u64, u64)> = vec![(0, 1 + gdt)];
+    used.extend(backups.iter().map(|&(s, e)| (s, e - s)));
+    let mut a = Allocator::new(1 + gdt, backups);
+    let take_one = |a: &mut Allocator, used: &mut Vec<(u64, u64)>| {
+        let b = a.alloc_one();
+        used.push((b, 1));
+        b
+    };
+    let block_bitmap: Vec<u64> = (0..groups).map(|_| take_one(&mut a, &mut used)).collect();
+    let inode_bitmap: Vec<u64> = (0..groups).map(|_| take_one(&mut a, &mut used)).collect();
+    let itb = geometry::itable_blocks(ipg);
+    let inode_table: Vec<u64> = (0..groups)
+        .map(|_| {
+            let s = a.alloc_contiguous(itb);
+            used.push((s, itb));
+            s
+        })
+        .collect();
+    let journal_start = a.alloc_contiguous(jblocks);
+    used.push((journal_start, jblocks));
+
+    let mut objl: Vec<ObjLayout> = vec![ObjLayout::default(); objs.len()];
+    let mut xblock_nr = vec![0u64; nxblocks];
+    for (i, o) in objs.iter().enumerate() {
+        if let ObjKind::Dir { blocks: dblocks, .. } = &o.kind {
+            let pieces = a.alloc_run(dblocks.len() as u64);
+            used.extend_from_slice(&pieces);
+            pieces_to_extents(&pieces, 0, &mut objl[i].extents);
+            let tb = extent::tree_blocks(objl[i].extents.len());
+            objl[i].tree_blocks = (0..tb).map(|_| take_one(&mut a, &mut used)).collect();
+        }
+        if o.is_slow_symlink() {
+            objl[i].symlink_block = take_one(&mut a, &mut used);
+        }
+        if let Some(x) = o.xattr_block {
+            if xblock_nr[x] == 0 {
+                xblock_nr[x] = take_one(&mut a, &mut used);
+            }
+        }
+    }
+
+    // File extent-tree blocks live before the data, but their number depends on how the data is split
+    // by backup ranges. Reserve an estimate, place the data, and retry with more if it was short; any
+    // unneeded reserved blocks simply stay free.
+    let mut estimate: usize = files
+        .iter()
+        .map(|&i| match &objs[i].kind {
+            ObjKind::File { ranges, .. } => extent::tree_blocks(
+                ranges.iter().map(|r| r.1.div_ceil(extent::MAX_EXTENT_LEN) as usize).sum(),
+            ),
+            _ => 0,
+        })
+        .sum();
+    loop {
+        let mut b = a.clone();
+        let reserve: Vec<u64> = (0..estimate).map(|_| b.alloc_one()).collect();
+        let data_start = b.cursor();
+        let mut data_used = Vec::new();
+        let mut file_extents: Vec<Vec<Extent>> = Vec::with_capacity(files.len());
+        let mut needed = 0;
+        for &i in files {
+            let mut ext = Vec::new();
+            if let ObjKind::File { ranges, .. } = &objs[i].kind {
+                for &(start, len) in ranges {
+                    let pieces = b.alloc_run(len);
+                    data_used.extend_from_slice(&pieces);
+                    pieces_to_extents(&pieces, start, &mut ext);
+                }
+            }
+            needed += extent::tree_blocks(ext.len());
+            file_extents.push(ext);
+        }
+        if needed > estimate {
+            estimate = needed;
+            continue;
+        }
+        let mut next = 0;
+        for (&i, ext) in files.iter().zip(file_extents) {
+            let tb = extent::tree_blocks(ext.len());
+            objl[i].tree_blocks = reserve[next..next + tb].to_vec();
+            used.extend(objl[i].tree_blocks.iter().map(|&b| (b, 1)));
+            next += tb;
+            objl[i].extents = ext;
+        }
+        used.extend(data_used);
+        return Layout {
+            groups,
+            ipg,
+            blocks_count: blocks,
+            journal_blocks: jblocks,
+            block_bitmap,
+            inode_bitmap,
+            inode_table,
+            journal_start,
+            objs: objl,
+            xblock_nr,
+            used,
+            data_start,
+            data_end: b.cursor(),
+        };
+    }
+}
+
+/// Collects rendered blocks and turns them into sorted, coalesced runs of non-zero blocks.
+#[derive(Debug, Default)]
+struct MetaSink {
+    regions: Vec<(u64, Vec<u8>)>,
+}
+
+impl MetaSink {
+    fn put(&mut self, block: u64, data: Vec<u8>) {
+        debug_assert_eq!(data.len() % BLOCK_SIZE as usize, 0);
+        if !data.is_empty() {
+            self.regions.push((block, data));
+        }
+    }
+
+    fn finish(mut self) -> Vec<MetadataRun> {
+        self.regions.sort_by_key(|r| r.0);
+        let mut runs: Vec<MetadataRun> = Vec::new();
+        let bs = BLOCK_SIZE as usize;
+        for (start, data) in self.regions {
+            for (k, blk) in data.chunks(bs).enumerate() {
+                if blk.iter().all(|&b| b == 0) {
+                    continue;
+                }
+                let nr = start + k as u64;
+                match runs.last_mut() {
+                    Some(r) if r.start_block + (r.data.len() / bs) as u64 == nr => {
+                        r.data.extend_from_slice(blk)
+                    }
+                    _ => runs.push(MetadataRun { start_block: nr, data: blk.to_vec() }),
+                }
+            }
+        }
+        runs
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn render(
+    tree: &Tree,
+    objs: &[Obj],
+    xblocks: &[XBlock],
+    lay: &Layout,
+    ns: &Namespace,
+    opts: &Options,
+    uuid: [u8; 16],
+    hash_seed: [u32; 4],
+    fs_seed: u32,
+) -> Ext4Image {
+    let mut sink = MetaSink::default();
+    let t = Timestamp { sec: opts.fs_time, nsec: 0 };
+    let mut placements: Vec<Vec<PlacedExtent>> = vec![Vec::new(); tree.nodes.len()];
+
+    // 1. Per-object blocks (directory, extent tree, symlink) and inode records.
+    let mut inodes: Vec<(u32, [u8; inode::INODE_SIZE])> = Vec::with_capacity(objs.len() + 1);
+    for (o, l) in objs.iter().zip(&lay.objs) {
+        let mut d = InodeData {
+            uid: o.meta.uid,
+            gid: o.meta.gid,
+            atime: o.meta.atime,
+            ctime: o.meta.ctime,
+            mtime: o.meta.mtime,
+            crtime: o.meta.mtime,
+            links: o.links,
+            xattr_area: o.xattr_area,
+            ..Default::default()
+        };
+        let perm = o.meta.mode & 0o7777;
+        let mut owned_blocks: u64 = l.tree_blocks.len() as u64;
+        if let Some(x) = o.xattr_block {
+            d.file_acl = lay.xblock_nr[x];
+            owned_blocks += 1;
+        }
+        let with_tree = |d: &mut InodeData, sink: &mut MetaSink| {
+            let t = extent::build_tree(&l.extents, &l.tree_blocks, o.ino, fs_seed);
+            d.i_block = t.i_block;
+            d.flags |= inode::EXT4_EXTENTS_FL;
+            for (nr, b) in t.blocks {
+                sink.put(nr, b);
+            }
+        };
+        match &o.kind {
+            ObjKind::Dir { blocks, htree } => {
+                d.mode = inode::S_IFDIR | perm;
+                d.size = blocks.len() as u64 * BLOCK_SIZE;
+                owned_blocks += blocks.len() as u64;
+                if *htree {
+                    d.flags |= inode::EXT4_INDEX_FL;
+                }
+                let mut lblk = 0;
+                for e in &l.extents {
+                    let mut run = Vec::with_capacity(e.len as usize * BLOCK_SIZE as usize);
+                    for b in &blocks[lblk..lblk + e.len as usize] {
+                        run.extend_from_slice(b);
+                    }
+                    sink.put(e.pblk, run);
+                    lblk += e.len as usize;
+                }
+                with_tree(&mut d, &mut sink);
+            }
+            ObjKind::File { size, .. } => {
+                d.mode = inode::S_IFREG | perm;
+                d.size = *size;
+                owned_blocks += l.extents.iter().map(|e| e.len as u64).sum::<u64>();
+                with_tree(&mut d, &mut sink);
+                if let Some(n) = o.node {
+                    placements[n] = placed(&l.extents);
+                }
+            }
+            ObjKind::Symlink { target } => {
+                d.mode = inode::S_IFLNK | perm;
+                d.size = target.len() as u64;
+                if target.len() <= FAST_SYMLINK_MAX {
+                    d.i_block[..target.len()].copy_from_slice(target);
+                } else {
+                    let mut b = vec![0u8; BLOCK_SIZE as usize];
+                    b[..target.len()].copy_from_slice(target);
+                    sink.put(l.symlink_block, b);
+                    owned_blocks += 1;
+                    let ext = [Extent { lblk: 0, len: 1, pblk: l.symlink_block }];
+                    d.i_block = extent::build_tree(&ext, &[], o.ino, fs_seed).i_block;
+                    d.flags |= inode::EXT4_EXTENTS_FL;
+                }
+            }
+            ObjKind::Chr { major, minor } => {
+                d.mode = inode::S_IFCHR | perm;
+                d.i_block = inode::device_i_block(*major, *minor);
+            }
+            ObjKind::Blk { major, minor } => {
+                d.mode = inode::S_IFBLK | perm;
+                d.i_block = inode::device_i_block(*major, *minor);
+            }
+            ObjKind::Fifo => d.mode = inode::S_IFIFO | perm,
+            ObjKind::Sock => d.mode = inode::S_IFSOCK | perm,
+        }
+        d.blocks_512 = owned_blocks * (BLOCK_SIZE / 512);
+        inodes.push((o.ino, d.render(o.ino, fs_seed)));
+    }
+
+    // 2. Journal inode and block 0 of the journal.
+    let mut jext = Vec::new();
+    extent::split_extents(0, lay.journal_start, lay.journal_blocks, &mut jext);
+    let jtree = extent::build_tree(&jext, &[], namespace::JOURNAL_INO, fs_seed);
+    let jsize = lay.journal_blocks * BLOCK_SIZE;
+    let jd = InodeData {
+        mode: inode::S_IFREG | 0o600,
+        size: jsize,
+        atime: t,
+        ctime: t,
+        mtime: t,
+        crtime: t,
+        links: 1,
+        blocks_512: lay.journal_blocks * 8,
+        flags: inode::EXT4_EXTENTS_FL,
+        i_block: jtree.i_block,
+        ..Default::default()
+    };
+    inodes.push((namespace::JOURNAL_INO, jd.render(namespace::JOURNAL_INO, fs_seed)));
+    sink.put(lay.journal_start, journal::render_superblock(lay.journal_blocks, &uuid));
+    let mut jnl_blocks = [0u32; 17];
+    for (i, w) in jnl_blocks.iter_mut().take(15).enumerate() {
+        *w = crate::bytes::get_u32(&jtree.i_block, 4 * i);
+    }
+    jnl_blocks[15] = (jsize >> 32) as u32;
+    jnl_blocks[16] = jsize as u32;
+
+    // 3. Xattr blocks.
+    for (x, nr) in xblocks.iter().zip(&lay.xblock_nr) {
+        sink.put(*nr, xattr::seal_block(&x.body, x.refcount, *nr, fs_seed));
+    }
+
+    // 4. Inode tables: only the used prefix of each group's table (the rest reads as zeros).
+    let ipg = lay.ipg;
+    let last_ino = ns.last_ino() as u64;
+    inodes.sort_by_key(|i| i.0);
+    let mut tables: Vec<Vec<u8>> = (0..lay.groups)
+        .map(|g| {
+            let used = last_ino.saturating_sub(g * ipg).min(ipg);
+            vec![0u8; (used * 256).next_multiple_of(BLOCK_SIZE) as usize]
+        })
+        .collect();
+    for (ino, raw) in &inodes {
+        let idx = (*ino - 1) as u64;
+        let (g, i) = ((idx / ipg) as usize, (idx % ipg) as usize * 256);
+        tables[g][i..i + 256].copy_from_slice(raw);
+    }
+
+    // 5. Bitmaps, then descriptors with their checksums.
+    let mut used_dirs = vec![0u32; lay.groups as usize];
+    for o in objs {
+        if matches!(o.kind, ObjKind::Dir { .. }) {
+            used_dirs[((o.ino - 1) as u64 / ipg) as usize] += 1;
+        }
+    }
+    let mut bbitmaps: Vec<_> = (0..lay.groups)
+        .map(|g| block_bitmap((lay.blocks_count - g * BLOCKS_PER_GROUP).min(BLOCKS_PER_GROUP) as usize))
+        .collect();
+    for &(start, len) in &lay.used {
+        let mut s = start;
+        let end = start + len;
+        while s < end {
+            let g = s / BLOCKS_PER_GROUP;
+            let group_end = ((g + 1) * BLOCKS_PER_GROUP).min(end);
+            bbitmaps[g as usize].set_range((s % BLOCKS_PER_GROUP) as usize, (group_end - s) as usize);
+            s = group_end;
+        }
+    }
+    let mut descs = Vec::with_capacity(lay.groups as usize);
+    let (mut free_blocks, mut free_inodes) = (0u64, 0u64);
+    for g in 0..lay.groups {
+        let gi = g as usize;
+        let real = (lay.blocks_count - g * BLOCKS_PER_GROUP).min(BLOCKS_PER_GROUP) as usize;
+        let fb = bbitmaps[gi].count_zeros(real) as u64;
+        let used_inodes = last_ino.saturating_sub(g * ipg).min(ipg);
+        let mut ib = inode_bitmap(ipg as usize);
+        ib.set_range(0, used_inodes as usize);
+        let fi = ipg - used_inodes;
+        free_blocks += fb;
+        free_inodes += fi;
+        let gd = GroupDesc {
+            block_bitmap: lay.block_bitmap[gi],
+            inode_bitmap: lay.inode_bitmap[gi],
+            inode_table: lay.inode_table[gi],
+            free_blocks: fb as u32,
+            free_inodes: fi as u32,
+            used_dirs: used_dirs[gi],
+            itable_unused: fi as u32,
+            block_bitmap_csum: bbitmaps[gi].checksum(4096, fs_seed),
+            inode_bitmap_csum: ib.checksum(ipg as usize / 8, fs_seed),
+        };
+        descs.extend_from_slice(&gd.render(g as u32, fs_seed));
+        sink.put(lay.inode_bitmap[gi], ib.as_bytes().to_vec());
+    }
+    for (g, bm) in bbitmaps.into_iter().enumerate() {
+        sink.put(lay.block_bitmap[g], bm.as_bytes().to_vec());
+    }
+    for (g, table) in tables.into_iter().enumerate() {
+        sink.put(lay.inode_table[g], table);
+    }
+    descs.resize((geometry::gdt_blocks(lay.groups) * BLOCK_SIZE) as usize, 0);
+
+    // 6. Superblock copies (primary at byte 1024 of block 0, backups at the start of their group).
+    let mut label = [0u8; 16];
+    label[..opts.label.len()].copy_from_slice(&opts.label);
+    let sbp = SuperblockParams {
+        inodes_count: (lay.groups * ipg) as u32,
+        blocks_count: lay.blocks_count,
+        free_blocks,
+        free_inodes: free_inodes as u32,
+        inodes_per_group: ipg as u32,
+        blocks_per_group: BLOCKS_PER_GROUP as u32,
+        fs_time: opts.fs_time,
+        uuid,
+        label,
+        hash_seed,
+        jnl_blocks,
+    };
+    for g in 0..lay.groups {
+        if !geometry::group_has_super(g) {
+            continue;
+        }
+        let sb = sbp.render(g as u32);
+        let mut head = vec![0u8; BLOCK_SIZE as usize];
+        if g == 0 {
+            head[1024..2048].copy_from_slice(&sb);
+        } else {
+            head[..1024].copy_from_slice(&sb);
+        }
+        head.extend_from_slice(&descs);
+        sink.put(g * BLOCKS_PER_GROUP, head);
+    }
+
+    Ext4Image {
+        geometry: Geometry {
+            blocks_count: lay.blocks_count,
+            inodes_count: lay.groups * ipg,
+            inodes_per_group: ipg as u32,
+            groups: lay.groups as u32,
+            journal_blocks: lay.journal_blocks,
+            free_blocks,
+            free_inodes,
+            data_start_block: lay.data_start,
+            data_end_block: lay.data_end,
+            uuid,
+        },
+        metadata: sink.finish(),
+        placements,
+    }
+}
+
+/// Device placement of a file: its extents with physically contiguous neighbours merged.
+fn placed(extents: &[Extent]) -> Vec<PlacedExtent> {
+    let mut out: Vec<PlacedExtent> = Vec::new();
+    for e in extents {
+        let (fb, db, n) = (e.lblk as u64, e.pblk, e.len as u64);
+        match out.last_mut() {
+            Some(p) if p.file_block + p.blocks == fb && p.device_block + p.blocks == db => p.blocks += n,
+            _ => out.push(PlacedExtent { file_block: fb, device_block: db, blocks: n }),
+        }
+    }
+    out
+}
