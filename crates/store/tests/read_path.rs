@@ -1,0 +1,205 @@
+//! End-to-end read path: a hand-built image read back through OpenImage / ImageReader / export_raw.
+
+mod common;
+
+use std::fs::OpenOptions;
+use std::os::unix::fs::{FileExt, MetadataExt};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use common::{build_image, Rng, BS};
+use tessera_image::{ImageEntry, PackIndex, Sha256Digest};
+use tessera_store::{export_raw, ChunkSource, ImageReader, LocalStore, OpenImage, StoreError};
+
+/// Counts fetches, to prove the chunk cache works.
+struct Counting<S> {
+    inner: S,
+    fetches: AtomicUsize,
+}
+
+impl<S: ChunkSource> ChunkSource for Counting<S> {
+    fn read_stored(&self, pack: &Sha256Digest, offset: u64, len: u32) -> Result<Vec<u8>, StoreError> {
+        self.fetches.fetch_add(1, Ordering::Relaxed);
+        self.inner.read_stored(pack, offset, len)
+    }
+}
+
+#[test]
+fn random_reads_match_the_reference_device() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = LocalStore::create_or_open(dir.path()).unwrap();
+    let img = build_image(&store, 64);
+    let image = std::sync::Arc::new(OpenImage::load(&store, &img.id).unwrap());
+    assert_eq!(image.device_bytes(), img.device.len() as u64);
+    assert_eq!(image.record(), &img.record);
+
+    for cache in [tessera_store::DEFAULT_CHUNK_CACHE, 1, 0] {
+        let reader = ImageReader::new(image.clone(), &store).with_cache_capacity(cache);
+        let mut rng = Rng::new(42 + cache as u64);
+        let dev = img.device.len() as u64;
+        for i in 0..2000 {
+            let offset = rng.below(dev);
+            let max = (dev - offset).min(if i % 4 == 0 { 40 * BS as u64 } else { 3 * BS as u64 });
+            let len = rng.below(max + 1) as usize;
+            let mut buf = vec![0xa5u8; len];
+            reader.read_at(offset, &mut buf).unwrap();
+            let want = &img.device[offset as usize..offset as usize + len];
+            assert!(buf == want, "cache {cache}: read {len} at {offset} differs");
+        }
+        // Whole device in one read, and the very last byte.
+        let mut all = vec![0u8; img.device.len()];
+        reader.read_at(0, &mut all).unwrap();
+        assert!(all == img.device);
+        let mut last = [0xffu8; 1];
+        reader.read_at(dev - 1, &mut last).unwrap();
+        assert_eq!(last[0], img.device[img.device.len() - 1]);
+        // Outside the device.
+        assert!(matches!(reader.read_at(dev - 1, &mut [0u8; 2]), Err(StoreError::OutOfRange(_))));
+        assert!(matches!(reader.read_at(u64::MAX, &mut [0u8; 1]), Err(StoreError::OutOfRange(_))));
+        reader.read_at(dev, &mut []).unwrap();
+    }
+}
+
+#[test]
+fn whole_chunk_by_index_and_the_cache_avoids_refetching() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = LocalStore::create_or_open(dir.path()).unwrap();
+    let img = build_image(&store, 64);
+    let source = Counting { inner: store.clone(), fetches: AtomicUsize::new(0) };
+    let reader = ImageReader::new(OpenImage::load(&store, &img.id).unwrap(), source);
+    // Sequential 512-byte reads over the whole device: each chunk is fetched once.
+    let mut buf = [0u8; 512];
+    for off in (0..img.device.len()).step_by(512) {
+        reader.read_at(off as u64, &mut buf).unwrap();
+        assert_eq!(&buf[..], &img.device[off..off + 512]);
+    }
+    assert_eq!(reader.source().fetches.load(Ordering::Relaxed), img.chunks.len());
+    for (i, c) in img.record.block_map.chunks().iter().enumerate() {
+        let data = reader.chunk(i as u32).unwrap();
+        let want = &img.chunks.iter().find(|t| t.id == c.id).unwrap().data;
+        assert_eq!(&data[..], &want[..]);
+    }
+    assert!(reader.chunk(99).is_err());
+}
+
+#[test]
+fn corrupt_chunk_bytes_are_an_error_never_data() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = LocalStore::create_or_open(dir.path()).unwrap();
+    let img = build_image(&store, 64);
+    // Flip a byte of chunk a (zstd) and of chunk b (raw) inside their packs.
+    for (n, victim) in [&img.chunks[0], &img.chunks[1]].into_iter().enumerate() {
+        let path = store.blob_path(&victim.pack);
+        let f = OpenOptions::new().read(true).write(true).open(&path).unwrap();
+        let at = victim.loc.offset + u64::from(victim.loc.stored_len) / 2;
+        let mut byte = [0u8; 1];
+        f.read_exact_at(&mut byte, at).unwrap();
+        f.write_all_at(&[byte[0] ^ 0x40], at).unwrap();
+
+        let reader = ImageReader::new(OpenImage::load(&store, &img.id).unwrap(), store.clone());
+        let start = [10 * BS, 14 * BS][n];
+        let mut buf = vec![0u8; BS];
+        match reader.read_at(start as u64, &mut buf) {
+            Err(StoreError::CorruptChunk { chunk, pack, .. }) => {
+                assert_eq!(chunk, victim.id);
+                assert_eq!(pack, victim.pack);
+            }
+            other => panic!("expected CorruptChunk, got {other:?}"),
+        }
+        // The rest of the device still reads: prefix, and chunk c in the other pack.
+        reader.read_at(0, &mut buf).unwrap();
+        assert_eq!(&buf[..], &img.device[..BS]);
+        reader.read_at(50 * BS as u64, &mut buf).unwrap();
+        assert_eq!(&buf[..], &img.device[50 * BS..51 * BS]);
+        // Export fails and leaves no output behind.
+        let out = dir.path().join("out.raw");
+        assert!(matches!(export_raw(&reader, &out, |_| {}), Err(StoreError::CorruptChunk { .. })));
+        assert!(!out.exists());
+    }
+}
+
+#[test]
+fn export_is_exact_and_sparse() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = LocalStore::create_or_open(dir.path().join("store")).unwrap();
+    let blocks = 64 * 256; // 64 MiB device, ~100 KiB of data
+    let img = build_image(&store, blocks);
+    let reader = ImageReader::new(OpenImage::load(&store, &img.id).unwrap(), store.clone());
+    let out = dir.path().join("disk.raw");
+    std::fs::write(&out, vec![0xffu8; 3 * BS]).unwrap(); // old content must not survive
+    let mut last = None;
+    let stats = export_raw(&reader, &out, |p| {
+        assert!(p.done_bytes <= p.total_bytes);
+        last = Some(p);
+    })
+    .unwrap();
+    let last = last.unwrap();
+    assert_eq!(last.done_bytes, last.total_bytes);
+    assert_eq!(stats.device_bytes, blocks * BS as u64);
+    assert_eq!(stats.mapped_bytes, (5 + 4 + 2 + 4 + 2 + 8 + 1) * BS as u64);
+    assert!(stats.written_bytes < stats.mapped_bytes, "the zero prefix block is skipped");
+    let meta = std::fs::metadata(&out).unwrap();
+    assert_eq!(meta.len(), blocks * BS as u64);
+    let allocated = meta.blocks() * 512;
+    assert!(allocated <= 256 * 1024, "export is not sparse: {allocated} bytes allocated");
+    let bytes = std::fs::read(&out).unwrap();
+    assert!(bytes == img.device, "exported bytes differ from the reference device");
+}
+
+#[test]
+fn open_checks_the_parts_agree() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = LocalStore::create_or_open(dir.path()).unwrap();
+    let img = build_image(&store, 64);
+
+    // from_parts with the right bytes works; a swapped blob is caught.
+    let rec = store.read_blob(&img.entry.record).unwrap();
+    let pre = store.read_blob(&img.entry.prefix).unwrap();
+    let pix = store.read_blob(&img.entry.pack_index).unwrap();
+    OpenImage::from_parts(img.id, img.entry.clone(), &rec, &pre, &pix).unwrap();
+    assert!(matches!(
+        OpenImage::from_parts(img.id, img.entry.clone(), &rec, &pix, &pix),
+        Err(StoreError::Corrupt { what: "metadata prefix", .. })
+    ));
+
+    // A pack index missing a chunk.
+    let index = PackIndex::decode(&pix).unwrap();
+    let fewer = PackIndex::new(index.packs().to_vec(), index.entries()[1..].to_vec());
+    let entry = ImageEntry { pack_index: store.put_blob(&fewer.encode()).unwrap(), ..img.entry.clone() };
+    store.put_entry(&img.id, &entry).unwrap();
+    assert!(matches!(OpenImage::load(&store, &img.id), Err(StoreError::Inconsistent { .. })));
+
+    // A prefix blob that decompresses to other bytes.
+    let other = zstd::bulk::compress(&vec![1u8; 5 * BS], 3).unwrap();
+    let entry = ImageEntry { prefix: store.put_blob(&other).unwrap(), ..img.entry.clone() };
+    store.put_entry(&img.id, &entry).unwrap();
+    assert!(matches!(
+        OpenImage::load(&store, &img.id),
+        Err(StoreError::Corrupt { what: "metadata prefix", .. })
+    ));
+
+    // A missing pack.
+    store.put_entry(&img.id, &img.entry).unwrap();
+    std::fs::remove_file(store.blob_path(&img.chunks[2].pack)).unwrap();
+    assert!(matches!(OpenImage::load(&store, &img.id), Err(StoreError::BlobNotFound { .. })));
+}
+
+#[test]
+fn known_chunks_cover_every_stored_chunk() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = LocalStore::create_or_open(dir.path()).unwrap();
+    assert!(store.known_chunks().unwrap().is_empty());
+    let img = build_image(&store, 64);
+    let known = store.known_chunks().unwrap();
+    assert_eq!(known.len(), img.chunks.len());
+    for c in &img.chunks {
+        let (pack, loc) = known[&c.id];
+        assert_eq!(pack, c.pack);
+        assert_eq!(loc.offset, c.loc.offset);
+        assert_eq!(loc.stored_len, c.loc.stored_len);
+    }
+    // A missing pack: its chunks are no longer offered.
+    std::fs::remove_file(store.blob_path(&img.chunks[0].pack)).unwrap();
+    let known = store.known_chunks().unwrap();
+    assert_eq!(known.len(), 2);
+    assert!(!known.contains_key(&img.chunks[0].id));
+}
