@@ -145,7 +145,7 @@ fn streaming_writer_commit_and_abort() {
     // Abort: dropped without commit.
     let mut w = store.blob_writer().unwrap();
     w.write_all(b"never committed").unwrap();
-    assert!(w.len() > 0);
+    assert!(!w.is_empty());
     drop(w);
     assert!(files_in(&dir.path().join("tmp")).is_empty(), "temp removed on drop");
     assert!(!store.has_blob(&Sha256Digest::of(b"never committed")).unwrap());

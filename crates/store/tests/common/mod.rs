@@ -124,17 +124,16 @@ pub fn build_image(store: &LocalStore, device_blocks: u64) -> TestImage {
     let ib = m.add_chunk(chunks[1].id, chunks[1].data.len() as u32);
     let ic = m.add_chunk(chunks[2].id, chunks[2].data.len() as u32);
     let id_ = m.add_chunk(chunks[3].id, chunks[3].data.len() as u32);
-    let runs: [(u64, u64, Option<(u32, u32)>); 7] = [
-        (0, 5, None),
-        (10, 4, Some((ia, 0))),
-        (14, 2, Some((ib, 0))), // adjacent to a's run
-        (30, 4, Some((ia, 0))), // a used twice
-        (40, 2, Some((ia, 2))), // starts inside a, ends on its partial block
-        (50, 8, Some((ic, 0))),
-        (device_blocks - 1, 1, Some((id_, 0))),
+    // (device block, blocks, chunk, chunk block); the prefix run is blocks 0..5.
+    let runs: [(u64, u64, u32, u32); 6] = [
+        (10, 4, ia, 0),
+        (14, 2, ib, 0), // adjacent to a's run
+        (30, 4, ia, 0), // a used twice
+        (40, 2, ia, 2), // starts inside a, ends on its partial block
+        (50, 8, ic, 0),
+        (device_blocks - 1, 1, id_, 0),
     ];
-    for &(start, blocks, src) in &runs[1..] {
-        let (chunk, block) = src.unwrap();
+    for &(start, blocks, chunk, block) in &runs {
         m.push_chunk(start, blocks, chunk, block).unwrap();
     }
     let block_map = m.finish().unwrap();
@@ -142,8 +141,7 @@ pub fn build_image(store: &LocalStore, device_blocks: u64) -> TestImage {
     let mut device = vec![0u8; device_blocks as usize * BS];
     device[..5 * BS].copy_from_slice(&prefix);
     let data_of = |i: u32| &chunks[[ia, ib, ic, id_].iter().position(|&x| x == i).unwrap()].data;
-    for &(start, blocks, src) in &runs[1..] {
-        let (chunk, block) = src.unwrap();
+    for &(start, blocks, chunk, block) in &runs {
         let data = data_of(chunk);
         let from = block as usize * BS;
         let to = (from + blocks as usize * BS).min(data.len());
