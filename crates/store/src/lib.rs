@@ -15,7 +15,7 @@
 //! # fn main() -> Result<(), tessera_store::StoreError> {
 //! let store = LocalStore::open("/var/lib/tessera")?;
 //! let id = store.resolve("latest")?;
-//! let reader = ImageReader::new(OpenImage::load(&store, &id)?, store.clone());
+//! let reader = ImageReader::new(OpenImage::open(&store, &id)?, store.clone());
 //! let mut first_block = vec![0u8; 4096];
 //! reader.read_at(0, &mut first_block)?;
 //! export_raw(&reader, "disk.raw".as_ref(), |p| eprintln!("{}/{}", p.done_bytes, p.total_bytes))?;

@@ -100,6 +100,16 @@ impl StoreLocation {
     }
 }
 
+impl std::fmt::Display for StoreLocation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StoreLocation::Local(p) => write!(f, "{}", p.display()),
+            StoreLocation::Http(url) => f.write_str(url),
+            StoreLocation::Registry(r) => write!(f, "docker://{r}"),
+        }
+    }
+}
+
 impl std::str::FromStr for StoreLocation {
     type Err = StoreError;
 
@@ -127,6 +137,8 @@ mod tests {
             StoreLocation::parse("docker://localhost:5000/tessera/img").unwrap(),
             StoreLocation::Registry("localhost:5000/tessera/img".into())
         );
+        assert_eq!(StoreLocation::parse("docker://h/r").unwrap().to_string(), "docker://h/r");
+        assert_eq!(StoreLocation::parse("file:///x").unwrap().to_string(), "/x");
         for bad in ["", "file://", "http://", "docker://host", "docker:///repo", "s3://bucket"] {
             let e = StoreLocation::parse(bad).unwrap_err();
             assert!(matches!(e, StoreError::InvalidLocation { .. }), "{bad}: {e}");

@@ -43,7 +43,7 @@ impl OpenImage {
     /// decompresses to `prefix.blocks × 4096` bytes with the recorded sha256, every chunk of the
     /// BlockMap is in the pack index with the same length, and every pack exists and is long
     /// enough for the chunks it holds.
-    pub fn load(store: &LocalStore, id: &ImageId) -> Result<Self, StoreError> {
+    pub fn open(store: &LocalStore, id: &ImageId) -> Result<Self, StoreError> {
         let entry = store.get_entry(id)?;
         if entry.record != id.digest() {
             return Err(inconsistent(id, format!("the entry names record {}", entry.record)));
@@ -69,7 +69,7 @@ impl OpenImage {
     }
 
     /// Check and assemble an image from the raw bytes of its blobs, however they were fetched:
-    /// each blob is verified against the digest the entry names, then as in [`Self::load`]
+    /// each blob is verified against the digest the entry names, then as in [`Self::open`]
     /// (except the pack existence check, which needs the store).
     pub fn from_parts(
         id: ImageId,

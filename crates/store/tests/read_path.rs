@@ -28,7 +28,7 @@ fn random_reads_match_the_reference_device() {
     let dir = tempfile::tempdir().unwrap();
     let store = LocalStore::create_or_open(dir.path()).unwrap();
     let img = build_image(&store, 64);
-    let image = std::sync::Arc::new(OpenImage::load(&store, &img.id).unwrap());
+    let image = std::sync::Arc::new(OpenImage::open(&store, &img.id).unwrap());
     assert_eq!(image.device_bytes(), img.device.len() as u64);
     assert_eq!(image.record(), &img.record);
 
@@ -65,7 +65,7 @@ fn whole_chunk_by_index_and_the_cache_avoids_refetching() {
     let store = LocalStore::create_or_open(dir.path()).unwrap();
     let img = build_image(&store, 64);
     let source = Counting { inner: store.clone(), fetches: AtomicUsize::new(0) };
-    let reader = ImageReader::new(OpenImage::load(&store, &img.id).unwrap(), source);
+    let reader = ImageReader::new(OpenImage::open(&store, &img.id).unwrap(), source);
     // Sequential 512-byte reads over the whole device: each chunk is fetched once.
     let mut buf = [0u8; 512];
     for off in (0..img.device.len()).step_by(512) {
@@ -95,7 +95,7 @@ fn corrupt_chunk_bytes_are_an_error_never_data() {
         f.read_exact_at(&mut byte, at).unwrap();
         f.write_all_at(&[byte[0] ^ 0x40], at).unwrap();
 
-        let reader = ImageReader::new(OpenImage::load(&store, &img.id).unwrap(), store.clone());
+        let reader = ImageReader::new(OpenImage::open(&store, &img.id).unwrap(), store.clone());
         let start = [10 * BS, 14 * BS][n];
         let mut buf = vec![0u8; BS];
         match reader.read_at(start as u64, &mut buf) {
@@ -123,7 +123,7 @@ fn export_is_exact_and_sparse() {
     let store = LocalStore::create_or_open(dir.path().join("store")).unwrap();
     let blocks = 64 * 256; // 64 MiB device, ~100 KiB of data
     let img = build_image(&store, blocks);
-    let reader = ImageReader::new(OpenImage::load(&store, &img.id).unwrap(), store.clone());
+    let reader = ImageReader::new(OpenImage::open(&store, &img.id).unwrap(), store.clone());
     let out = dir.path().join("disk.raw");
     std::fs::write(&out, vec![0xffu8; 3 * BS]).unwrap(); // old content must not survive
     let mut last = None;
@@ -166,21 +166,21 @@ fn open_checks_the_parts_agree() {
     let fewer = PackIndex::new(index.packs().to_vec(), index.entries()[1..].to_vec());
     let entry = ImageEntry { pack_index: store.put_blob(&fewer.encode()).unwrap(), ..img.entry.clone() };
     store.put_entry(&img.id, &entry).unwrap();
-    assert!(matches!(OpenImage::load(&store, &img.id), Err(StoreError::Inconsistent { .. })));
+    assert!(matches!(OpenImage::open(&store, &img.id), Err(StoreError::Inconsistent { .. })));
 
     // A prefix blob that decompresses to other bytes.
     let other = zstd::bulk::compress(&vec![1u8; 5 * BS], 3).unwrap();
     let entry = ImageEntry { prefix: store.put_blob(&other).unwrap(), ..img.entry.clone() };
     store.put_entry(&img.id, &entry).unwrap();
     assert!(matches!(
-        OpenImage::load(&store, &img.id),
+        OpenImage::open(&store, &img.id),
         Err(StoreError::Corrupt { what: "metadata prefix", .. })
     ));
 
     // A missing pack.
     store.put_entry(&img.id, &img.entry).unwrap();
     std::fs::remove_file(store.blob_path(&img.chunks[2].pack)).unwrap();
-    assert!(matches!(OpenImage::load(&store, &img.id), Err(StoreError::BlobNotFound { .. })));
+    assert!(matches!(OpenImage::open(&store, &img.id), Err(StoreError::BlobNotFound { .. })));
 }
 
 #[test]
