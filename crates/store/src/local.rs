@@ -96,10 +96,11 @@ impl LocalStore {
             }
             Err(e) => return Err(StoreError::read("stat store directory", &root, e)),
         }
+        let mut created = false;
         for dir in [BLOBS, BLOBS_SHA256, IMAGES, REFS, TMP] {
             let p = root.join(dir);
             match fs::create_dir(&p) {
-                Ok(()) => {}
+                Ok(()) => created = true,
                 Err(e) if e.kind() == ErrorKind::AlreadyExists => {
                     if !p.is_dir() {
                         return Err(StoreError::NotAStore {
@@ -109,6 +110,12 @@ impl LocalStore {
                     }
                 }
                 Err(e) => return Err(StoreError::write("create store directory", &p, e)),
+            }
+        }
+        if created {
+            // Make the new directories durable before anything is written into them.
+            for dir in [BLOBS_SHA256, IMAGES, REFS, TMP] {
+                sync_parent(&root.join(dir), "create store directory")?;
             }
         }
         let store = Self::at(root);
