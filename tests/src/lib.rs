@@ -27,3 +27,4 @@ pub mod pipeline;
 pub mod prng;
 pub mod reference;
 pub mod tessera;
+pub mod testutil;

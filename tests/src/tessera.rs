@@ -150,6 +150,15 @@ pub fn inspect_json(image: &str, store: &Path) -> Result<serde_json::Value> {
         .with_context(|| format!("inspect --json output is not JSON: {}", describe(&o)))
 }
 
+/// `BIN inspect IMAGE --store STORE --json` with an explicit binary (benchmarks use release).
+pub fn inspect_json_with(bin: &Path, image: &str, store: &Path) -> Result<serde_json::Value> {
+    let o = Command::new(bin).args(["inspect", image, "--store"]).arg(store).arg("--json").output()?;
+    if !o.status.success() {
+        bail!("tessera inspect {image} failed: {}", describe(&o));
+    }
+    Ok(serde_json::from_slice(&o.stdout)?)
+}
+
 /// The keys `inspect --json` must have (the contract), with nested geometry keys.
 pub const INSPECT_KEYS: &[&str] = &[
     "id",

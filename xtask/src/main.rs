@@ -1,1 +1,400 @@
-fn main() {}
+//! `cargo xtask`: fixtures, the CI gate, the demo and benchmarks.
+//!
+//! - `cargo xtask fixtures [--out DIR]` — generate every fixture (default `target/fixtures`).
+//! - `cargo xtask test` — the one gate CI runs (`.ci/run`): Debian packages (as root, only the
+//!   missing ones), fmt, clippy, build the CLI, unit tests, end-to-end tests.
+//! - `cargo xtask demo` — build a fixture image into `target/demo-store`, export, judge, mount.
+//! - `cargo xtask bench build` — `tessera build` vs `mkfs.ext4 -d` on a 20 000-file tree.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+use tessera_e2e::{compare, fixtures, judge};
+
+#[derive(Debug, Parser)]
+#[command(name = "cargo xtask", about = "Tessera developer tasks")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Generate every fixture tree (deterministic; needs root).
+    Fixtures {
+        /// Output directory (default: <target>/fixtures).
+        #[arg(long)]
+        out: Option<PathBuf>,
+        /// Only these fixtures (default: all).
+        #[arg(long = "only")]
+        only: Vec<String>,
+    },
+    /// Everything CI runs: packages, fmt, clippy, build, unit tests, e2e tests.
+    Test {
+        /// Do not install missing Debian packages even when root.
+        #[arg(long)]
+        no_install: bool,
+        /// Extra arguments for the e2e test binary (e.g. a test name filter).
+        #[arg(last = true)]
+        e2e_args: Vec<String>,
+    },
+    /// Build a fixture image into target/demo-store, export it, check and mount it, inspect it.
+    Demo {
+        /// Which fixture.
+        #[arg(long, default_value = "kinds")]
+        fixture: String,
+    },
+    /// Benchmarks (never in CI).
+    Bench {
+        #[command(subcommand)]
+        what: Bench,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum Bench {
+    /// `tessera build` (release) vs `mkfs.ext4 -d` on the same generated tree.
+    Build {
+        /// Files in the generated tree.
+        #[arg(long, default_value_t = 22_000)]
+        files: u64,
+        /// Timed runs of each.
+        #[arg(long, default_value_t = 3)]
+        runs: usize,
+        /// Drop the page cache before every timed run (default: both warm).
+        #[arg(long)]
+        cold: bool,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let r = match cli.cmd {
+        Cmd::Fixtures { out, only } => cmd_fixtures(out, &only),
+        Cmd::Test { no_install, e2e_args } => cmd_test(no_install, &e2e_args),
+        Cmd::Demo { fixture } => cmd_demo(&fixture),
+        Cmd::Bench { what: Bench::Build { files, runs, cold } } => bench_build(files, runs, cold),
+    };
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xtask: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn workspace_root() -> PathBuf {
+    let here = Path::new(env!("CARGO_MANIFEST_DIR"));
+    here.parent().unwrap_or(here).to_path_buf()
+}
+
+fn cargo() -> Command {
+    let mut c = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    c.current_dir(workspace_root());
+    c
+}
+
+/// The workspace's target directory as cargo sees it (honours CARGO_TARGET_DIR and config).
+fn target_dir() -> Result<PathBuf> {
+    let out = cargo()
+        .args(["metadata", "--no-deps", "--format-version", "1"])
+        .output()
+        .context("cargo metadata")?;
+    if !out.status.success() {
+        bail!("cargo metadata failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    v["target_directory"].as_str().map(PathBuf::from).context("cargo metadata: no target_directory")
+}
+
+fn status(cmd: &mut Command) -> Result<()> {
+    eprintln!("+ {cmd:?}");
+    let s = cmd.status().with_context(|| format!("spawn {cmd:?}"))?;
+    if !s.success() {
+        bail!("{cmd:?} failed: {s}");
+    }
+    Ok(())
+}
+
+fn cmd_fixtures(out: Option<PathBuf>, only: &[String]) -> Result<()> {
+    fixtures::require_root()?;
+    let out = match out {
+        Some(o) => o,
+        None => target_dir()?.join("fixtures"),
+    };
+    std::fs::create_dir_all(&out)?;
+    for f in fixtures::FIXTURES {
+        if !only.is_empty() && !only.iter().any(|o| o == f.name) {
+            continue;
+        }
+        let t = Instant::now();
+        let dest = out.join(f.name);
+        f.generate(&dest)?;
+        let (entries, bytes) = tessera_e2e::reference::tree_usage(&dest)?;
+        println!(
+            "{:8} {:>6} inodes {:>9} KiB allocated  {:>6.2}s  {}",
+            f.name,
+            entries,
+            bytes / 1024,
+            t.elapsed().as_secs_f64(),
+            dest.display()
+        );
+    }
+    Ok(())
+}
+
+/// Debian packages the harness needs: e2fsck/mkfs/debugfs, mount/umount/losetup, ACL and xattr
+/// tools for debugging fixtures.
+const PACKAGES: &[&str] = &["e2fsprogs", "util-linux", "mount", "acl", "attr", "coreutils"];
+
+fn installed(pkg: &str) -> bool {
+    Command::new("dpkg-query")
+        .args(["-W", "-f=${Status}", pkg])
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("install ok installed"))
+}
+
+fn install_packages() -> Result<()> {
+    let missing: Vec<&str> = PACKAGES.iter().copied().filter(|p| !installed(p)).collect();
+    if missing.is_empty() {
+        eprintln!("packages: all present ({})", PACKAGES.join(", "));
+        return Ok(());
+    }
+    if !fixtures::is_root() {
+        bail!(
+            "missing Debian packages {missing:?} and not root: install them (apt-get install {})",
+            missing.join(" ")
+        );
+    }
+    status(Command::new("apt-get").args(["-q", "update"]).env("DEBIAN_FRONTEND", "noninteractive"))?;
+    status(
+        Command::new("apt-get")
+            .args(["-q", "-y", "install", "--no-install-recommends"])
+            .args(&missing)
+            .env("DEBIAN_FRONTEND", "noninteractive"),
+    )
+}
+
+struct Steps {
+    results: Vec<(String, Duration, Result<()>)>,
+}
+
+impl Steps {
+    fn run(&mut self, name: &str, f: impl FnOnce() -> Result<()>) -> bool {
+        eprintln!("\n==> xtask test: {name}");
+        let t = Instant::now();
+        let r = f();
+        let ok = r.is_ok();
+        if let Err(e) = &r {
+            eprintln!("==> FAILED: {name}: {e:#}");
+        }
+        self.results.push((name.to_string(), t.elapsed(), r));
+        ok
+    }
+}
+
+fn cmd_test(no_install: bool, e2e_args: &[String]) -> Result<()> {
+    let start = Instant::now();
+    let mut s = Steps { results: Vec::new() };
+    if !no_install {
+        s.run("debian packages", install_packages);
+    }
+    s.run("cargo fmt --all --check", || status(cargo().args(["fmt", "--all", "--check"])));
+    s.run("cargo clippy --workspace --all-targets -- -D warnings", || {
+        status(cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))
+    });
+    let built = s.run("cargo build -p tessera-cli", || status(cargo().args(["build", "-p", "tessera-cli"])));
+    s.run("unit tests: cargo test --workspace --exclude tessera-e2e", || {
+        status(cargo().args(["test", "--workspace", "--exclude", "tessera-e2e"]))
+    });
+    if built {
+        s.run("end-to-end tests: cargo test -p tessera-e2e (one at a time)", || {
+            let bin = target_dir()?.join("debug").join("tessera");
+            status(
+                cargo()
+                    .args(["test", "-p", "tessera-e2e", "--"])
+                    .args(e2e_args)
+                    .arg("--test-threads=1")
+                    .env("TESSERA_BIN", &bin),
+            )
+        });
+    } else {
+        eprintln!("==> skipping end-to-end tests: the CLI did not build");
+        s.results.push((
+            "end-to-end tests".into(),
+            Duration::ZERO,
+            Err(anyhow::anyhow!("skipped: the CLI did not build")),
+        ));
+    }
+    eprintln!("\n==> xtask test summary ({:.0}s):", start.elapsed().as_secs_f64());
+    let mut failed = Vec::new();
+    for (name, d, r) in &s.results {
+        let verdict = if r.is_ok() { "ok    " } else { "FAILED" };
+        eprintln!("  {verdict} {:>6.0}s  {name}", d.as_secs_f64());
+        if r.is_err() {
+            failed.push(name.clone());
+        }
+    }
+    if failed.is_empty() {
+        Ok(())
+    } else {
+        bail!("{} step(s) failed: {}", failed.len(), failed.join("; "))
+    }
+}
+
+fn cmd_demo(fixture: &str) -> Result<()> {
+    fixtures::require_root()?;
+    let target = target_dir()?;
+    status(cargo().args(["build", "-p", "tessera-cli"]))?;
+    let bin = target.join("debug").join("tessera");
+    let work = target.join("demo");
+    let store = target.join("demo-store");
+    std::fs::create_dir_all(&work)?;
+    let src = work.join(fixture);
+    println!("==> generating fixture {fixture:?} at {}", src.display());
+    fixtures::by_name(fixture)?.generate(&src)?;
+    println!("==> tessera build");
+    let out = Command::new(&bin)
+        .arg("build")
+        .arg(&src)
+        .arg("--store")
+        .arg(&store)
+        .args(["--tag", "demo"])
+        .output()
+        .context("run tessera build")?;
+    eprint!("{}", String::from_utf8_lossy(&out.stderr));
+    if !out.status.success() {
+        bail!("tessera build failed: {}", out.status);
+    }
+    let id = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    println!("image ID: {id}");
+    let img = work.join("demo.img");
+    println!("==> tessera export demo -o {}", img.display());
+    status(Command::new(&bin).args(["export", "demo", "--store"]).arg(&store).arg("-o").arg(&img))?;
+    println!("==> e2fsck -fn");
+    let fsck = judge::e2fsck(&img)?;
+    print!("{fsck}");
+    println!("==> mount -o loop,ro");
+    let mnt = judge::LoopMount::ro(&img)?;
+    for dir in ["", "dev", "links/a"] {
+        let p = mnt.path().join(dir);
+        if p.is_dir() {
+            status(Command::new("ls").args(["-la", "--time-style=+%Y-%m-%d %H:%M:%S.%N"]).arg(&p))?;
+        }
+    }
+    let diffs = compare::compare_trees(&src, mnt.path())?;
+    println!("==> compare with the source: {} difference(s)\n{}", diffs.len(), compare::render(&diffs));
+    mnt.unmount()?;
+    println!("==> tessera inspect demo");
+    status(Command::new(&bin).args(["inspect", "demo", "--store"]).arg(&store))?;
+    if !diffs.is_empty() {
+        bail!("the mounted image differs from the source");
+    }
+    Ok(())
+}
+
+fn drop_caches() -> Result<()> {
+    status(&mut Command::new("sync"))?;
+    std::fs::write("/proc/sys/vm/drop_caches", "3\n").context("drop caches (needs root)")
+}
+
+fn timed(cmd: &mut Command) -> Result<(Duration, Vec<u8>)> {
+    let t = Instant::now();
+    let out =
+        cmd.stderr(std::process::Stdio::inherit()).output().with_context(|| format!("spawn {cmd:?}"))?;
+    if !out.status.success() {
+        bail!("{cmd:?} failed: {}", out.status);
+    }
+    // Both timings include a sync, so that neither leaves its writes in the page cache.
+    status(&mut Command::new("sync"))?;
+    Ok((t.elapsed(), out.stdout))
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn bench_build(files: u64, runs: usize, cold: bool) -> Result<()> {
+    fixtures::require_root()?;
+    let target = target_dir()?;
+    status(cargo().args(["build", "--release", "-p", "tessera-cli"]))?;
+    let bin = target.join("release").join("tessera");
+    let dir = target.join("bench");
+    let tree = dir.join("tree");
+    let recipe = format!("bench-tree v1 files={files}\n");
+    let marker = dir.join("tree.recipe");
+    std::fs::create_dir_all(&dir)?;
+    if std::fs::read_to_string(&marker).ok().as_deref() != Some(recipe.as_str()) {
+        println!("==> generating the benchmark tree ({files} files) at {}", tree.display());
+        let t = Instant::now();
+        let st = fixtures::generate_bench_tree(&tree, files)?;
+        println!("{st:?} in {:.1}s", t.elapsed().as_secs_f64());
+        std::fs::write(&marker, &recipe)?;
+    }
+    let (entries, alloc) = tessera_e2e::reference::tree_usage(&tree)?;
+    println!(
+        "tree: {entries} inodes, {:.1} MB allocated; {} runs each, caches {}",
+        alloc as f64 / 1e6,
+        runs,
+        if cold { "dropped before every run" } else { "warm (tree read once before timing)" }
+    );
+    if !cold {
+        // Warm the page cache for both contenders.
+        Command::new("tar").args(["cf", "/dev/null", "-C"]).arg(&tree).arg(".").status()?;
+    }
+    let store = dir.join("store");
+    let img = dir.join("mkfs.img");
+    let (mut tt, mut tm) = (Vec::new(), Vec::new());
+    let mut geometry: Option<(u64, u64)> = None;
+    for run in 1..=runs {
+        let _ = std::fs::remove_dir_all(&store);
+        if cold {
+            drop_caches()?;
+        }
+        let (d, out) = timed(Command::new(&bin).arg("build").arg(&tree).arg("--store").arg(&store))?;
+        let id = String::from_utf8_lossy(&out).trim().to_string();
+        if geometry.is_none() {
+            let v = tessera_e2e::tessera::inspect_json_with(&bin, &id, &store)?;
+            geometry = Some((
+                v["geometry"]["size_bytes"].as_u64().context("size_bytes")?,
+                v["geometry"]["inodes"].as_u64().context("inodes")?,
+            ));
+            println!("tessera image {id}: {v}");
+        }
+        let (size, inodes) = geometry.unwrap_or((0, 0));
+        let _ = std::fs::remove_file(&img);
+        if cold {
+            drop_caches()?;
+        }
+        let (dm, _) = timed(
+            Command::new("mkfs.ext4")
+                .args(["-q", "-F", "-b", "4096", "-I", "256", "-N"])
+                .arg(inodes.to_string())
+                .arg("-d")
+                .arg(&tree)
+                .arg(&img)
+                .arg(format!("{}k", size / 1024)),
+        )?;
+        println!(
+            "run {run}: tessera build {:.2}s   mkfs.ext4 -d {:.2}s   ratio {:.3}",
+            d.as_secs_f64(),
+            dm.as_secs_f64(),
+            d.as_secs_f64() / dm.as_secs_f64()
+        );
+        tt.push(d.as_secs_f64());
+        tm.push(dm.as_secs_f64());
+    }
+    let (a, b) = (median(&mut tt), median(&mut tm));
+    println!(
+        "median: tessera build {a:.2}s, mkfs.ext4 -d {b:.2}s, ratio {:.3} (target <= 0.2); \
+         both timed including a final sync, same image size, files on the same disk, {} cores",
+        a / b,
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
+    Ok(())
+}

@@ -1,0 +1,90 @@
+//! Helpers shared by the integration tests.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+use anyhow::{ensure, Context, Result};
+
+use crate::compare::{walk, Kind};
+
+/// A temporary directory under the target dir (the same disk as the build; xattrs supported),
+/// world-traversable so that tests that drop privileges can reach inside.
+pub fn tmp(prefix: &str) -> Result<tempfile::TempDir> {
+    let base = std::env::var_os("TESSERA_E2E_TMPDIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| crate::tessera::target_dir().join("e2e-tmp"));
+    std::fs::create_dir_all(&base)?;
+    let d = tempfile::Builder::new()
+        .prefix(&format!("{prefix}-"))
+        .tempdir_in(&base)
+        .with_context(|| format!("tempdir in {}", base.display()))?;
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(d.path(), std::fs::Permissions::from_mode(0o755))?;
+    Ok(d)
+}
+
+/// Counts of a source tree the way `inspect --json` documents them (inodes, a hard-link group
+/// once): (files, directories incl. the root, symlinks, other nodes, logical bytes).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SourceCounts {
+    /// Regular-file inodes.
+    pub files: u64,
+    /// Directories, the root included.
+    pub directories: u64,
+    /// Symlink inodes.
+    pub symlinks: u64,
+    /// Device, FIFO and socket inodes.
+    pub other_nodes: u64,
+    /// Sum of regular-file sizes, once per inode.
+    pub logical_bytes: u64,
+}
+
+/// Count a source tree.
+pub fn source_counts(src: &Path) -> Result<SourceCounts> {
+    let t = walk(src)?;
+    let mut seen: BTreeMap<u64, Kind> = BTreeMap::new();
+    let mut c = SourceCounts::default();
+    for e in t.values() {
+        if seen.insert(e.ino, e.kind).is_some() {
+            continue;
+        }
+        match e.kind {
+            Kind::File => {
+                c.files += 1;
+                c.logical_bytes += e.size;
+            }
+            Kind::Dir => c.directories += 1,
+            Kind::Symlink => c.symlinks += 1,
+            _ => c.other_nodes += 1,
+        }
+    }
+    Ok(c)
+}
+
+/// Check `inspect --json` counts against the source tree.
+pub fn check_counts(v: &serde_json::Value, src: &Path) -> Result<()> {
+    let c = source_counts(src)?;
+    let get = |k: &str| v[k].as_u64();
+    ensure!(get("files") == Some(c.files), "inspect files != {} (source): {v}", c.files);
+    ensure!(get("symlinks") == Some(c.symlinks), "inspect symlinks != {}: {v}", c.symlinks);
+    ensure!(get("other_nodes") == Some(c.other_nodes), "inspect other_nodes != {}: {v}", c.other_nodes);
+    let dirs: BTreeSet<u64> = [c.directories, c.directories - 1].into();
+    ensure!(
+        get("directories").is_some_and(|d| dirs.contains(&d)),
+        "inspect directories not {} (with the root) or {} (without): {v}",
+        c.directories,
+        c.directories - 1
+    );
+    ensure!(
+        get("logical_bytes") == Some(c.logical_bytes),
+        "inspect logical_bytes != {}: {v}",
+        c.logical_bytes
+    );
+    let used = c.files + c.directories + c.symlinks + c.other_nodes;
+    ensure!(
+        get("inodes_used").is_some_and(|u| u >= used + 10),
+        "inspect inodes_used < {} + reserved: {v}",
+        used
+    );
+    Ok(())
+}
