@@ -69,10 +69,16 @@ fn everything(view_safe: bool) -> Tree {
     let links = b.dir(r, b"links");
     for len in [1usize, 59, 60, 61, 4095] {
         // A '/' every 50 bytes: ext4-view rejects path components longer than 255 bytes.
-        let target: Vec<u8> = (0..len).map(|i| if i % 50 == 49 { b'/' } else { b'a' + (i % 26) as u8 }).collect();
+        let target: Vec<u8> =
+            (0..len).map(|i| if i % 50 == 49 { b'/' } else { b'a' + (i % 26) as u8 }).collect();
         let s = b.add(links, format!("len{len}").as_bytes(), node(meta(0o777), NodeKind::Symlink { target }));
         if len == 61 {
             b.node_mut(s).xattrs.push(xattr("trusted.sym", b"v"));
+        }
+        if len == 1 {
+            // A fast symlink with an xattr *block*: the kernel decides "fast" by i_blocks minus the
+            // xattr block, e2fsck by size; both must agree.
+            b.node_mut(s).xattrs.push(xattr("trusted.big", &[3; 200]));
         }
     }
 
@@ -80,7 +86,8 @@ fn everything(view_safe: bool) -> Tree {
     let dev = b.dir(r, b"dev");
     b.add(dev, b"null", node(meta(0o666), NodeKind::CharDevice { major: 1, minor: 3 }));
     b.add(dev, b"sda", node(meta(0o660), NodeKind::BlockDevice { major: 8, minor: 0 }));
-    let nvme = b.add(dev, b"nvme-big", node(meta(0o600), NodeKind::CharDevice { major: 259, minor: 100_000 }));
+    let nvme =
+        b.add(dev, b"nvme-big", node(meta(0o600), NodeKind::CharDevice { major: 259, minor: 100_000 }));
     b.node_mut(nvme).xattrs.push(xattr("security.selinux", b"system_u:object_r:device_t:s0\0"));
     b.add(dev, b"whiteout", node(meta(0), NodeKind::CharDevice { major: 0, minor: 0 }));
     b.add(dev, b"blk-big", node(meta(0o600), NodeKind::BlockDevice { major: 300, minor: 70_000 }));
@@ -140,7 +147,9 @@ fn everything(view_safe: bool) -> Tree {
         &acl(&[(1, 6, U), (2, 4, 1000), (4, 4, U), (8, 4, 2000), (0x10, 4, U), (0x20, 0, U)]),
     ));
     let acl_dir = b.dir(x, b"acl-dir");
-    b.node_mut(acl_dir).xattrs.push(xattr("system.posix_acl_access", &acl(&[(1, 7, U), (4, 5, U), (0x20, 5, U)])));
+    b.node_mut(acl_dir)
+        .xattrs
+        .push(xattr("system.posix_acl_access", &acl(&[(1, 7, U), (4, 5, U), (0x20, 5, U)])));
     b.node_mut(acl_dir).xattrs.push(xattr(
         "system.posix_acl_default",
         &acl(&[(1, 7, U), (2, 7, 1234), (4, 5, U), (0x10, 7, U), (0x20, 5, U)]),
@@ -162,7 +171,8 @@ fn everything(view_safe: bool) -> Tree {
         let m = &mut b.node_mut(old).meta;
         (m.mtime, m.atime, m.ctime) = (ts(-99_999_200, 5), ts(-99_999_200, 6), ts(-1, 0));
         let m = &mut b.node_mut(new).meta;
-        (m.mtime, m.atime, m.ctime) = (ts(4_102_444_800, 999_999_999), ts(4_102_444_800, 1), ts(4_102_444_801, 0));
+        (m.mtime, m.atime, m.ctime) =
+            (ts(4_102_444_800, 999_999_999), ts(4_102_444_800, 1), ts(4_102_444_801, 0));
     }
     b.tree
 }
@@ -250,7 +260,8 @@ fn hundred_thousand_entries_two_level_htree() {
         b.add(d, format!("\u{fc}ber-\u{e9}t\u{e9}-{i}").as_bytes(), node(meta(0o644), NodeKind::Fifo));
     }
     let (_img, _dir, path) = build(&b.tree, &options());
-    let out = std::process::Command::new("/usr/sbin/debugfs").args(["-R", "htree_dump /huge"]).arg(&path).output();
+    let out =
+        std::process::Command::new("/usr/sbin/debugfs").args(["-R", "htree_dump /huge"]).arg(&path).output();
     if let Ok(out) = out {
         let text = String::from_utf8_lossy(&out.stdout);
         assert!(text.contains("Indirect levels: 1"), "expected a 2-level htree");
@@ -291,17 +302,44 @@ fn tree_lost_found_and_partial_last_group() {
 }
 
 #[test]
+fn sixty_four_gib_with_many_backups() {
+    let mut b = Builder::new();
+    let r = Builder::root();
+    b.add(r, b"crosses-backups", node(meta(0o644), sparse(200_000 * 4096, &[(0, 40_000), (100_000, 1)])));
+    b.file(r, b"small", 5);
+    let (img, _dir, path) = build(&b.tree, &Options { size: SizePolicy::Exact(64 << 30), ..options() });
+    assert_eq!(img.geometry.groups, 512);
+    // Data that runs over a backup superblock range is split around it.
+    let placed = &img.placements[1];
+    assert!(placed.len() >= 2, "{placed:?}");
+    for p in placed {
+        let (s, e) = (p.device_block, p.device_block + p.blocks);
+        for g in [1u64, 3, 5, 7, 9, 25, 27, 49, 81, 125, 243, 343] {
+            assert!(e <= g * 32768 || s >= g * 32768 + 9, "{p:?} overlaps backup of group {g}");
+        }
+    }
+    if is_root() {
+        let m = Mount::new(&path, false);
+        verify_kernel(m.path(), &b.tree);
+    }
+    verify_ext4_view(&path, &b.tree);
+}
+
+#[test]
 fn sizing_policies() {
     let mut b = Builder::new();
     let r = Builder::root();
     b.file(r, b"f", 10 << 20);
     // A tail group too small for its own metadata is dropped, as mke2fs does.
-    let img = synthesize(&b.tree, &Options { size: SizePolicy::Exact((128 << 20) + 40 * 4096), ..options() }).unwrap();
+    let img = synthesize(&b.tree, &Options { size: SizePolicy::Exact((128 << 20) + 40 * 4096), ..options() })
+        .unwrap();
     assert_eq!(img.geometry.blocks_count, 32768);
     // Free space and inode minimums.
-    let img =
-        synthesize(&b.tree, &Options { size: SizePolicy::Free(Some(1 << 30)), inodes: Some(100_000), ..options() })
-            .unwrap();
+    let img = synthesize(
+        &b.tree,
+        &Options { size: SizePolicy::Free(Some(1 << 30)), inodes: Some(100_000), ..options() },
+    )
+    .unwrap();
     assert!(img.geometry.free_blocks >= (1 << 30) / 4096);
     assert!(img.geometry.inodes_count >= 100_000);
     assert_eq!(img.geometry.blocks_count % 32768, 0);
@@ -377,13 +415,17 @@ fn invalid_trees_are_rejected() {
     assert!(matches!(check(&b.tree, &options()), E::TimestampOutOfRange { .. }));
 
     let (b, _) = base();
-    assert!(matches!(check(&b.tree, &Options { label: vec![b'l'; 17], ..options() }), E::LabelTooLong { .. }));
+    assert!(matches!(
+        check(&b.tree, &Options { label: vec![b'l'; 17], ..options() }),
+        E::LabelTooLong { .. }
+    ));
 
     let (mut b, r) = base();
     b.add(r, b"dev", node(meta(0o600), NodeKind::CharDevice { major: 4096, minor: 0 }));
     assert!(matches!(check(&b.tree, &options()), E::BadDeviceNumber { .. }));
 
-    let empty = Tree { nodes: vec![tessera_ext4::Node { meta: meta_dummy(), kind: NodeKind::Fifo, xattrs: vec![] }] };
+    let empty =
+        Tree { nodes: vec![tessera_ext4::Node { meta: meta_dummy(), kind: NodeKind::Fifo, xattrs: vec![] }] };
     assert!(matches!(check(&empty, &options()), E::RootNotDirectory));
 }
 

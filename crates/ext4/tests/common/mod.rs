@@ -431,7 +431,9 @@ fn verify_view_node(fs: &ext4_view::Ext4, path: Vec<u8>, tree: &Tree, id: usize)
         NodeKind::Regular { size, .. } => {
             assert_eq!(md.len(), *size, "{ctx}: size");
             let mut f = fs.open(p).unwrap();
-            for (off, len) in file_samples(tree, id) {
+            // ext4-view walks holes block by block when seeking; sampling at 16 TiB takes minutes, so
+            // it only checks the first 8 GiB (the kernel checks the rest).
+            for (off, len) in file_samples(tree, id).into_iter().filter(|&(off, _)| off < 8 << 30) {
                 let want = expected(tree, id, off, len);
                 let mut got = vec![0u8; want.len()];
                 f.seek_to(off).unwrap();
@@ -458,6 +460,12 @@ pub fn build(tree: &Tree, opts: &Options) -> (Ext4Image, tempfile::TempDir, Path
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("fs.img");
     write_image(&path, tree, &img);
+    // Debugging aid: TESSERA_EXT4_KEEP=DIR keeps a copy of every image (named by UUID) for dumpe2fs.
+    if let Some(keep) = std::env::var_os("TESSERA_EXT4_KEEP") {
+        let name = img.geometry.uuid.iter().map(|b| format!("{b:02x}")).collect::<String>();
+        let dst = Path::new(&keep).join(format!("{name}.img"));
+        Command::new("cp").arg("--sparse=always").arg(&path).arg(dst).status().unwrap();
+    }
     e2fsck_clean(&path);
     (img, dir, path)
 }
