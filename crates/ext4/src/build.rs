@@ -319,7 +319,7 @@ fn place_xattrs(
         if w[0].index == w[1].index && w[0].name == w[1].name {
             return Err(Ext4Error::BadXattr {
                 path: ns.path(n),
-                name: namespace::escape(&w[0].name),
+                name: namespace::escape(&xattr::full_name(&w[0])),
                 reason: "duplicate attribute name",
             });
         }
@@ -343,7 +343,7 @@ fn place_xattrs(
     };
     let too_large = |x: Option<&DiskXattr>| Ext4Error::XattrTooLarge {
         path: ns.path(n),
-        name: x.map(|x| namespace::escape(&x.name)).unwrap_or_default(),
+        name: x.map(|x| namespace::escape(&xattr::full_name(x))).unwrap_or_default(),
         reason: "the attributes exceed the inode area plus one 4 KiB block",
     };
     let area = xattr::render_inode_area(&in_inode).ok_or_else(|| too_large(in_inode.last()))?;
@@ -384,10 +384,15 @@ fn size_and_layout(
         Some(min) => min.max(used_inodes),
         None => used_inodes + (used_inodes / 4).max(4096),
     };
+    // s_inodes_count is 32 bits.
+    let max_inodes = u32::MAX as u64 / 16 * 16;
+    if want_inodes > max_inodes {
+        return Err(Ext4Error::TooManyInodes { needed: want_inodes, max: max_inodes });
+    }
     let ipg_for = |groups: u64| -> u64 { want_inodes.div_ceil(groups).next_multiple_of(16).max(16) };
     let check_inodes = |groups: u64, ipg: u64| -> Result<(), Ext4Error> {
-        if groups * ipg > u32::MAX as u64 {
-            return Err(Ext4Error::TooManyInodes { needed: want_inodes, max: u32::MAX as u64 / 16 * 16 });
+        if groups.saturating_mul(ipg) > u32::MAX as u64 {
+            return Err(Ext4Error::TooManyInodes { needed: want_inodes, max: max_inodes });
         }
         Ok(())
     };

@@ -76,6 +76,20 @@ pub fn parse(name: &[u8], value: &[u8]) -> Result<DiskXattr, &'static str> {
     Ok(DiskXattr { index, name: suffix.to_vec(), value })
 }
 
+/// The full attribute name (prefix + stored name), for messages.
+pub fn full_name(x: &DiskXattr) -> Vec<u8> {
+    let prefix: &[u8] = match x.index {
+        1 => b"user.",
+        2 => b"system.posix_acl_access",
+        3 => b"system.posix_acl_default",
+        4 => b"trusted.",
+        6 => b"security.",
+        8 => b"system.richacl",
+        _ => b"system.",
+    };
+    [prefix, &x.name].concat()
+}
+
 /// e2fsprogs `ext2fs_ext_attr_hash_entry`: name bytes unsigned, then the value as LE u32 words.
 pub fn entry_hash(x: &DiskXattr) -> u32 {
     let mut h: u32 = 0;
@@ -200,6 +214,14 @@ mod tests {
         assert!(parse(b"bogus.x", b"").is_err());
         assert!(parse(b"user.", b"").is_err());
         assert!(parse(b"system.posix_acl_access", b"junk").is_err());
+    }
+
+    #[test]
+    fn full_names_round_trip() {
+        for n in ["user.a", "trusted.b", "security.capability", "system.foo", "system.posix_acl_default"] {
+            let v = if n.contains("acl") { vec![2, 0, 0, 0] } else { vec![] };
+            assert_eq!(full_name(&x(n, &v)), n.as_bytes());
+        }
     }
 
     #[test]

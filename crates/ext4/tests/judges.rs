@@ -393,7 +393,10 @@ fn invalid_trees_are_rejected() {
     let (mut b, r) = base();
     let f = b.file(r, b"f", 1);
     b.node_mut(f).xattrs.push(xattr("user.v", &[0; 4100]));
-    assert!(matches!(check(&b.tree, &options()), E::XattrTooLarge { .. }));
+    match check(&b.tree, &options()) {
+        E::XattrTooLarge { path, name, .. } => assert_eq!((path.as_str(), name.as_str()), ("/f", "user.v")),
+        e => panic!("{e}"),
+    }
 
     let (mut b, r) = base();
     let f = b.file(r, b"f", 1);
