@@ -13,6 +13,26 @@
 //! ```
 //! Feature set: has_journal, ext_attr, dir_index, filetype, extents, 64bit, flex_bg, sparse_super,
 //! large_file, huge_file, dir_nlink, extra_isize, metadata_csum. Output is a pure function of the input.
+//!
+//! ```
+//! use tessera_ext4::*;
+//!
+//! let meta = Meta { mode: 0o755, uid: 0, gid: 0, atime: Timestamp::default(),
+//!                   mtime: Timestamp::default(), ctime: Timestamp::default() };
+//! let tree = Tree {
+//!     nodes: vec![
+//!         Node { meta, kind: NodeKind::Directory { entries: vec![DirEntry { name: b"hello".to_vec(), node: NodeId(1) }] }, xattrs: vec![] },
+//!         Node { meta, kind: NodeKind::Regular { size: 6, data: vec![DataRange { start_block: 0, blocks: 1 }] }, xattrs: vec![] },
+//!     ],
+//! };
+//! let opts = Options { size: SizePolicy::Free(None), inodes: None, fs_time: 1_700_000_000, seed: [0; 32], label: vec![] };
+//! let image = synthesize(&tree, &opts)?;
+//! // The caller writes `image.metadata` and serves "hello\n" + zeros at the placed block.
+//! let placed = image.placements[1][0];
+//! assert_eq!((placed.file_block, placed.blocks), (0, 1));
+//! assert!(placed.device_block >= image.geometry.data_start_block);
+//! # Ok::<(), Ext4Error>(())
+//! ```
 #![forbid(unsafe_code)]
 
 pub mod error;
