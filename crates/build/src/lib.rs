@@ -1,1 +1,40 @@
-//! placeholder
+//! The Tessera image builder: sources (a directory today), chunking and packing, ext4 synthesis,
+//! and writing the image into a store.
+//!
+//! ```no_run
+//! use tessera_build::{build_dir, BuildConfig, NoProgress};
+//! let store = tessera_store::LocalStore::create_or_open("store").unwrap();
+//! let out = build_dir("rootfs".as_ref(), &store, &BuildConfig::default(), &NoProgress).unwrap();
+//! println!("{}", out.id);
+//! ```
+#![forbid(unsafe_code)]
+
+mod chunk;
+mod error;
+mod pipeline;
+mod seed;
+mod walk;
+
+pub use chunk::{BATCH_BYTES, PACK_TARGET_BYTES};
+pub use error::BuildError;
+pub use pipeline::{
+    build_dir, default_fs_time, BuildConfig, BuildOutput, DEFAULT_CHUNK_SIZE, DEFAULT_FS_TIME,
+};
+pub use walk::{walk_dir, SourceTree};
+
+/// Progress of the long phase (reading, hashing, compressing file content), in bytes.
+pub trait Progress: Sync {
+    fn start(&self, total_bytes: u64);
+    fn advance(&self, bytes: u64);
+    fn finish(&self);
+}
+
+/// A [`Progress`] that reports nothing.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NoProgress;
+
+impl Progress for NoProgress {
+    fn start(&self, _: u64) {}
+    fn advance(&self, _: u64) {}
+    fn finish(&self) {}
+}

@@ -1,1 +1,160 @@
-fn main() {}
+//! `tessera`: build container images into lazily served ext4 block devices.
+//!
+//! Exit status: 0 success, 1 failure (including an unknown image or tag), 2 usage error (bad flags,
+//! or a write to a read-only store).
+
+mod cmd;
+mod progress;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+use tracing_subscriber::EnvFilter;
+
+/// A usage error: reported like clap's own, exit status 2.
+#[derive(Debug)]
+pub struct UsageError(pub String);
+
+impl std::fmt::Display for UsageError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for UsageError {}
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "tessera",
+    version,
+    about = "Serve container images to microVMs as lazily loaded ext4 block devices",
+    long_about = "Tessera builds a directory tree (later: OCI images) into an ext4 filesystem whose \
+metadata is synthesized directly and whose file data is cut into deduplicated, compressed, \
+content-addressed chunks in a store. The image can be exported as a raw device or served lazily.",
+    after_help = "Exit status: 0 success, 1 failure (including an unknown image or tag), 2 usage error.\n\
+Logs: set RUST_LOG (e.g. RUST_LOG=info or RUST_LOG=tessera_build=debug); they go to stderr.\n\
+\n\
+Quick start:\n  tessera build ./rootfs --store ./store --tag demo\n  tessera inspect demo --store ./store\n  \
+tessera export demo --store ./store -o demo.img"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    Build(BuildArgs),
+    Export(ExportArgs),
+    Inspect(InspectArgs),
+}
+
+/// Build an image from a directory into a store; prints the image ID.
+#[derive(Debug, Args)]
+#[command(after_help = "stdout carries exactly one line: the image ID `sha256:<64 hex>`.\n\
+\n\
+Sizing defaults: the device holds the tree plus at least max(256 MiB, 25% of the file data) of free \
+space, rounded up to whole 128 MiB block groups; it has the used inodes plus at least max(4096, \
+25% of the used inodes) free. --size fixes the device size, --free the minimum free space, \
+--inodes the minimum total inode count.\n\
+\n\
+Times: the superblock and journal use SOURCE_DATE_EPOCH (clamped to now) if set, else \
+2024-01-01T00:00:00Z; files keep their mtime with nanoseconds; atime and ctime are set to mtime.\n\
+\n\
+Examples:\n  tessera build ./rootfs --store ./store\n  tessera build ./rootfs --store ./store --tag web --free 1G\n  \
+tessera build ./rootfs --store file:///var/lib/tessera --size 4G --inodes 200000 --chunk-size 1M")]
+pub struct BuildArgs {
+    /// The source: a directory (OCI sources come later: oci:PATH, docker-archive:PATH, docker://REF).
+    source: String,
+    /// The store to write into: PATH or file://PATH (created if missing).
+    #[arg(long)]
+    store: String,
+    /// Also point this tag at the image ([A-Za-z0-9_][A-Za-z0-9._-]{0,127}).
+    #[arg(long, value_parser = parse_tag)]
+    tag: Option<String>,
+    /// Exact device size (e.g. 4G); a multiple of 4 KiB is used.
+    #[arg(long, value_parser = parse_size_arg, conflicts_with = "free")]
+    size: Option<u64>,
+    /// Minimum free space on the device (default: max(256M, 25% of the data)).
+    #[arg(long, value_parser = parse_size_arg)]
+    free: Option<u64>,
+    /// Minimum total number of inodes (default: used + max(4096, 25% of used)).
+    #[arg(long)]
+    inodes: Option<u64>,
+    /// Chunk size for large files: a power of two from 64K to 16M.
+    #[arg(long, value_parser = parse_chunk_size, default_value = "512K")]
+    chunk_size: u32,
+}
+
+/// Write the whole device as a sparse raw file, assembled through the read path.
+#[derive(Debug, Args)]
+#[command(after_help = "Examples:\n  tessera export web --store ./store -o web.img\n  \
+tessera export sha256:3f1c... --store ./store -o /tmp/x.img && e2fsck -fn /tmp/x.img")]
+pub struct ExportArgs {
+    /// The image: sha256:<64 hex> or a tag.
+    image: String,
+    /// The store holding it: PATH or file://PATH.
+    #[arg(long)]
+    store: String,
+    /// Output file (created or truncated; written sparse).
+    #[arg(short = 'o', long = "output")]
+    output: PathBuf,
+}
+
+/// Show an image's geometry, counts, sizes, chunks and dedup.
+#[derive(Debug, Args)]
+#[command(after_help = "--json prints one object; its keys are documented in docs/inspect.md.\n\
+\n\
+Examples:\n  tessera inspect web --store ./store\n  tessera inspect web --store ./store --json | jq .dedup_ratio")]
+pub struct InspectArgs {
+    /// The image: sha256:<64 hex> or a tag.
+    image: String,
+    /// The store holding it: PATH or file://PATH.
+    #[arg(long)]
+    store: String,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+fn parse_size_arg(s: &str) -> Result<u64, String> {
+    tessera_image::parse_size(s).map_err(|e| e.to_string())
+}
+
+fn parse_chunk_size(s: &str) -> Result<u32, String> {
+    let n = parse_size_arg(s)?;
+    if !n.is_power_of_two() || !(64 << 10..=16 << 20).contains(&n) {
+        return Err(format!("{s}: chunk size must be a power of two from 64K to 16M"));
+    }
+    Ok(n as u32)
+}
+
+fn parse_tag(s: &str) -> Result<String, String> {
+    if tessera_image::validate_tag(s) {
+        Ok(s.to_owned())
+    } else {
+        Err(format!("{s:?} is not a valid tag: expected [A-Za-z0-9_][A-Za-z0-9._-]{{0,127}}"))
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn")))
+        .with_writer(std::io::stderr)
+        .init();
+    let result = match cli.command {
+        Command::Build(a) => cmd::build(a),
+        Command::Export(a) => cmd::export(a),
+        Command::Inspect(a) => cmd::inspect(a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            let usage = e.chain().any(|c| c.is::<UsageError>()) || cmd::is_usage_error(&e);
+            eprintln!("tessera: error: {e:#}");
+            ExitCode::from(if usage { 2 } else { 1 })
+        }
+    }
+}

@@ -97,13 +97,13 @@ pub enum StoreError {
 }
 
 impl StoreError {
-    /// Whether the error is a usage error (exit status 2): a write to a read-only store, an invalid
-    /// store location, tag or reference. Unknown images and corruption are failures (exit 1).
+    /// Whether the error is a usage error (exit status 2): a write to a store that is read-only by
+    /// nature (http), an invalid store location, tag or reference. Unknown images, corruption and a
+    /// store whose filesystem refuses writes (full, read-only mount) are failures (exit 1).
     pub fn is_usage_error(&self) -> bool {
         matches!(
             self,
             StoreError::ReadOnlyStore { .. }
-                | StoreError::ReadOnly { .. }
                 | StoreError::InvalidLocation { .. }
                 | StoreError::InvalidReference { .. }
                 | StoreError::InvalidTag { .. }

@@ -1,0 +1,36 @@
+use std::path::PathBuf;
+
+use thiserror::Error;
+
+/// Why a build failed. Every variant names the path or object it concerns.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum BuildError {
+    #[error("{path}: {op}: {source}")]
+    Io { path: PathBuf, op: &'static str, source: std::io::Error },
+    #[error("{path}: source is not a directory")]
+    NotADirectory { path: PathBuf },
+    #[error("{path}: file changed while it was being read (expected {expected} bytes at offset {offset})")]
+    FileChanged { path: PathBuf, offset: u64, expected: u64 },
+    #[error("{path}: unsupported file type")]
+    UnsupportedType { path: PathBuf },
+    #[error("{path}: too many files for one image")]
+    TooManyNodes { path: PathBuf },
+    #[error("invalid chunk size {0}: must be a power of two from 64 KiB to 16 MiB")]
+    BadChunkSize(u64),
+    #[error(transparent)]
+    Ext4(#[from] tessera_ext4::Ext4Error),
+    #[error(transparent)]
+    Store(#[from] tessera_store::StoreError),
+    #[error("internal error: {0}")]
+    Contract(#[from] tessera_image::Error),
+    #[error("internal error: {what} (chunk {chunk:?})")]
+    Internal { what: &'static str, chunk: Option<tessera_image::ChunkId> },
+}
+
+impl BuildError {
+    pub(crate) fn io(path: impl Into<PathBuf>, op: &'static str) -> impl FnOnce(std::io::Error) -> Self {
+        let path = path.into();
+        move |source| Self::Io { path, op, source }
+    }
+}

@@ -1,0 +1,255 @@
+//! The build pipeline: walk → chunk and pack → synthesize ext4 → BlockMap → record → store.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use tessera_ext4::{NodeKind, Options, SizePolicy, Tree};
+use tessera_image::{
+    BlockMap, BuildOptions, ChunkId, Geometry, ImageEntry, ImageId, ImageRecord, ImageStats, PackIndex,
+    PackLocation, PrefixInfo, RuntimeConfig, Sha256Digest,
+};
+use tessera_store::LocalStore;
+use tracing::{debug, info};
+
+use crate::chunk::{chunk_tree, ChunkHome, ChunkOutput};
+use crate::error::BuildError;
+use crate::seed::tree_seed;
+use crate::walk::walk_dir;
+use crate::Progress;
+
+/// Default chunk size: 512 KiB.
+pub const DEFAULT_CHUNK_SIZE: u32 = 512 * 1024;
+/// Filesystem time used when `SOURCE_DATE_EPOCH` is not set: 2024-01-01T00:00:00Z.
+pub const DEFAULT_FS_TIME: i64 = 1_704_067_200;
+
+/// The filesystem time T: `SOURCE_DATE_EPOCH` clamped to now, else [`DEFAULT_FS_TIME`]. Never a
+/// file time, so a file dated 2100 cannot put the superblock in the future.
+pub fn default_fs_time() -> i64 {
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0);
+    match std::env::var("SOURCE_DATE_EPOCH").ok().and_then(|v| v.trim().parse::<i64>().ok()) {
+        Some(t) => t.clamp(0, now),
+        None => DEFAULT_FS_TIME.min(now),
+    }
+}
+
+/// Build options.
+#[derive(Debug, Clone)]
+pub struct BuildConfig {
+    /// Chunk size, a power of two from 64 KiB to 16 MiB.
+    pub chunk_size: u32,
+    /// Device size policy (default: enough for the tree plus max(256 MiB, 25% of data) free).
+    pub size: SizePolicy,
+    /// Minimum total inodes (default: used + max(4096, 25% of used)).
+    pub inodes: Option<u64>,
+    /// Filesystem time T.
+    pub fs_time: i64,
+    /// Text recorded as the source in the provenance blob (not part of the ID).
+    pub source_ref: String,
+}
+
+impl Default for BuildConfig {
+    fn default() -> Self {
+        Self {
+            chunk_size: DEFAULT_CHUNK_SIZE,
+            size: SizePolicy::Free(None),
+            inodes: None,
+            fs_time: default_fs_time(),
+            source_ref: String::new(),
+        }
+    }
+}
+
+/// What a build produced.
+#[derive(Debug, Clone)]
+pub struct BuildOutput {
+    pub id: ImageId,
+    pub record: ImageRecord,
+    pub entry: ImageEntry,
+    /// Chunks written by this build (not already in the store).
+    pub new_chunks: u64,
+    pub new_stored_bytes: u64,
+}
+
+fn check_chunk_size(size: u32) -> Result<(), BuildError> {
+    if !size.is_power_of_two() || !(64 * 1024..=16 * 1024 * 1024).contains(&size) {
+        return Err(BuildError::BadChunkSize(u64::from(size)));
+    }
+    Ok(())
+}
+
+/// Build the directory `src` into `store`. Writes blobs, then the image entry; tagging is the
+/// caller's (after this returns, so a ref never points at a missing entry).
+pub fn build_dir(
+    src: &Path,
+    store: &LocalStore,
+    config: &BuildConfig,
+    progress: &dyn Progress,
+) -> Result<BuildOutput, BuildError> {
+    check_chunk_size(config.chunk_size)?;
+    let source = walk_dir(src)?;
+    info!(nodes = source.tree.nodes.len(), "walked source tree");
+    let existing = store.known_chunks()?;
+    debug!(chunks = existing.len(), "chunks already in the store");
+    let chunks = chunk_tree(&source, store, existing, u64::from(config.chunk_size), progress)?;
+    info!(new_chunks = chunks.new_chunks, new_bytes = chunks.new_stored_bytes, "chunked file content");
+    finish_image(&source.tree, chunks, store, config)
+}
+
+fn finish_image(
+    tree: &Tree,
+    chunks: ChunkOutput,
+    store: &LocalStore,
+    config: &BuildConfig,
+) -> Result<BuildOutput, BuildError> {
+    let seed = tree_seed(tree, &chunks.files);
+    let options = Options {
+        size: config.size,
+        inodes: config.inodes,
+        fs_time: config.fs_time,
+        seed,
+        label: Vec::new(),
+    };
+    let fs = tessera_ext4::synthesize(tree, &options)?;
+    let g = &fs.geometry;
+    info!(
+        blocks = g.blocks_count,
+        inodes = g.inodes_count,
+        data_start = g.data_start_block,
+        "synthesized ext4"
+    );
+
+    // The metadata prefix: every non-zero metadata block, concatenated in device order.
+    let mut map = BlockMap::builder(g.blocks_count);
+    let prefix_len: usize = fs.metadata.iter().map(|r| r.data.len()).sum();
+    let mut prefix = Vec::with_capacity(prefix_len);
+    for run in &fs.metadata {
+        let blocks = run.data.len() as u64 / 4096;
+        map.push_prefix(run.start_block, blocks, prefix.len() as u64 / 4096)?;
+        prefix.extend_from_slice(&run.data);
+    }
+
+    // File data: intersect each file's chunks with where ext4 placed its blocks.
+    for (node, file_chunks) in chunks.files.iter().enumerate() {
+        let placed = fs.placements.get(node).map(Vec::as_slice).unwrap_or(&[]);
+        let mut ext = 0;
+        for &(offset, id, len) in file_chunks {
+            let idx = map.add_chunk(id, len);
+            let first = offset / 4096;
+            let end = first + u64::from(len).div_ceil(4096);
+            let mut fb = first;
+            while fb < end {
+                while ext < placed.len() && placed[ext].file_block + placed[ext].blocks <= fb {
+                    ext += 1;
+                }
+                let Some(e) = placed.get(ext).filter(|e| e.file_block <= fb) else {
+                    // A chunk the ext4 layout did not place: both come from the same DataRanges,
+                    // so this is a bug, reported rather than silently dropping data.
+                    return Err(BuildError::Internal {
+                        what: "file data chunk not placed by the ext4 layout",
+                        chunk: Some(id),
+                    });
+                };
+                let n = (e.file_block + e.blocks).min(end) - fb;
+                map.push_chunk(e.device_block + (fb - e.file_block), n, idx, (fb - first) as u32)?;
+                fb += n;
+            }
+        }
+    }
+    let block_map = map.finish()?;
+
+    let stats = tree_stats(tree, &fs.geometry, &chunks.files);
+    let record = ImageRecord {
+        options: BuildOptions { chunk_size: config.chunk_size },
+        geometry: Geometry {
+            block_size: 4096,
+            blocks: g.blocks_count,
+            inodes: g.inodes_count,
+            inodes_per_group: g.inodes_per_group,
+            groups: g.groups,
+            journal_blocks: g.journal_blocks,
+            free_blocks: g.free_blocks,
+            free_inodes: g.free_inodes,
+            data_start_block: g.data_start_block,
+            data_end_block: g.data_end_block,
+            uuid: g.uuid,
+        },
+        stats,
+        prefix: PrefixInfo { digest: Sha256Digest::of(&prefix), blocks: prefix.len() as u64 / 4096 },
+        block_map,
+        config: RuntimeConfig::default(),
+    };
+    let record_bytes = record.encode();
+    let id = ImageId(Sha256Digest::of(&record_bytes));
+
+    // Pack index: every chunk the image uses, with packs numbered in first-use order.
+    let mut packs: Vec<Sha256Digest> = Vec::new();
+    let mut pack_no: HashMap<Sha256Digest, u32> = HashMap::new();
+    let mut entries: Vec<(ChunkId, PackLocation)> = Vec::with_capacity(record.block_map.chunks().len());
+    for c in record.block_map.chunks() {
+        let (digest, mut loc) = match chunks.homes.get(&c.id) {
+            Some(ChunkHome::Existing(d, l)) => (*d, *l),
+            Some(ChunkHome::New { pack, loc }) => match chunks.new_packs.get(*pack) {
+                Some(d) => (*d, *loc),
+                None => return Err(missing_chunk(c.id)),
+            },
+            None => return Err(missing_chunk(c.id)),
+        };
+        let n = *pack_no.entry(digest).or_insert_with(|| {
+            packs.push(digest);
+            (packs.len() - 1) as u32
+        });
+        loc.pack = n;
+        entries.push((c.id, loc));
+    }
+    let pack_index = PackIndex::new(packs, entries);
+
+    // Blobs first, then the entry (the caller writes the ref last).
+    let compressed_prefix =
+        zstd::bulk::compress(&prefix, 3).map_err(BuildError::io(store.root(), "compress prefix"))?;
+    let prefix_digest = store.put_blob(&compressed_prefix)?;
+    let pack_index_digest = store.put_blob(&pack_index.encode())?;
+    let provenance = serde_json::json!({
+        "source": config.source_ref,
+        "built_at": SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+        "builder": concat!("tessera ", env!("CARGO_PKG_VERSION")),
+    });
+    let provenance_digest = store.put_blob(provenance.to_string().as_bytes())?;
+    let record_digest = store.put_blob(&record_bytes)?;
+    let entry = ImageEntry {
+        record: record_digest,
+        prefix: prefix_digest,
+        pack_index: pack_index_digest,
+        profile: None,
+        provenance: Some(provenance_digest),
+    };
+    store.put_entry(&id, &entry)?;
+    Ok(BuildOutput {
+        id,
+        record,
+        entry,
+        new_chunks: chunks.new_chunks,
+        new_stored_bytes: chunks.new_stored_bytes,
+    })
+}
+
+fn missing_chunk(id: ChunkId) -> BuildError {
+    BuildError::Internal { what: "a chunk of the image has no stored location", chunk: Some(id) }
+}
+
+fn tree_stats(tree: &Tree, g: &tessera_ext4::Geometry, files: &[crate::seed::FileChunks]) -> ImageStats {
+    let mut s = ImageStats { inodes_used: g.inodes_count - g.free_inodes, ..Default::default() };
+    s.data_bytes = files.iter().flatten().map(|c| u64::from(c.2)).sum();
+    for node in &tree.nodes {
+        match &node.kind {
+            NodeKind::Directory { .. } => s.directories += 1,
+            NodeKind::Regular { size, .. } => {
+                s.files += 1;
+                s.logical_bytes += size;
+            }
+            NodeKind::Symlink { .. } => s.symlinks += 1,
+            _ => s.other_nodes += 1,
+        }
+    }
+    s
+}

@@ -1,0 +1,308 @@
+//! The directory source: walk a tree without following symlinks into a [`Tree`].
+
+use std::collections::HashMap;
+use std::fs::{self, File, Metadata};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use rustix::fs::SeekFrom;
+use rustix::io::Errno;
+use tessera_ext4::{DataRange, DirEntry, Meta, Node, NodeId, NodeKind, Timestamp, Tree, Xattr};
+
+use crate::error::BuildError;
+
+const BLOCK: u64 = 4096;
+
+/// A walked source: the tree plus, for each regular-file node, where to read its content.
+#[derive(Debug, Default)]
+pub struct SourceTree {
+    pub tree: Tree,
+    /// Indexed by `NodeId`: the path of a regular file's first link, `None` for other nodes.
+    pub file_paths: Vec<Option<PathBuf>>,
+}
+
+/// Open a file for reading without updating its atime where the kernel allows it (O_NOATIME needs
+/// ownership or CAP_FOWNER; fall back to a plain open otherwise).
+pub(crate) fn open_noatime(path: &Path) -> Result<File, BuildError> {
+    match fs::OpenOptions::new().read(true).custom_flags(libc::O_NOATIME).open(path) {
+        Ok(f) => Ok(f),
+        Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
+            File::open(path).map_err(BuildError::io(path, "open"))
+        }
+        Err(e) => Err(BuildError::io(path, "open")(e)),
+    }
+}
+
+/// Walk `root` depth-first, names sorted bytewise. Node ids follow that order, so a directory's
+/// children are numbered together and data is laid out in the order a guest tends to read it.
+pub fn walk_dir(root: &Path) -> Result<SourceTree, BuildError> {
+    let root_md = fs::symlink_metadata(root).map_err(BuildError::io(root, "stat"))?;
+    if !root_md.is_dir() {
+        return Err(BuildError::NotADirectory { path: root.to_owned() });
+    }
+    let mut out = SourceTree::default();
+    out.tree.nodes.push(Node {
+        meta: meta_of(&root_md),
+        kind: NodeKind::Directory { entries: Vec::new() },
+        xattrs: read_xattrs(root)?,
+    });
+    out.file_paths.push(None);
+
+    let mut hard_links: HashMap<(u64, u64), NodeId> = HashMap::new();
+    let mut stack: Vec<(NodeId, PathBuf)> = vec![(NodeId(0), root.to_owned())];
+    while let Some((dir_id, dir_path)) = stack.pop() {
+        let mut names: Vec<std::ffi::OsString> = fs::read_dir(&dir_path)
+            .map_err(BuildError::io(&dir_path, "read directory"))?
+            .map(|e| e.map(|e| e.file_name()))
+            .collect::<Result<_, _>>()
+            .map_err(BuildError::io(&dir_path, "read directory"))?;
+        names.sort_by(|a, b| a.as_bytes().cmp(b.as_bytes()));
+
+        let mut entries = Vec::with_capacity(names.len());
+        let mut subdirs = Vec::new();
+        for name in names {
+            let path = dir_path.join(&name);
+            let md = fs::symlink_metadata(&path).map_err(BuildError::io(&path, "stat"))?;
+            let link_key = (md.dev(), md.ino());
+            let reuse =
+                if !md.is_dir() && md.nlink() > 1 { hard_links.get(&link_key).copied() } else { None };
+            let id = match reuse {
+                Some(id) => id,
+                None => {
+                    let id = NodeId(
+                        u32::try_from(out.tree.nodes.len())
+                            .map_err(|_| BuildError::TooManyNodes { path: path.clone() })?,
+                    );
+                    let node = node_of(&path, &md)?;
+                    let is_file = matches!(node.kind, NodeKind::Regular { .. });
+                    out.tree.nodes.push(node);
+                    out.file_paths.push(is_file.then(|| path.clone()));
+                    if !md.is_dir() && md.nlink() > 1 {
+                        hard_links.insert(link_key, id);
+                    }
+                    if md.is_dir() {
+                        subdirs.push((id, path));
+                    }
+                    id
+                }
+            };
+            entries.push(DirEntry { name: name.as_bytes().to_vec(), node: id });
+        }
+        if let Some(NodeKind::Directory { entries: slot }) =
+            out.tree.nodes.get_mut(dir_id.0 as usize).map(|n| &mut n.kind)
+        {
+            *slot = entries;
+        }
+        // Reverse so the first name is walked first.
+        stack.extend(subdirs.into_iter().rev());
+    }
+    Ok(out)
+}
+
+fn meta_of(md: &Metadata) -> Meta {
+    let mtime = Timestamp { sec: md.mtime(), nsec: u32::try_from(md.mtime_nsec()).unwrap_or(0) };
+    // A directory source's atime and ctime change whenever the tree is read or copied, so they carry
+    // no information: use mtime for both (brief §4).
+    Meta {
+        mode: (md.mode() & 0o7777) as u16,
+        uid: md.uid(),
+        gid: md.gid(),
+        atime: mtime,
+        mtime,
+        ctime: mtime,
+    }
+}
+
+fn node_of(path: &Path, md: &Metadata) -> Result<Node, BuildError> {
+    let ft = md.file_type();
+    let kind = if ft.is_dir() {
+        NodeKind::Directory { entries: Vec::new() }
+    } else if ft.is_file() {
+        NodeKind::Regular { size: md.len(), data: data_ranges(path, md)? }
+    } else if ft.is_symlink() {
+        let target = fs::read_link(path).map_err(BuildError::io(path, "read symlink"))?;
+        NodeKind::Symlink { target: target.as_os_str().as_bytes().to_vec() }
+    } else if ft.is_char_device() || ft.is_block_device() {
+        let rdev = md.rdev();
+        let (major, minor) = (rustix::fs::major(rdev), rustix::fs::minor(rdev));
+        if ft.is_char_device() {
+            NodeKind::CharDevice { major, minor }
+        } else {
+            NodeKind::BlockDevice { major, minor }
+        }
+    } else if ft.is_fifo() {
+        NodeKind::Fifo
+    } else if ft.is_socket() {
+        NodeKind::Socket
+    } else {
+        return Err(BuildError::UnsupportedType { path: path.to_owned() });
+    };
+    Ok(Node { meta: meta_of(md), kind, xattrs: read_xattrs(path)? })
+}
+
+/// The block ranges of a regular file that hold data, found with SEEK_DATA / SEEK_HOLE. Ranges are
+/// widened to whole blocks (and clipped to the file's last block).
+fn data_ranges(path: &Path, md: &Metadata) -> Result<Vec<DataRange>, BuildError> {
+    let size = md.len();
+    if size == 0 {
+        return Ok(Vec::new());
+    }
+    let size_blocks = size.div_ceil(BLOCK);
+    // Fully allocated files need no probing (and neither do filesystems without holes).
+    if md.blocks().saturating_mul(512) >= size {
+        return Ok(vec![DataRange { start_block: 0, blocks: size_blocks }]);
+    }
+    let file = open_noatime(path)?;
+    let mut ranges: Vec<DataRange> = Vec::new();
+    let mut pos = 0u64;
+    while pos < size {
+        let data = match rustix::fs::seek(&file, SeekFrom::Data(pos)) {
+            Ok(d) => d,
+            Err(Errno::NXIO) => break,
+            // Filesystems without SEEK_DATA: treat the rest as data.
+            Err(Errno::INVAL | Errno::OPNOTSUPP) => pos,
+            Err(e) => return Err(BuildError::io(path, "seek data")(e.into())),
+        };
+        if data >= size {
+            break;
+        }
+        let hole = match rustix::fs::seek(&file, SeekFrom::Hole(data)) {
+            Ok(h) => h.min(size),
+            Err(Errno::NXIO) => size,
+            Err(e) => return Err(BuildError::io(path, "seek hole")(e.into())),
+        };
+        let start = data / BLOCK;
+        let end = hole.div_ceil(BLOCK).min(size_blocks);
+        match ranges.last_mut() {
+            Some(last) if last.start_block + last.blocks >= start => {
+                last.blocks = last.blocks.max(end - last.start_block);
+            }
+            _ if end > start => ranges.push(DataRange { start_block: start, blocks: end - start }),
+            _ => {}
+        }
+        if hole <= pos {
+            break;
+        }
+        pos = hole;
+    }
+    Ok(ranges)
+}
+
+/// All extended attributes of `path` (not following symlinks), sorted by name.
+fn read_xattrs(path: &Path) -> Result<Vec<Xattr>, BuildError> {
+    let names = loop {
+        let len = match rustix::fs::llistxattr_query(path) {
+            Ok(n) => n,
+            Err(Errno::OPNOTSUPP) => return Ok(Vec::new()),
+            Err(e) => return Err(BuildError::io(path, "list xattrs")(e.into())),
+        };
+        let mut buf = vec![0u8; len];
+        match rustix::fs::llistxattr(path, &mut buf[..]) {
+            Ok(n) => {
+                buf.truncate(n);
+                break buf;
+            }
+            Err(Errno::RANGE) => continue, // grew in between: ask again
+            Err(e) => return Err(BuildError::io(path, "list xattrs")(e.into())),
+        }
+    };
+    let mut out = Vec::new();
+    for name in names.split(|&b| b == 0).filter(|n| !n.is_empty()) {
+        let value = loop {
+            let len = match rustix::fs::lgetxattr_query(path, name) {
+                Ok(n) => n,
+                Err(Errno::NODATA) => break None, // removed in between
+                Err(e) => return Err(BuildError::io(path, "read xattr")(e.into())),
+            };
+            let mut buf = vec![0u8; len];
+            match rustix::fs::lgetxattr(path, name, &mut buf[..]) {
+                Ok(n) => {
+                    buf.truncate(n);
+                    break Some(buf);
+                }
+                Err(Errno::RANGE) => continue,
+                Err(Errno::NODATA) => break None,
+                Err(e) => return Err(BuildError::io(path, "read xattr")(e.into())),
+            }
+        };
+        if let Some(value) = value {
+            out.push(Xattr { name: name.to_vec(), value });
+        }
+    }
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Seek, Write};
+    use std::os::unix::fs::symlink;
+
+    use super::*;
+
+    #[test]
+    fn walks_kinds_links_holes_and_xattrs() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        fs::create_dir(root.join("b")).unwrap();
+        fs::create_dir(root.join("a")).unwrap();
+        fs::write(root.join("a/file"), b"hello").unwrap();
+        fs::hard_link(root.join("a/file"), root.join("b/link")).unwrap();
+        symlink("a/file", root.join("sym")).unwrap();
+        let mut sparse = File::create(root.join("sparse")).unwrap();
+        sparse.seek(std::io::SeekFrom::Start(10 << 20)).unwrap();
+        sparse.write_all(b"island").unwrap();
+        sparse.set_len(20 << 20).unwrap();
+        drop(sparse);
+        let xattr_ok = rustix::fs::lsetxattr(
+            root.join("a/file").as_path(),
+            "user.test",
+            b"value",
+            rustix::fs::XattrFlags::empty(),
+        )
+        .is_ok();
+
+        let src = walk_dir(root).unwrap();
+        let nodes = &src.tree.nodes;
+        let NodeKind::Directory { entries } = &nodes[0].kind else { panic!("root is not a dir") };
+        let names: Vec<&[u8]> = entries.iter().map(|e| e.name.as_slice()).collect();
+        assert_eq!(names, vec![&b"a"[..], b"b", b"sparse", b"sym"]);
+
+        let id_of = |dir: usize, name: &[u8]| {
+            let NodeKind::Directory { entries } = &nodes[dir].kind else { panic!("not a dir") };
+            entries.iter().find(|e| e.name == name).map(|e| e.node.0 as usize).unwrap()
+        };
+        let a = id_of(0, b"a");
+        let b = id_of(0, b"b");
+        let file = id_of(a, b"file");
+        assert_eq!(file, id_of(b, b"link"), "hard links share one node");
+        assert!(src.file_paths[file].is_some());
+        if xattr_ok {
+            assert_eq!(
+                nodes[file].xattrs,
+                vec![Xattr { name: b"user.test".to_vec(), value: b"value".to_vec() }]
+            );
+        }
+        let NodeKind::Symlink { target } = &nodes[id_of(0, b"sym")].kind else { panic!("not a symlink") };
+        assert_eq!(target, b"a/file");
+
+        let NodeKind::Regular { size, data } = &nodes[id_of(0, b"sparse")].kind else { panic!("not a file") };
+        assert_eq!(*size, 20 << 20);
+        let mapped: u64 = data.iter().map(|r| r.blocks).sum();
+        assert!(mapped <= 16, "hole was read as data: {data:?}");
+        assert!(data.iter().any(|r| r.start_block <= 2560 && r.start_block + r.blocks > 2560), "{data:?}");
+        // atime and ctime follow mtime for directory sources
+        assert_eq!(nodes[file].meta.atime, nodes[file].meta.mtime);
+        assert_eq!(nodes[file].meta.ctime, nodes[file].meta.mtime);
+    }
+
+    #[test]
+    fn rejects_non_directory_source() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("f");
+        fs::write(&f, b"x").unwrap();
+        assert!(matches!(walk_dir(&f), Err(BuildError::NotADirectory { .. })));
+        assert!(matches!(walk_dir(&dir.path().join("missing")), Err(BuildError::Io { .. })));
+    }
+}

@@ -1,0 +1,229 @@
+//! The subcommands: typed arguments in, results on stdout, errors with context out.
+
+use std::collections::BTreeSet;
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+use indicatif::HumanBytes;
+use serde::Serialize;
+use tessera_build::Progress;
+use tessera_build::{BuildConfig, BuildError};
+use tessera_ext4::SizePolicy;
+use tessera_image::{ImageId, ImageRecord, PackIndex};
+use tessera_store::{export_raw, ImageReader, LocalStore, OpenImage, StoreError, StoreLocation};
+
+use crate::progress::Bar;
+use crate::{BuildArgs, ExportArgs, InspectArgs, UsageError};
+
+/// Errors that are the caller's fault in a way the brief counts as usage (exit 2).
+pub fn is_usage_error(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<StoreError>().is_some_and(StoreError::is_usage_error)
+            || matches!(c.downcast_ref::<BuildError>(), Some(BuildError::Store(s)) if s.is_usage_error())
+    })
+}
+
+fn open_store(store: &str) -> Result<LocalStore> {
+    Ok(StoreLocation::parse(store)?.open_for_read()?)
+}
+
+pub fn build(args: BuildArgs) -> Result<()> {
+    for scheme in ["oci:", "docker-archive:", "docker://"] {
+        if args.source.starts_with(scheme) {
+            bail!(UsageError(format!("source {}: {scheme} sources are not supported yet", args.source)));
+        }
+    }
+    let store = StoreLocation::parse(&args.store)?.open_for_write()?;
+    let size = match (args.size, args.free) {
+        (Some(bytes), _) => SizePolicy::Exact(bytes),
+        (None, free) => SizePolicy::Free(free),
+    };
+    let source = Path::new(&args.source);
+    let config = BuildConfig {
+        chunk_size: args.chunk_size,
+        size,
+        inodes: args.inodes,
+        source_ref: format!("dir:{}", source.display()),
+        ..BuildConfig::default()
+    };
+    let bar = Bar::new("building");
+    let out = tessera_build::build_dir(source, &store, &config, &bar)?;
+    if let Some(tag) = &args.tag {
+        store.set_ref(tag, &out.id)?;
+    }
+    tracing::info!(
+        new_chunks = out.new_chunks,
+        new_bytes = out.new_stored_bytes,
+        blocks = out.record.geometry.blocks,
+        "built {}",
+        out.id
+    );
+    println!("{}", out.id);
+    Ok(())
+}
+
+pub fn export(args: ExportArgs) -> Result<()> {
+    let store = open_store(&args.store)?;
+    let id = store.resolve(&args.image)?;
+    let reader = ImageReader::new(OpenImage::open(&store, &id)?, store.clone());
+    let bar = Bar::new("exporting");
+    let mut started = false;
+    let stats = export_raw(&reader, &args.output, |p| {
+        if !started {
+            bar.start(p.total_bytes);
+            started = true;
+        }
+        bar.set_position(p.done_bytes);
+    })
+    .with_context(|| format!("exporting {} to {}", id, args.output.display()))?;
+    bar.finish();
+    tracing::info!(written = stats.written_bytes, device = stats.device_bytes, "exported {id}");
+    Ok(())
+}
+
+/// The `inspect --json` document; keys documented in docs/inspect.md.
+#[derive(Debug, Serialize)]
+struct Inspect {
+    id: String,
+    tags: Vec<String>,
+    geometry: InspectGeometry,
+    files: u64,
+    directories: u64,
+    symlinks: u64,
+    other_nodes: u64,
+    inodes_used: u64,
+    logical_bytes: u64,
+    data_bytes: u64,
+    unique_chunk_bytes: u64,
+    stored_bytes: u64,
+    stored_chunk_bytes: u64,
+    chunks: u64,
+    packs: u64,
+    dedup_ratio: f64,
+    compression_ratio: f64,
+    prefix_bytes: u64,
+    prefix_stored_bytes: u64,
+    chunk_size: u32,
+    has_profile: bool,
+}
+
+#[derive(Debug, Serialize)]
+struct InspectGeometry {
+    block_size: u32,
+    blocks: u64,
+    size_bytes: u64,
+    inodes: u64,
+    inodes_per_group: u32,
+    groups: u32,
+    journal_blocks: u64,
+    free_blocks: u64,
+    free_inodes: u64,
+    data_start_block: u64,
+    data_end_block: u64,
+}
+
+fn ratio(a: u64, b: u64) -> f64 {
+    if b == 0 {
+        1.0
+    } else {
+        a as f64 / b as f64
+    }
+}
+
+pub fn inspect(args: InspectArgs) -> Result<()> {
+    let store = open_store(&args.store)?;
+    let id: ImageId = store.resolve(&args.image)?;
+    let entry = store.get_entry(&id)?;
+    let record = ImageRecord::decode(&store.read_blob(&entry.record)?)
+        .with_context(|| format!("image {id}: decoding the record"))?;
+    let index = PackIndex::decode(&store.read_blob(&entry.pack_index)?)
+        .with_context(|| format!("image {id}: decoding the pack index"))?;
+    let tags: Vec<String> = store
+        .list_refs()?
+        .into_iter()
+        .filter(|(_, target)| *target == id)
+        .map(|(tag, _)| tag)
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    let g = &record.geometry;
+    let s = &record.stats;
+    let unique_chunk_bytes: u64 = record.block_map.chunks().iter().map(|c| u64::from(c.len)).sum();
+    let stored_chunk_bytes = index.stored_bytes();
+    let prefix_stored_bytes = store.blob_len(&entry.prefix)?;
+    let doc = Inspect {
+        id: id.to_string(),
+        tags,
+        geometry: InspectGeometry {
+            block_size: g.block_size,
+            blocks: g.blocks,
+            size_bytes: g.blocks * u64::from(g.block_size),
+            inodes: g.inodes,
+            inodes_per_group: g.inodes_per_group,
+            groups: g.groups,
+            journal_blocks: g.journal_blocks,
+            free_blocks: g.free_blocks,
+            free_inodes: g.free_inodes,
+            data_start_block: g.data_start_block,
+            data_end_block: g.data_end_block,
+        },
+        files: s.files,
+        directories: s.directories,
+        symlinks: s.symlinks,
+        other_nodes: s.other_nodes,
+        inodes_used: s.inodes_used,
+        logical_bytes: s.logical_bytes,
+        data_bytes: s.data_bytes,
+        unique_chunk_bytes,
+        stored_bytes: stored_chunk_bytes + prefix_stored_bytes,
+        stored_chunk_bytes,
+        chunks: record.block_map.chunks().len() as u64,
+        packs: index.packs().len() as u64,
+        dedup_ratio: ratio(s.data_bytes, unique_chunk_bytes),
+        compression_ratio: ratio(unique_chunk_bytes, stored_chunk_bytes),
+        prefix_bytes: record.prefix.blocks * 4096,
+        prefix_stored_bytes,
+        chunk_size: record.options.chunk_size,
+        has_profile: entry.profile.is_some(),
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+        return Ok(());
+    }
+    let tags = if doc.tags.is_empty() { "-".to_owned() } else { doc.tags.join(", ") };
+    println!("Image      {}", doc.id);
+    println!("Tags       {tags}");
+    println!(
+        "Device     {} ({} blocks of 4 KiB, {} groups, journal {})",
+        HumanBytes(doc.geometry.size_bytes),
+        doc.geometry.blocks,
+        doc.geometry.groups,
+        HumanBytes(doc.geometry.journal_blocks * 4096)
+    );
+    println!(
+        "Free       {} and {} inodes",
+        HumanBytes(doc.geometry.free_blocks * 4096),
+        doc.geometry.free_inodes
+    );
+    println!(
+        "Contents   {} files, {} directories, {} symlinks, {} other; {} of {} inodes used",
+        doc.files, doc.directories, doc.symlinks, doc.other_nodes, doc.inodes_used, doc.geometry.inodes
+    );
+    println!(
+        "Data       {} logical, {} mapped, {} in {} unique chunks (dedup {:.2}x)",
+        HumanBytes(doc.logical_bytes),
+        HumanBytes(doc.data_bytes),
+        HumanBytes(doc.unique_chunk_bytes),
+        doc.chunks,
+        doc.dedup_ratio
+    );
+    println!(
+        "Stored     {} in {} packs (compression {:.2}x) + metadata prefix {} ({} uncompressed)",
+        HumanBytes(doc.stored_chunk_bytes),
+        doc.packs,
+        doc.compression_ratio,
+        HumanBytes(doc.prefix_stored_bytes),
+        HumanBytes(doc.prefix_bytes)
+    );
+    Ok(())
+}
