@@ -10,8 +10,8 @@ use thiserror::Error;
 ///
 /// I/O errors carry the operation and the path. Writes that fail for lack of space become
 /// [`StoreError::Full`]; writes refused by the filesystem (read-only mount, immutable directory,
-/// permissions) become [`StoreError::ReadOnly`]. [`StoreError::is_usage_error`] tells the CLI which
-/// errors are the user's to fix (exit status 2).
+/// permissions) become [`StoreError::ReadOnly`] (a failure, exit 1). [`StoreError::is_usage_error`]
+/// tells the CLI which errors are usage errors (exit 2).
 #[derive(Debug, Error)]
 #[non_exhaustive]
 pub enum StoreError {

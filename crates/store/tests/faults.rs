@@ -47,7 +47,10 @@ fn immutable_directories_are_read_only_errors() {
         // The temp write succeeds; the rename into blobs/sha256 is refused.
         match store.put_blob(b"new content") {
             Err(e @ StoreError::ReadOnly { .. }) => {
-                assert!(e.is_usage_error());
+                assert!(
+                    !e.is_usage_error(),
+                    "a refusing filesystem is a failure (exit 1), not a usage error"
+                );
                 assert!(e.to_string().contains("blobs/sha256"), "names the path: {e}");
             }
             other => panic!("expected ReadOnly, got {other:?}"),
