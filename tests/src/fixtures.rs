@@ -976,3 +976,15 @@ pub fn require_root() -> io::Result<()> {
         ))
     }
 }
+
+/// Set atime = mtime = (secs, nsec) on a path, not following symlinks.
+pub fn set_mtime(path: &Path, secs: i64, nsec: i64) -> Result<()> {
+    let ts = Timespec { tv_sec: secs, tv_nsec: nsec };
+    rustix::fs::utimensat(
+        CWD,
+        path,
+        &Timestamps { last_access: ts, last_modification: ts },
+        AtFlags::SYMLINK_NOFOLLOW,
+    )
+    .with_context(|| format!("utimensat {}", path.display()))
+}

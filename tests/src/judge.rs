@@ -49,6 +49,27 @@ pub fn e2fsck(img: &Path) -> Result<String> {
     Ok(text)
 }
 
+/// `e2fsck -fy` on a sparse copy of `img` must exit 0 (nothing to fix at `-p` level either).
+/// The copy is deleted; `img` is untouched.
+pub fn e2fsck_fix_copy(img: &Path) -> Result<()> {
+    let dir = tempfile::Builder::new()
+        .prefix("tessera-fsck-")
+        .tempdir_in(img.parent().unwrap_or(Path::new("/tmp")))?;
+    let copy = dir.path().join("copy.img");
+    run(Command::new("cp").arg("--sparse=always").arg(img).arg(&copy))?;
+    let out = Command::new("e2fsck").arg("-fy").arg(&copy).output()?;
+    if !out.status.success() {
+        bail!(
+            "e2fsck -fy on a copy of {} exited {}:\n{}{}",
+            img.display(),
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(())
+}
+
 /// Run a command, failing with its output when it does not exit 0.
 pub fn run(cmd: &mut Command) -> Result<String> {
     let out = cmd.output().with_context(|| format!("spawn {cmd:?}"))?;

@@ -5,7 +5,9 @@ use std::path::Path;
 use anyhow::{bail, Context, Result};
 
 use crate::compare::{compare_trees, render, Difference};
-use crate::judge::{e2fsck, ext4view_agrees, rw_workload, Ext4ViewReport, LoopMount, WorkloadStats};
+use crate::judge::{
+    e2fsck, e2fsck_fix_copy, ext4view_agrees, rw_workload, Ext4ViewReport, LoopMount, WorkloadStats,
+};
 
 /// What the pipeline saw.
 #[derive(Debug, Default)]
@@ -18,13 +20,14 @@ pub struct Verdict {
     pub workload: WorkloadStats,
 }
 
-/// Judge `img` against `src`: `e2fsck -fn` clean → `mount -o loop,ro` → compare with the source
+/// Judge `img` against `src`: `e2fsck -fn` clean (and `e2fsck -fy` on a copy exits 0) → `mount -o loop,ro` → compare with the source
 /// (every difference must satisfy `allowed`; for Tessera nothing is allowed) → ext4-view agrees
 /// with the kernel → unmount → mount rw, run the workload, unmount → `e2fsck -fn` clean again.
 /// The image is modified by the workload (work on a copy if it matters).
 pub fn judge_image(src: &Path, img: &Path, allowed: impl Fn(&Difference) -> bool) -> Result<Verdict> {
     let mut v = Verdict::default();
     e2fsck(img).context("e2fsck on the fresh image")?;
+    e2fsck_fix_copy(img).context("e2fsck -fy on a copy of the fresh image")?;
     {
         let mnt = LoopMount::ro(img)?;
         let diffs = compare_trees(src, mnt.path())?;

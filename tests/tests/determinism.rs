@@ -1,7 +1,7 @@
 //! The image ID rule (brief §3): the same tree gives the same ID — twice, from another path,
 //! into a store that already holds other images — and any change to the tree gives another ID.
 
-use std::os::unix::fs::{FileExt, PermissionsExt};
+use std::os::unix::fs::{FileExt, MetadataExt, PermissionsExt};
 use std::path::Path;
 
 use anyhow::{ensure, Context, Result};
@@ -86,13 +86,12 @@ fn any_change_gives_another_id() -> Result<()> {
     gen("sizes", &c)?;
     let f = c.join("files/random-4097");
     let md = std::fs::metadata(&f)?;
-    let file = std::fs::OpenOptions::new().write(true).open(&f)?;
+    let file = std::fs::OpenOptions::new().read(true).write(true).open(&f)?;
     let mut byte = [0u8; 1];
     file.read_exact_at(&mut byte, 2048)?;
     file.write_all_at(&[byte[0] ^ 1], 2048)?;
     drop(file);
-    let mt = md.modified()?;
-    std::fs::File::options().write(true).open(&f)?.set_modified(mt)?;
+    fixtures::set_mtime(&f, md.mtime(), md.mtime_nsec())?;
     let id1 = tessera::build(&c, &store, &[])?;
     ensure!(id1 != id0, "a one-byte content change kept the ID {id0}");
 
@@ -111,15 +110,14 @@ fn any_change_gives_another_id() -> Result<()> {
     gen("sizes", &n)?;
     let p = n.join("files/random-1");
     let md = std::fs::metadata(&p)?;
-    let mt = md.modified()? + std::time::Duration::from_nanos(1);
-    std::fs::File::options().write(true).open(&p)?.set_modified(mt)?;
+    let ns = (md.mtime_nsec() + 1) % 1_000_000_000;
+    fixtures::set_mtime(&p, md.mtime(), ns)?;
     let id3 = tessera::build(&n, &store, &[])?;
     ensure!(![id0.clone(), id1, id2].contains(&id3), "a 1 ns mtime change kept an earlier ID");
     Ok(())
 }
 
 fn restore_dir_mtime(reference: &Path, dir: &Path) -> Result<()> {
-    let mt = std::fs::metadata(reference)?.modified()?;
-    std::fs::File::open(dir)?.set_modified(mt)?;
-    Ok(())
+    let md = std::fs::metadata(reference)?;
+    fixtures::set_mtime(dir, md.mtime(), md.mtime_nsec())
 }

@@ -209,14 +209,14 @@ fn cmd_test(no_install: bool, e2e_args: &[String]) -> Result<()> {
     });
     let built = s.run("cargo build -p tessera-cli", || status(cargo().args(["build", "-p", "tessera-cli"])));
     s.run("unit tests: cargo test --workspace --exclude tessera-e2e", || {
-        status(cargo().args(["test", "--workspace", "--exclude", "tessera-e2e"]))
+        status(cargo().args(["test", "--no-fail-fast", "--workspace", "--exclude", "tessera-e2e"]))
     });
     if built {
         s.run("end-to-end tests: cargo test -p tessera-e2e (one at a time)", || {
             let bin = target_dir()?.join("debug").join("tessera");
             status(
                 cargo()
-                    .args(["test", "-p", "tessera-e2e", "--"])
+                    .args(["test", "--no-fail-fast", "-p", "tessera-e2e", "--"])
                     .args(e2e_args)
                     .arg("--test-threads=1")
                     .env("TESSERA_BIN", &bin),
