@@ -97,11 +97,13 @@ fn missing_source_names_the_path() -> Result<()> {
     expect(&tessera::run(build_args(&src, &store))?, 1, &["does-not-exist"], "missing source")
 }
 
-/// Root reads everything, so the unreadable cases run the build as `nobody` (65534).
-fn build_as_nobody(src: &Path, store: &Path) -> Result<Output> {
+/// Root reads everything, so the unreadable cases run the build as `nobody` (65534), from a
+/// copy of the binary in a world-readable temporary directory (the checkout may live under a
+/// directory `nobody` cannot enter, e.g. /root).
+fn build_as_nobody(bin: &Path, src: &Path, store: &Path) -> Result<Output> {
     use std::os::unix::process::CommandExt;
-    let mut c = tessera::command(build_args(src, store));
-    c.uid(65534).gid(65534);
+    let mut c = std::process::Command::new(bin);
+    c.args(build_args(src, store)).stdin(std::process::Stdio::null()).uid(65534).gid(65534);
     Ok(c.output()?)
 }
 
@@ -115,7 +117,11 @@ fn chown_tree(p: &Path, uid: u32) -> Result<()> {
 #[test]
 fn unreadable_file_and_dir_name_the_path() -> Result<()> {
     fixtures::require_root()?;
-    let t = tmp("err-unreadable")?;
+    let t = tempfile::Builder::new().prefix("tessera-err-unreadable-").tempdir()?;
+    std::fs::set_permissions(t.path(), std::fs::Permissions::from_mode(0o755))?;
+    let bin = t.path().join("tessera");
+    std::fs::copy(tessera::tessera_bin(), &bin)?;
+    std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755))?;
     let store = t.path().join("store");
     std::fs::create_dir(&store)?;
     chown_tree(&store, 65534)?;
@@ -126,7 +132,7 @@ fn unreadable_file_and_dir_name_the_path() -> Result<()> {
     chown_tree(&src, 65534)?;
     std::os::unix::fs::lchown(src.join("secret-file"), Some(0), Some(0))?;
     std::fs::set_permissions(src.join("secret-file"), std::fs::Permissions::from_mode(0o600))?;
-    expect(&build_as_nobody(&src, &store)?, 1, &["secret-file"], "unreadable file")?;
+    expect(&build_as_nobody(&bin, &src, &store)?, 1, &["secret-file"], "unreadable file")?;
     // A directory nobody can list.
     let src2 = t.path().join("src2");
     small_tree(&src2)?;
@@ -135,7 +141,7 @@ fn unreadable_file_and_dir_name_the_path() -> Result<()> {
     chown_tree(&src2, 65534)?;
     std::os::unix::fs::lchown(src2.join("locked-dir"), Some(0), Some(0))?;
     std::fs::set_permissions(src2.join("locked-dir"), std::fs::Permissions::from_mode(0o700))?;
-    expect(&build_as_nobody(&src2, &store)?, 1, &["locked-dir"], "unreadable directory")?;
+    expect(&build_as_nobody(&bin, &src2, &store)?, 1, &["locked-dir"], "unreadable directory")?;
     // And nothing that looks like an image was left behind.
     let images = store.join("images");
     let n = std::fs::read_dir(&images).map(|d| d.count()).unwrap_or(0);

@@ -159,6 +159,18 @@ fn installed(pkg: &str) -> bool {
 }
 
 fn install_packages() -> Result<()> {
+    install_missing_packages()?;
+    // Loop mounts need the loop driver.
+    if !Path::new("/dev/loop-control").exists() {
+        let _ = Command::new("modprobe").arg("loop").status();
+        if !Path::new("/dev/loop-control").exists() {
+            bail!("no /dev/loop-control: this kernel has no loop device support (modprobe loop failed)");
+        }
+    }
+    Ok(())
+}
+
+fn install_missing_packages() -> Result<()> {
     let missing: Vec<&str> = PACKAGES.iter().copied().filter(|p| !installed(p)).collect();
     if missing.is_empty() {
         eprintln!("packages: all present ({})", PACKAGES.join(", "));
