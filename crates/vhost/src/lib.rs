@@ -1,0 +1,47 @@
+//! The Tessera daemon core: a vhost-user-blk backend that serves an image to a VMM.
+//!
+//! Every request goes **parse → plan → execute**:
+//! - [`request::parse`] turns a descriptor chain into a typed [`Request`] (spec MUSTs, bounds
+//!   and overflow checks; hostile input becomes a typed [`RequestError`], never a panic, and
+//!   never an access outside guest memory);
+//! - [`plan::plan`] checks it against the device (range, read-only) without I/O;
+//! - [`execute::execute`] copies image bytes (through a [`BlockSource`], normally
+//!   `tessera_store::ImageReader`) into guest memory;
+//! - [`RequestError::status`] is the one mapping from errors to the virtio status byte.
+//!
+//! [`BlkBackend`] implements `vhost_user_backend::VhostUserBackend` (one worker thread per
+//! queue) and [`Server`] owns the socket: one client at a time, a fresh daemon per connection,
+//! so a VMM may disconnect and reconnect.
+//!
+//! Current limits (see `docs/daemon.md`): every device is read-only (the copy-on-write overlay
+//! comes next) and reads are served synchronously on the queue's worker thread.
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use tessera_store::{ImageReader, LocalStore, OpenImage};
+//! use tessera_vhost::{DeviceConfig, Server, DEFAULT_SOCKET_MODE};
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let store = LocalStore::open("/var/lib/tessera")?;
+//! let id = store.resolve("web")?;
+//! let reader = ImageReader::new(OpenImage::open(&store, &id)?, store.clone());
+//! let device = DeviceConfig::new(&id, reader.device_bytes(), 1, true);
+//! let server = Server::bind("/run/web.sock".as_ref(), DEFAULT_SOCKET_MODE, device, Arc::new(reader))?;
+//! let stop = server.stop_handle(); // stop.stop() from a signal thread
+//! server.run()?;
+//! # Ok(()) }
+//! ```
+
+pub mod backend;
+pub mod config;
+pub mod error;
+pub mod execute;
+pub mod plan;
+pub mod request;
+pub mod server;
+
+pub use backend::{BlkBackend, GuestMem};
+pub use config::{serial_for, DeviceConfig, BLK_SIZE, MAX_QUEUES, MAX_QUEUE_SIZE};
+pub use error::{DropReason, RequestError, ServeError, Status};
+pub use execute::{serve_chain, BlockSource, Completion};
+pub use request::{Parsed, Request, RequestKind};
+pub use server::{Server, StopHandle, DEFAULT_SOCKET_MODE};

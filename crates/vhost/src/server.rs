@@ -1,0 +1,256 @@
+//! The listening side: one socket, one client at a time, a fresh [`VhostUserDaemon`] per
+//! connection (reusing one fails with "already claimed" for the second client), until stopped.
+
+use std::fs;
+use std::io::Write;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use rustix::event::{poll, PollFd, PollFlags};
+use tracing::{debug, info, warn};
+use vhost::vhost_user::{Error as VhostUserError, Listener};
+use vhost_user_backend::{Error as DaemonError, ShutdownHandle, VhostUserDaemon};
+use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
+
+use crate::backend::BlkBackend;
+use crate::config::{DeviceConfig, MAX_QUEUES};
+use crate::error::ServeError;
+use crate::execute::BlockSource;
+use crate::request::SECTOR_SIZE;
+
+/// Socket permissions unless told otherwise.
+pub const DEFAULT_SOCKET_MODE: u32 = 0o600;
+
+/// A bound vhost-user-blk server. The socket exists (and accepts) from [`Server::bind`] on and
+/// is removed when [`Server::run`] returns or the server is dropped.
+pub struct Server {
+    listener: Listener,
+    /// The same socket as `listener` (a dup), to poll it.
+    poll_fd: UnixListener,
+    path: PathBuf,
+    device: DeviceConfig,
+    source: Arc<dyn BlockSource>,
+    stop: StopHandle,
+    connections: Arc<AtomicU64>,
+}
+
+impl std::fmt::Debug for Server {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Server")
+            .field("path", &self.path)
+            .field("device", &self.device)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Stops a running [`Server`] from any thread (a signal handler thread, a test).
+#[derive(Clone, Debug)]
+pub struct StopHandle {
+    inner: Arc<StopInner>,
+}
+
+#[derive(Debug)]
+struct StopInner {
+    stopped: AtomicBool,
+    /// A byte written to `wake_tx` makes `wake_rx` readable for the accept loop's poll.
+    wake_tx: UnixStream,
+    wake_rx: UnixStream,
+    current: Mutex<Option<ShutdownHandleDebug>>,
+}
+
+/// `ShutdownHandle` has no Debug; wrap it.
+struct ShutdownHandleDebug(ShutdownHandle);
+
+impl std::fmt::Debug for ShutdownHandleDebug {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ShutdownHandle")
+    }
+}
+
+impl StopHandle {
+    fn new() -> Result<Self, ServeError> {
+        let (wake_tx, wake_rx) = UnixStream::pair()
+            .map_err(|source| ServeError::Io { what: "creating the stop socket pair", source })?;
+        wake_tx
+            .set_nonblocking(true)
+            .map_err(|source| ServeError::Io { what: "creating the stop socket pair", source })?;
+        Ok(Self {
+            inner: Arc::new(StopInner {
+                stopped: AtomicBool::new(false),
+                wake_tx,
+                wake_rx,
+                current: Mutex::new(None),
+            }),
+        })
+    }
+
+    /// Ask the server to stop: close the current connection (its in-flight requests complete
+    /// first: requests are served synchronously by the queue workers, which are joined) and stop
+    /// accepting. Idempotent.
+    pub fn stop(&self) {
+        self.inner.stopped.store(true, Ordering::SeqCst);
+        if let Err(e) = (&self.inner.wake_tx).write(&[1]) {
+            warn!(error = %e, "cannot signal the stop event");
+        }
+        if let Some(h) = self.current().as_ref() {
+            h.0.shutdown();
+        }
+    }
+
+    /// Whether [`Self::stop`] was called.
+    pub fn is_stopped(&self) -> bool {
+        self.inner.stopped.load(Ordering::SeqCst)
+    }
+
+    fn current(&self) -> std::sync::MutexGuard<'_, Option<ShutdownHandleDebug>> {
+        self.inner.current.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Server {
+    /// Create the socket at `path` with permissions `mode` and start listening. The socket is
+    /// bound under a temporary name, chmod-ed, then renamed into place, so `path` appears only
+    /// once it accepts connections, with the right mode (an existing file at `path`, e.g. the
+    /// socket of a dead daemon, is replaced).
+    pub fn bind(
+        path: &Path,
+        mode: u32,
+        device: DeviceConfig,
+        source: Arc<dyn BlockSource>,
+    ) -> Result<Self, ServeError> {
+        if device.queues == 0 || device.queues > MAX_QUEUES {
+            return Err(ServeError::Config("the number of queues must be from 1 to 64"));
+        }
+        if device.capacity_bytes % SECTOR_SIZE != 0 {
+            return Err(ServeError::Config("the device size must be a multiple of 512 bytes"));
+        }
+        if !device.read_only {
+            return Err(ServeError::Config(
+                "writable devices need the copy-on-write overlay, which is not implemented yet",
+            ));
+        }
+        let name = path
+            .file_name()
+            .ok_or_else(|| ServeError::Socket {
+                path: path.to_owned(),
+                source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "not a file path"),
+            })?
+            .to_string_lossy()
+            .into_owned();
+        let tmp = path.with_file_name(format!(".{name}.{}.tmp", std::process::id()));
+        let sock_err = |p: &Path| {
+            let p = p.to_owned();
+            move |source| ServeError::Socket { path: p, source }
+        };
+        let _ = fs::remove_file(&tmp);
+        let listener = UnixListener::bind(&tmp).map_err(sock_err(&tmp))?;
+        let placed = fs::set_permissions(&tmp, fs::Permissions::from_mode(mode))
+            .and_then(|()| fs::rename(&tmp, path))
+            .map_err(sock_err(path));
+        if let Err(e) = placed {
+            let _ = fs::remove_file(&tmp);
+            return Err(e);
+        }
+        info!(socket = %path.display(), capacity = device.capacity_bytes, queues = device.queues, "listening");
+        Ok(Self {
+            poll_fd: listener.try_clone().map_err(sock_err(path))?,
+            listener: Listener::from(listener),
+            path: path.to_owned(),
+            device,
+            source,
+            stop: StopHandle::new()?,
+            connections: Arc::new(AtomicU64::new(0)),
+        })
+    }
+
+    /// The socket path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// A handle that stops [`Self::run`].
+    pub fn stop_handle(&self) -> StopHandle {
+        self.stop.clone()
+    }
+
+    /// Connections served so far (a shared counter, readable while running).
+    pub fn connection_counter(&self) -> Arc<AtomicU64> {
+        Arc::clone(&self.connections)
+    }
+
+    /// Serve clients one after another until stopped. A client that disconnects (VM reboot,
+    /// VMM restart) or misbehaves at the protocol level ends its connection, not the server.
+    pub fn run(mut self) -> Result<(), ServeError> {
+        while self.wait_for_client()? {
+            self.serve_connection()?;
+        }
+        info!(socket = %self.path.display(), "stopped");
+        Ok(())
+    }
+
+    /// Block until a client is waiting (true) or the server is stopped (false).
+    fn wait_for_client(&self) -> Result<bool, ServeError> {
+        loop {
+            if self.stop.is_stopped() {
+                return Ok(false);
+            }
+            let mut fds = [
+                PollFd::new(&self.poll_fd, PollFlags::IN),
+                PollFd::new(&self.stop.inner.wake_rx, PollFlags::IN),
+            ];
+            match poll(&mut fds, None) {
+                Ok(_) => {}
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(e) => return Err(ServeError::Io { what: "polling the socket", source: e.into() }),
+            }
+            if !fds[1].revents().is_empty() || self.stop.is_stopped() {
+                return Ok(false);
+            }
+            if !fds[0].revents().is_empty() {
+                return Ok(true);
+            }
+        }
+    }
+
+    fn serve_connection(&mut self) -> Result<(), ServeError> {
+        let backend = BlkBackend::new(self.device.clone(), Arc::clone(&self.source));
+        let mem = GuestMemoryAtomic::new(GuestMemoryMmap::new());
+        let daemon_err = |what| move |e: DaemonError| ServeError::Daemon { what, message: e.to_string() };
+        let mut daemon =
+            VhostUserDaemon::new("tessera-vhost".to_owned(), backend, mem).map_err(daemon_err("creating"))?;
+        daemon.start(&mut self.listener).map_err(daemon_err("accepting"))?;
+        let n = self.connections.fetch_add(1, Ordering::SeqCst) + 1;
+        info!(connection = n, "client connected");
+        *self.stop.current() = daemon.shutdown_handle().map(ShutdownHandleDebug);
+        if self.stop.is_stopped() {
+            daemon.request_shutdown();
+        }
+        let result = daemon.wait();
+        *self.stop.current() = None;
+        match result {
+            Ok(())
+            | Err(DaemonError::HandleRequest(VhostUserError::Disconnected))
+            | Err(DaemonError::HandleRequest(VhostUserError::PartialMessage)) => {
+                info!(connection = n, "client disconnected")
+            }
+            Err(e) => warn!(connection = n, error = %e, "connection ended with an error"),
+        }
+        // Dropping the daemon sends the exit events and joins the queue workers.
+        drop(daemon);
+        debug!(connection = n, "workers stopped");
+        Ok(())
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Err(e) = fs::remove_file(&self.path) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                warn!(socket = %self.path.display(), error = %e, "cannot remove the socket");
+            }
+        }
+    }
+}
