@@ -5,6 +5,7 @@
 
 mod cmd;
 mod progress;
+mod serve;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -36,7 +37,8 @@ content-addressed chunks in a store. The image can be exported as a raw device o
 Logs: set RUST_LOG (e.g. RUST_LOG=info or RUST_LOG=tessera_build=debug); they go to stderr.\n\
 \n\
 Quick start:\n  tessera build ./rootfs --store ./store --tag demo\n  tessera inspect demo --store ./store\n  \
-tessera export demo --store ./store -o demo.img"
+tessera export demo --store ./store -o demo.img\n  \
+tessera serve demo --store ./store --socket /tmp/demo.sock --read-only"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -48,6 +50,7 @@ enum Command {
     Build(BuildArgs),
     Export(ExportArgs),
     Inspect(InspectArgs),
+    Serve(serve::ServeArgs),
 }
 
 /// Build an image from a directory into a store; prints the image ID.
@@ -148,6 +151,7 @@ fn main() -> ExitCode {
         Command::Build(a) => cmd::build(a),
         Command::Export(a) => cmd::export(a),
         Command::Inspect(a) => cmd::inspect(a),
+        Command::Serve(a) => serve::serve(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

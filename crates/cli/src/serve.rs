@@ -1,0 +1,116 @@
+//! `tessera serve`: serve an image to a VMM over vhost-user-blk until SIGTERM / SIGINT.
+
+use std::fs::File;
+use std::io::Write;
+use std::os::fd::FromRawFd;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use signal_hook::consts::{SIGINT, SIGTERM};
+use signal_hook::iterator::Signals;
+use tessera_store::{ImageReader, OpenImage, StoreLocation};
+use tessera_vhost::{DeviceConfig, Server, DEFAULT_SOCKET_MODE, MAX_QUEUES};
+
+use crate::UsageError;
+
+/// Serve an image to a VMM as a vhost-user-blk device.
+#[derive(Debug, Args)]
+#[command(after_help = "The socket appears at PATH only once it accepts connections (mode 0600 unless \
+--socket-mode says otherwise). One VMM at a time; when it disconnects (guest reboot, VMM restart) the \
+daemon keeps listening and serves the next one. SIGTERM or SIGINT: finish in-flight requests, remove the \
+socket, exit 0.\n\
+\n\
+The device is read-only for now (writes, DISCARD and WRITE_ZEROES get VIRTIO_BLK_S_IOERR): the \
+copy-on-write overlay is not implemented yet, so --read-only is the only mode and is implied.\n\
+\n\
+Examples:\n  tessera serve web --store ./store --socket /run/web.sock --read-only\n  \
+tessera serve sha256:3f1c... --store ./store --socket /tmp/vm.sock --queues 2 --socket-mode 0660\n  \
+tessera serve web --store ./store --socket /tmp/vm.sock --ready-fd 3 3>ready.txt")]
+pub struct ServeArgs {
+    /// The image: sha256:<64 hex> or a tag.
+    image: String,
+    /// The store holding it: PATH or file://PATH.
+    #[arg(long)]
+    store: String,
+    /// The vhost-user socket to create.
+    #[arg(long)]
+    socket: PathBuf,
+    /// Refuse writes (VIRTIO_BLK_F_RO). Currently always the case.
+    #[arg(long)]
+    read_only: bool,
+    /// Number of virtqueues offered, each served by its own thread (1 to 64).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=i64::from(MAX_QUEUES)))]
+    queues: u16,
+    /// Permissions of the socket, in octal (default 0600).
+    #[arg(long, value_parser = parse_mode)]
+    socket_mode: Option<u32>,
+    /// Once the socket accepts, write "ready <socket>\n" to this inherited file descriptor and
+    /// close it.
+    #[arg(long)]
+    ready_fd: Option<i32>,
+}
+
+fn parse_mode(s: &str) -> Result<u32, String> {
+    let digits = s.strip_prefix("0o").unwrap_or(s);
+    match u32::from_str_radix(digits, 8) {
+        Ok(m) if m <= 0o777 => Ok(m),
+        _ => Err(format!("{s}: expected an octal mode from 0 to 0777, e.g. 0600")),
+    }
+}
+
+pub fn serve(args: ServeArgs) -> Result<()> {
+    if let Some(fd) = args.ready_fd {
+        if fd < 3 {
+            bail!(UsageError(format!(
+                "--ready-fd {fd}: use a descriptor other than stdin, stdout or stderr"
+            )));
+        }
+    }
+    // Take the ready fd first, so a bad one fails before anything else happens.
+    let ready = args.ready_fd.map(take_fd).transpose()?;
+
+    let store = StoreLocation::parse(&args.store)?.open_for_read()?;
+    let id = store.resolve(&args.image)?;
+    let image = OpenImage::open(&store, &id)?;
+    let reader = ImageReader::new(image, store.clone());
+    if !args.read_only {
+        tracing::warn!("writes are not supported yet (no overlay): serving the image read-only");
+    }
+    let device = DeviceConfig::new(&id, reader.device_bytes(), args.queues, true);
+
+    // Signals are handled on their own thread from before the socket exists on, so a SIGTERM
+    // right after readiness still removes the socket.
+    let mut signals = Signals::new([SIGTERM, SIGINT]).context("installing signal handlers")?;
+    let server =
+        Server::bind(&args.socket, args.socket_mode.unwrap_or(DEFAULT_SOCKET_MODE), device, Arc::new(reader))
+            .with_context(|| format!("serving {id}"))?;
+    let stop = server.stop_handle();
+    let handle = signals.handle();
+    let signal_thread = std::thread::spawn(move || {
+        if let Some(sig) = signals.forever().next() {
+            tracing::info!(signal = sig, "stopping");
+            stop.stop();
+        }
+    });
+    if let Some(mut f) = ready {
+        writeln!(f, "ready {}", args.socket.display()).context("writing to --ready-fd")?;
+    }
+    let result = server.run();
+    handle.close();
+    let _ = signal_thread.join();
+    result.with_context(|| format!("serving {id}"))?;
+    Ok(())
+}
+
+/// Own an inherited descriptor named on the command line.
+fn take_fd(fd: i32) -> Result<File> {
+    // SAFETY: F_GETFD only inspects the descriptor table; it fails with EBADF for a closed fd.
+    if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
+        bail!(UsageError(format!("--ready-fd {fd}: {}", std::io::Error::last_os_error())));
+    }
+    // SAFETY: the descriptor is open (checked above) and was handed to us by the caller for this
+    // purpose; nothing else in the process uses or closes it, so the File may own it.
+    Ok(unsafe { File::from_raw_fd(fd) })
+}
