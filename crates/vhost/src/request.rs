@@ -88,14 +88,19 @@ pub fn parse<M: GuestMemory + ?Sized>(descs: impl IntoIterator<Item = Descriptor
     let mut writable_len: u64 = 0;
     let mut order_error = false;
     let mut count = 0usize;
+    // Past the limit only the last non-empty writable descriptor is kept: it holds the status
+    // byte used to refuse the chain. The walk itself is bounded by the queue (or indirect table)
+    // size.
+    let mut tail: Option<GuestSeg> = None;
     for d in descs {
         count += 1;
-        if count > MAX_DESCRIPTORS {
-            // Keep looking for nothing more: the status byte is still the last writable one we
-            // have, which is the best we can do for a chain we refuse to walk further.
-            break;
-        }
         let seg = GuestSeg { addr: d.addr(), len: d.len() };
+        if count > MAX_DESCRIPTORS {
+            if d.is_write_only() && seg.len > 0 {
+                tail = Some(seg);
+            }
+            continue;
+        }
         if d.is_write_only() {
             writable_len += u64::from(seg.len);
             writable.push(seg);
@@ -109,7 +114,7 @@ pub fn parse<M: GuestMemory + ?Sized>(descs: impl IntoIterator<Item = Descriptor
     }
 
     // The status byte: the last byte of the device-writable part.
-    let Some(status) = last_byte(&writable) else {
+    let Some(status) = last_byte(tail.as_slice()).or_else(|| last_byte(&writable)) else {
         return Parsed::Drop(DropReason::NoStatus);
     };
     if !mem.check_range(status, 1, Permissions::Write) {
