@@ -328,7 +328,12 @@ fn timed(cmd: &mut Command) -> Result<(Duration, Vec<u8>)> {
 
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+    let n = v.len();
+    if n % 2 == 0 {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    } else {
+        v[n / 2]
+    }
 }
 
 fn bench_build(files: u64, runs: usize, cold: bool) -> Result<()> {
