@@ -111,3 +111,48 @@ fn disconnect_and_reconnect() {
     }
     server.finish();
 }
+
+/// Rough figures, not a benchmark (that is `cargo xtask bench serve`, next): run with
+/// `cargo test --release -p tessera-vhost --test blkio -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn rough_throughput() {
+    use std::time::Instant;
+    let f = fixture();
+    let server = Running::start(&f, 1);
+    let mut c = Client::connect(&server.socket, 1);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+    let g = common::reader(&f.store, &f.id).image().record().geometry;
+    let (lo, hi) = (g.data_start_block, g.data_end_block);
+    eprintln!("file data in device blocks {lo}..{hi} (the rest is metadata and free space)");
+    for (what, range) in [("whole device", 0..(f.raw.len() / 4096) as u64), ("file data only", lo..hi)] {
+        for qd in [1usize, 32] {
+            let n = 100_000;
+            let t = Instant::now();
+            let mut done = 0;
+            while done < n {
+                for i in 0..qd {
+                    let ptr = c.ptr(i * 4096);
+                    c.queues[0].read(rng.gen_range(range.clone()) * 4096, ptr, 4096, i, ReqFlags::empty());
+                }
+                assert!(c.complete(0, qd).iter().all(|x| x.1 == 0));
+                done += qd;
+            }
+            let s = t.elapsed().as_secs_f64();
+            eprintln!("4 KiB random read QD{qd}, {what}: {:.0} IOPS", done as f64 / s);
+        }
+    }
+    let t = Instant::now();
+    let mut bytes = 0u64;
+    for _ in 0..8 {
+        let mut off = 0u64;
+        while off < c.capacity {
+            assert_eq!(c.read(off, 0, 1 << 20), 0);
+            off += 1 << 20;
+            bytes += 1 << 20;
+        }
+    }
+    eprintln!("1 MiB sequential read QD1: {:.0} MB/s", bytes as f64 / t.elapsed().as_secs_f64() / 1e6);
+    drop(c);
+    server.finish();
+}
