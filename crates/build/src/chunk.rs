@@ -4,9 +4,11 @@
 //! Memory stays bounded: content is processed in batches of at most [`BATCH_BYTES`] raw bytes
 //! (or one chunk, if larger); only the stored (compressed) bytes of a batch are held at once.
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::os::unix::fs::FileExt;
 use std::path::PathBuf;
+use std::sync::mpsc;
 
 use rayon::prelude::*;
 use tessera_image::{ChunkId, Compression, PackLocation, Sha256Digest};
@@ -99,45 +101,87 @@ fn read_chunk(job: &Job) -> Result<Vec<u8>, BuildError> {
     Ok(buf)
 }
 
+thread_local! {
+    /// One zstd context per worker thread: creating a context per chunk cost ~10% of a build.
+    static COMPRESSOR: std::cell::RefCell<Option<zstd::bulk::Compressor<'static>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+fn compress(raw: &[u8], path: &std::path::Path) -> Result<Vec<u8>, BuildError> {
+    COMPRESSOR.with(|cell| {
+        let mut slot = cell.borrow_mut();
+        let compressor = match slot.as_mut() {
+            Some(c) => c,
+            None => slot.insert(
+                zstd::bulk::Compressor::new(ZSTD_LEVEL).map_err(BuildError::io(path, "create compressor"))?,
+            ),
+        };
+        compressor.compress(raw).map_err(BuildError::io(path, "compress"))
+    })
+}
+
 fn process(job: &Job, known: &HashMap<ChunkId, ChunkHome>) -> Result<Processed, BuildError> {
     let raw = read_chunk(job)?;
     let id = ChunkId::of(&raw);
     if known.contains_key(&id) {
         return Ok(Processed { id, len: job.len, stored: None });
     }
-    let compressed = zstd::bulk::compress(&raw, ZSTD_LEVEL).map_err(BuildError::io(&job.path, "compress"))?;
+    let compressed = compress(&raw, &job.path)?;
     let stored =
         if compressed.len() < raw.len() { (compressed, Compression::Zstd) } else { (raw, Compression::None) };
     Ok(Processed { id, len: job.len, stored: Some(stored) })
 }
 
-struct PackSink<'a> {
-    store: &'a LocalStore,
-    current: Option<(BlobWriter, u64)>,
-    done: Vec<Sha256Digest>,
+/// Decides where each new chunk goes (pack ordinal and offset) on the calling thread, so the
+/// layout is deterministic, while a writer thread appends and hashes the bytes in parallel with
+/// the next batch's compression.
+#[derive(Debug, Default)]
+struct PackPlan {
+    pack: usize,
+    len: u64,
 }
 
-impl PackSink<'_> {
-    fn append(&mut self, bytes: &[u8]) -> Result<(usize, u64), BuildError> {
-        if self.current.is_none() {
-            self.current = Some((self.store.blob_writer()?, 0));
+impl PackPlan {
+    /// Place `n` bytes: (pack ordinal, offset, whether the pack is full afterwards).
+    fn place(&mut self, n: u64) -> (usize, u64, bool) {
+        let at = (self.pack, self.len);
+        self.len += n;
+        let full = self.len >= PACK_TARGET_BYTES;
+        if full {
+            self.pack += 1;
+            self.len = 0;
         }
-        let pack = self.done.len();
-        let Some((writer, len)) = self.current.as_mut() else { unreachable!("just created") };
-        let offset = writer.append(bytes)?;
-        *len = offset + bytes.len() as u64;
-        if *len >= PACK_TARGET_BYTES {
-            self.close()?;
-        }
-        Ok((pack, offset))
+        (at.0, at.1, full)
     }
+}
 
-    fn close(&mut self) -> Result<(), BuildError> {
-        if let Some((writer, _)) = self.current.take() {
-            self.done.push(writer.commit()?);
+enum PackOp {
+    Append(Vec<u8>),
+    Close,
+}
+
+/// The writer thread: appends to the current pack and commits it on `Close`. If the sender goes
+/// away without a final `Close` (the build failed), the unfinished pack is dropped, temp file and all.
+fn pack_writer(store: &LocalStore, rx: mpsc::Receiver<Vec<PackOp>>) -> Result<Vec<Sha256Digest>, BuildError> {
+    let mut current: Option<BlobWriter> = None;
+    let mut done = Vec::new();
+    for op in rx.iter().flatten() {
+        match op {
+            PackOp::Append(bytes) => {
+                let writer = match current.as_mut() {
+                    Some(w) => w,
+                    None => current.insert(store.blob_writer()?),
+                };
+                writer.append(&bytes)?;
+            }
+            PackOp::Close => {
+                if let Some(writer) = current.take() {
+                    done.push(writer.commit()?);
+                }
+            }
         }
-        Ok(())
     }
+    Ok(done)
 }
 
 /// Chunk every regular file of `src`, deduplicating against `existing` (chunks the store holds)
@@ -153,10 +197,38 @@ pub fn chunk_tree(
     let total: u64 = jobs.iter().map(|j| u64::from(j.len)).sum();
     progress.start(total);
 
+    // One batch of stored bytes may wait while another is written: memory stays bounded.
+    let (tx, rx) = mpsc::sync_channel::<Vec<PackOp>>(1);
+    let (result, written) = std::thread::scope(|scope| {
+        let writer = scope.spawn(|| pack_writer(store, rx));
+        let result = chunk_batches(src, &jobs, existing, &tx, progress);
+        if result.is_ok() {
+            // Commit the last pack; a failed build leaves it uncommitted.
+            let _ = tx.send(vec![PackOp::Close]);
+        }
+        drop(tx);
+        let panicked = BuildError::Internal { what: "the pack writer thread panicked", chunk: None };
+        (result, writer.join().unwrap_or(Err(panicked)))
+    });
+    let mut out = result?;
+    out.new_packs = written?;
+    progress.finish();
+    Ok(out)
+}
+
+fn chunk_batches(
+    src: &SourceTree,
+    jobs: &[Job],
+    existing: HashMap<ChunkId, (Sha256Digest, PackLocation)>,
+    tx: &mpsc::SyncSender<Vec<PackOp>>,
+    progress: &dyn Progress,
+) -> Result<ChunkOutput, BuildError> {
     let mut known: HashMap<ChunkId, ChunkHome> =
         existing.into_iter().map(|(id, (pack, loc))| (id, ChunkHome::Existing(pack, loc))).collect();
     let mut out = ChunkOutput { files: vec![Vec::new(); src.tree.nodes.len()], ..Default::default() };
-    let mut sink = PackSink { store, current: None, done: Vec::new() };
+    let mut plan = PackPlan::default();
+    // The writer only stops early on an error, which `chunk_tree` reports after joining it.
+    let writer_gone = || BuildError::Internal { what: "the pack writer stopped", chunk: None };
 
     let mut start = 0;
     while start < jobs.len() {
@@ -169,38 +241,36 @@ pub fn chunk_tree(
         let batch = &jobs[start..end];
         let results: Vec<Result<Processed, BuildError>> =
             batch.par_iter().map(|job| process(job, &known)).collect();
+        let mut ops = Vec::new();
         for (job, result) in batch.iter().zip(results) {
             let p = result?;
             out.files[job.node].push((job.offset, p.id, p.len));
             let home = match known.entry(p.id) {
-                std::collections::hash_map::Entry::Occupied(e) => *e.get(),
-                std::collections::hash_map::Entry::Vacant(slot) => {
+                Entry::Occupied(e) => *e.get(),
+                Entry::Vacant(slot) => {
                     let (bytes, compression) = match p.stored {
                         Some(s) => s,
-                        // `known` only grows between batches, so a chunk judged known while the batch
-                        // ran is still known here; this arm exists for robustness only.
+                        // `known` only grows between batches, so a chunk judged known while the
+                        // batch ran is still known here; this arm exists for robustness only.
                         None => (read_chunk(job)?, Compression::None),
                     };
-                    let (pack, offset) = sink.append(&bytes)?;
-                    let loc = PackLocation {
-                        pack: 0,
-                        offset,
-                        stored_len: bytes.len() as u32,
-                        raw_len: p.len,
-                        compression,
-                    };
+                    let stored_len = bytes.len() as u32;
+                    let (pack, offset, full) = plan.place(u64::from(stored_len));
+                    ops.push(PackOp::Append(bytes));
+                    if full {
+                        ops.push(PackOp::Close);
+                    }
                     out.new_chunks += 1;
-                    out.new_stored_bytes += bytes.len() as u64;
+                    out.new_stored_bytes += u64::from(stored_len);
+                    let loc = PackLocation { pack: 0, offset, stored_len, raw_len: p.len, compression };
                     *slot.insert(ChunkHome::New { pack, loc })
                 }
             };
             out.homes.insert(p.id, home);
         }
+        tx.send(ops).map_err(|_| writer_gone())?;
         progress.advance(bytes);
         start = end;
     }
-    sink.close()?;
-    out.new_packs = sink.done;
-    progress.finish();
     Ok(out)
 }
