@@ -10,8 +10,11 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
+use tessera_image::BLOCK_SIZE;
 use tessera_store::{ImageReader, OpenImage, StoreLocation};
-use tessera_vhost::{DeviceConfig, Server, DEFAULT_SOCKET_MODE, MAX_QUEUES};
+use tessera_vhost::{
+    DeviceConfig, Disk, Overlay, OverlayMode, OverlayParams, Server, DEFAULT_SOCKET_MODE, MAX_QUEUES,
+};
 
 use crate::UsageError;
 
@@ -22,10 +25,15 @@ use crate::UsageError;
 daemon keeps listening and serves the next one. SIGTERM or SIGINT: finish in-flight requests, remove the \
 socket, exit 0.\n\
 \n\
-The device is read-only for now (writes, DISCARD and WRITE_ZEROES get VIRTIO_BLK_S_IOERR): the \
-copy-on-write overlay is not implemented yet, so --read-only is the only mode and is implied.\n\
+Writes go to a copy-on-write overlay (the image itself is never modified): with --overlay FILE \
+they persist across restarts (FILE is created if missing; an overlay made for another image is \
+refused) and every write completed before a FLUSH survives a crash or power loss; without it the \
+overlay is an unlinked temporary file in $TMPDIR, gone with the process. DISCARD and WRITE_ZEROES \
+make the range read as zeros. `tessera export IMAGE --overlay FILE` writes base plus overlay. \
+--read-only refuses writes (VIRTIO_BLK_F_RO); with --overlay it serves base plus overlay.\n\
 \n\
 Examples:\n  tessera serve web --store ./store --socket /run/web.sock --read-only\n  \
+tessera serve web --store ./store --socket /run/web.sock --overlay /var/lib/vm1/web.overlay\n  \
 tessera serve sha256:3f1c... --store ./store --socket /tmp/vm.sock --queues 2 --socket-mode 0660\n  \
 tessera serve web --store ./store --socket /tmp/vm.sock --ready-fd 3 3>ready.txt")]
 pub struct ServeArgs {
@@ -37,9 +45,13 @@ pub struct ServeArgs {
     /// The vhost-user socket to create.
     #[arg(long)]
     socket: PathBuf,
-    /// Refuse writes (VIRTIO_BLK_F_RO). Currently always the case.
+    /// Refuse writes (VIRTIO_BLK_F_RO).
     #[arg(long)]
     read_only: bool,
+    /// Keep the guest's writes in this overlay file (created if missing) across restarts.
+    /// Default: a temporary overlay in $TMPDIR, gone with the process.
+    #[arg(long, value_name = "FILE")]
+    overlay: Option<PathBuf>,
     /// Number of virtqueues offered, each served by its own thread (1 to 64).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=i64::from(MAX_QUEUES)))]
     queues: u16,
@@ -74,18 +86,28 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     let store = StoreLocation::parse(&args.store)?.open_for_read()?;
     let id = store.resolve(&args.image)?;
     let image = OpenImage::open(&store, &id)?;
-    let reader = ImageReader::new(image, store.clone());
-    if !args.read_only {
-        tracing::warn!("writes are not supported yet (no overlay): serving the image read-only");
-    }
-    let device = DeviceConfig::new(&id, reader.device_bytes(), args.queues, true);
+    let reader = Arc::new(ImageReader::new(image, store.clone()));
+    let device = DeviceConfig::new(&id, reader.device_bytes(), args.queues, args.read_only);
+    let params = OverlayParams { image_id: id, block_size: BLOCK_SIZE, device_bytes: reader.device_bytes() };
+    let disk = match (&args.overlay, args.read_only) {
+        (None, true) => Disk::ReadOnly(reader),
+        (Some(path), true) => {
+            Disk::Overlay(Arc::new(Overlay::open_file(path, params, reader, OverlayMode::ReadOnly)?))
+        }
+        (Some(path), false) => Disk::Overlay(Arc::new(Overlay::open_or_create_file(path, params, reader)?)),
+        (None, false) => {
+            let dir = std::env::temp_dir();
+            let overlay = Overlay::temporary(&dir, params, reader)?;
+            tracing::info!(dir = %dir.display(), "writes go to a temporary overlay");
+            Disk::Overlay(Arc::new(overlay))
+        }
+    };
 
     // Signals are handled on their own thread from before the socket exists on, so a SIGTERM
     // right after readiness still removes the socket.
     let mut signals = Signals::new([SIGTERM, SIGINT]).context("installing signal handlers")?;
-    let server =
-        Server::bind(&args.socket, args.socket_mode.unwrap_or(DEFAULT_SOCKET_MODE), device, Arc::new(reader))
-            .with_context(|| format!("serving {id}"))?;
+    let server = Server::bind(&args.socket, args.socket_mode.unwrap_or(DEFAULT_SOCKET_MODE), device, disk)
+        .with_context(|| format!("serving {id}"))?;
     let stop = server.stop_handle();
     let handle = signals.handle();
     let signal_thread = std::thread::spawn(move || {

@@ -14,7 +14,7 @@ use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier};
 
 use crate::config::{DeviceConfig, MAX_QUEUE_SIZE};
-use crate::execute::{serve_chain, BlockSource};
+use crate::execute::{serve_chain, Disk};
 
 /// Guest memory as the framework hands it over (no dirty-page bitmap).
 pub type GuestMem = GuestMemoryAtomic<GuestMemoryMmap<()>>;
@@ -28,7 +28,7 @@ pub struct BlkBackend {
 
 struct Inner {
     device: DeviceConfig,
-    source: Arc<dyn BlockSource>,
+    disk: Disk,
     event_idx: AtomicBool,
     mem: Mutex<Option<GuestMem>>,
     /// One bounce buffer per queue (queue `i` is served by worker thread `i`).
@@ -42,13 +42,13 @@ impl std::fmt::Debug for BlkBackend {
 }
 
 impl BlkBackend {
-    /// A backend for `device` reading from `source`.
-    pub fn new(device: DeviceConfig, source: Arc<dyn BlockSource>) -> Self {
+    /// A backend for `device` served from `disk`.
+    pub fn new(device: DeviceConfig, disk: Disk) -> Self {
         let bounce = (0..device.queues).map(|_| Mutex::new(Vec::new())).collect();
         Self {
             inner: Arc::new(Inner {
                 device,
-                source,
+                disk,
                 event_idx: AtomicBool::new(false),
                 mem: Mutex::new(None),
                 bounce,
@@ -84,8 +84,7 @@ impl BlkBackend {
                 let mut served = 0usize;
                 while let Some(chain) = state.get_queue_mut().pop_descriptor_chain(&*mem) {
                     let head = chain.head_index();
-                    let done =
-                        serve_chain(chain, &*mem, &*self.inner.source, &self.inner.device, &mut bounce);
+                    let done = serve_chain(chain, &*mem, &self.inner.disk, &self.inner.device, &mut bounce);
                     state.get_queue_mut().add_used(&*mem, head, done.used_len)?;
                     served += 1;
                 }

@@ -5,6 +5,8 @@ use std::sync::Arc;
 
 use tessera_store::StoreError;
 
+use crate::overlay::OverlayError;
+
 use thiserror::Error;
 use virtio_bindings::bindings::virtio_blk::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP};
 
@@ -67,6 +69,8 @@ pub enum RequestError {
     Read { offset: u64, source: Arc<StoreError> },
     #[error("guest buffer {addr:#x}+{len} could not be accessed")]
     GuestMemory { addr: u64, len: u32 },
+    #[error("overlay access at byte {offset}")]
+    Overlay { offset: u64, source: Arc<OverlayError> },
 }
 
 impl RequestError {
@@ -84,7 +88,8 @@ impl RequestError {
             | RequestError::OutOfRange { .. }
             | RequestError::ReadOnly
             | RequestError::Read { .. }
-            | RequestError::GuestMemory { .. } => Status::IoErr,
+            | RequestError::GuestMemory { .. }
+            | RequestError::Overlay { .. } => Status::IoErr,
         }
     }
 }
@@ -102,4 +107,6 @@ pub enum ServeError {
     Daemon { what: &'static str, message: String },
     #[error("{what}: {source}")]
     Io { what: &'static str, source: std::io::Error },
+    #[error(transparent)]
+    Overlay(#[from] OverlayError),
 }

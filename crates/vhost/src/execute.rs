@@ -3,35 +3,66 @@
 
 use std::sync::Arc;
 
-use tessera_store::{ChunkSource, ImageReader, StoreError};
 use tracing::{debug, debug_span, warn};
 use virtio_queue::desc::split::Descriptor;
 use vm_memory::{Bytes, GuestAddress, GuestMemory};
 
 use crate::config::DeviceConfig;
 use crate::error::{RequestError, Status};
+use crate::overlay::{Overlay, OverlayError};
 use crate::plan::{plan, Plan};
 use crate::request::{parse, GuestSeg, Parsed, RequestKind};
+pub use crate::source::BlockSource;
 
 /// Largest piece of a read assembled in the bounce buffer at once.
 pub const BOUNCE_MAX: usize = 1 << 20;
 
-/// Device bytes to serve: the image read path (or a test double).
-pub trait BlockSource: Send + Sync {
-    /// Fill `buf` with the device bytes at `offset` (the range is within the device).
-    fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), StoreError>;
+/// What requests execute against: the base image alone (read-only device) or the
+/// copy-on-write overlay over it.
+#[derive(Clone)]
+pub enum Disk {
+    ReadOnly(Arc<dyn BlockSource>),
+    Overlay(Arc<Overlay>),
 }
 
-impl<S: ChunkSource> BlockSource for ImageReader<S> {
-    fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), StoreError> {
-        ImageReader::read_at(self, offset, buf)
+impl std::fmt::Debug for Disk {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Disk::ReadOnly(_) => f.write_str("Disk::ReadOnly"),
+            Disk::Overlay(o) => write!(f, "Disk::Overlay({o:?})"),
+        }
     }
 }
 
-impl<T: BlockSource + ?Sized> BlockSource for Arc<T> {
-    fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), StoreError> {
-        (**self).read_at(offset, buf)
+impl Disk {
+    /// Fill `buf` with the device bytes at `offset`.
+    pub fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), RequestError> {
+        match self {
+            Disk::ReadOnly(s) => {
+                s.read_at(offset, buf).map_err(|e| RequestError::Read { offset, source: Arc::new(e) })
+            }
+            Disk::Overlay(o) => o.read_at(offset, buf).map_err(|e| overlay_err(offset, e)),
+        }
     }
+
+    fn overlay(&self) -> Result<&Overlay, RequestError> {
+        match self {
+            Disk::ReadOnly(_) => Err(RequestError::ReadOnly),
+            Disk::Overlay(o) => Ok(o),
+        }
+    }
+
+    /// Make completed writes durable (nothing to do without an overlay).
+    pub fn flush(&self) -> Result<(), RequestError> {
+        match self {
+            Disk::ReadOnly(_) => Ok(()),
+            Disk::Overlay(o) => o.flush().map_err(|e| overlay_err(0, e)),
+        }
+    }
+}
+
+fn overlay_err(offset: u64, e: OverlayError) -> RequestError {
+    RequestError::Overlay { offset, source: Arc::new(e) }
 }
 
 /// Execute `plan`; returns the number of bytes written into device-writable guest buffers
@@ -39,12 +70,39 @@ impl<T: BlockSource + ?Sized> BlockSource for Arc<T> {
 pub fn execute<M: GuestMemory + ?Sized>(
     plan: &Plan,
     mem: &M,
-    source: &dyn BlockSource,
+    disk: &Disk,
     device: &DeviceConfig,
     bounce: &mut Vec<u8>,
 ) -> Result<u32, RequestError> {
     match plan {
-        Plan::Flush => Ok(0),
+        Plan::Flush => disk.flush().map(|()| 0),
+        Plan::Zeroes { ranges } => {
+            let o = disk.overlay()?;
+            for &(offset, len) in ranges {
+                o.write_zeroes(offset, len).map_err(|e| overlay_err(offset, e))?;
+            }
+            Ok(0)
+        }
+        Plan::Write { offset, len, data } => {
+            let o = disk.overlay()?;
+            let mut cursor = Cursor { segs: data, index: 0, within: 0 };
+            let mut pos = 0u64;
+            while pos < *len {
+                // Pieces end on BOUNCE_MAX boundaries of the device, so only the first and the
+                // last block of the request can be partial.
+                let at = offset + pos;
+                let to_boundary = BOUNCE_MAX as u64 - at % BOUNCE_MAX as u64;
+                let n = usize::try_from((*len - pos).min(to_boundary)).unwrap_or(BOUNCE_MAX);
+                if bounce.len() < n {
+                    bounce.resize(n, 0);
+                }
+                let buf = &mut bounce[..n];
+                cursor.read(mem, buf)?;
+                o.write_at(at, buf).map_err(|e| overlay_err(at, e))?;
+                pos += n as u64;
+            }
+            Ok(0)
+        }
         Plan::GetId { data } => {
             let mut written = 0u32;
             let mut rest: &[u8] = &device.serial;
@@ -61,7 +119,7 @@ pub fn execute<M: GuestMemory + ?Sized>(
             Ok(written)
         }
         Plan::Read { offset, len, data } => {
-            let mut cursor = Scatter { segs: data, index: 0, within: 0 };
+            let mut cursor = Cursor { segs: data, index: 0, within: 0 };
             let mut pos = 0u64;
             while pos < *len {
                 let n = usize::try_from(*len - pos).unwrap_or(BOUNCE_MAX).min(BOUNCE_MAX);
@@ -69,10 +127,7 @@ pub fn execute<M: GuestMemory + ?Sized>(
                     bounce.resize(n, 0);
                 }
                 let buf = &mut bounce[..n];
-                let at = offset + pos;
-                source
-                    .read_at(at, buf)
-                    .map_err(|e| RequestError::Read { offset: at, source: Arc::new(e) })?;
+                disk.read_at(offset + pos, buf)?;
                 cursor.write(mem, buf)?;
                 pos += n as u64;
             }
@@ -82,31 +137,50 @@ pub fn execute<M: GuestMemory + ?Sized>(
     }
 }
 
-/// Writes consecutive bytes across a list of guest buffers.
-struct Scatter<'a> {
+/// Consecutive bytes across a list of guest buffers.
+struct Cursor<'a> {
     segs: &'a [GuestSeg],
     index: usize,
     within: u32,
 }
 
-impl Scatter<'_> {
+impl Cursor<'_> {
+    /// The next piece of at most `max` bytes, advancing the cursor.
+    fn next(&mut self, max: usize) -> Result<(GuestAddress, usize), RequestError> {
+        let Some(s) = self.segs.get(self.index) else {
+            // The plan's length is the sum of the segments: cannot happen.
+            return Err(RequestError::GuestMemory { addr: 0, len: u32::try_from(max).unwrap_or(u32::MAX) });
+        };
+        let room = (s.len - self.within) as usize;
+        let n = room.min(max);
+        let addr = GuestAddress(s.addr.0 + u64::from(self.within));
+        self.within += n as u32;
+        if self.within == s.len {
+            self.index += 1;
+            self.within = 0;
+        }
+        Ok((addr, n))
+    }
+
+    /// Scatter `bytes` into the guest buffers.
     fn write<M: GuestMemory + ?Sized>(&mut self, mem: &M, mut bytes: &[u8]) -> Result<(), RequestError> {
         while !bytes.is_empty() {
-            let Some(s) = self.segs.get(self.index) else {
-                // The plan's length is the sum of the segments: cannot happen.
-                return Err(RequestError::GuestMemory { addr: 0, len: bytes.len() as u32 });
-            };
-            let room = (s.len - self.within) as usize;
-            let n = room.min(bytes.len());
-            let addr = GuestAddress(s.addr.0 + u64::from(self.within));
+            let (addr, n) = self.next(bytes.len())?;
             mem.write_slice(&bytes[..n], addr)
                 .map_err(|_| RequestError::GuestMemory { addr: addr.0, len: n as u32 })?;
             bytes = &bytes[n..];
-            self.within += n as u32;
-            if self.within == s.len {
-                self.index += 1;
-                self.within = 0;
-            }
+        }
+        Ok(())
+    }
+
+    /// Gather the guest buffers into `buf`.
+    fn read<M: GuestMemory + ?Sized>(&mut self, mem: &M, mut buf: &mut [u8]) -> Result<(), RequestError> {
+        while !buf.is_empty() {
+            let (addr, n) = self.next(buf.len())?;
+            let (head, rest) = buf.split_at_mut(n);
+            mem.read_slice(head, addr)
+                .map_err(|_| RequestError::GuestMemory { addr: addr.0, len: n as u32 })?;
+            buf = rest;
         }
         Ok(())
     }
@@ -126,7 +200,7 @@ pub struct Completion {
 pub fn serve_chain<M: GuestMemory + ?Sized>(
     descs: impl IntoIterator<Item = Descriptor>,
     mem: &M,
-    source: &dyn BlockSource,
+    disk: &Disk,
     device: &DeviceConfig,
     bounce: &mut Vec<u8>,
 ) -> Completion {
@@ -142,13 +216,15 @@ pub fn serve_chain<M: GuestMemory + ?Sized>(
             debug_span!("request", kind = kind_name(&req.kind), sector = req.sector, len = req.data_len);
         let _enter = span.enter();
         let p = plan(req, device)?;
-        execute(&p, mem, source, device, bounce)
+        execute(&p, mem, disk, device, bounce)
     });
     let (status, written) = match result {
         Ok(n) => (Status::Ok, n),
         Err(e) => {
             match &e {
-                RequestError::Read { .. } | RequestError::GuestMemory { .. } => {
+                RequestError::Read { .. }
+                | RequestError::GuestMemory { .. }
+                | RequestError::Overlay { .. } => {
                     warn!(error = %e, "request failed")
                 }
                 _ => debug!(error = %e, "request refused"),
@@ -171,11 +247,5 @@ fn kind_name(kind: &RequestKind) -> &'static str {
         RequestKind::GetId => "get_id",
         RequestKind::Discard(_) => "discard",
         RequestKind::WriteZeroes(_) => "write_zeroes",
-    }
-}
-
-impl std::fmt::Debug for dyn BlockSource {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("BlockSource")
     }
 }

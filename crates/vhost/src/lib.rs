@@ -13,19 +13,21 @@
 //! queue) and [`Server`] owns the socket: one client at a time, a fresh daemon per connection,
 //! so a VMM may disconnect and reconnect.
 //!
-//! Current limits (see `docs/daemon.md`): every device is read-only (the copy-on-write overlay
-//! comes next) and reads are served synchronously on the queue's worker thread.
+//! A writable device writes into the copy-on-write [`overlay`] (one file, durable at each FLUSH
+//! with one `fdatasync`); a read-only device serves the base image alone. Current limit (see
+//! `docs/daemon.md`): requests are served synchronously on the queue's worker thread.
 //!
 //! ```no_run
 //! use std::sync::Arc;
 //! use tessera_store::{ImageReader, LocalStore, OpenImage};
-//! use tessera_vhost::{DeviceConfig, Server, DEFAULT_SOCKET_MODE};
+//! use tessera_vhost::{DeviceConfig, Disk, Server, DEFAULT_SOCKET_MODE};
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let store = LocalStore::open("/var/lib/tessera")?;
 //! let id = store.resolve("web")?;
 //! let reader = ImageReader::new(OpenImage::open(&store, &id)?, store.clone());
 //! let device = DeviceConfig::new(&id, reader.device_bytes(), 1, true);
-//! let server = Server::bind("/run/web.sock".as_ref(), DEFAULT_SOCKET_MODE, device, Arc::new(reader))?;
+//! let disk = Disk::ReadOnly(Arc::new(reader));
+//! let server = Server::bind("/run/web.sock".as_ref(), DEFAULT_SOCKET_MODE, device, disk)?;
 //! let stop = server.stop_handle(); // stop.stop() from a signal thread
 //! server.run()?;
 //! # Ok(()) }
@@ -35,13 +37,17 @@ pub mod backend;
 pub mod config;
 pub mod error;
 pub mod execute;
+pub mod overlay;
 pub mod plan;
 pub mod request;
 pub mod server;
+pub mod source;
 
 pub use backend::{BlkBackend, GuestMem};
 pub use config::{serial_for, DeviceConfig, BLK_SIZE, MAX_QUEUES, MAX_QUEUE_SIZE};
 pub use error::{DropReason, RequestError, ServeError, Status};
-pub use execute::{serve_chain, BlockSource, Completion};
+pub use execute::{serve_chain, Completion, Disk};
+pub use overlay::{Mode as OverlayMode, Overlay, OverlayError, OverlayParams};
 pub use request::{Parsed, Request, RequestKind};
 pub use server::{Server, StopHandle, DEFAULT_SOCKET_MODE};
+pub use source::BlockSource;

@@ -9,16 +9,21 @@ use crate::request::{GuestSeg, Request, RequestKind, SECTOR_SIZE};
 pub enum Plan {
     /// Copy device bytes `[offset, offset + len)` into `data`, in order.
     Read { offset: u64, len: u64, data: Vec<GuestSeg> },
+    /// Write the bytes of `data` (in order) to device bytes `[offset, offset + len)`.
+    Write { offset: u64, len: u64, data: Vec<GuestSeg> },
+    /// Make each `(offset, len)` byte range read as zeros (DISCARD and WRITE_ZEROES: both are
+    /// honoured the same way, so a discarded range reads as zeros).
+    Zeroes { ranges: Vec<(u64, u64)> },
     /// Write the serial (at most 20 bytes) into `data`.
     GetId { data: Vec<GuestSeg> },
-    /// Nothing to do: a read-only device has no volatile state to flush.
+    /// Make completed writes durable (nothing to do on a read-only device).
     Flush,
 }
 
 /// Check `request` against `device` and decide what to do.
 ///
-/// Writes, DISCARD and WRITE_ZEROES are refused with [`RequestError::ReadOnly`]: the
-/// copy-on-write overlay that will accept them does not exist yet, so every device is read-only.
+/// Writes, DISCARD and WRITE_ZEROES on a read-only device are refused with
+/// [`RequestError::ReadOnly`].
 pub fn plan(request: Request, device: &DeviceConfig) -> Result<Plan, RequestError> {
     match request.kind {
         RequestKind::In => {
@@ -29,8 +34,25 @@ pub fn plan(request: Request, device: &DeviceConfig) -> Result<Plan, RequestErro
         }
         RequestKind::GetId => Ok(Plan::GetId { data: request.data }),
         RequestKind::Flush => Ok(Plan::Flush),
-        RequestKind::Out | RequestKind::Discard(_) | RequestKind::WriteZeroes(_) => {
+        RequestKind::Out | RequestKind::Discard(_) | RequestKind::WriteZeroes(_) if device.read_only => {
             Err(RequestError::ReadOnly)
+        }
+        RequestKind::Out => {
+            let sectors = request.data_len / SECTOR_SIZE;
+            check_range(request.sector, sectors, device)?;
+            Ok(Plan::Write {
+                offset: request.sector * SECTOR_SIZE,
+                len: request.data_len,
+                data: request.data,
+            })
+        }
+        RequestKind::Discard(ranges) | RequestKind::WriteZeroes(ranges) => {
+            let mut out = Vec::with_capacity(ranges.len());
+            for r in ranges {
+                check_range(r.sector, u64::from(r.sectors), device)?;
+                out.push((r.sector * SECTOR_SIZE, u64::from(r.sectors) * SECTOR_SIZE));
+            }
+            Ok(Plan::Zeroes { ranges: out })
         }
     }
 }
@@ -96,5 +118,25 @@ mod tests {
             assert_eq!(e.status(), crate::Status::IoErr);
         }
         assert_eq!(plan(req(RequestKind::Flush, 0, 0), &d).unwrap(), Plan::Flush);
+    }
+
+    #[test]
+    fn writable_device_plans_writes_and_zeroes() {
+        let d = DeviceConfig { read_only: false, ..dev() };
+        assert_eq!(
+            plan(req(RequestKind::Out, 8, 1024), &d).unwrap(),
+            Plan::Write {
+                offset: 4096,
+                len: 1024,
+                data: vec![GuestSeg { addr: GuestAddress(0x1000), len: 1024 }]
+            }
+        );
+        assert!(matches!(plan(req(RequestKind::Out, 2047, 1024), &d), Err(RequestError::OutOfRange { .. })));
+        let z = RequestKind::WriteZeroes(vec![DiscardRange { sector: 1, sectors: 3, unmap: false }]);
+        assert_eq!(plan(req(z, 0, 0), &d).unwrap(), Plan::Zeroes { ranges: vec![(512, 1536)] });
+        let far = RequestKind::Discard(vec![DiscardRange { sector: u64::MAX, sectors: 1, unmap: false }]);
+        assert!(matches!(plan(req(far, 0, 0), &d), Err(RequestError::OutOfRange { .. })));
+        let end = RequestKind::Discard(vec![DiscardRange { sector: 2040, sectors: 9, unmap: false }]);
+        assert!(matches!(plan(req(end, 0, 0), &d), Err(RequestError::OutOfRange { .. })));
     }
 }

@@ -18,7 +18,7 @@ use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
 use crate::backend::BlkBackend;
 use crate::config::{DeviceConfig, MAX_QUEUES};
 use crate::error::ServeError;
-use crate::execute::BlockSource;
+use crate::execute::Disk;
 use crate::request::SECTOR_SIZE;
 
 /// Socket permissions unless told otherwise.
@@ -32,7 +32,7 @@ pub struct Server {
     poll_fd: UnixListener,
     path: PathBuf,
     device: DeviceConfig,
-    source: Arc<dyn BlockSource>,
+    disk: Disk,
     stop: StopHandle,
     connections: Arc<AtomicU64>,
 }
@@ -115,22 +115,15 @@ impl Server {
     /// bound under a temporary name, chmod-ed, then renamed into place, so `path` appears only
     /// once it accepts connections, with the right mode (an existing file at `path`, e.g. the
     /// socket of a dead daemon, is replaced).
-    pub fn bind(
-        path: &Path,
-        mode: u32,
-        device: DeviceConfig,
-        source: Arc<dyn BlockSource>,
-    ) -> Result<Self, ServeError> {
+    pub fn bind(path: &Path, mode: u32, device: DeviceConfig, disk: Disk) -> Result<Self, ServeError> {
         if device.queues == 0 || device.queues > MAX_QUEUES {
             return Err(ServeError::Config("the number of queues must be from 1 to 64"));
         }
         if device.capacity_bytes % SECTOR_SIZE != 0 {
             return Err(ServeError::Config("the device size must be a multiple of 512 bytes"));
         }
-        if !device.read_only {
-            return Err(ServeError::Config(
-                "writable devices need the copy-on-write overlay, which is not implemented yet",
-            ));
+        if !device.read_only && matches!(disk, Disk::ReadOnly(_)) {
+            return Err(ServeError::Config("a writable device needs a copy-on-write overlay"));
         }
         let name = path
             .file_name()
@@ -160,7 +153,7 @@ impl Server {
             listener: Listener::from(listener),
             path: path.to_owned(),
             device,
-            source,
+            disk,
             stop: StopHandle::new()?,
             connections: Arc::new(AtomicU64::new(0)),
         })
@@ -186,6 +179,10 @@ impl Server {
     pub fn run(mut self) -> Result<(), ServeError> {
         while self.wait_for_client()? {
             self.serve_connection()?;
+        }
+        // Every request has completed (the workers are joined): make the overlay durable.
+        if let Disk::Overlay(o) = &self.disk {
+            o.flush()?;
         }
         info!(socket = %self.path.display(), "stopped");
         Ok(())
@@ -216,7 +213,7 @@ impl Server {
     }
 
     fn serve_connection(&mut self) -> Result<(), ServeError> {
-        let backend = BlkBackend::new(self.device.clone(), Arc::clone(&self.source));
+        let backend = BlkBackend::new(self.device.clone(), self.disk.clone());
         let mem = GuestMemoryAtomic::new(GuestMemoryMmap::new());
         let daemon_err = |what| move |e: DaemonError| ServeError::Daemon { what, message: e.to_string() };
         let mut daemon =

@@ -3,9 +3,11 @@
 #![allow(clippy::unwrap_used)]
 
 use rand::{Rng, SeedableRng};
+use std::sync::Arc;
 use tessera_image::{ImageId, Sha256Digest};
 use tessera_store::StoreError;
-use tessera_vhost::{serve_chain, BlockSource, Completion, DeviceConfig, Status};
+
+use tessera_vhost::{serve_chain, BlockSource, Completion, DeviceConfig, Disk, Status};
 use virtio_queue::desc::split::Descriptor;
 use virtio_queue::desc::RawDescriptor;
 use virtio_queue::mock::MockSplitQueue;
@@ -58,15 +60,19 @@ fn header(mem: &GuestMemoryMmap<()>, at: u64, kind: u32, sector: u64) {
 }
 
 /// Serve one chain made of `descs` (NEXT links added) with `source`.
-fn run_with(mem: &GuestMemoryMmap<()>, descs: &[RawDescriptor], source: &dyn BlockSource) -> Completion {
+fn run_with(
+    mem: &GuestMemoryMmap<()>,
+    descs: &[RawDescriptor],
+    source: impl BlockSource + 'static,
+) -> Completion {
     let q = MockSplitQueue::new(mem, 512);
     let chain = q.build_desc_chain(descs).unwrap();
     mem.write_obj(0xffu8, GuestAddress(STATUS)).unwrap();
-    serve_chain(chain, mem, source, &device(), &mut Vec::new())
+    serve_chain(chain, mem, &Disk::ReadOnly(Arc::new(source)), &device(), &mut Vec::new())
 }
 
 fn run(mem: &GuestMemoryMmap<()>, descs: &[RawDescriptor]) -> Completion {
-    run_with(mem, descs, &Pattern)
+    run_with(mem, descs, Pattern)
 }
 
 fn status_byte(mem: &GuestMemoryMmap<()>) -> u8 {
@@ -190,7 +196,7 @@ fn out_of_range_and_malformed() {
     long.push(d(STATUS, 1, W));
     expect(run(&m, &long), Status::IoErr, 1, &m);
     // A read error from the image.
-    expect(run_with(&m, &[d(HDR, 16, 0), d(DATA, 512, W), d(STATUS, 1, W)], &Failing), Status::IoErr, 1, &m);
+    expect(run_with(&m, &[d(HDR, 16, 0), d(DATA, 512, W), d(STATUS, 1, W)], Failing), Status::IoErr, 1, &m);
 }
 
 #[test]
@@ -215,7 +221,7 @@ fn chains_without_a_usable_status_are_dropped() {
     let q = MockSplitQueue::new(&m, 16);
     let broken = [RawDescriptor::from(Descriptor::new(HDR, 16, 1, 1000))];
     let chain = q.build_multiple_desc_chains(&broken).unwrap();
-    let c = serve_chain(chain, &m, &Pattern, &device(), &mut Vec::new());
+    let c = serve_chain(chain, &m, &Disk::ReadOnly(Arc::new(Pattern)), &device(), &mut Vec::new());
     assert_eq!(c, Completion { used_len: 0, status: None });
     untouched(&m);
 }
@@ -255,7 +261,7 @@ fn random_chains_never_panic() {
             .filter(|x| x.flags() & W != 0)
             .map(|x| u64::from(x.len()))
             .sum();
-        let c = serve_chain(chain, &m, &Pattern, &device(), &mut Vec::new());
+        let c = serve_chain(chain, &m, &Disk::ReadOnly(Arc::new(Pattern)), &device(), &mut Vec::new());
         assert!(u64::from(c.used_len) <= writable);
     }
 }

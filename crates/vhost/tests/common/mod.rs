@@ -15,7 +15,7 @@ use tessera_build::{build_dir, BuildConfig, NoProgress};
 use tessera_ext4::SizePolicy;
 use tessera_image::ImageId;
 use tessera_store::{export_raw, ImageReader, LocalStore, OpenImage};
-use tessera_vhost::{DeviceConfig, Server, StopHandle, DEFAULT_SOCKET_MODE};
+use tessera_vhost::{DeviceConfig, Disk, Server, StopHandle, DEFAULT_SOCKET_MODE};
 
 /// A built image, its exported raw bytes, and the directory holding everything.
 pub struct Fixture {
@@ -68,7 +68,7 @@ impl Running {
         let socket = f.dir.path().join(format!("vhost-{queues}.sock"));
         let r = reader(&f.store, &f.id);
         let device = DeviceConfig::new(&f.id, r.device_bytes(), queues, true);
-        let server = Server::bind(&socket, DEFAULT_SOCKET_MODE, device, Arc::new(r)).unwrap();
+        let server = Server::bind(&socket, DEFAULT_SOCKET_MODE, device, Disk::ReadOnly(Arc::new(r))).unwrap();
         let stop = server.stop_handle();
         let thread = std::thread::spawn(move || server.run());
         Running { socket, stop, thread: Some(thread) }

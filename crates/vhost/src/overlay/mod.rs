@@ -1,0 +1,950 @@
+//! The copy-on-write overlay: the guest's writes on top of a read-only base image, in one file
+//! (format and crash argument in `docs/formats/overlay.md`). No virtio knowledge: byte offsets
+//! in, bytes out.
+//!
+//! The file is an array of `block_size` slots. Slot 0 holds two header copies; the other slots
+//! hold written blocks or log segments. The block map (device block → slot run, or zeros) lives
+//! in memory and is persisted as a checksummed log of map updates, chained through log segment
+//! slots. A write goes to fresh slots (never over a slot the durable map still references) and
+//! queues a map record; FLUSH appends the queued records to the log and calls `sync_data` once.
+//! Slots released by a write or a discard become reusable only after the FLUSH that logged their
+//! release *and the one after it* have completed (so that the slots of the last flush group on
+//! disk are intact, whether or not its sync completed, and its data checksums can be trusted). Opening replays the log up to the last valid record, checks the data
+//! of the last flush group against the checksums in its records, and writes a compacted log
+//! under a new salt (a checkpoint), so stale records past the old log's end can never validate.
+
+pub mod extents;
+pub mod format;
+pub mod io;
+
+use std::collections::hash_map::RandomState;
+use std::fs::{self, File, OpenOptions};
+use std::hash::BuildHasher;
+use std::io as stdio;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use tessera_image::ImageId;
+use tessera_store::StoreError;
+use thiserror::Error;
+use tracing::{debug, info, warn};
+
+use self::extents::{ExtentMap, FreeSpace, Mapping};
+use self::format::{
+    Header, HeaderProblem, Op, Record, RecordProblem, HEADER_B_OFFSET, HEADER_LEN, RECORD_LEN,
+};
+use self::io::{FileIo, OverlayIo};
+use crate::source::BlockSource;
+
+/// What an overlay belongs to; an overlay made for other parameters is refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OverlayParams {
+    pub image_id: ImageId,
+    /// Bytes per block (the image's block size, 4096).
+    pub block_size: u32,
+    pub device_bytes: u64,
+}
+
+/// Errors of the overlay.
+#[derive(Debug, Error)]
+#[non_exhaustive]
+pub enum OverlayError {
+    #[error("{what} at byte {offset} of the overlay: {source}")]
+    Io { what: &'static str, offset: u64, source: stdio::Error },
+    #[error("reading the base image at byte {offset}: {source}")]
+    Base { offset: u64, source: StoreError },
+    #[error("not a Tessera overlay ({0})")]
+    NotAnOverlay(&'static str),
+    #[error("overlay format version {0} is not supported (this tessera reads version 1)")]
+    UnsupportedVersion(u32),
+    #[error("the overlay was made for image {found}, not {expected}")]
+    ImageMismatch { expected: ImageId, found: ImageId },
+    #[error("the overlay has {found}-byte blocks, the image {expected}-byte blocks")]
+    BlockSizeMismatch { expected: u32, found: u32 },
+    #[error("the overlay was made for a {found}-byte device, the image is {expected} bytes")]
+    DeviceSizeMismatch { expected: u64, found: u64 },
+    #[error("corrupt overlay: {what} (slot {slot})")]
+    Corrupt { what: &'static str, slot: u64 },
+    #[error("bytes {offset}+{len} are beyond the end of the device ({device_bytes} bytes)")]
+    OutOfRange { offset: u64, len: u64, device_bytes: u64 },
+    #[error("unsupported block size {0} (a power of two from 512 to 65536)")]
+    BadBlockSize(u32),
+    #[error("an earlier overlay write or flush failed; the overlay refuses writes until restarted")]
+    Failed,
+    #[error("the overlay was opened read-only")]
+    ReadOnly,
+    #[error("the overlay is in use by another process")]
+    InUse,
+    #[error("overlay {}: {source}", path.display())]
+    At { path: PathBuf, source: Box<OverlayError> },
+}
+
+impl OverlayError {
+    fn io(what: &'static str, offset: u64) -> impl FnOnce(stdio::Error) -> OverlayError {
+        move |source| OverlayError::Io { what, offset, source }
+    }
+
+    fn at(self, path: &Path) -> OverlayError {
+        OverlayError::At { path: path.to_owned(), source: Box::new(self) }
+    }
+}
+
+/// How an overlay is opened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Reads and writes; FLUSH makes writes durable (one `sync_data` per FLUSH with writes).
+    Durable,
+    /// Reads and writes, never synced: a temporary overlay that dies with the process.
+    Volatile,
+    /// Reads only (e.g. to export base plus overlay); nothing is written, not even a checkpoint.
+    ReadOnly,
+}
+
+/// Figures about an overlay.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct OverlayStats {
+    /// Extents of the block map.
+    pub extents: u64,
+    /// Device blocks held in slots.
+    pub written_blocks: u64,
+    /// Device blocks reading as zeros.
+    pub zero_blocks: u64,
+    /// Slots in the file (including the header and log segments).
+    pub file_slots: u64,
+    /// Slots free for reuse below the end of the file.
+    pub free_slots: u64,
+    /// Map updates waiting for the next FLUSH.
+    pub pending_records: u64,
+    /// FLUSHes that synced something.
+    pub syncs: u64,
+}
+
+/// The copy-on-write overlay of one device.
+pub struct Overlay {
+    io: Box<dyn OverlayIo>,
+    base: Arc<dyn BlockSource>,
+    params: OverlayParams,
+    bs: u64,
+    mode: Mode,
+    state: RwLock<State>,
+    /// Serializes writers (a sub-block write reads, merges and writes a whole block).
+    write_lock: Mutex<()>,
+    /// Serializes FLUSHes; holds the log's write position.
+    log: Mutex<LogTail>,
+    failed: AtomicBool,
+    syncs: AtomicU64,
+}
+
+impl std::fmt::Debug for Overlay {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Overlay")
+            .field("params", &self.params)
+            .field("mode", &self.mode)
+            .finish_non_exhaustive()
+    }
+}
+
+struct State {
+    map: ExtentMap,
+    /// Slots that no durable state references.
+    free: FreeSpace,
+    /// Slots released since the last FLUSH began: reusable once that FLUSH's sync completes.
+    pending_free: Vec<(u64, u64)>,
+    /// Map updates waiting for the next FLUSH.
+    pending: Vec<Op>,
+}
+
+/// Where the next log record goes.
+#[derive(Debug, Clone)]
+struct LogTail {
+    salt: u64,
+    segment: u64,
+    index: u64,
+    seq: u64,
+    group: u64,
+    /// Header generation (the copy to overwrite next is the other one).
+    generation: u64,
+    /// Slots released in the last synced group: free once the next group is synced.
+    released: Vec<(u64, u64)>,
+}
+
+/// Largest count of one record.
+const MAX_RUN: u64 = u32::MAX as u64;
+
+impl Overlay {
+    /// Create a new overlay file at `path` (written under a temporary name, synced, renamed,
+    /// the directory synced) and open it for durable writes.
+    pub fn create_file(
+        path: &Path,
+        params: OverlayParams,
+        base: Arc<dyn BlockSource>,
+    ) -> Result<Self, OverlayError> {
+        let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let tmp = path.with_file_name(format!(".{name}.{}.tmp", std::process::id()));
+        let made = (|| -> Result<Self, OverlayError> {
+            let file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open(&tmp)
+                .map_err(OverlayError::io("creating", 0))?;
+            lock(&file, true)?;
+            let io = FileIo::new(file);
+            let overlay = Self::create(Box::new(io), params, base, Mode::Durable)?;
+            fs::rename(&tmp, path).map_err(OverlayError::io("renaming into place", 0))?;
+            if let Some(dir) =
+                path.parent().map(|p| if p.as_os_str().is_empty() { Path::new(".") } else { p })
+            {
+                File::open(dir)
+                    .and_then(|d| d.sync_all())
+                    .map_err(OverlayError::io("syncing the directory", 0))?;
+            }
+            Ok(overlay)
+        })();
+        if made.is_err() {
+            let _ = fs::remove_file(&tmp);
+        }
+        made.map_err(|e| e.at(path))
+    }
+
+    /// Open the overlay at `path`, creating it if it does not exist.
+    pub fn open_or_create_file(
+        path: &Path,
+        params: OverlayParams,
+        base: Arc<dyn BlockSource>,
+    ) -> Result<Self, OverlayError> {
+        if path.exists() {
+            Self::open_file(path, params, base, Mode::Durable)
+        } else {
+            Self::create_file(path, params, base)
+        }
+    }
+
+    /// Open an existing overlay file (`mode` [`Mode::Durable`] or [`Mode::ReadOnly`]).
+    pub fn open_file(
+        path: &Path,
+        params: OverlayParams,
+        base: Arc<dyn BlockSource>,
+        mode: Mode,
+    ) -> Result<Self, OverlayError> {
+        let writable = mode != Mode::ReadOnly;
+        let file = OpenOptions::new()
+            .read(true)
+            .write(writable)
+            .open(path)
+            .map_err(|e| OverlayError::io("opening", 0)(e).at(path))?;
+        lock(&file, writable).map_err(|e| e.at(path))?;
+        Self::open(Box::new(FileIo::new(file)), params, base, mode).map_err(|e| e.at(path))
+    }
+
+    /// A temporary overlay: an unlinked file in `dir`, gone with the process, never synced.
+    pub fn temporary(
+        dir: &Path,
+        params: OverlayParams,
+        base: Arc<dyn BlockSource>,
+    ) -> Result<Self, OverlayError> {
+        let file = tempfile::tempfile_in(dir).map_err(|e| OverlayError::io("creating", 0)(e).at(dir))?;
+        Self::create(Box::new(FileIo::new(file)), params, base, Mode::Volatile)
+    }
+
+    /// Write a fresh overlay through `io` (header copy A, an empty first log segment).
+    pub fn create(
+        io: Box<dyn OverlayIo>,
+        params: OverlayParams,
+        base: Arc<dyn BlockSource>,
+        mode: Mode,
+    ) -> Result<Self, OverlayError> {
+        let bs = check_params(&params)?;
+        if mode == Mode::ReadOnly {
+            return Err(OverlayError::ReadOnly);
+        }
+        let salt = new_salt(0);
+        let header = Header {
+            block_size: params.block_size,
+            image_id: params.image_id,
+            device_bytes: params.device_bytes,
+            generation: 1,
+            salt,
+            log_head: 1,
+            first_seq: 0,
+        };
+        let mut slot0 = vec![0u8; usize::try_from(2 * bs).unwrap_or(0)];
+        slot0[..HEADER_LEN].copy_from_slice(&header.encode());
+        io.write_at(&slot0, 0).map_err(OverlayError::io("writing the header", 0))?;
+        if mode == Mode::Durable {
+            io.sync_data().map_err(OverlayError::io("syncing the header", 0))?;
+        }
+        let tail =
+            LogTail { salt, segment: 1, index: 0, seq: 0, group: 0, generation: 1, released: Vec::new() };
+        Ok(Self::assemble(io, base, params, mode, ExtentMap::default(), FreeSpace::new(2), tail))
+    }
+
+    /// Open an existing overlay through `io`: pick the newest valid header copy, check it
+    /// belongs to `params`, replay the log and (unless read-only) write a checkpoint.
+    pub fn open(
+        io: Box<dyn OverlayIo>,
+        params: OverlayParams,
+        base: Arc<dyn BlockSource>,
+        mode: Mode,
+    ) -> Result<Self, OverlayError> {
+        let bs = check_params(&params)?;
+        let file_len = io.size().map_err(OverlayError::io("reading the size", 0))?;
+        if file_len == 0 {
+            return Err(OverlayError::NotAnOverlay("the file is empty"));
+        }
+        let mut slot0 = vec![0u8; (HEADER_B_OFFSET as usize) + HEADER_LEN];
+        io.read_at(&mut slot0, 0).map_err(OverlayError::io("reading the header", 0))?;
+        let a = Header::decode(&slot0[..HEADER_LEN]);
+        let b = Header::decode(&slot0[HEADER_B_OFFSET as usize..]);
+        let (header, in_b) = match (a, b) {
+            (Ok(a), Ok(b)) if b.generation > a.generation => (b, true),
+            (Ok(a), _) => (a, false),
+            (Err(_), Ok(b)) => (b, true),
+            (Err(e), Err(_)) => {
+                return Err(match e {
+                    HeaderProblem::Version(v) => OverlayError::UnsupportedVersion(v),
+                    HeaderProblem::Short | HeaderProblem::Magic => {
+                        OverlayError::NotAnOverlay("no overlay header")
+                    }
+                    HeaderProblem::Checksum => {
+                        OverlayError::NotAnOverlay("both header copies fail their checksum")
+                    }
+                })
+            }
+        };
+        if header.image_id != params.image_id {
+            return Err(OverlayError::ImageMismatch { expected: params.image_id, found: header.image_id });
+        }
+        if header.block_size != params.block_size {
+            return Err(OverlayError::BlockSizeMismatch {
+                expected: params.block_size,
+                found: header.block_size,
+            });
+        }
+        if header.device_bytes != params.device_bytes {
+            return Err(OverlayError::DeviceSizeMismatch {
+                expected: params.device_bytes,
+                found: header.device_bytes,
+            });
+        }
+        let file_slots = file_len.div_ceil(bs);
+        let replayed = replay(&*io, &header, bs, params.device_bytes / bs, file_slots)?;
+        info!(
+            records = replayed.records,
+            dropped = replayed.dropped,
+            extents = replayed.map.len(),
+            log_segments = replayed.segments.len(),
+            "overlay log replayed"
+        );
+        // Free space: everything the map and the log do not use.
+        let mut used: Vec<(u64, u64)> = vec![(0, 1)];
+        used.extend(replayed.segments.iter().map(|&s| (s, 1)));
+        used.extend(replayed.map.iter().filter_map(|(_, len, m)| match m {
+            Mapping::Slot(s) => Some((s, len)),
+            Mapping::Zero => None,
+        }));
+        used.sort_unstable();
+        let mut end = file_slots.max(2);
+        let mut prev_end = 0u64;
+        let mut gaps = Vec::new();
+        for &(s, l) in &used {
+            if s < prev_end {
+                return Err(OverlayError::Corrupt { what: "a slot is used twice", slot: s });
+            }
+            if s > prev_end {
+                gaps.push((prev_end, s - prev_end));
+            }
+            prev_end = s + l;
+        }
+        end = end.max(prev_end);
+        if prev_end < end {
+            gaps.push((prev_end, end - prev_end));
+        }
+        let mut free = FreeSpace::new(end);
+        for (s, l) in gaps {
+            free.free(s, l);
+        }
+        let tail = LogTail {
+            salt: header.salt,
+            segment: replayed.tail_segment,
+            index: replayed.tail_index,
+            seq: replayed.next_seq,
+            group: replayed.last_group,
+            generation: header.generation,
+            released: Vec::new(),
+        };
+        let overlay = Self::assemble(io, base, params, mode, replayed.map, free, tail);
+        if mode != Mode::ReadOnly {
+            overlay.checkpoint(in_b, &replayed.segments)?;
+        }
+        Ok(overlay)
+    }
+
+    fn assemble(
+        io: Box<dyn OverlayIo>,
+        base: Arc<dyn BlockSource>,
+        params: OverlayParams,
+        mode: Mode,
+        map: ExtentMap,
+        free: FreeSpace,
+        tail: LogTail,
+    ) -> Self {
+        let bs = u64::from(params.block_size);
+        Self {
+            io,
+            base,
+            bs,
+            params,
+            mode,
+            state: RwLock::new(State { map, free, pending_free: Vec::new(), pending: Vec::new() }),
+            write_lock: Mutex::new(()),
+            log: Mutex::new(tail),
+            failed: AtomicBool::new(false),
+            syncs: AtomicU64::new(0),
+        }
+    }
+
+    /// Rewrite the log as a compact copy of the map under a new salt, then switch the header
+    /// (the copy not holding the current header): two syncs, at open only.
+    fn checkpoint(&self, current_in_b: bool, old_segments: &[u64]) -> Result<(), OverlayError> {
+        let mut log = lock_mutex(&self.log);
+        let mut ops = Vec::new();
+        for (start, len, m) in read_state(&self.state).map.iter() {
+            split_runs(start, len, |block, count, delta| {
+                ops.push(match m {
+                    Mapping::Zero => Op::Zero { block, count },
+                    Mapping::Slot(s) => Op::Map { block, count, slot: s + delta, data_crc: None },
+                })
+            });
+        }
+        let salt = new_salt(log.generation);
+        let head = write_state(&self.state).free.alloc(1)[0].0;
+        let mut new_log = LogTail {
+            salt,
+            segment: head,
+            index: 0,
+            seq: 0,
+            group: 0,
+            generation: log.generation + 1,
+            released: Vec::new(),
+        };
+        let writes = self.encode_log(&mut new_log, &ops);
+        self.write_log(&writes)?;
+        let header = Header {
+            block_size: self.params.block_size,
+            image_id: self.params.image_id,
+            device_bytes: self.params.device_bytes,
+            generation: new_log.generation,
+            salt,
+            log_head: head,
+            first_seq: 0,
+        };
+        let at = if current_in_b { 0 } else { HEADER_B_OFFSET };
+        let sync = |what| self.io.sync_data().map_err(OverlayError::io(what, 0));
+        if self.mode == Mode::Durable {
+            sync("syncing the checkpoint")?;
+        }
+        self.io.write_at(&header.encode(), at).map_err(OverlayError::io("writing the header", at))?;
+        if self.mode == Mode::Durable {
+            sync("syncing the header")?;
+        }
+        let mut st = write_state(&self.state);
+        for &s in old_segments {
+            st.free.free(s, 1);
+        }
+        drop(st);
+        debug!(records = ops.len(), generation = new_log.generation, "overlay checkpoint written");
+        *log = new_log;
+        Ok(())
+    }
+
+    /// Records per log segment (the last position of a segment is its link).
+    fn records_per_segment(&self) -> u64 {
+        self.bs / RECORD_LEN as u64
+    }
+
+    /// Encode `ops` at the log tail (allocating and linking segments as needed); returns the
+    /// byte runs to write.
+    fn encode_log(&self, log: &mut LogTail, ops: &[Op]) -> Vec<(u64, Vec<u8>)> {
+        let per = self.records_per_segment();
+        let mut writes: Vec<(u64, Vec<u8>)> = Vec::new();
+        let mut emit = |log: &mut LogTail, op: Op| {
+            let offset = log.segment * self.bs + log.index * RECORD_LEN as u64;
+            let bytes = Record { seq: log.seq, group: log.group, op }.encode(log.salt);
+            match writes.last_mut() {
+                Some((o, b)) if *o + b.len() as u64 == offset => b.extend_from_slice(&bytes),
+                _ => writes.push((offset, bytes.to_vec())),
+            }
+            log.seq += 1;
+            log.index += 1;
+        };
+        for &op in ops {
+            if log.index == per - 1 {
+                let next = write_state(&self.state).free.alloc(1)[0].0;
+                emit(log, Op::Link { slot: next });
+                log.segment = next;
+                log.index = 0;
+            }
+            emit(log, op);
+        }
+        writes
+    }
+
+    fn write_log(&self, writes: &[(u64, Vec<u8>)]) -> Result<(), OverlayError> {
+        for (offset, bytes) in writes {
+            self.io.write_at(bytes, *offset).map_err(OverlayError::io("writing the log", *offset))?;
+        }
+        Ok(())
+    }
+
+    /// The parameters the overlay was opened with.
+    pub fn params(&self) -> &OverlayParams {
+        &self.params
+    }
+
+    /// Current figures.
+    pub fn stats(&self) -> OverlayStats {
+        let st = read_state(&self.state);
+        let mut s = OverlayStats {
+            extents: st.map.len() as u64,
+            file_slots: st.free.end(),
+            free_slots: st.free.free_below_end(),
+            pending_records: st.pending.len() as u64,
+            syncs: self.syncs.load(Ordering::Relaxed),
+            ..OverlayStats::default()
+        };
+        for (_, len, m) in st.map.iter() {
+            match m {
+                Mapping::Zero => s.zero_blocks += len,
+                Mapping::Slot(_) => s.written_blocks += len,
+            }
+        }
+        s
+    }
+
+    fn check_range(&self, offset: u64, len: u64) -> Result<(), OverlayError> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.params.device_bytes => Ok(()),
+            _ => Err(OverlayError::OutOfRange { offset, len, device_bytes: self.params.device_bytes }),
+        }
+    }
+
+    fn check_writable(&self) -> Result<(), OverlayError> {
+        if self.mode == Mode::ReadOnly {
+            return Err(OverlayError::ReadOnly);
+        }
+        if self.failed.load(Ordering::Acquire) {
+            return Err(OverlayError::Failed);
+        }
+        Ok(())
+    }
+
+    /// Fill `buf` with the device bytes at `offset`: overlay slots, zeros, or the base.
+    pub fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), OverlayError> {
+        let len = buf.len() as u64;
+        self.check_range(offset, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let first = offset / self.bs;
+        let end = (offset + len).div_ceil(self.bs);
+        let mut base_ranges: Vec<(u64, u64)> = Vec::new();
+        {
+            // Slots are read under the read lock: a slot released meanwhile could otherwise be
+            // reused for another block before we read it.
+            let st = read_state(&self.state);
+            if st.map.is_empty() {
+                base_ranges.push((offset, len));
+            } else {
+                for piece in st.map.lookup(first, end - first) {
+                    let lo = (piece.block * self.bs).max(offset);
+                    let hi = ((piece.block + piece.len) * self.bs).min(offset + len);
+                    let out = &mut buf[(lo - offset) as usize..(hi - offset) as usize];
+                    match piece.mapping {
+                        None => base_ranges.push((lo, hi - lo)),
+                        Some(Mapping::Zero) => out.fill(0),
+                        Some(Mapping::Slot(s)) => {
+                            let at = s * self.bs + (lo - piece.block * self.bs);
+                            self.io.read_at(out, at).map_err(OverlayError::io("reading", at))?;
+                        }
+                    }
+                }
+            }
+        }
+        for (lo, n) in base_ranges {
+            let out = &mut buf[(lo - offset) as usize..(lo - offset + n) as usize];
+            self.base.read_at(lo, out).map_err(|source| OverlayError::Base { offset: lo, source })?;
+        }
+        Ok(())
+    }
+
+    /// Write `data` at device byte `offset` (any alignment: partial blocks are merged with
+    /// their current content). Durable after the next [`Self::flush`].
+    pub fn write_at(&self, offset: u64, data: &[u8]) -> Result<(), OverlayError> {
+        self.check_writable()?;
+        self.check_range(offset, data.len() as u64)?;
+        if data.is_empty() {
+            return Ok(());
+        }
+        let _w = lock_mutex(&self.write_lock);
+        self.write_locked(offset, data)
+    }
+
+    fn write_locked(&self, offset: u64, data: &[u8]) -> Result<(), OverlayError> {
+        let bs = self.bs;
+        let len = data.len() as u64;
+        let first = offset / bs;
+        let end = (offset + len).div_ceil(bs);
+        let n = end - first;
+        let merged;
+        let blocks: &[u8] = if offset % bs == 0 && len % bs == 0 {
+            data
+        } else {
+            let mut buf = vec![0u8; usize::try_from(n * bs).unwrap_or(0)];
+            let bsu = bs as usize;
+            if offset % bs != 0 {
+                self.read_at(first * bs, &mut buf[..bsu])?;
+            }
+            if (offset + len) % bs != 0 && (n > 1 || offset % bs == 0) {
+                let at = buf.len() - bsu;
+                self.read_at((end - 1) * bs, &mut buf[at..])?;
+            }
+            let skip = (offset - first * bs) as usize;
+            buf[skip..skip + data.len()].copy_from_slice(data);
+            merged = buf;
+            &merged
+        };
+        let runs = write_state(&self.state).free.alloc(n);
+        let mut done = 0u64;
+        let mut placed = Vec::with_capacity(runs.len());
+        for &(slot, count) in &runs {
+            let bytes = &blocks[(done * bs) as usize..((done + count) * bs) as usize];
+            if let Err(e) = self.io.write_at(bytes, slot * bs) {
+                let mut st = write_state(&self.state);
+                for &(s, c) in &runs {
+                    st.free.free(s, c);
+                }
+                return Err(OverlayError::io("writing data", slot * bs)(e));
+            }
+            split_runs(first + done, count, |block, c, delta| {
+                let from = ((done + delta) * bs) as usize;
+                let crc = crc32c::crc32c(&blocks[from..from + (u64::from(c) * bs) as usize]);
+                placed.push(Op::Map { block, count: c, slot: slot + delta, data_crc: Some(crc) });
+            });
+            done += count;
+        }
+        let mut st = write_state(&self.state);
+        for op in placed {
+            if let Op::Map { block, count, slot, .. } = op {
+                let freed = st.map.set(block, u64::from(count), Mapping::Slot(slot));
+                st.pending_free.extend(freed);
+            }
+            st.pending.push(op);
+        }
+        Ok(())
+    }
+
+    /// Make `len` bytes at `offset` read as zeros (WRITE_ZEROES and DISCARD). Whole blocks
+    /// become zero extents (their slots are released); partial blocks are merged.
+    pub fn write_zeroes(&self, offset: u64, len: u64) -> Result<(), OverlayError> {
+        self.check_writable()?;
+        self.check_range(offset, len)?;
+        if len == 0 {
+            return Ok(());
+        }
+        let bs = self.bs;
+        let _w = lock_mutex(&self.write_lock);
+        let end = offset + len;
+        let whole_first = offset.div_ceil(bs);
+        let whole_end = end / bs;
+        if whole_first >= whole_end {
+            // Within one block, or two partial blocks.
+            let zeros = vec![0u8; usize::try_from(len).unwrap_or(0)];
+            return self.write_locked(offset, &zeros);
+        }
+        let head = whole_first * bs - offset;
+        if head > 0 {
+            self.write_locked(offset, &vec![0u8; head as usize])?;
+        }
+        let tail = end - whole_end * bs;
+        if tail > 0 {
+            self.write_locked(whole_end * bs, &vec![0u8; tail as usize])?;
+        }
+        let mut st = write_state(&self.state);
+        let freed = st.map.set(whole_first, whole_end - whole_first, Mapping::Zero);
+        st.pending_free.extend(freed);
+        split_runs(whole_first, whole_end - whole_first, |block, count, _| {
+            st.pending.push(Op::Zero { block, count });
+        });
+        Ok(())
+    }
+
+    /// Make every write completed before this call durable: append the queued map updates to
+    /// the log and sync once. Nothing to do (no sync) when nothing was written since the last
+    /// flush, or when the overlay is read-only. After a failure the overlay refuses writes (the page cache state is unknown).
+    pub fn flush(&self) -> Result<(), OverlayError> {
+        if self.mode == Mode::ReadOnly {
+            return Ok(()); // nothing was written
+        }
+        self.check_writable()?;
+        let mut log = lock_mutex(&self.log);
+        let (ops, released) = {
+            let mut st = write_state(&self.state);
+            (std::mem::take(&mut st.pending), std::mem::take(&mut st.pending_free))
+        };
+        if ops.is_empty() && released.is_empty() {
+            return Ok(());
+        }
+        log.group += 1;
+        let writes = self.encode_log(&mut log, &ops);
+        let result = self.write_log(&writes).and_then(|()| {
+            if self.mode == Mode::Durable {
+                self.io.sync_data().map_err(OverlayError::io("syncing", 0))?;
+                self.syncs.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok(())
+        });
+        if let Err(e) = result {
+            warn!(error = %e, "overlay flush failed; refusing further writes");
+            self.failed.store(true, Ordering::Release);
+            return Err(e);
+        }
+        // Slots released two groups ago are now free: the group that released them and the
+        // one after it are synced.
+        let reusable = std::mem::replace(&mut log.released, released);
+        let mut st = write_state(&self.state);
+        for (s, c) in reusable {
+            st.free.free(s, c);
+        }
+        Ok(())
+    }
+
+    /// Write every mapped extent into `file` (an export of the base image): written blocks
+    /// copied, zero extents punched (or written as zeros). Returns the bytes copied.
+    pub fn apply_to(&self, file: &File) -> Result<u64, OverlayError> {
+        use std::os::unix::fs::FileExt;
+        let extents: Vec<_> = read_state(&self.state).map.iter().collect();
+        let step = (1u64 << 20).max(self.bs);
+        let mut buf = vec![0u8; step as usize];
+        let mut copied = 0;
+        for (start, len, m) in extents {
+            let (mut at, end) = (start * self.bs, (start + len) * self.bs);
+            match m {
+                Mapping::Slot(s) => {
+                    let mut src = s * self.bs;
+                    while at < end {
+                        let n = step.min(end - at);
+                        let b = &mut buf[..n as usize];
+                        self.io.read_at(b, src).map_err(OverlayError::io("reading", src))?;
+                        file.write_all_at(b, at).map_err(OverlayError::io("writing the export", at))?;
+                        (at, src, copied) = (at + n, src + n, copied + n);
+                    }
+                }
+                Mapping::Zero => {
+                    use rustix::fs::{fallocate, FallocateFlags};
+                    if fallocate(file, FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE, at, end - at)
+                        .is_err()
+                    {
+                        buf.fill(0);
+                        while at < end {
+                            let n = step.min(end - at);
+                            file.write_all_at(&buf[..n as usize], at)
+                                .map_err(OverlayError::io("writing the export", at))?;
+                            at += n;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(copied)
+    }
+}
+
+/// The result of replaying a log.
+struct Replayed {
+    map: ExtentMap,
+    segments: Vec<u64>,
+    tail_segment: u64,
+    tail_index: u64,
+    next_seq: u64,
+    last_group: u64,
+    records: u64,
+    dropped: u64,
+}
+
+/// Read the log from the header's head up to the last valid record and rebuild the map. Map
+/// records of the last flush group are applied only if their data matches their checksum (that
+/// group's sync may not have completed); a record that is valid but impossible is corruption.
+fn replay(
+    io: &dyn OverlayIo,
+    header: &Header,
+    bs: u64,
+    blocks: u64,
+    file_slots: u64,
+) -> Result<Replayed, OverlayError> {
+    let per = bs / RECORD_LEN as u64;
+    let mut segments = vec![header.log_head];
+    if header.log_head == 0 {
+        return Err(OverlayError::Corrupt { what: "the log starts in the header slot", slot: 0 });
+    }
+    let (mut segment, mut index, mut seq, mut group) = (header.log_head, 0u64, header.first_seq, 0u64);
+    let mut records: Vec<Record> = Vec::new();
+    let mut seg_buf = vec![0u8; bs as usize];
+    let mut loaded = None;
+    while index < per {
+        if loaded != Some(segment) {
+            io.read_at(&mut seg_buf, segment * bs)
+                .map_err(OverlayError::io("reading the log", segment * bs))?;
+            loaded = Some(segment);
+        }
+        let at = (index as usize) * RECORD_LEN;
+        let mut raw = [0u8; RECORD_LEN];
+        raw.copy_from_slice(&seg_buf[at..at + RECORD_LEN]);
+        let r = match Record::decode(&raw, header.salt) {
+            Ok(r) => r,
+            Err(RecordProblem::Checksum) => break,
+            Err(RecordProblem::Malformed) => {
+                return Err(OverlayError::Corrupt {
+                    what: "a log record with a valid checksum is malformed",
+                    slot: segment,
+                })
+            }
+        };
+        if r.seq != seq || r.group < group {
+            break;
+        }
+        seq += 1;
+        group = r.group;
+        if let Op::Link { slot } = r.op {
+            if slot == 0 || segments.contains(&slot) {
+                return Err(OverlayError::Corrupt { what: "a log link points to the header or loops", slot });
+            }
+            segments.push(slot);
+            segment = slot;
+            index = 0;
+            continue;
+        }
+        records.push(r);
+        index += 1;
+    }
+    let last_group = group;
+    let mut map = ExtentMap::default();
+    let mut dropped = 0;
+    let mut data = Vec::new();
+    for r in &records {
+        let in_doubt = r.group == last_group && last_group > 0;
+        match r.op {
+            Op::Map { block, count, slot, data_crc } => {
+                let count = u64::from(count);
+                let sane = block.checked_add(count).is_some_and(|e| e <= blocks)
+                    && slot > 0
+                    && slot.checked_add(count).is_some_and(|e| e <= file_slots || in_doubt);
+                if !sane {
+                    if in_doubt {
+                        dropped += 1;
+                        continue;
+                    }
+                    return Err(OverlayError::Corrupt {
+                        what: "a map record points outside the device or file",
+                        slot,
+                    });
+                }
+                if let (true, Some(crc)) = (in_doubt, data_crc) {
+                    data.resize((count * bs) as usize, 0);
+                    io.read_at(&mut data, slot * bs).map_err(OverlayError::io("reading", slot * bs))?;
+                    if crc32c::crc32c(&data) != crc {
+                        dropped += 1;
+                        continue;
+                    }
+                }
+                map.set(block, count, Mapping::Slot(slot));
+            }
+            Op::Zero { block, count } => {
+                let count = u64::from(count);
+                if block.checked_add(count).is_none_or(|e| e > blocks) {
+                    return Err(OverlayError::Corrupt {
+                        what: "a zero record is outside the device",
+                        slot: 0,
+                    });
+                }
+                map.set(block, count, Mapping::Zero);
+            }
+            Op::Link { .. } => {}
+        }
+    }
+    Ok(Replayed {
+        map,
+        tail_segment: segment,
+        tail_index: index,
+        segments,
+        next_seq: seq,
+        last_group,
+        records: records.len() as u64,
+        dropped,
+    })
+}
+
+fn check_params(p: &OverlayParams) -> Result<u64, OverlayError> {
+    let bs = p.block_size;
+    if !bs.is_power_of_two() || !(512..=65536).contains(&bs) {
+        return Err(OverlayError::BadBlockSize(bs));
+    }
+    let bs = u64::from(bs);
+    if p.device_bytes % bs != 0 {
+        return Err(OverlayError::DeviceSizeMismatch {
+            expected: p.device_bytes.next_multiple_of(bs),
+            found: p.device_bytes,
+        });
+    }
+    Ok(bs)
+}
+
+/// Call `f(block, count, delta)` for pieces of at most `u32::MAX` blocks of `start..start + len`.
+fn split_runs(start: u64, len: u64, mut f: impl FnMut(u64, u32, u64)) {
+    let mut delta = 0;
+    while delta < len {
+        let n = (len - delta).min(MAX_RUN);
+        f(start + delta, n as u32, delta);
+        delta += n;
+    }
+}
+
+/// A salt differing between log generations and processes (not a secret key; the guest never
+/// sees the overlay file).
+fn new_salt(generation: u64) -> u64 {
+    let nanos =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    RandomState::new().hash_one((generation, nanos, std::process::id()))
+}
+
+/// Take the overlay's advisory lock: exclusive to write, shared to read.
+fn lock(file: &File, exclusive: bool) -> Result<(), OverlayError> {
+    use rustix::fs::{flock, FlockOperation};
+    let op = if exclusive {
+        FlockOperation::NonBlockingLockExclusive
+    } else {
+        FlockOperation::NonBlockingLockShared
+    };
+    match flock(file, op) {
+        Ok(()) => Ok(()),
+        Err(rustix::io::Errno::WOULDBLOCK) => Err(OverlayError::InUse),
+        Err(e) => Err(OverlayError::io("locking", 0)(e.into())),
+    }
+}
+
+fn lock_mutex<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn read_state(s: &RwLock<State>) -> RwLockReadGuard<'_, State> {
+    s.read().unwrap_or_else(|p| p.into_inner())
+}
+
+fn write_state(s: &RwLock<State>) -> RwLockWriteGuard<'_, State> {
+    s.write().unwrap_or_else(|p| p.into_inner())
+}
+
+#[cfg(test)]
+mod tests;
