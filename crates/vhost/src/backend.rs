@@ -68,8 +68,6 @@ impl BlkBackend {
         let Some(atomic) = lock(&self.inner.mem).clone() else {
             return;
         };
-        // Once per batch: the GuestMemoryAtomic changes on every ADD_MEM_REG.
-        let mem = atomic.memory();
         let Some(bounce) = self.inner.bounce.get(queue) else {
             return;
         };
@@ -79,15 +77,21 @@ impl BlkBackend {
         let result = (|| -> Result<(), virtio_queue::Error> {
             loop {
                 if event_idx {
-                    state.get_queue_mut().disable_notification(&*mem)?;
+                    state.get_queue_mut().disable_notification(&*atomic.memory())?;
                 }
                 let mut served = 0usize;
-                while let Some(chain) = state.get_queue_mut().pop_descriptor_chain(&*mem) {
+                loop {
+                    // A fresh snapshot per chain (an atomic load): the GuestMemoryAtomic changes
+                    // on every ADD_MEM_REG (libblkio maps its buffers right before its first
+                    // request), and a chain made available after a map must see the new memory.
+                    let mem = atomic.memory();
+                    let Some(chain) = state.get_queue_mut().pop_descriptor_chain(&*mem) else { break };
                     let head = chain.head_index();
                     let done = serve_chain(chain, &*mem, &self.inner.disk, &self.inner.device, &mut bounce);
                     state.get_queue_mut().add_used(&*mem, head, done.used_len)?;
                     served += 1;
                 }
+                let mem = atomic.memory();
                 if served > 0 {
                     trace!(queue, served, "batch");
                     if state.get_queue_mut().needs_notification(&*mem)? {

@@ -52,6 +52,14 @@ pub fn fixture() -> Fixture {
     Fixture { dir, store, id: out.id, raw }
 }
 
+pub fn overlay_params(f: &Fixture) -> tessera_vhost::OverlayParams {
+    tessera_vhost::OverlayParams {
+        image_id: f.id,
+        block_size: tessera_image::BLOCK_SIZE,
+        device_bytes: f.raw.len() as u64,
+    }
+}
+
 pub fn reader(store: &LocalStore, id: &ImageId) -> ImageReader<LocalStore> {
     ImageReader::new(OpenImage::open(store, id).unwrap(), store.clone())
 }
@@ -68,7 +76,22 @@ impl Running {
         let socket = f.dir.path().join(format!("vhost-{queues}.sock"));
         let r = reader(&f.store, &f.id);
         let device = DeviceConfig::new(&f.id, r.device_bytes(), queues, true);
-        let server = Server::bind(&socket, DEFAULT_SOCKET_MODE, device, Disk::ReadOnly(Arc::new(r))).unwrap();
+        Self::serve(&socket, device, Disk::ReadOnly(Arc::new(r)))
+    }
+
+    /// A writable device over the overlay file `overlay` (created if missing).
+    pub fn start_rw(f: &Fixture, queues: u16, overlay: &Path) -> Running {
+        let socket = f.dir.path().join(format!("vhost-rw-{queues}.sock"));
+        let r = Arc::new(reader(&f.store, &f.id));
+        let device = DeviceConfig::new(&f.id, r.device_bytes(), queues, false);
+        let params = overlay_params(f);
+        let o = tessera_vhost::Overlay::open_or_create_file(overlay, params, r).unwrap();
+        Self::serve(&socket, device, Disk::Overlay(Arc::new(o)))
+    }
+
+    fn serve(socket: &Path, device: DeviceConfig, disk: Disk) -> Running {
+        let socket = socket.to_owned();
+        let server = Server::bind(&socket, DEFAULT_SOCKET_MODE, device, disk).unwrap();
         let stop = server.stop_handle();
         let thread = std::thread::spawn(move || server.run());
         Running { socket, stop, thread: Some(thread) }
@@ -149,6 +172,35 @@ impl Client {
             }
         }
         out
+    }
+
+    /// The mapped region as mutable bytes.
+    pub fn buf_mut(&mut self, offset: usize, len: usize) -> &mut [u8] {
+        assert!(offset + len <= self.region.len);
+        // SAFETY: as in `buf`; `&mut self` keeps other views of the region out while it lives.
+        unsafe { std::slice::from_raw_parts_mut((self.region.addr as *mut u8).add(offset), len) }
+    }
+
+    /// Write `len` bytes from region `buf_off` at device `offset` on queue 0 and wait.
+    pub fn write(&mut self, offset: u64, buf_off: usize, len: usize) -> i32 {
+        let ptr = self.ptr(buf_off);
+        self.queues[0].write(offset, ptr, len, 8, ReqFlags::empty());
+        self.complete(0, 1)[0].1
+    }
+
+    pub fn flush(&mut self) -> i32 {
+        self.queues[0].flush(9, ReqFlags::empty());
+        self.complete(0, 1)[0].1
+    }
+
+    pub fn discard(&mut self, offset: u64, len: u64) -> i32 {
+        self.queues[0].discard(offset, len, 10, ReqFlags::empty());
+        self.complete(0, 1)[0].1
+    }
+
+    pub fn write_zeroes(&mut self, offset: u64, len: u64) -> i32 {
+        self.queues[0].write_zeroes(offset, len, 11, ReqFlags::empty());
+        self.complete(0, 1)[0].1
     }
 
     /// Read `len` bytes at device `offset` into region `buf_off` on queue 0 and wait.
