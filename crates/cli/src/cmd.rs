@@ -76,6 +76,9 @@ pub fn export(args: ExportArgs) -> Result<()> {
         bar.set_position(p.done_bytes);
     })
     .with_context(|| format!("exporting {} to {}", id, args.output.display()))?;
+    if let Some(overlay) = &args.overlay {
+        crate::serve::apply_overlay(&store, &id, overlay, &args.output)?;
+    }
     bar.finish();
     tracing::info!(written = stats.written_bytes, device = stats.device_bytes, "exported {id}");
     Ok(())

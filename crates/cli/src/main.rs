@@ -93,7 +93,8 @@ pub struct BuildArgs {
 /// Write the whole device as a sparse raw file, assembled through the read path.
 #[derive(Debug, Args)]
 #[command(after_help = "Examples:\n  tessera export web --store ./store -o web.img\n  \
-tessera export sha256:3f1c... --store ./store -o /tmp/x.img && e2fsck -fn /tmp/x.img")]
+tessera export sha256:3f1c... --store ./store -o /tmp/x.img && e2fsck -fn /tmp/x.img\n  \
+tessera export web --store ./store --overlay vm1.overlay -o vm1.img   # base plus the guest's writes")]
 pub struct ExportArgs {
     /// The image: sha256:<64 hex> or a tag.
     image: String,
@@ -103,6 +104,9 @@ pub struct ExportArgs {
     /// Output file (created or truncated; written sparse).
     #[arg(short = 'o', long = "output")]
     output: PathBuf,
+    /// Apply this copy-on-write overlay (`tessera serve --overlay FILE`) over the image.
+    #[arg(long, value_name = "FILE")]
+    overlay: Option<PathBuf>,
 }
 
 /// Show an image's geometry, counts, sizes, chunks and dedup.

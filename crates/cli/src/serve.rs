@@ -1,17 +1,17 @@
 //! `tessera serve`: serve an image to a VMM over vhost-user-blk until SIGTERM / SIGINT.
 
-use std::fs::File;
+use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::os::fd::FromRawFd;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
-use tessera_image::BLOCK_SIZE;
-use tessera_store::{ImageReader, OpenImage, StoreLocation};
+use tessera_image::{ImageId, BLOCK_SIZE};
+use tessera_store::{ImageReader, LocalStore, OpenImage, StoreLocation};
 use tessera_vhost::{
     DeviceConfig, Disk, Overlay, OverlayMode, OverlayParams, Server, DEFAULT_SOCKET_MODE, MAX_QUEUES,
 };
@@ -123,6 +123,24 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     handle.close();
     let _ = signal_thread.join();
     result.with_context(|| format!("serving {id}"))?;
+    Ok(())
+}
+
+/// `tessera export --overlay FILE`: write the overlay's blocks over an exported base image at
+/// `output` (written blocks copied, zeroed ranges punched) and sync it. The overlay is opened
+/// read-only (shared lock: refused while a daemon writes to it).
+pub fn apply_overlay(store: &LocalStore, id: &ImageId, overlay: &Path, output: &Path) -> Result<()> {
+    let reader = Arc::new(ImageReader::new(OpenImage::open(store, id)?, store.clone()));
+    let params = OverlayParams { image_id: *id, block_size: BLOCK_SIZE, device_bytes: reader.device_bytes() };
+    let overlay = Overlay::open_file(overlay, params, reader, OverlayMode::ReadOnly)?;
+    let file = OpenOptions::new()
+        .write(true)
+        .open(output)
+        .with_context(|| format!("opening {}", output.display()))?;
+    let copied =
+        overlay.apply_to(&file).with_context(|| format!("applying the overlay to {}", output.display()))?;
+    file.sync_all().with_context(|| format!("syncing {}", output.display()))?;
+    tracing::info!(copied, stats = ?overlay.stats(), "applied the overlay");
     Ok(())
 }
 
