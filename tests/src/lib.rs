@@ -22,6 +22,7 @@
 
 pub mod compare;
 pub mod fixtures;
+pub mod guest;
 pub mod judge;
 pub mod pipeline;
 pub mod prng;

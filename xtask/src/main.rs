@@ -160,12 +160,68 @@ fn installed(pkg: &str) -> bool {
 
 fn install_packages() -> Result<()> {
     install_missing_packages()?;
+    install_guest_packages()?;
     // Loop mounts need the loop driver.
     if !Path::new("/dev/loop-control").exists() {
         let _ = Command::new("modprobe").arg("loop").status();
         if !Path::new("/dev/loop-control").exists() {
             bail!("no /dev/loop-control: this kernel has no loop device support (modprobe loop failed)");
         }
+    }
+    Ok(())
+}
+
+/// The deb822 source for bookworm-backports, for QEMU 10 (bookworm's own 7.2 would replace the
+/// machine's preinstalled qemu-utils 10.0.2; brief §6).
+const BACKPORTS_SOURCES: &str = "/etc/apt/sources.list.d/bookworm-backports.sources";
+
+/// QEMU (microvm, vhost-user-blk, qboot) from bookworm-backports and busybox-static for the guest
+/// tests; the guest kernel itself is fetched by the tests (`tessera_e2e::guest::kit`).
+fn install_guest_packages() -> Result<()> {
+    let have_qemu = installed("qemu-system-x86") && Path::new("/usr/share/qemu/qboot.rom").exists();
+    let have_busybox = installed("busybox-static");
+    if have_qemu && have_busybox {
+        eprintln!("packages: qemu-system-x86 and busybox-static present");
+        return Ok(());
+    }
+    if !fixtures::is_root() {
+        bail!("the guest tests need qemu-system-x86 (bookworm-backports) and busybox-static, and we are not root");
+    }
+    let apt =
+        |args: &[&str]| status(Command::new("apt-get").args(args).env("DEBIAN_FRONTEND", "noninteractive"));
+    if !have_qemu {
+        if !Path::new(BACKPORTS_SOURCES).exists() {
+            let uri = std::fs::read_to_string("/etc/apt/sources.list.d/debian.sources")
+                .ok()
+                .and_then(|s| {
+                    s.lines()
+                        .filter_map(|l| l.strip_prefix("URIs:"))
+                        .map(|u| u.trim().to_owned())
+                        .find(|u| !u.contains("security"))
+                })
+                .unwrap_or_else(|| "http://deb.debian.org/debian".to_owned());
+            std::fs::write(
+                BACKPORTS_SOURCES,
+                format!(
+                    "Types: deb\nURIs: {uri}\nSuites: bookworm-backports\nComponents: main\n\
+                     Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg\n"
+                ),
+            )
+            .with_context(|| format!("writing {BACKPORTS_SOURCES}"))?;
+        }
+        apt(&["-q", "update"])?;
+        apt(&[
+            "-q",
+            "-y",
+            "install",
+            "--no-install-recommends",
+            "-t",
+            "bookworm-backports",
+            "qemu-system-x86",
+        ])?;
+    }
+    if !have_busybox {
+        apt(&["-q", "-y", "install", "--no-install-recommends", "busybox-static"])?;
     }
     Ok(())
 }
