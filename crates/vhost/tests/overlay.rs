@@ -126,3 +126,46 @@ fn an_overlay_of_another_image_is_refused() {
     assert!(e.to_string().contains("in use"), "{e}");
     drop(held);
 }
+
+/// Rough figures, not the benchmark (`cargo xtask bench serve`): 4 KiB write + FLUSH round trips
+/// through libblkio against a bare 2300-byte write + fdatasync on a file in the same directory.
+/// Run with `cargo test --release -p tessera-vhost --test overlay -- --ignored --nocapture`.
+#[test]
+#[ignore]
+fn rough_flush_latency() {
+    use std::io::Write;
+    use std::time::Instant;
+    let f = fixture();
+    let overlay = f.dir.path().join("lat.overlay");
+    let server = Running::start_rw(&f, 1, &overlay);
+    let mut c = Client::try_connect(&server.socket, 1, false).unwrap();
+    let n = 2000;
+    let pct = |mut v: Vec<f64>, p: f64| {
+        v.sort_by(f64::total_cmp);
+        v[((v.len() as f64 * p) as usize).min(v.len() - 1)]
+    };
+    let mut lat = Vec::with_capacity(n);
+    for i in 0..n {
+        let t = Instant::now();
+        assert_eq!(c.write((i as u64 % 4096) * 4096, 0, 4096), 0);
+        assert_eq!(c.flush(), 0);
+        lat.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    let mut file = std::fs::File::create(f.dir.path().join("fdatasync.bin")).unwrap();
+    let mut bare = Vec::with_capacity(n);
+    for _ in 0..n {
+        let t = Instant::now();
+        file.write_all(&[7u8; 2300]).unwrap();
+        file.sync_data().unwrap();
+        bare.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    eprintln!(
+        "4 KiB write + flush: p50 {:.0} µs p99 {:.0} µs; bare 2300 B write + fdatasync: p50 {:.0} µs p99 {:.0} µs",
+        pct(lat.clone(), 0.5),
+        pct(lat, 0.99),
+        pct(bare.clone(), 0.5),
+        pct(bare, 0.99)
+    );
+    drop(c);
+    server.finish();
+}
