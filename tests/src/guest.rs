@@ -214,10 +214,13 @@ pub fn boot(
         .arg("-initrd")
         .arg(initramfs)
         // TCG on a loaded 2-core host cannot calibrate the TSC against the PIT reliably (the boot
-        // then hangs): give the kernel its clock and delay-loop constants instead.
+        // then hangs): give the kernel its clock and delay-loop constants instead. Under TCG the
+        // guest's TSC is the host's, so the host's rate keeps guest time right (a wrong rate
+        // puts the guest's superblock write times in the future).
         .arg("-append")
         .arg(format!(
-            "console=ttyS0 panic=-1 tsc_early_khz=1000000 lpj=2000000 no_timer_check{}",
+            "console=ttyS0 panic=-1 tsc_early_khz={} lpj=2000000 no_timer_check{}",
+            host_tsc_khz(),
             if std::env::var_os("TESSERA_GUEST_VERBOSE").is_some() { "" } else { " quiet" }
         ))
         .stdin(Stdio::null())
@@ -251,6 +254,19 @@ pub fn boot(
 /// The serial log as text: it may hold stray non-UTF-8 bytes (console control output).
 fn read_lossy(path: &Path) -> String {
     fs::read(path).map(|b| String::from_utf8_lossy(&b).into_owned()).unwrap_or_default()
+}
+
+/// The host's TSC rate in kHz (`cpu MHz` of /proc/cpuinfo), 2 GHz if unknown.
+fn host_tsc_khz() -> u64 {
+    fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("cpu MHz"))
+                .and_then(|l| l.split(':').nth(1))
+                .and_then(|v| v.trim().parse::<f64>().ok())
+        })
+        .map_or(2_000_000, |mhz| (mhz * 1000.0) as u64)
 }
 
 /// A guest script that mounts `/dev/vda` read-only and prints `sha256  ./path` for every regular file

@@ -5,33 +5,36 @@
 //! Needs root, qemu-system-x86 (bookworm-backports), busybox-static and apt access for the kernel
 //! package (`cargo xtask test` installs the packages); run with `--test-threads=1`.
 
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
 use tessera_e2e::testutil::tmp;
-use tessera_e2e::{fixtures, guest, tessera};
+use tessera_e2e::{fixtures, guest, judge, tessera};
 
-/// A `tessera serve` child, stopped with SIGTERM on drop.
-struct Served(Child);
+/// A `tessera serve` child, stopped with SIGTERM on drop unless [`stop`] already did.
+struct Served(Child, bool);
 
 impl Drop for Served {
     fn drop(&mut self) {
-        let _ = Command::new("kill").arg("-TERM").arg(self.0.id().to_string()).status();
-        let _ = self.0.wait();
+        if !self.1 {
+            let _ = Command::new("kill").arg("-TERM").arg(self.0.id().to_string()).status();
+            let _ = self.0.wait();
+        }
     }
 }
 
-fn serve(id: &str, store: &std::path::Path, socket: &std::path::Path) -> Result<Served> {
+fn serve(id: &str, store: &Path, socket: &Path, mode: &[&std::ffi::OsStr]) -> Result<Served> {
     let child = tessera::command(["serve", id, "--store"])
         .arg(store)
         .arg("--socket")
         .arg(socket)
-        .arg("--read-only")
+        .args(mode)
         .stdin(Stdio::null())
         .spawn()
         .context("starting tessera serve")?;
-    let served = Served(child);
+    let served = Served(child, false);
     let start = Instant::now();
     // The socket appears only once it accepts.
     while !socket.exists() {
@@ -54,7 +57,7 @@ fn guest_checksums(fixture: &str) -> Result<()> {
     let store = t.path().join("store");
     let id = tessera::build(&src, &store, &[])?;
     let socket = t.path().join("blk.sock");
-    let mut served = serve(id.as_str(), &store, &socket)?;
+    let mut served = serve(id.as_str(), &store, &socket, &["--read-only".as_ref()])?;
 
     let initrd = t.path().join("initramfs.cpio");
     guest::initramfs(&kit, guest::CHECKSUM_SCRIPT, &initrd)?;
@@ -75,11 +78,109 @@ fn guest_checksums(fixture: &str) -> Result<()> {
     ensure!(diffs.is_empty(), "{} differences:\n{}", diffs.len(), diffs.join("\n"));
     eprintln!("guest {fixture}: {} files and symlinks identical", want.len());
 
-    // The daemon stops cleanly on SIGTERM and removes its socket.
+    stop(&mut served, &socket)
+}
+
+/// SIGTERM: the daemon finishes, flushes, removes its socket and exits 0.
+fn stop(served: &mut Served, socket: &Path) -> Result<()> {
     Command::new("kill").arg("-TERM").arg(served.0.id().to_string()).status()?;
     let status = served.0.wait()?;
+    served.1 = true;
     ensure!(status.success(), "tessera serve exited with {status} after SIGTERM");
     ensure!(!socket.exists(), "socket left behind");
+    Ok(())
+}
+
+const BIG_FILES: usize = 5;
+const BIG_BYTES: usize = 10 << 20;
+
+/// First boot: mount read-write, create 1000 files and write 50 MB, unmount.
+const WRITE_SCRIPT: &str = r#"
+if mount -t ext4 /dev/vda /mnt; then
+  mkdir /mnt/guest-writes
+  i=0; while [ $i -lt 1000 ]; do echo "file $i" > /mnt/guest-writes/f$i; i=$((i+1)); done
+  for j in 0 1 2 3 4; do yes "tessera block $j" | head -c 10485760 > /mnt/guest-writes/big$j; done
+  sync
+  if umount /mnt; then echo TESSERA-RW-OK; fi
+else
+  echo TESSERA-MOUNT-FAILED
+fi"#;
+
+/// Second boot: read-only, count and checksum what the first boot wrote.
+const VERIFY_SCRIPT: &str = r#"
+if mount -t ext4 -o ro /dev/vda /mnt; then
+  echo "TESSERA-COUNT $(ls /mnt/guest-writes | wc -l)"
+  cd /mnt/guest-writes
+  echo TESSERA-SUMS-BEGIN
+  for f in big0 big1 big2 big3 big4 f0 f999; do sha256sum ./$f; done
+  echo TESSERA-SUMS-END
+  cd /
+  umount /mnt
+else
+  echo TESSERA-MOUNT-FAILED
+fi"#;
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::{Digest, Sha256};
+    hex::encode(Sha256::digest(bytes))
+}
+
+/// A guest writes through the overlay; a second boot (a new daemon on the same overlay) sees the
+/// writes; the exported base+overlay is e2fsck-clean.
+#[test]
+fn guest_writes_survive_a_second_boot() -> Result<()> {
+    fixtures::require_root()?;
+    let kit = guest::kit()?;
+    let t = tmp("guest-rw")?;
+    let src = t.path().join("src");
+    fixtures::by_name("kinds")?.generate(&src)?;
+    let store = t.path().join("store");
+    let id = tessera::build(&src, &store, &[])?;
+    let socket = t.path().join("blk.sock");
+    let overlay = t.path().join("vm.overlay");
+    let rw = ["--overlay".as_ref(), overlay.as_os_str()];
+
+    let mut served = serve(id.as_str(), &store, &socket, &rw)?;
+    let initrd = t.path().join("write.cpio");
+    guest::initramfs(&kit, WRITE_SCRIPT, &initrd)?;
+    let log = guest::boot(&kit, &initrd, &socket, t.path(), Duration::from_secs(300))?;
+    ensure!(log.contains("TESSERA-RW-OK"), "the guest could not write and unmount; serial log:\n{log}");
+    stop(&mut served, &socket)?;
+
+    let mut served = serve(id.as_str(), &store, &socket, &rw)?;
+    let initrd = t.path().join("verify.cpio");
+    guest::initramfs(&kit, VERIFY_SCRIPT, &initrd)?;
+    let log = guest::boot(&kit, &initrd, &socket, t.path(), Duration::from_secs(300))?;
+    stop(&mut served, &socket)?;
+    ensure!(
+        log.contains("TESSERA-COUNT 1005"),
+        "the second boot does not see 1005 files; serial log:\n{log}"
+    );
+    let sums = guest::parse_sums(&log)?;
+    let mut want = std::collections::BTreeMap::new();
+    for j in 0..BIG_FILES {
+        let line = format!("tessera block {j}\n");
+        let content: Vec<u8> = line.as_bytes().iter().copied().cycle().take(BIG_BYTES).collect();
+        want.insert(format!("big{j}"), sha256_hex(&content));
+    }
+    want.insert("f0".to_owned(), sha256_hex(b"file 0\n"));
+    want.insert("f999".to_owned(), sha256_hex(b"file 999\n"));
+    ensure!(sums == want, "guest-written files differ:\n guest {sums:?}\n want  {want:?}");
+
+    let img = t.path().join("with-overlay.raw");
+    let out = tessera::command(["export", id.as_str(), "--store"])
+        .arg(&store)
+        .arg("--overlay")
+        .arg(&overlay)
+        .arg("-o")
+        .arg(&img)
+        .output()?;
+    ensure!(out.status.success(), "export --overlay failed: {}", String::from_utf8_lossy(&out.stderr));
+    judge::e2fsck(&img)?;
+    // The base image is untouched by the guest: the source tree still matches it exactly.
+    let base = t.path().join("base.raw");
+    tessera::export(id.as_str(), &store, &base)?;
+    judge::e2fsck(&base)?;
     Ok(())
 }
 
