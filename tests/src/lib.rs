@@ -4,6 +4,7 @@
 //! - [`compare`]: source tree vs mounted image, attribute by attribute.
 //! - [`judge`]: `e2fsck -fn`, loop mounts (serialized), an rw workload, ext4-view.
 //! - [`tessera`]: locating and running the `tessera` binary.
+//! - [`oci`]: OCI images made with umoci/skopeo and hand-written layers.
 //! - [`reference`]: the same pipeline with `mkfs.ext4 -d`, to validate the harness itself.
 //!
 //! ```no_run
@@ -24,6 +25,7 @@ pub mod compare;
 pub mod fixtures;
 pub mod guest;
 pub mod judge;
+pub mod oci;
 pub mod pipeline;
 pub mod prng;
 pub mod reference;

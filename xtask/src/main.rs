@@ -149,7 +149,8 @@ fn cmd_fixtures(out: Option<PathBuf>, only: &[String]) -> Result<()> {
 
 /// Debian packages the harness needs: e2fsck/mkfs/debugfs, mount/umount/losetup, ACL and xattr
 /// tools for debugging fixtures.
-const PACKAGES: &[&str] = &["e2fsprogs", "util-linux", "mount", "acl", "attr", "coreutils"];
+const PACKAGES: &[&str] =
+    &["e2fsprogs", "util-linux", "mount", "acl", "attr", "coreutils", "umoci", "skopeo", "gzip"];
 
 fn installed(pkg: &str) -> bool {
     Command::new("dpkg-query")

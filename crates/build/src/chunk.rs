@@ -7,7 +7,7 @@
 use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::os::unix::fs::FileExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 
 use rayon::prelude::*;
@@ -45,15 +45,27 @@ pub struct ChunkOutput {
     pub new_stored_bytes: u64,
 }
 
+/// Where a chunk's raw bytes come from.
 #[derive(Debug)]
-struct Job {
-    node: usize,
-    path: PathBuf,
-    offset: u64,
-    len: u32,
+pub(crate) enum JobData {
+    /// Read `len` bytes at `offset` of this file (directory sources; read on the worker thread).
+    Path(PathBuf),
+    /// Already read from a stream (layer sources).
+    Bytes(Vec<u8>),
+}
+
+/// One chunk to cut: `len` bytes at `offset` of node `node`'s content.
+#[derive(Debug)]
+pub(crate) struct Job {
+    pub node: usize,
+    pub offset: u64,
+    pub len: u32,
+    pub data: JobData,
 }
 
 struct Processed {
+    node: usize,
+    offset: u64,
     id: ChunkId,
     len: u32,
     /// `None` when the chunk is already stored.
@@ -72,7 +84,7 @@ fn chunk_jobs(src: &SourceTree, chunk_size: u64) -> Vec<Job> {
             while off < end {
                 let len = (end - off).min(chunk_size);
                 // chunk_size ≤ 16 MiB, so the length always fits.
-                jobs.push(Job { node, path: path.clone(), offset: off, len: len as u32 });
+                jobs.push(Job { node, offset: off, len: len as u32, data: JobData::Path(path.clone()) });
                 off += len;
             }
         }
@@ -80,22 +92,22 @@ fn chunk_jobs(src: &SourceTree, chunk_size: u64) -> Vec<Job> {
     jobs
 }
 
-fn read_chunk(job: &Job) -> Result<Vec<u8>, BuildError> {
-    let file = open_noatime(&job.path)?;
-    let mut buf = vec![0u8; job.len as usize];
+fn read_chunk(path: &Path, offset: u64, len: u32) -> Result<Vec<u8>, BuildError> {
+    let file = open_noatime(path)?;
+    let mut buf = vec![0u8; len as usize];
     let mut done = 0usize;
     while done < buf.len() {
-        match file.read_at(&mut buf[done..], job.offset + done as u64) {
+        match file.read_at(&mut buf[done..], offset + done as u64) {
             Ok(0) => {
                 return Err(BuildError::FileChanged {
-                    path: job.path.clone(),
-                    offset: job.offset,
-                    expected: u64::from(job.len),
+                    path: path.to_owned(),
+                    offset,
+                    expected: u64::from(len),
                 })
             }
             Ok(n) => done += n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(BuildError::io(&job.path, "read")(e)),
+            Err(e) => return Err(BuildError::io(path, "read")(e)),
         }
     }
     Ok(buf)
@@ -107,7 +119,8 @@ thread_local! {
         const { std::cell::RefCell::new(None) };
 }
 
-fn compress(raw: &[u8], path: &std::path::Path) -> Result<Vec<u8>, BuildError> {
+fn compress(raw: &[u8]) -> Result<Vec<u8>, BuildError> {
+    let path = Path::new("<zstd>");
     COMPRESSOR.with(|cell| {
         let mut slot = cell.borrow_mut();
         let compressor = match slot.as_mut() {
@@ -120,16 +133,20 @@ fn compress(raw: &[u8], path: &std::path::Path) -> Result<Vec<u8>, BuildError> {
     })
 }
 
-fn process(job: &Job, known: &HashMap<ChunkId, ChunkHome>) -> Result<Processed, BuildError> {
-    let raw = read_chunk(job)?;
+fn process(job: Job, known: &HashMap<ChunkId, ChunkHome>) -> Result<Processed, BuildError> {
+    let raw = match job.data {
+        JobData::Path(path) => read_chunk(&path, job.offset, job.len)?,
+        JobData::Bytes(bytes) => bytes,
+    };
     let id = ChunkId::of(&raw);
+    let (node, offset, len) = (job.node, job.offset, job.len);
     if known.contains_key(&id) {
-        return Ok(Processed { id, len: job.len, stored: None });
+        return Ok(Processed { node, offset, id, len, stored: None });
     }
-    let compressed = compress(&raw, &job.path)?;
+    let compressed = compress(&raw)?;
     let stored =
         if compressed.len() < raw.len() { (compressed, Compression::Zstd) } else { (raw, Compression::None) };
-    Ok(Processed { id, len: job.len, stored: Some(stored) })
+    Ok(Processed { node, offset, id, len, stored: Some(stored) })
 }
 
 /// Decides where each new chunk goes (pack ordinal and offset) on the calling thread, so the
@@ -195,13 +212,67 @@ pub fn chunk_tree(
 ) -> Result<ChunkOutput, BuildError> {
     let jobs = chunk_jobs(src, chunk_size);
     let total: u64 = jobs.iter().map(|j| u64::from(j.len)).sum();
-    progress.start(total);
+    chunk_with(src.tree.nodes.len(), total, store, existing, progress, |sink| {
+        let mut batch = Batcher::default();
+        for job in jobs {
+            batch.push(job, sink)?;
+        }
+        batch.flush(sink)
+    })
+}
 
+/// Groups jobs into batches of at most [`BATCH_BYTES`] (or one job, if larger), in order.
+#[derive(Default)]
+pub(crate) struct Batcher {
+    jobs: Vec<Job>,
+    bytes: u64,
+}
+
+/// Receives one batch of jobs at a time.
+pub(crate) type Sink<'a> = dyn FnMut(Vec<Job>, u64) -> Result<(), BuildError> + 'a;
+
+impl Batcher {
+    pub(crate) fn push(&mut self, job: Job, sink: &mut Sink<'_>) -> Result<(), BuildError> {
+        if !self.jobs.is_empty() && self.bytes + u64::from(job.len) > BATCH_BYTES {
+            self.flush(sink)?;
+        }
+        self.bytes += u64::from(job.len);
+        self.jobs.push(job);
+        Ok(())
+    }
+
+    pub(crate) fn flush(&mut self, sink: &mut Sink<'_>) -> Result<(), BuildError> {
+        if self.jobs.is_empty() {
+            return Ok(());
+        }
+        let bytes = std::mem::take(&mut self.bytes);
+        sink(std::mem::take(&mut self.jobs), bytes)
+    }
+}
+
+/// The chunker core: `feed` hands batches of jobs to the sink in a deterministic order; each batch
+/// is hashed and compressed on all cores, new chunks are placed in packs in that order and appended
+/// by the writer thread.
+pub(crate) fn chunk_with(
+    nodes: usize,
+    total: u64,
+    store: &LocalStore,
+    existing: HashMap<ChunkId, (Sha256Digest, PackLocation)>,
+    progress: &dyn Progress,
+    feed: impl FnOnce(&mut Sink<'_>) -> Result<(), BuildError>,
+) -> Result<ChunkOutput, BuildError> {
+    progress.start(total);
     // One batch of stored bytes may wait while another is written: memory stays bounded.
     let (tx, rx) = mpsc::sync_channel::<Vec<PackOp>>(1);
     let (result, written) = std::thread::scope(|scope| {
         let writer = scope.spawn(|| pack_writer(store, rx));
-        let result = chunk_batches(src, &jobs, existing, &tx, progress);
+        let mut state = ChunkState::new(nodes, existing);
+        let mut sink = |batch: Vec<Job>, bytes: u64| {
+            state.batch(batch, &tx)?;
+            progress.advance(bytes);
+            Ok(())
+        };
+        let result = feed(&mut sink).map(|()| state.out);
         if result.is_ok() {
             // Commit the last pack; a failed build leaves it uncommitted.
             let _ = tx.send(vec![PackOp::Close]);
@@ -212,65 +283,66 @@ pub fn chunk_tree(
     });
     let mut out = result?;
     out.new_packs = written?;
+    for list in &mut out.files {
+        list.sort_by_key(|c| c.0);
+    }
     progress.finish();
     Ok(out)
 }
 
-fn chunk_batches(
-    src: &SourceTree,
-    jobs: &[Job],
-    existing: HashMap<ChunkId, (Sha256Digest, PackLocation)>,
-    tx: &mpsc::SyncSender<Vec<PackOp>>,
-    progress: &dyn Progress,
-) -> Result<ChunkOutput, BuildError> {
-    let mut known: HashMap<ChunkId, ChunkHome> =
-        existing.into_iter().map(|(id, (pack, loc))| (id, ChunkHome::Existing(pack, loc))).collect();
-    let mut out = ChunkOutput { files: vec![Vec::new(); src.tree.nodes.len()], ..Default::default() };
-    let mut plan = PackPlan::default();
-    // The writer only stops early on an error, which `chunk_tree` reports after joining it.
-    let writer_gone = || BuildError::Internal { what: "the pack writer stopped", chunk: None };
+struct ChunkState {
+    known: HashMap<ChunkId, ChunkHome>,
+    out: ChunkOutput,
+    plan: PackPlan,
+}
 
-    let mut start = 0;
-    while start < jobs.len() {
-        let mut end = start;
-        let mut bytes = 0u64;
-        while end < jobs.len() && (end == start || bytes + u64::from(jobs[end].len) <= BATCH_BYTES) {
-            bytes += u64::from(jobs[end].len);
-            end += 1;
-        }
-        let batch = &jobs[start..end];
+impl ChunkState {
+    fn new(nodes: usize, existing: HashMap<ChunkId, (Sha256Digest, PackLocation)>) -> Self {
+        let known =
+            existing.into_iter().map(|(id, (pack, loc))| (id, ChunkHome::Existing(pack, loc))).collect();
+        let out = ChunkOutput { files: vec![Vec::new(); nodes], ..Default::default() };
+        Self { known, out, plan: PackPlan::default() }
+    }
+
+    fn batch(&mut self, batch: Vec<Job>, tx: &mpsc::SyncSender<Vec<PackOp>>) -> Result<(), BuildError> {
+        // The writer only stops early on an error, which `chunk_with` reports after joining it.
+        let writer_gone = || BuildError::Internal { what: "the pack writer stopped", chunk: None };
+        let known = &self.known;
         let results: Vec<Result<Processed, BuildError>> =
-            batch.par_iter().map(|job| process(job, &known)).collect();
+            batch.into_par_iter().map(|job| process(job, known)).collect();
         let mut ops = Vec::new();
-        for (job, result) in batch.iter().zip(results) {
+        for result in results {
             let p = result?;
-            out.files[job.node].push((job.offset, p.id, p.len));
-            let home = match known.entry(p.id) {
+            let slot = self.out.files.get_mut(p.node).ok_or(BuildError::Internal {
+                what: "a chunk names a node outside the tree",
+                chunk: Some(p.id),
+            })?;
+            slot.push((p.offset, p.id, p.len));
+            let home = match self.known.entry(p.id) {
                 Entry::Occupied(e) => *e.get(),
                 Entry::Vacant(slot) => {
-                    let (bytes, compression) = match p.stored {
-                        Some(s) => s,
-                        // `known` only grows between batches, so a chunk judged known while the
-                        // batch ran is still known here; this arm exists for robustness only.
-                        None => (read_chunk(job)?, Compression::None),
+                    // `known` only grows between batches, so a chunk judged known while the batch
+                    // ran is still known here.
+                    let Some((bytes, compression)) = p.stored else {
+                        return Err(BuildError::Internal {
+                            what: "a known chunk was forgotten",
+                            chunk: Some(p.id),
+                        });
                     };
                     let stored_len = bytes.len() as u32;
-                    let (pack, offset, full) = plan.place(u64::from(stored_len));
+                    let (pack, offset, full) = self.plan.place(u64::from(stored_len));
                     ops.push(PackOp::Append(bytes));
                     if full {
                         ops.push(PackOp::Close);
                     }
-                    out.new_chunks += 1;
-                    out.new_stored_bytes += u64::from(stored_len);
+                    self.out.new_chunks += 1;
+                    self.out.new_stored_bytes += u64::from(stored_len);
                     let loc = PackLocation { pack: 0, offset, stored_len, raw_len: p.len, compression };
                     *slot.insert(ChunkHome::New { pack, loc })
                 }
             };
-            out.homes.insert(p.id, home);
+            self.out.homes.insert(p.id, home);
         }
-        tx.send(ops).map_err(|_| writer_gone())?;
-        progress.advance(bytes);
-        start = end;
+        tx.send(ops).map_err(|_| writer_gone())
     }
-    Ok(out)
 }

@@ -19,6 +19,10 @@ pub enum BuildError {
     #[error("invalid chunk size {0}: must be a power of two from 64 KiB to 16 MiB")]
     BadChunkSize(u64),
     #[error(transparent)]
+    Source(#[from] crate::source::SourceError),
+    #[error("{what} are not supported yet")]
+    Unsupported { what: String },
+    #[error(transparent)]
     Ext4(#[from] tessera_ext4::Ext4Error),
     #[error(transparent)]
     Store(#[from] tessera_store::StoreError),

@@ -1,4 +1,4 @@
-//! The Tessera image builder: sources (a directory today), chunking and packing, ext4 synthesis,
+//! The Tessera image builder: sources (a directory, OCI layouts, docker archives), chunking and packing, ext4 synthesis,
 //! and writing the image into a store.
 //!
 //! ```no_run
@@ -11,14 +11,17 @@
 
 mod chunk;
 mod error;
+mod image;
 mod pipeline;
 mod seed;
+pub mod source;
 mod walk;
 
 pub use chunk::{BATCH_BYTES, PACK_TARGET_BYTES};
 pub use error::BuildError;
+pub use image::{build_image, flatten};
 pub use pipeline::{
-    build_dir, default_fs_time, BuildConfig, BuildOutput, DEFAULT_CHUNK_SIZE, DEFAULT_FS_TIME,
+    build_dir, build_source, default_fs_time, BuildConfig, BuildOutput, DEFAULT_CHUNK_SIZE, DEFAULT_FS_TIME,
 };
 pub use walk::{walk_dir, SourceTree};
 

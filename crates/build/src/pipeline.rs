@@ -15,6 +15,7 @@ use tracing::{debug, info};
 use crate::chunk::{chunk_tree, ChunkHome, ChunkOutput};
 use crate::error::BuildError;
 use crate::seed::tree_seed;
+use crate::source::{open_docker_archive, open_oci_layout, Platform, SourceSpec};
 use crate::walk::walk_dir;
 use crate::Progress;
 
@@ -46,6 +47,8 @@ pub struct BuildConfig {
     pub fs_time: i64,
     /// Text recorded as the source in the provenance blob (not part of the ID).
     pub source_ref: String,
+    /// Limit on the uncompressed bytes of all layers together (`--max-size`; image sources only).
+    pub max_size: Option<u64>,
 }
 
 impl Default for BuildConfig {
@@ -56,6 +59,7 @@ impl Default for BuildConfig {
             inodes: None,
             fs_time: default_fs_time(),
             source_ref: String::new(),
+            max_size: None,
         }
     }
 }
@@ -71,7 +75,7 @@ pub struct BuildOutput {
     pub new_stored_bytes: u64,
 }
 
-fn check_chunk_size(size: u32) -> Result<(), BuildError> {
+pub(crate) fn check_chunk_size(size: u32) -> Result<(), BuildError> {
     if !size.is_power_of_two() || !(64 * 1024..=16 * 1024 * 1024).contains(&size) {
         return Err(BuildError::BadChunkSize(u64::from(size)));
     }
@@ -93,14 +97,16 @@ pub fn build_dir(
     debug!(chunks = existing.len(), "chunks already in the store");
     let chunks = chunk_tree(&source, store, existing, u64::from(config.chunk_size), progress)?;
     info!(new_chunks = chunks.new_chunks, new_bytes = chunks.new_stored_bytes, "chunked file content");
-    finish_image(&source.tree, chunks, store, config)
+    finish_image(&source.tree, chunks, store, config, RuntimeConfig::default(), serde_json::Value::Null)
 }
 
-fn finish_image(
+pub(crate) fn finish_image(
     tree: &Tree,
     chunks: ChunkOutput,
     store: &LocalStore,
     config: &BuildConfig,
+    runtime: RuntimeConfig,
+    source_provenance: serde_json::Value,
 ) -> Result<BuildOutput, BuildError> {
     let seed = tree_seed(tree, &chunks.files);
     let options = Options {
@@ -177,7 +183,7 @@ fn finish_image(
         stats,
         prefix: PrefixInfo { digest: Sha256Digest::of(&prefix), blocks: prefix.len() as u64 / 4096 },
         block_map,
-        config: RuntimeConfig::default(),
+        config: runtime,
     };
     let record_bytes = record.encode();
     let id = ImageId(Sha256Digest::of(&record_bytes));
@@ -213,6 +219,7 @@ fn finish_image(
         "source": config.source_ref,
         "built_at": SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
         "builder": concat!("tessera ", env!("CARGO_PKG_VERSION")),
+        "image": source_provenance,
     });
     let provenance_digest = store.put_blob(provenance.to_string().as_bytes())?;
     let record_digest = store.put_blob(&record_bytes)?;
@@ -252,4 +259,24 @@ fn tree_stats(tree: &Tree, g: &tessera_ext4::Geometry, files: &[crate::seed::Fil
         }
     }
     s
+}
+
+/// Build any source: a directory, an OCI layout or a docker archive (`docker://` is not supported
+/// yet). `platform` picks the image in multi-platform indexes.
+pub fn build_source(
+    spec: &SourceSpec,
+    platform: &Platform,
+    store: &LocalStore,
+    config: &BuildConfig,
+    progress: &dyn Progress,
+) -> Result<BuildOutput, BuildError> {
+    let image = match spec {
+        SourceSpec::Dir(path) => return build_dir(path, store, config, progress),
+        SourceSpec::Oci { path, reference } => open_oci_layout(path, reference.as_deref(), platform)?,
+        SourceSpec::DockerArchive(path) => open_docker_archive(path)?,
+        SourceSpec::Registry(r) => {
+            return Err(BuildError::Unsupported { what: format!("docker://{r}: registry sources") })
+        }
+    };
+    crate::image::build_image(&image, store, config, progress)
 }

@@ -1,15 +1,15 @@
 //! The subcommands: typed arguments in, results on stdout, errors with context out.
 
 use std::collections::BTreeSet;
-use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use indicatif::HumanBytes;
 use serde::Serialize;
+use tessera_build::source::SourceSpec;
 use tessera_build::Progress;
 use tessera_build::{BuildConfig, BuildError};
 use tessera_ext4::SizePolicy;
-use tessera_image::{ImageId, ImageRecord, PackIndex};
+use tessera_image::{ImageId, ImageRecord, PackIndex, RuntimeConfig};
 use tessera_store::{export_raw, ImageReader, LocalStore, OpenImage, StoreError, StoreLocation};
 
 use crate::progress::Bar;
@@ -20,6 +20,7 @@ pub fn is_usage_error(e: &anyhow::Error) -> bool {
     e.chain().any(|c| {
         c.downcast_ref::<StoreError>().is_some_and(StoreError::is_usage_error)
             || matches!(c.downcast_ref::<BuildError>(), Some(BuildError::Store(s)) if s.is_usage_error())
+            || matches!(c.downcast_ref::<BuildError>(), Some(BuildError::Source(s)) if s.is_usage_error())
     })
 }
 
@@ -28,26 +29,29 @@ fn open_store(store: &str) -> Result<LocalStore> {
 }
 
 pub fn build(args: BuildArgs) -> Result<()> {
-    for scheme in ["oci:", "docker-archive:", "docker://"] {
-        if args.source.starts_with(scheme) {
-            bail!(UsageError(format!("source {}: {scheme} sources are not supported yet", args.source)));
-        }
+    let spec = SourceSpec::parse(&args.source).map_err(|e| UsageError(e.to_string()))?;
+    if let SourceSpec::Registry(_) = spec {
+        bail!(UsageError(format!("source {}: docker:// sources are not supported yet", args.source)));
     }
     let store = StoreLocation::parse(&args.store)?.open_for_write()?;
     let size = match (args.size, args.free) {
         (Some(bytes), _) => SizePolicy::Exact(bytes),
         (None, free) => SizePolicy::Free(free),
     };
-    let source = Path::new(&args.source);
+    let source_ref = match &spec {
+        SourceSpec::Dir(path) => format!("dir:{}", path.display()),
+        _ => args.source.clone(),
+    };
     let config = BuildConfig {
         chunk_size: args.chunk_size,
         size,
         inodes: args.inodes,
-        source_ref: format!("dir:{}", source.display()),
+        source_ref,
+        max_size: args.max_size,
         ..BuildConfig::default()
     };
     let bar = Bar::new("building");
-    let out = tessera_build::build_dir(source, &store, &config, &bar)?;
+    let out = tessera_build::build_source(&spec, &args.platform, &store, &config, &bar)?;
     if let Some(tag) = &args.tag {
         store.set_ref(tag, &out.id)?;
     }
@@ -108,6 +112,31 @@ struct Inspect {
     prefix_stored_bytes: u64,
     chunk_size: u32,
     has_profile: bool,
+    config: InspectConfig,
+}
+
+/// The normalized runtime config (empty for a directory source).
+#[derive(Debug, Serialize)]
+struct InspectConfig {
+    env: Vec<String>,
+    entrypoint: Option<Vec<String>>,
+    cmd: Option<Vec<String>>,
+    working_dir: String,
+    user: String,
+    labels: std::collections::BTreeMap<String, String>,
+}
+
+impl From<&RuntimeConfig> for InspectConfig {
+    fn from(c: &RuntimeConfig) -> Self {
+        Self {
+            env: c.env.clone(),
+            entrypoint: c.entrypoint.clone(),
+            cmd: c.cmd.clone(),
+            working_dir: c.working_dir.clone(),
+            user: c.user.clone(),
+            labels: c.labels.clone(),
+        }
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -188,6 +217,7 @@ pub fn inspect(args: InspectArgs) -> Result<()> {
         prefix_stored_bytes,
         chunk_size: record.options.chunk_size,
         has_profile: entry.profile.is_some(),
+        config: InspectConfig::from(&record.config),
     };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&doc)?);
@@ -228,5 +258,21 @@ pub fn inspect(args: InspectArgs) -> Result<()> {
         HumanBytes(doc.prefix_stored_bytes),
         HumanBytes(doc.prefix_bytes)
     );
+    let c = &doc.config;
+    let list = |v: &Option<Vec<String>>| match v {
+        Some(v) => serde_json::to_string(v).unwrap_or_default(),
+        None => "-".to_owned(),
+    };
+    let or_dash = |s: &str| if s.is_empty() { "-".to_owned() } else { s.to_owned() };
+    println!("Entrypoint {}", list(&c.entrypoint));
+    println!("Cmd        {}", list(&c.cmd));
+    println!("WorkingDir {}", or_dash(&c.working_dir));
+    println!("User       {}", or_dash(&c.user));
+    for (i, e) in c.env.iter().enumerate() {
+        println!("{} {e}", if i == 0 { "Env       " } else { "          " });
+    }
+    for (i, (k, v)) in c.labels.iter().enumerate() {
+        println!("{} {k}={v}", if i == 0 { "Labels    " } else { "          " });
+    }
     Ok(())
 }

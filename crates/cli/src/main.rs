@@ -30,7 +30,7 @@ impl std::error::Error for UsageError {}
     name = "tessera",
     version,
     about = "Serve container images to microVMs as lazily loaded ext4 block devices",
-    long_about = "Tessera builds a directory tree (later: OCI images) into an ext4 filesystem whose \
+    long_about = "Tessera builds a directory tree or an OCI image into an ext4 filesystem whose \
 metadata is synthesized directly and whose file data is cut into deduplicated, compressed, \
 content-addressed chunks in a store. The image can be exported as a raw device or served lazily.",
     after_help = "Exit status: 0 success, 1 failure (including an unknown image or tag), 2 usage error.\n\
@@ -66,9 +66,20 @@ Times: the superblock and journal use SOURCE_DATE_EPOCH (clamped to now) if set,
 2024-01-01T00:00:00Z; files keep their mtime with nanoseconds; atime and ctime are set to mtime.\n\
 \n\
 Examples:\n  tessera build ./rootfs --store ./store\n  tessera build ./rootfs --store ./store --tag web --free 1G\n  \
-tessera build ./rootfs --store file:///var/lib/tessera --size 4G --inodes 200000 --chunk-size 1M")]
+tessera build ./rootfs --store file:///var/lib/tessera --size 4G --inodes 200000 --chunk-size 1M\n  \
+tessera build oci:./layout:v1 --store ./store --tag app\n  \
+tessera build oci:./multiarch --platform linux/arm64/v8 --store ./store --max-size 8G\n  \
+tessera build docker-archive:./app.tar --store ./store\n\
+\n\
+Image sources: layers (tar, tar+gzip, tar+zstd) are streamed twice and never unpacked to disk; every \
+blob is checked against its digest. Files keep uid, gid, mode, mtime (with nanoseconds), PAX atime and \
+ctime when present (else mtime), xattrs; missing parent directories and the root (unless the image has a \
+`./` entry) get 0755, 0:0 and the filesystem time. The runtime config (Env, Entrypoint, Cmd, \
+WorkingDir, User, Labels) is normalized into the image record (see docs/formats/record.md).")]
 pub struct BuildArgs {
-    /// The source: a directory (OCI sources come later: oci:PATH, docker-archive:PATH, docker://REF).
+    /// The source: DIR, oci:PATH[:REF] (an OCI image layout; REF is an
+    /// org.opencontainers.image.ref.name or a manifest digest) or docker-archive:PATH (docker save /
+    /// skopeo docker-archive). docker://HOST/REPO[:TAG] is not supported yet.
     source: String,
     /// The store to write into: PATH or file://PATH (created if missing).
     #[arg(long)]
@@ -88,6 +99,13 @@ pub struct BuildArgs {
     /// Chunk size for large files: a power of two from 64K to 16M.
     #[arg(long, value_parser = parse_chunk_size, default_value = "512K")]
     chunk_size: u32,
+    /// The platform to pick from a multi-platform image index: OS/ARCH[/VARIANT].
+    #[arg(long, value_parser = parse_platform, default_value = "linux/amd64")]
+    platform: tessera_build::source::Platform,
+    /// Refuse images whose layers decompress to more than this many bytes in total (default: no
+    /// limit).
+    #[arg(long, value_parser = parse_size_arg)]
+    max_size: Option<u64>,
 }
 
 /// Write the whole device as a sparse raw file, assembled through the read path.
@@ -135,6 +153,10 @@ fn parse_chunk_size(s: &str) -> Result<u32, String> {
         return Err(format!("{s}: chunk size must be a power of two from 64K to 16M"));
     }
     Ok(n as u32)
+}
+
+fn parse_platform(s: &str) -> Result<tessera_build::source::Platform, String> {
+    s.parse().map_err(|e: tessera_build::source::SourceError| e.to_string())
 }
 
 fn parse_tag(s: &str) -> Result<String, String> {

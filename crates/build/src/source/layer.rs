@@ -1,0 +1,447 @@
+//! Reading one layer blob: verify its digest and size, sniff and undo its compression (gzip,
+//! zstd or none), verify the uncompressed digest (diff_id), enforce `--max-size`, and parse its tar
+//! headers into [`LayerEntry`]s. Content is never buffered here: pass 1 reads headers and skips
+//! data; pass 2 ([`LayerStream`] with [`LayerStream::skip_to`]) re-streams the blob and hands out
+//! the bytes of the files that survived flattening.
+
+use std::io::{self, BufRead, BufReader, Read};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use sha2::{Digest as _, Sha256};
+use tessera_ext4::{Meta, Timestamp, Xattr};
+
+use super::error::{from_stream_error, show, SourceError, StreamFault};
+use super::flatten::{EntryKind, LayerEntry};
+
+/// A content digest (only sha256 is accepted).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Digest {
+    pub hex: String,
+}
+
+impl Digest {
+    /// Parse `sha256:<64 lowercase hex>`.
+    pub fn parse(what: &str, s: &str) -> Result<Self, SourceError> {
+        let bad = || SourceError::BadDigest { what: what.to_owned(), digest: s.to_owned() };
+        let hex = s.strip_prefix("sha256:").ok_or_else(bad)?;
+        if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
+            return Err(bad());
+        }
+        Ok(Self { hex: hex.to_owned() })
+    }
+}
+
+impl std::fmt::Display for Digest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "sha256:{}", self.hex)
+    }
+}
+
+/// Opens a fresh reader over a blob's raw (possibly compressed) bytes.
+pub type Opener = Box<dyn Fn() -> io::Result<Box<dyn Read + Send>> + Send + Sync>;
+
+/// One layer of an image: how to read it and what it must hash to.
+pub struct LayerBlob {
+    /// Names the layer in errors, e.g. `layer 2 (sha256:…)`.
+    pub name: String,
+    pub open: Opener,
+    /// Digest and size of the raw blob, when the source gives them (OCI descriptors).
+    pub digest: Option<Digest>,
+    pub size: Option<u64>,
+    /// Digest of the uncompressed tar (the config's `rootfs.diff_ids`).
+    pub diff_id: Option<Digest>,
+}
+
+impl std::fmt::Debug for LayerBlob {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LayerBlob")
+            .field("name", &self.name)
+            .field("digest", &self.digest)
+            .field("size", &self.size)
+            .field("diff_id", &self.diff_id)
+            .finish()
+    }
+}
+
+/// Hashes and counts a reader's bytes; at EOF checks them against the expected digest and size.
+struct Verify<R> {
+    inner: R,
+    hasher: Sha256,
+    count: u64,
+    digest: Option<Digest>,
+    size: Option<u64>,
+    /// Uncompressed-side budget shared by every layer of a build (`--max-size`).
+    budget: Option<(Arc<AtomicU64>, u64)>,
+    checked: bool,
+}
+
+impl<R: Read> Verify<R> {
+    fn new(
+        inner: R,
+        digest: Option<Digest>,
+        size: Option<u64>,
+        budget: Option<(Arc<AtomicU64>, u64)>,
+    ) -> Self {
+        Self { inner, hasher: Sha256::new(), count: 0, digest, size, budget, checked: false }
+    }
+
+    fn check(&mut self) -> io::Result<()> {
+        if self.checked {
+            return Ok(());
+        }
+        self.checked = true;
+        if let Some(expected) = self.size {
+            if expected != self.count {
+                return Err(StreamFault::Size { expected, actual: self.count }.into_io());
+            }
+        }
+        if let Some(d) = &self.digest {
+            let actual = hex::encode(std::mem::take(&mut self.hasher).finalize());
+            if actual != d.hex {
+                return Err(StreamFault::Digest {
+                    expected: d.to_string(),
+                    actual: format!("sha256:{actual}"),
+                }
+                .into_io());
+            }
+        }
+        Ok(())
+    }
+}
+
+impl<R: Read> Read for Verify<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        if n == 0 && !buf.is_empty() {
+            self.check()?;
+            return Ok(0);
+        }
+        self.count += n as u64;
+        if let Some(expected) = self.size {
+            if self.count > expected {
+                return Err(StreamFault::Size { expected, actual: self.count }.into_io());
+            }
+        }
+        if let Some((used, limit)) = &self.budget {
+            let total = used.fetch_add(n as u64, Ordering::Relaxed) + n as u64;
+            if total > *limit {
+                return Err(StreamFault::TooLarge { limit: *limit }.into_io());
+            }
+        }
+        if self.digest.is_some() {
+            self.hasher.update(&buf[..n]);
+        }
+        Ok(n)
+    }
+}
+
+type Raw = BufReader<Verify<Box<dyn Read + Send>>>;
+
+enum Decoded {
+    Plain(Box<Raw>),
+    Gzip(Box<flate2::bufread::MultiGzDecoder<Raw>>),
+    Zstd(Box<zstd::stream::read::Decoder<'static, Raw>>),
+}
+
+impl Read for Decoded {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Self::Plain(r) => r.read(buf),
+            Self::Gzip(r) => r.read(buf),
+            Self::Zstd(r) => r.read(buf),
+        }
+    }
+}
+
+impl Decoded {
+    fn into_raw(self) -> Raw {
+        match self {
+            Self::Plain(r) => *r,
+            Self::Gzip(r) => r.into_inner(),
+            Self::Zstd(r) => r.finish(),
+        }
+    }
+}
+
+/// A layer's uncompressed tar stream with every check attached; [`Self::finish`] drains it and
+/// reports any digest, size or trailer problem.
+pub struct LayerStream {
+    name: String,
+    inner: Verify<Decoded>,
+    pos: u64,
+}
+
+impl std::fmt::Debug for LayerStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LayerStream").field("name", &self.name).field("pos", &self.pos).finish()
+    }
+}
+
+impl LayerStream {
+    /// Open `blob`, checking its raw digest and size and its diff_id; uncompressed bytes count
+    /// against `budget` (`(used, limit)`).
+    pub fn open(blob: &LayerBlob, budget: Option<(Arc<AtomicU64>, u64)>) -> Result<Self, SourceError> {
+        let err = |e| from_stream_error(&blob.name, e);
+        let raw = (blob.open)().map_err(err)?;
+        let mut raw =
+            BufReader::with_capacity(256 << 10, Verify::new(raw, blob.digest.clone(), blob.size, None));
+        let head = raw.fill_buf().map_err(err)?;
+        let decoded = if head.starts_with(&[0x1f, 0x8b]) {
+            Decoded::Gzip(Box::new(flate2::bufread::MultiGzDecoder::new(raw)))
+        } else if head.starts_with(&[0x28, 0xb5, 0x2f, 0xfd]) {
+            Decoded::Zstd(Box::new(zstd::stream::read::Decoder::with_buffer(raw).map_err(err)?))
+        } else {
+            Decoded::Plain(Box::new(raw))
+        };
+        Ok(Self {
+            name: blob.name.clone(),
+            inner: Verify::new(decoded, blob.diff_id.clone(), None, budget),
+            pos: 0,
+        })
+    }
+
+    /// Offset in the uncompressed stream.
+    pub fn position(&self) -> u64 {
+        self.pos
+    }
+
+    /// Discard bytes up to uncompressed offset `to`.
+    pub fn skip_to(&mut self, to: u64) -> Result<(), SourceError> {
+        if to < self.pos {
+            return Err(SourceError::Corrupt {
+                layer: self.name.clone(),
+                source: io::Error::other(format!("cannot seek back from {} to {to}", self.pos)),
+            });
+        }
+        let want = to - self.pos;
+        let got = io::copy(&mut (&mut *self).take(want), &mut io::sink())
+            .map_err(|e| from_stream_error(&self.name, e))?;
+        if got != want {
+            return Err(self.truncated());
+        }
+        Ok(())
+    }
+
+    /// Fill `buf` completely from the stream.
+    pub fn read_exact_checked(&mut self, buf: &mut [u8]) -> Result<(), SourceError> {
+        self.read_exact(buf).map_err(|e| {
+            if e.kind() == io::ErrorKind::UnexpectedEof {
+                self.truncated()
+            } else {
+                from_stream_error(&self.name, e)
+            }
+        })
+    }
+
+    fn truncated(&self) -> SourceError {
+        SourceError::Corrupt {
+            layer: self.name.clone(),
+            source: io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!("stream ends at offset {}", self.pos),
+            ),
+        }
+    }
+
+    /// Read to the end, so that the decompressor checks its trailer, and verify every digest.
+    pub fn finish(mut self) -> Result<(), SourceError> {
+        let name = self.name.clone();
+        let err = |e| from_stream_error(&name, e);
+        io::copy(&mut self, &mut io::sink()).map_err(err)?;
+        let mut raw = self.inner.inner.into_raw();
+        // Bytes after the end of the compressed stream are part of the blob too.
+        io::copy(&mut raw, &mut io::sink()).map_err(err)?;
+        raw.into_inner().check().map_err(err)
+    }
+}
+
+impl Read for LayerStream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.pos += n as u64;
+        Ok(n)
+    }
+}
+
+fn parse_pax_time(v: &[u8]) -> Option<Timestamp> {
+    let s = std::str::from_utf8(v).ok()?;
+    let (neg, body) = match s.strip_prefix('-') {
+        Some(b) => (true, b),
+        None => (false, s),
+    };
+    let (sec, frac) = body.split_once('.').unwrap_or((body, ""));
+    if sec.is_empty() || !sec.bytes().all(|b| b.is_ascii_digit()) || !frac.bytes().all(|b| b.is_ascii_digit())
+    {
+        return None;
+    }
+    let sec: i64 = sec.parse().ok()?;
+    let mut nsec: u32 = 0;
+    for (i, d) in frac.bytes().take(9).enumerate() {
+        nsec += u32::from(d - b'0') * 10u32.pow(8 - i as u32);
+    }
+    if !neg {
+        return Some(Timestamp { sec, nsec });
+    }
+    // -1.25 is 1.25 s before the epoch: sec -2, nsec 750_000_000.
+    if nsec == 0 {
+        Some(Timestamp { sec: -sec, nsec: 0 })
+    } else {
+        Some(Timestamp { sec: -sec - 1, nsec: 1_000_000_000 - nsec })
+    }
+}
+
+/// Parse every header of a layer (pass 1). Data is skipped, not kept; the stream is then drained
+/// and verified.
+pub fn scan_layer(mut stream: LayerStream) -> Result<Vec<LayerEntry>, SourceError> {
+    let name = stream.name.clone();
+    let mut out = Vec::new();
+    {
+        let mut archive = tar::Archive::new(&mut stream);
+        let entries = archive.entries().map_err(|e| from_stream_error(&name, e))?;
+        for entry in entries {
+            let mut entry = entry.map_err(|e| from_stream_error(&name, e))?;
+            if let Some(e) = parse_entry(&name, &mut entry)? {
+                out.push(e);
+            }
+        }
+    }
+    stream.finish()?;
+    Ok(out)
+}
+
+fn parse_entry<R: Read>(
+    layer: &str,
+    entry: &mut tar::Entry<'_, R>,
+) -> Result<Option<LayerEntry>, SourceError> {
+    let path = entry.path_bytes().into_owned();
+    let bad = |field: &'static str, reason: String| SourceError::BadHeader {
+        layer: layer.to_owned(),
+        path: show(&path),
+        field,
+        reason,
+    };
+    let mut uid = None;
+    let mut gid = None;
+    let mut times: [Option<Timestamp>; 3] = [None; 3];
+    let mut xattrs: Vec<Xattr> = Vec::new();
+    if let Some(pax) = entry.pax_extensions().map_err(|e| from_stream_error(layer, e))? {
+        for ext in pax {
+            let ext = ext.map_err(|e| from_stream_error(layer, e))?;
+            let key = ext.key_bytes();
+            let value = ext.value_bytes();
+            let num = |v: &[u8]| std::str::from_utf8(v).ok().and_then(|s| s.parse::<u32>().ok());
+            match key {
+                b"uid" => uid = Some(num(value).ok_or_else(|| bad("uid", show(value)))?),
+                b"gid" => gid = Some(num(value).ok_or_else(|| bad("gid", show(value)))?),
+                b"atime" | b"mtime" | b"ctime" => {
+                    let t = parse_pax_time(value).ok_or_else(|| bad("time", show(value)))?;
+                    let slot = match key {
+                        b"atime" => 0,
+                        b"mtime" => 1,
+                        _ => 2,
+                    };
+                    times[slot] = Some(t);
+                }
+                _ => {
+                    if let Some(name) = key.strip_prefix(b"SCHILY.xattr.") {
+                        if !name.is_empty() {
+                            xattrs.retain(|x| x.name != name);
+                            xattrs.push(Xattr { name: name.to_vec(), value: value.to_vec() });
+                        }
+                    }
+                }
+            }
+        }
+    }
+    xattrs.sort_by(|a, b| a.name.cmp(&b.name));
+    let h = entry.header();
+    let mode = h.mode().map_err(|e| bad("mode", e.to_string()))?;
+    let uid = match uid {
+        Some(u) => u,
+        None => {
+            let u = h.uid().map_err(|e| bad("uid", e.to_string()))?;
+            u32::try_from(u).map_err(|_| bad("uid", u.to_string()))?
+        }
+    };
+    let gid = match gid {
+        Some(g) => g,
+        None => {
+            let g = h.gid().map_err(|e| bad("gid", e.to_string()))?;
+            u32::try_from(g).map_err(|_| bad("gid", g.to_string()))?
+        }
+    };
+    if uid == u32::MAX || gid == u32::MAX {
+        return Err(bad("uid/gid", "4294967295 is not a valid owner".into()));
+    }
+    let mtime = match times[1] {
+        Some(t) => t,
+        None => {
+            let m = h.mtime().map_err(|e| bad("mtime", e.to_string()))?;
+            Timestamp { sec: i64::try_from(m).map_err(|_| bad("mtime", m.to_string()))?, nsec: 0 }
+        }
+    };
+    // atime and ctime only when the archive carries them (PAX); otherwise they follow mtime.
+    let meta = Meta {
+        mode: (mode & 0o7777) as u16,
+        uid,
+        gid,
+        atime: times[0].unwrap_or(mtime),
+        mtime,
+        ctime: times[2].unwrap_or(mtime),
+    };
+    let device = |h: &tar::Header| -> Result<(u32, u32), SourceError> {
+        let major = h.device_major().map_err(|e| bad("devmajor", e.to_string()))?.unwrap_or(0);
+        let minor = h.device_minor().map_err(|e| bad("devminor", e.to_string()))?.unwrap_or(0);
+        Ok((major, minor))
+    };
+    let link = || entry.link_name_bytes().map(|l| l.into_owned()).filter(|l| !l.is_empty());
+    let et = h.entry_type();
+    let kind = match et {
+        tar::EntryType::Regular | tar::EntryType::Continuous if path.ends_with(b"/") => EntryKind::Dir,
+        tar::EntryType::Regular | tar::EntryType::Continuous => {
+            EntryKind::File { size: entry.size(), offset: entry.raw_file_position() }
+        }
+        tar::EntryType::Directory => EntryKind::Dir,
+        tar::EntryType::Symlink => EntryKind::Symlink(link().ok_or_else(|| bad("linkname", "empty".into()))?),
+        tar::EntryType::Link => EntryKind::HardLink(link().ok_or_else(|| bad("linkname", "empty".into()))?),
+        tar::EntryType::Char => {
+            let (major, minor) = device(h)?;
+            EntryKind::Char { major, minor }
+        }
+        tar::EntryType::Block => {
+            let (major, minor) = device(h)?;
+            EntryKind::Block { major, minor }
+        }
+        tar::EntryType::Fifo => EntryKind::Fifo,
+        // PAX global headers carry nothing the image keeps.
+        tar::EntryType::XGlobalHeader => return Ok(None),
+        other => {
+            return Err(SourceError::UnsupportedEntry {
+                layer: layer.to_owned(),
+                path: show(&path),
+                kind: char::from(other.as_byte()),
+            })
+        }
+    };
+    Ok(Some(LayerEntry { path, kind, meta, xattrs }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pax_times() {
+        assert_eq!(
+            parse_pax_time(b"1700000000.123456789"),
+            Some(Timestamp { sec: 1_700_000_000, nsec: 123_456_789 })
+        );
+        assert_eq!(parse_pax_time(b"5.5"), Some(Timestamp { sec: 5, nsec: 500_000_000 }));
+        assert_eq!(parse_pax_time(b"7"), Some(Timestamp { sec: 7, nsec: 0 }));
+        assert_eq!(parse_pax_time(b"-1.25"), Some(Timestamp { sec: -2, nsec: 750_000_000 }));
+        assert_eq!(parse_pax_time(b"1.0000000019"), Some(Timestamp { sec: 1, nsec: 1 }));
+        assert_eq!(parse_pax_time(b"x"), None);
+        assert_eq!(parse_pax_time(b""), None);
+    }
+}

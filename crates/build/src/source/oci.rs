@@ -1,0 +1,600 @@
+//! OCI image layouts (`oci:PATH[:REF]`) and docker archives (`docker-archive:PATH`): resolve the
+//! reference and platform to one manifest, read the config into a normalized [`RuntimeConfig`],
+//! and describe the layers as [`LayerBlob`]s (read lazily, verified on every read).
+
+use std::collections::{BTreeMap, HashMap};
+use std::fs::File;
+use std::io::{self, Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+use sha2::{Digest as _, Sha256};
+use tessera_image::RuntimeConfig;
+
+use super::error::SourceError;
+use super::layer::{Digest, LayerBlob};
+
+/// Largest JSON document (index, manifest, config) read into memory.
+pub const MAX_DOCUMENT: u64 = 8 << 20;
+const MAX_NESTING: usize = 8;
+
+/// What `tessera build` reads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SourceSpec {
+    Dir(PathBuf),
+    Oci { path: PathBuf, reference: Option<String> },
+    DockerArchive(PathBuf),
+    Registry(String),
+}
+
+impl SourceSpec {
+    /// Parse `DIR | oci:PATH[:REF] | docker-archive:PATH | docker://REF`. For `oci:`, a path that
+    /// exists as a directory with the whole text is taken as is; otherwise the text after the last
+    /// `:` is the reference.
+    pub fn parse(s: &str) -> Result<Self, SourceError> {
+        if let Some(rest) = s.strip_prefix("oci:") {
+            if rest.is_empty() {
+                return Err(SourceError::BadSource(s.to_owned()));
+            }
+            if Path::new(rest).is_dir() {
+                return Ok(Self::Oci { path: rest.into(), reference: None });
+            }
+            return Ok(match rest.rsplit_once(':') {
+                Some((path, reference))
+                    if !path.is_empty() && !reference.is_empty() && !reference.contains('/') =>
+                {
+                    Self::Oci { path: path.into(), reference: Some(reference.to_owned()) }
+                }
+                _ => Self::Oci { path: rest.into(), reference: None },
+            });
+        }
+        if let Some(rest) = s.strip_prefix("docker-archive:") {
+            if rest.is_empty() {
+                return Err(SourceError::BadSource(s.to_owned()));
+            }
+            return Ok(Self::DockerArchive(rest.into()));
+        }
+        if let Some(rest) = s.strip_prefix("docker://") {
+            return Ok(Self::Registry(rest.to_owned()));
+        }
+        Ok(Self::Dir(s.into()))
+    }
+}
+
+/// A platform: `OS/ARCH[/VARIANT]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Platform {
+    pub os: String,
+    pub architecture: String,
+    pub variant: Option<String>,
+}
+
+impl Default for Platform {
+    fn default() -> Self {
+        Self { os: "linux".into(), architecture: "amd64".into(), variant: None }
+    }
+}
+
+impl std::str::FromStr for Platform {
+    type Err = SourceError;
+    fn from_str(s: &str) -> Result<Self, SourceError> {
+        let parts: Vec<&str> = s.split('/').collect();
+        let ok = |p: &&str| {
+            !p.is_empty() && p.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+        };
+        match parts.as_slice() {
+            [os, arch] if ok(os) && ok(arch) => {
+                Ok(Self { os: (*os).into(), architecture: (*arch).into(), variant: None })
+            }
+            [os, arch, v] if ok(os) && ok(arch) && ok(v) => {
+                Ok(Self { os: (*os).into(), architecture: (*arch).into(), variant: Some((*v).into()) })
+            }
+            _ => Err(SourceError::BadPlatform(s.to_owned())),
+        }
+    }
+}
+
+impl std::fmt::Display for Platform {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.os, self.architecture)?;
+        if let Some(v) = &self.variant {
+            write!(f, "/{v}")?;
+        }
+        Ok(())
+    }
+}
+
+/// An image ready to flatten: its layers (lowest first) and normalized runtime config.
+#[derive(Debug)]
+pub struct ImageSource {
+    pub layers: Vec<LayerBlob>,
+    pub config: RuntimeConfig,
+    /// Digests of the manifest and layers, for the provenance record (not part of the ID).
+    pub provenance: serde_json::Value,
+}
+
+#[derive(Debug, Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+struct Descriptor {
+    #[serde(default)]
+    media_type: String,
+    digest: String,
+    #[serde(default)]
+    size: Option<u64>,
+    #[serde(default)]
+    annotations: BTreeMap<String, String>,
+    #[serde(default)]
+    platform: Option<DescPlatform>,
+}
+
+#[derive(Debug, Deserialize, Default)]
+struct DescPlatform {
+    #[serde(default)]
+    os: String,
+    #[serde(default)]
+    architecture: String,
+    #[serde(default)]
+    variant: Option<String>,
+}
+
+/// An index or a manifest (both are read as this, told apart by media type and fields).
+#[derive(Debug, Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+struct Document {
+    #[serde(default)]
+    media_type: String,
+    #[serde(default)]
+    manifests: Option<Vec<Descriptor>>,
+    #[serde(default)]
+    config: Option<Descriptor>,
+    #[serde(default)]
+    layers: Option<Vec<Descriptor>>,
+}
+
+#[derive(Debug, Deserialize, Default)]
+struct ImageConfigFile {
+    #[serde(default)]
+    config: Option<ContainerConfig>,
+    #[serde(default)]
+    rootfs: Option<RootFs>,
+}
+
+#[derive(Debug, Deserialize, Default)]
+struct RootFs {
+    #[serde(default)]
+    diff_ids: Vec<String>,
+}
+
+#[derive(Debug, Deserialize, Default)]
+#[serde(rename_all = "PascalCase")]
+struct ContainerConfig {
+    #[serde(default)]
+    env: Option<Vec<String>>,
+    #[serde(default)]
+    entrypoint: Option<Vec<String>>,
+    #[serde(default)]
+    cmd: Option<Vec<String>>,
+    #[serde(default)]
+    working_dir: Option<String>,
+    #[serde(default)]
+    user: Option<String>,
+    #[serde(default)]
+    labels: Option<BTreeMap<String, String>>,
+}
+
+fn json<T: for<'de> Deserialize<'de>>(what: &str, bytes: &[u8]) -> Result<T, SourceError> {
+    serde_json::from_slice(bytes).map_err(|source| SourceError::Json { what: what.to_owned(), source })
+}
+
+/// Normalize a config's runtime fields (docs/formats/record.md, "Runtime config"): Env keeps the
+/// last value of each variable and is sorted by name; an empty Entrypoint or Cmd is the same as
+/// none; labels are sorted by key; missing strings are empty.
+pub fn normalize_config(config_json: &[u8]) -> Result<(RuntimeConfig, Vec<String>), SourceError> {
+    let file: ImageConfigFile = json("image config", config_json)?;
+    let c = file.config.unwrap_or_default();
+    let mut env: BTreeMap<String, String> = BTreeMap::new();
+    for e in c.env.unwrap_or_default() {
+        let key = e.split_once('=').map(|(k, _)| k).unwrap_or(&e).to_owned();
+        env.insert(key, e);
+    }
+    let nonempty = |v: Option<Vec<String>>| v.filter(|v| !v.is_empty());
+    let config = RuntimeConfig {
+        env: env.into_values().collect(),
+        entrypoint: nonempty(c.entrypoint),
+        cmd: nonempty(c.cmd),
+        working_dir: c.working_dir.unwrap_or_default(),
+        user: c.user.unwrap_or_default(),
+        labels: c.labels.unwrap_or_default(),
+    };
+    Ok((config, file.rootfs.unwrap_or_default().diff_ids))
+}
+
+fn read_limited(mut r: impl Read, what: &str) -> Result<Vec<u8>, SourceError> {
+    let mut buf = Vec::new();
+    (&mut r).take(MAX_DOCUMENT + 1).read_to_end(&mut buf).map_err(|e| SourceError::Io {
+        path: what.into(),
+        op: "read",
+        source: e,
+    })?;
+    if buf.len() as u64 > MAX_DOCUMENT {
+        return Err(SourceError::DocumentTooLarge { what: what.to_owned(), limit: MAX_DOCUMENT });
+    }
+    Ok(buf)
+}
+
+fn check_digest(what: &str, bytes: &[u8], digest: &Digest) -> Result<(), SourceError> {
+    let actual = hex::encode(Sha256::digest(bytes));
+    if actual != digest.hex {
+        return Err(SourceError::DigestMismatch {
+            what: what.to_owned(),
+            expected: digest.to_string(),
+            actual: format!("sha256:{actual}"),
+        });
+    }
+    Ok(())
+}
+
+const INDEX_TYPES: &[&str] =
+    &["application/vnd.oci.image.index.v1+json", "application/vnd.docker.distribution.manifest.list.v2+json"];
+const MANIFEST_TYPES: &[&str] =
+    &["application/vnd.oci.image.manifest.v1+json", "application/vnd.docker.distribution.manifest.v2+json"];
+
+struct Layout {
+    root: PathBuf,
+}
+
+impl Layout {
+    fn blob_path(&self, d: &Digest) -> PathBuf {
+        self.root.join("blobs/sha256").join(&d.hex)
+    }
+
+    fn open_blob(&self, d: &Digest) -> Result<File, SourceError> {
+        let path = self.blob_path(d);
+        File::open(&path).map_err(|e| match e.kind() {
+            io::ErrorKind::NotFound => SourceError::MissingBlob { digest: d.to_string(), path: path.clone() },
+            _ => SourceError::Io { path: path.clone(), op: "open", source: e },
+        })
+    }
+
+    /// A small JSON blob, verified against its descriptor.
+    fn document(&self, what: &str, desc: &Descriptor) -> Result<(Digest, Vec<u8>), SourceError> {
+        let d = Digest::parse(what, &desc.digest)?;
+        if desc.size.is_some_and(|s| s > MAX_DOCUMENT) {
+            return Err(SourceError::DocumentTooLarge { what: what.to_owned(), limit: MAX_DOCUMENT });
+        }
+        let bytes = read_limited(self.open_blob(&d)?, what)?;
+        if let Some(expected) = desc.size {
+            if expected != bytes.len() as u64 {
+                return Err(SourceError::SizeMismatch {
+                    what: what.to_owned(),
+                    expected,
+                    actual: bytes.len() as u64,
+                });
+            }
+        }
+        check_digest(what, &bytes, &d)?;
+        Ok((d, bytes))
+    }
+}
+
+fn platform_matches(p: &DescPlatform, want: &Platform) -> bool {
+    p.os == want.os
+        && p.architecture == want.architecture
+        && (want.variant.is_none() || p.variant.as_deref() == want.variant.as_deref())
+}
+
+/// Open the image `reference` (or the only one) of the OCI layout at `path`.
+pub fn open_oci_layout(
+    path: &Path,
+    reference: Option<&str>,
+    platform: &Platform,
+) -> Result<ImageSource, SourceError> {
+    let layout = Layout { root: path.to_owned() };
+    let index_path = path.join("index.json");
+    let index_bytes = read_limited(
+        File::open(&index_path).map_err(SourceError::io(&index_path, "open"))?,
+        &index_path.display().to_string(),
+    )?;
+    let index: Document = json("index.json", &index_bytes)?;
+    let manifests = index.manifests.unwrap_or_default();
+    let refs: Vec<String> = manifests
+        .iter()
+        .filter_map(|m| m.annotations.get("org.opencontainers.image.ref.name").cloned())
+        .collect();
+    let chosen = match reference {
+        Some(r) => manifests
+            .iter()
+            .rev()
+            .find(|m| {
+                m.annotations.get("org.opencontainers.image.ref.name").map(String::as_str) == Some(r)
+                    || m.digest == r
+            })
+            .ok_or_else(|| SourceError::NoSuchRef {
+                path: path.to_owned(),
+                reference: r.to_owned(),
+                available: refs.join(", "),
+            })?,
+        None => match manifests.as_slice() {
+            [one] => one,
+            _ => {
+                return Err(SourceError::AmbiguousRef {
+                    path: path.to_owned(),
+                    count: manifests.len(),
+                    hint: format!("oci:{}:REF with REF one of [{}]", path.display(), refs.join(", ")),
+                })
+            }
+        },
+    };
+    let (manifest_digest, manifest) = resolve(&layout, chosen, platform, 0)?;
+    let config_desc = manifest.config.as_ref().ok_or_else(|| SourceError::Layout {
+        path: layout.blob_path(&manifest_digest),
+        reason: "the manifest has no config".into(),
+    })?;
+    let (config_digest, config_bytes) = layout.document("image config", config_desc)?;
+    let (config, diff_ids) = normalize_config(&config_bytes)?;
+    let descs = manifest.layers.unwrap_or_default();
+    if diff_ids.len() != descs.len() {
+        return Err(SourceError::LayerCountMismatch {
+            what: format!("manifest {}", Digest { hex: manifest_digest.hex.clone() }),
+            count: descs.len(),
+            diff_ids: diff_ids.len(),
+        });
+    }
+    let mut layers = Vec::with_capacity(descs.len());
+    for (i, (desc, diff_id)) in descs.iter().zip(&diff_ids).enumerate() {
+        let name = format!("layer {i} ({})", desc.digest);
+        let digest = Digest::parse(&name, &desc.digest)?;
+        let diff_id = Digest::parse(&format!("{name} diff_id"), diff_id)?;
+        let path = layout.blob_path(&digest);
+        // A missing blob is reported now, before any work.
+        drop(layout.open_blob(&digest)?);
+        let open: super::layer::Opener =
+            Box::new(move || Ok(Box::new(File::open(&path)?) as Box<dyn Read + Send>));
+        layers.push(LayerBlob { name, open, digest: Some(digest), size: desc.size, diff_id: Some(diff_id) });
+    }
+    let provenance = serde_json::json!({
+        "manifest": manifest_digest.to_string(),
+        "config": config_digest.to_string(),
+        "layers": descs.iter().map(|d| d.digest.clone()).collect::<Vec<_>>(),
+    });
+    Ok(ImageSource { layers, config, provenance })
+}
+
+/// Follow indexes down to one image manifest, picking `platform` in multi-platform indexes.
+fn resolve(
+    layout: &Layout,
+    desc: &Descriptor,
+    platform: &Platform,
+    depth: usize,
+) -> Result<(Digest, Document), SourceError> {
+    if depth > MAX_NESTING {
+        return Err(SourceError::NestingTooDeep { what: desc.digest.clone(), limit: MAX_NESTING });
+    }
+    let what = format!("manifest {}", desc.digest);
+    let (digest, bytes) = layout.document(&what, desc)?;
+    let doc: Document = json(&what, &bytes)?;
+    let media_type =
+        if doc.media_type.is_empty() { desc.media_type.as_str() } else { doc.media_type.as_str() };
+    let is_index = INDEX_TYPES.contains(&media_type) || (media_type.is_empty() && doc.manifests.is_some());
+    if is_index {
+        let children = doc.manifests.unwrap_or_default();
+        let with_platform: Vec<&Descriptor> = children.iter().filter(|c| c.platform.is_some()).collect();
+        let pick = if with_platform.is_empty() {
+            // A nested index without platforms (e.g. one image wrapped in an index): its only entry.
+            match children.as_slice() {
+                [one] => Some(one),
+                _ => None,
+            }
+        } else {
+            children.iter().find(|c| c.platform.as_ref().is_some_and(|p| platform_matches(p, platform)))
+        };
+        let Some(pick) = pick else {
+            let available: Vec<String> = children
+                .iter()
+                .filter_map(|c| c.platform.as_ref())
+                .map(|p| match &p.variant {
+                    Some(v) => format!("{}/{}/{v}", p.os, p.architecture),
+                    None => format!("{}/{}", p.os, p.architecture),
+                })
+                .collect();
+            return Err(SourceError::NoMatchingPlatform {
+                what,
+                platform: platform.to_string(),
+                available: available.join(", "),
+            });
+        };
+        return resolve(layout, pick, platform, depth + 1);
+    }
+    if !(MANIFEST_TYPES.contains(&media_type) || (media_type.is_empty() && doc.layers.is_some())) {
+        return Err(SourceError::UnsupportedMediaType { what, media_type: media_type.to_owned() });
+    }
+    Ok((digest, doc))
+}
+
+/// A member of a tar archive on disk: where its bytes are.
+#[derive(Debug, Clone)]
+enum Member {
+    File { offset: u64, size: u64 },
+    Link(String),
+}
+
+fn clean_member_name(name: &[u8]) -> String {
+    let s = String::from_utf8_lossy(name);
+    s.split('/').filter(|c| !c.is_empty() && *c != ".").collect::<Vec<_>>().join("/")
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "PascalCase")]
+struct ArchiveManifest {
+    config: String,
+    #[serde(default)]
+    layers: Vec<String>,
+    #[serde(default)]
+    repo_tags: Option<Vec<String>>,
+}
+
+/// Open the image of a `docker save` / `skopeo copy … docker-archive:` tarball.
+pub fn open_docker_archive(path: &Path) -> Result<ImageSource, SourceError> {
+    let file = File::open(path).map_err(SourceError::io(path, "open"))?;
+    let mut members: HashMap<String, Member> = HashMap::new();
+    {
+        let mut archive = tar::Archive::new(io::BufReader::new(&file));
+        let entries = archive
+            .entries()
+            .map_err(|e| SourceError::Corrupt { layer: path.display().to_string(), source: e })?;
+        for entry in entries {
+            let entry =
+                entry.map_err(|e| SourceError::Corrupt { layer: path.display().to_string(), source: e })?;
+            let name = clean_member_name(&entry.path_bytes());
+            match entry.header().entry_type() {
+                tar::EntryType::Regular | tar::EntryType::Continuous => {
+                    members
+                        .insert(name, Member::File { offset: entry.raw_file_position(), size: entry.size() });
+                }
+                tar::EntryType::Symlink | tar::EntryType::Link => {
+                    if let Some(target) = entry.link_name_bytes() {
+                        let target = clean_member_name(&target);
+                        // Symlinks are relative to the member's directory; hard links to the root.
+                        let resolved = match (entry.header().entry_type(), name.rsplit_once('/')) {
+                            (tar::EntryType::Symlink, Some((dir, _))) => {
+                                clean_relative(&format!("{dir}/{target}"))
+                            }
+                            _ => clean_relative(&target),
+                        };
+                        members.insert(name, Member::Link(resolved));
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    let find = |name: &str| -> Result<(u64, u64), SourceError> {
+        let mut cur = clean_relative(name);
+        for _ in 0..8 {
+            match members.get(&cur) {
+                Some(Member::File { offset, size }) => return Ok((*offset, *size)),
+                Some(Member::Link(t)) => cur = t.clone(),
+                None => break,
+            }
+        }
+        Err(SourceError::Layout {
+            path: path.to_owned(),
+            reason: format!("the archive has no member {name:?}"),
+        })
+    };
+    let read_member = |name: &str| -> Result<Vec<u8>, SourceError> {
+        let (offset, size) = find(name)?;
+        if size > MAX_DOCUMENT {
+            return Err(SourceError::DocumentTooLarge { what: name.to_owned(), limit: MAX_DOCUMENT });
+        }
+        let mut f = File::open(path).map_err(SourceError::io(path, "open"))?;
+        f.seek(SeekFrom::Start(offset)).map_err(SourceError::io(path, "seek"))?;
+        let mut buf = vec![0u8; size as usize];
+        f.read_exact(&mut buf).map_err(SourceError::io(path, "read"))?;
+        Ok(buf)
+    };
+    let manifests: Vec<ArchiveManifest> = json("manifest.json", &read_member("manifest.json")?)?;
+    let manifest = match manifests.as_slice() {
+        [one] => one,
+        _ => {
+            return Err(SourceError::AmbiguousRef {
+                path: path.to_owned(),
+                count: manifests.len(),
+                hint: "an archive holding exactly one image".into(),
+            })
+        }
+    };
+    let config_bytes = read_member(&manifest.config)?;
+    // skopeo and docker name the config by its digest: check it when the name says so.
+    let stem = manifest.config.rsplit('/').next().unwrap_or("").trim_end_matches(".json");
+    if let Ok(d) = Digest::parse("config", &format!("sha256:{stem}")) {
+        check_digest(&format!("config {}", manifest.config), &config_bytes, &d)?;
+    }
+    let (config, diff_ids) = normalize_config(&config_bytes)?;
+    if diff_ids.len() != manifest.layers.len() {
+        return Err(SourceError::LayerCountMismatch {
+            what: format!("{} manifest.json", path.display()),
+            count: manifest.layers.len(),
+            diff_ids: diff_ids.len(),
+        });
+    }
+    let mut layers = Vec::with_capacity(manifest.layers.len());
+    for (i, (member, diff_id)) in manifest.layers.iter().zip(&diff_ids).enumerate() {
+        let name = format!("layer {i} ({member})");
+        let (offset, size) = find(member)?;
+        let diff_id = Digest::parse(&format!("{name} diff_id"), diff_id)?;
+        let archive = path.to_owned();
+        let open: super::layer::Opener = Box::new(move || {
+            let mut f = File::open(&archive)?;
+            f.seek(SeekFrom::Start(offset))?;
+            Ok(Box::new(f.take(size)) as Box<dyn Read + Send>)
+        });
+        layers.push(LayerBlob { name, open, digest: None, size: Some(size), diff_id: Some(diff_id) });
+    }
+    let provenance = serde_json::json!({
+        "config": manifest.config,
+        "repo_tags": manifest.repo_tags,
+        "diff_ids": diff_ids,
+    });
+    Ok(ImageSource { layers, config, provenance })
+}
+
+fn clean_relative(p: &str) -> String {
+    let mut out: Vec<&str> = Vec::new();
+    for c in p.split('/') {
+        match c {
+            "" | "." => {}
+            ".." => {
+                out.pop();
+            }
+            c => out.push(c),
+        }
+    }
+    out.join("/")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn source_spec_and_platform() {
+        assert_eq!(SourceSpec::parse("rootfs").unwrap(), SourceSpec::Dir("rootfs".into()));
+        assert_eq!(
+            SourceSpec::parse("oci:/no/such/dir:v1").unwrap(),
+            SourceSpec::Oci { path: "/no/such/dir".into(), reference: Some("v1".into()) }
+        );
+        assert_eq!(
+            SourceSpec::parse("oci:/no/such/dir").unwrap(),
+            SourceSpec::Oci { path: "/no/such/dir".into(), reference: None }
+        );
+        assert_eq!(
+            SourceSpec::parse("docker-archive:x.tar").unwrap(),
+            SourceSpec::DockerArchive("x.tar".into())
+        );
+        assert!(SourceSpec::parse("oci:").is_err());
+        let p: Platform = "linux/arm64/v8".parse().unwrap();
+        assert_eq!(p.variant.as_deref(), Some("v8"));
+        assert!("linux".parse::<Platform>().is_err());
+        assert!("linux/amd64/v1/x".parse::<Platform>().is_err());
+    }
+
+    #[test]
+    fn config_normalization() {
+        let (c, diff) = normalize_config(
+            br#"{"config":{"Env":["B=2","A=1","B=3","PLAIN"],"Entrypoint":[],"Cmd":["sh"],
+                "Labels":{"z":"1","a":"2"},"WorkingDir":"/w"},"rootfs":{"type":"layers","diff_ids":["x"]}}"#,
+        )
+        .unwrap();
+        assert_eq!(c.env, vec!["A=1", "B=3", "PLAIN"]);
+        assert_eq!(c.entrypoint, None);
+        assert_eq!(c.cmd, Some(vec!["sh".to_string()]));
+        assert_eq!(c.working_dir, "/w");
+        assert_eq!(c.user, "");
+        assert_eq!(c.labels.keys().collect::<Vec<_>>(), vec!["a", "z"]);
+        assert_eq!(diff, vec!["x"]);
+        let (empty, _) = normalize_config(b"{}").unwrap();
+        assert_eq!(empty, RuntimeConfig::default());
+        assert!(matches!(normalize_config(b"{"), Err(SourceError::Json { .. })));
+    }
+}
