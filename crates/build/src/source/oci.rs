@@ -598,3 +598,141 @@ mod tests {
         assert!(matches!(normalize_config(b"{"), Err(SourceError::Json { .. })));
     }
 }
+
+#[cfg(test)]
+mod layout_tests {
+    use std::fs;
+
+    use serde_json::json;
+
+    use super::*;
+
+    struct TestLayout {
+        dir: tempfile::TempDir,
+    }
+
+    impl TestLayout {
+        fn new() -> Self {
+            let dir = tempfile::tempdir().unwrap();
+            fs::create_dir_all(dir.path().join("blobs/sha256")).unwrap();
+            fs::write(dir.path().join("oci-layout"), br#"{"imageLayoutVersion":"1.0.0"}"#).unwrap();
+            Self { dir }
+        }
+
+        fn put(&self, bytes: &[u8]) -> serde_json::Value {
+            let hex = hex::encode(Sha256::digest(bytes));
+            fs::write(self.dir.path().join("blobs/sha256").join(&hex), bytes).unwrap();
+            json!({"digest": format!("sha256:{hex}"), "size": bytes.len()})
+        }
+
+        /// An image with one (empty-tar) layer and this entrypoint → its manifest descriptor.
+        fn image(&self, entrypoint: &str) -> serde_json::Value {
+            let tar = vec![0u8; 1024];
+            let layer = self.put(&tar);
+            let diff_id = layer["digest"].clone();
+            let config = self.put(
+                json!({"config": {"Entrypoint": [entrypoint]}, "rootfs": {"type": "layers", "diff_ids": [diff_id]}})
+                    .to_string()
+                    .as_bytes(),
+            );
+            let manifest = json!({
+                "schemaVersion": 2,
+                "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": config["digest"], "size": config["size"]},
+                "layers": [{"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": layer["digest"], "size": layer["size"]}],
+            });
+            let mut d = self.put(manifest.to_string().as_bytes());
+            d["mediaType"] = "application/vnd.oci.image.manifest.v1+json".into();
+            d
+        }
+
+        fn index(&self, manifests: Vec<serde_json::Value>) -> serde_json::Value {
+            let index = json!({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json", "manifests": manifests});
+            let mut d = self.put(index.to_string().as_bytes());
+            d["mediaType"] = "application/vnd.oci.image.index.v1+json".into();
+            d
+        }
+
+        fn top(&self, manifests: Vec<serde_json::Value>) {
+            fs::write(
+                self.dir.path().join("index.json"),
+                json!({"schemaVersion": 2, "manifests": manifests}).to_string(),
+            )
+            .unwrap();
+        }
+
+        fn open(&self, r: Option<&str>, p: &str) -> Result<ImageSource, SourceError> {
+            open_oci_layout(self.dir.path(), r, &p.parse().unwrap())
+        }
+    }
+
+    fn with(mut d: serde_json::Value, key: &str, v: serde_json::Value) -> serde_json::Value {
+        d[key] = v;
+        d
+    }
+
+    fn entrypoint(s: &ImageSource) -> String {
+        s.config.entrypoint.clone().unwrap_or_default().join(" ")
+    }
+
+    #[test]
+    fn refs_nested_indexes_and_platforms() {
+        let l = TestLayout::new();
+        let amd = with(l.image("amd"), "platform", json!({"os": "linux", "architecture": "amd64"}));
+        let arm = with(
+            l.image("arm"),
+            "platform",
+            json!({"os": "linux", "architecture": "arm64", "variant": "v8"}),
+        );
+        let multi = l.index(vec![arm, amd]);
+        // A multi-platform index wrapped in a platform-less index, as skopeo and docker write.
+        let wrapped = l.index(vec![multi]);
+        let name = |v: &str| json!({"org.opencontainers.image.ref.name": v});
+        let single = with(l.image("single"), "annotations", name("single"));
+        l.top(vec![with(wrapped, "annotations", name("multi")), single]);
+
+        assert_eq!(entrypoint(&l.open(Some("multi"), "linux/amd64").unwrap()), "amd");
+        assert_eq!(entrypoint(&l.open(Some("multi"), "linux/arm64").unwrap()), "arm");
+        assert_eq!(entrypoint(&l.open(Some("multi"), "linux/arm64/v8").unwrap()), "arm");
+        assert!(matches!(
+            l.open(Some("multi"), "linux/arm64/v7"),
+            Err(SourceError::NoMatchingPlatform { .. })
+        ));
+        assert!(matches!(l.open(Some("multi"), "linux/s390x"), Err(SourceError::NoMatchingPlatform { .. })));
+        assert_eq!(entrypoint(&l.open(Some("single"), "linux/amd64").unwrap()), "single");
+        assert!(matches!(l.open(Some("nope"), "linux/amd64"), Err(SourceError::NoSuchRef { .. })));
+        assert!(matches!(l.open(None, "linux/amd64"), Err(SourceError::AmbiguousRef { count: 2, .. })));
+        let src = l.open(Some("single"), "linux/amd64").unwrap();
+        assert_eq!(src.layers.len(), 1);
+        assert!(src.layers[0].diff_id.is_some() && src.layers[0].digest.is_some());
+    }
+
+    #[test]
+    fn missing_and_tampered_blobs() {
+        let l = TestLayout::new();
+        let img = l.image("x");
+        l.top(vec![img.clone()]);
+        let manifest_path = |d: &serde_json::Value| {
+            let hex = d["digest"].as_str().unwrap().trim_start_matches("sha256:").to_owned();
+            l.dir.path().join("blobs/sha256").join(hex)
+        };
+        assert!(l.open(None, "linux/amd64").is_ok());
+        let manifest: serde_json::Value =
+            serde_json::from_slice(&fs::read(manifest_path(&img)).unwrap()).unwrap();
+        // A layer blob missing: reported before any work.
+        let layer = manifest_path(&manifest["layers"][0]);
+        let saved = fs::read(&layer).unwrap();
+        fs::remove_file(&layer).unwrap();
+        assert!(matches!(l.open(None, "linux/amd64"), Err(SourceError::MissingBlob { .. })));
+        fs::write(&layer, saved).unwrap();
+        // A tampered config.
+        let config = manifest_path(&manifest["config"]);
+        let mut bytes = fs::read(&config).unwrap();
+        bytes[2] ^= 1;
+        fs::write(&config, bytes).unwrap();
+        assert!(matches!(l.open(None, "linux/amd64"), Err(SourceError::DigestMismatch { .. })));
+        // A digest that is not one (path traversal attempt).
+        l.top(vec![json!({"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": "sha256:../../etc/passwd", "size": 1})]);
+        assert!(matches!(l.open(None, "linux/amd64"), Err(SourceError::BadDigest { .. })));
+    }
+}
