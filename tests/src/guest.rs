@@ -170,7 +170,7 @@ pub fn initramfs(kit: &GuestKit, script: &str, out: &Path) -> Result<()> {
 
     let file = fs::File::create(out).with_context(|| format!("creating {}", out.display()))?;
     let mut c = Cpio { out: std::io::BufWriter::new(file), ino: 0, written: 0 };
-    for d in ["bin", "dev", "proc", "sys", "mnt", "lib", "lib/modules", "tmp"] {
+    for d in ["bin", "dev", "proc", "sys", "mnt", "newroot", "lib", "lib/modules", "tmp"] {
         c.entry(d, 0o040755, (0, 0), &[])?;
     }
     c.entry("dev/console", 0o020600, (5, 1), &[])?;
@@ -324,4 +324,43 @@ pub fn host_sums(src: &Path) -> Result<BTreeMap<String, String>> {
         }
     }
     Ok(out)
+}
+
+/// An initramfs script that makes the Tessera image the root filesystem: mount `/dev/vda` and
+/// `switch_root` into it, running its `/sbin/init`.
+pub const SWITCH_ROOT_SCRIPT: &str = "\
+umount /proc /sys
+mount -t ext4 -o ro /dev/vda /newroot || { echo TESSERA-MOUNT-FAILED; poweroff -f; }
+umount /dev
+exec switch_root /newroot /sbin/init";
+
+/// A minimal bootable root filesystem: busybox, its applet links, an `/sbin/init` that prints
+/// `TESSERA-GUEST-DONE` after running `command`, and an `/etc/motd`.
+pub fn bootable_rootfs(kit: &GuestKit, dest: &Path, command: &str) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    if dest.exists() {
+        fs::remove_dir_all(dest)?;
+    }
+    for d in ["bin", "sbin", "etc", "dev", "proc", "sys", "tmp", "root", "usr/bin"] {
+        fs::create_dir_all(dest.join(d))?;
+    }
+    fs::copy(&kit.busybox, dest.join("bin/busybox"))?;
+    let applets = output(Command::new(&kit.busybox).arg("--list"))?;
+    for a in applets.lines().map(str::trim).filter(|a| !a.is_empty() && *a != "busybox") {
+        let link = dest.join("bin").join(a);
+        if !link.exists() {
+            std::os::unix::fs::symlink("busybox", &link)?;
+        }
+    }
+    fs::write(
+        dest.join("etc/motd"),
+        "Hello from a Tessera image: ext4 synthesized by tessera build, served lazily by tessera serve.\n",
+    )?;
+    let init = format!(
+        "#!/bin/sh\nmount -t proc proc /proc\nmount -t sysfs sys /sys\nmount -t devtmpfs dev /dev\n\
+         echo TESSERA-DEMO-BEGIN\n{command}\necho TESSERA-DEMO-END\necho TESSERA-GUEST-DONE\npoweroff -f\n"
+    );
+    fs::write(dest.join("sbin/init"), init)?;
+    fs::set_permissions(dest.join("sbin/init"), fs::Permissions::from_mode(0o755))?;
+    Ok(())
 }

@@ -5,6 +5,7 @@
 //!   missing ones), fmt, clippy, build the CLI, unit tests, end-to-end tests.
 //! - `cargo xtask demo` — build a fixture image into `target/demo-store`, export, judge, mount.
 //! - `cargo xtask bench build` — `tessera build` vs `mkfs.ext4 -d` on a 20 000-file tree.
+//! - `cargo xtask bench serve` — `tessera serve` vs `qemu-storage-daemon` (`bench_serve.rs`).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
@@ -13,6 +14,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use tessera_e2e::{compare, fixtures, judge};
+
+mod bench_serve;
 
 #[derive(Debug, Parser)]
 #[command(name = "cargo xtask", about = "Tessera developer tasks")]
@@ -68,6 +71,8 @@ enum Bench {
         #[arg(long)]
         cold: bool,
     },
+    /// `tessera serve` vs `qemu-storage-daemon`, same libblkio client, same CPU layout.
+    Serve(bench_serve::ServeBench),
 }
 
 fn main() -> ExitCode {
@@ -77,6 +82,7 @@ fn main() -> ExitCode {
         Cmd::Test { no_install, e2e_args } => cmd_test(no_install, &e2e_args),
         Cmd::Demo { fixture } => cmd_demo(&fixture),
         Cmd::Bench { what: Bench::Build { files, runs, cold } } => bench_build(files, runs, cold),
+        Cmd::Bench { what: Bench::Serve(opts) } => bench_serve::run(&opts),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
@@ -363,6 +369,60 @@ fn cmd_demo(fixture: &str) -> Result<()> {
     if !diffs.is_empty() {
         bail!("the mounted image differs from the source");
     }
+    demo_boot(&bin, &work)
+}
+
+/// Boot a microVM whose root filesystem is a Tessera image served by `tessera serve`.
+fn demo_boot(bin: &Path, work: &Path) -> Result<()> {
+    let kit = tessera_e2e::guest::kit()?;
+    let root = work.join("rootfs");
+    let command = "cat /etc/motd; uname -sr; echo; df -h /; echo; ls -l /; echo; \
+                   echo \"busybox applets: $(ls /bin | wc -l)\"";
+    tessera_e2e::guest::bootable_rootfs(&kit, &root, command)?;
+    let store = work.join("boot-store");
+    println!("\n==> tessera build (a busybox root filesystem)");
+    let out = Command::new(bin).arg("build").arg(&root).arg("--store").arg(&store).output()?;
+    if !out.status.success() {
+        bail!("tessera build failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let id = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let socket = work.join("demo.sock");
+    let _ = std::fs::remove_file(&socket);
+    println!("==> tessera serve {id} --socket {}", socket.display());
+    let mut serve = Command::new(bin)
+        .arg("serve")
+        .arg(&id)
+        .arg("--store")
+        .arg(&store)
+        .arg("--socket")
+        .arg(&socket)
+        .arg("--read-only")
+        .spawn()?;
+    let start = Instant::now();
+    while !socket.exists() {
+        if start.elapsed() > Duration::from_secs(30) || serve.try_wait()?.is_some() {
+            let _ = serve.kill();
+            bail!("tessera serve did not start");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let initrd = work.join("demo-initramfs.cpio");
+    tessera_e2e::guest::initramfs(&kit, tessera_e2e::guest::SWITCH_ROOT_SCRIPT, &initrd)?;
+    println!("==> qemu-system-x86_64 -machine microvm (TCG), root=/dev/vda over vhost-user-blk");
+    let t = Instant::now();
+    let log = tessera_e2e::guest::boot(&kit, &initrd, &socket, work, Duration::from_secs(300));
+    let elapsed = t.elapsed();
+    let _ = Command::new("kill").arg("-TERM").arg(serve.id().to_string()).status();
+    let _ = serve.wait();
+    let log = log?;
+    let begin = log.find("TESSERA-DEMO-BEGIN").context("the guest's init did not run")?;
+    let end = log.find("TESSERA-DEMO-END").unwrap_or(log.len());
+    println!("---- guest output ----");
+    for line in log[begin..end].lines().skip(1) {
+        println!("{line}");
+    }
+    println!("---- guest powered off after {:.1}s (wall, TCG) ----", elapsed.as_secs_f64());
+    status(Command::new(bin).args(["inspect", &id, "--store"]).arg(&store))?;
     Ok(())
 }
 
