@@ -69,7 +69,6 @@ enum Bench {
         #[arg(long)]
         cold: bool,
     },
-    /// `tessera serve` vs `qemu-storage-daemon`, same libblkio client, same CPU layout.
 }
 
 fn main() -> ExitCode {
