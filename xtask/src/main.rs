@@ -5,6 +5,7 @@
 //!   missing ones), fmt, clippy, build the CLI, unit tests, end-to-end tests.
 //! - `cargo xtask demo` — build a fixture image into `target/demo-store`, export, judge, mount.
 //! - `cargo xtask bench build` — `tessera build` vs `mkfs.ext4 -d` on a 20 000-file tree.
+//! - `cargo xtask bench serve` — `tessera serve` vs `qemu-storage-daemon` (`bench_serve.rs`).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
@@ -14,6 +15,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use tessera_e2e::{compare, fixtures, judge};
 
+mod bench_serve;
 
 #[derive(Debug, Parser)]
 #[command(name = "cargo xtask", about = "Tessera developer tasks")]
@@ -69,6 +71,8 @@ enum Bench {
         #[arg(long)]
         cold: bool,
     },
+    /// `tessera serve` vs `qemu-storage-daemon`, same libblkio client, same CPU layout.
+    Serve(bench_serve::ServeBench),
 }
 
 fn main() -> ExitCode {
@@ -78,6 +82,7 @@ fn main() -> ExitCode {
         Cmd::Test { no_install, e2e_args } => cmd_test(no_install, &e2e_args),
         Cmd::Demo { fixture } => cmd_demo(&fixture),
         Cmd::Bench { what: Bench::Build { files, runs, cold } } => bench_build(files, runs, cold),
+        Cmd::Bench { what: Bench::Serve(opts) } => bench_serve::run(&opts),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
