@@ -262,8 +262,9 @@ pub(crate) fn chunk_with(
     feed: impl FnOnce(&mut Sink<'_>) -> Result<(), BuildError>,
 ) -> Result<ChunkOutput, BuildError> {
     progress.start(total);
-    // One batch of stored bytes may wait while another is written: memory stays bounded.
-    let (tx, rx) = mpsc::sync_channel::<Vec<PackOp>>(1);
+    // A rendezvous channel: the writer holds at most one batch while the next is compressed, so
+    // memory stays bounded by about two batches.
+    let (tx, rx) = mpsc::sync_channel::<Vec<PackOp>>(0);
     let (result, written) = std::thread::scope(|scope| {
         let writer = scope.spawn(|| pack_writer(store, rx));
         let mut state = ChunkState::new(nodes, existing);
