@@ -22,6 +22,7 @@
 //! ```
 
 pub mod compare;
+pub mod debian;
 pub mod fixtures;
 pub mod guest;
 pub mod judge;

@@ -155,8 +155,18 @@ fn cmd_fixtures(out: Option<PathBuf>, only: &[String]) -> Result<()> {
 
 /// Debian packages the harness needs: e2fsck/mkfs/debugfs, mount/umount/losetup, ACL and xattr
 /// tools for debugging fixtures.
-const PACKAGES: &[&str] =
-    &["e2fsprogs", "util-linux", "mount", "acl", "attr", "coreutils", "umoci", "skopeo", "gzip"];
+const PACKAGES: &[&str] = &[
+    "e2fsprogs",
+    "util-linux",
+    "mount",
+    "acl",
+    "attr",
+    "coreutils",
+    "umoci",
+    "skopeo",
+    "gzip",
+    "debootstrap",
+];
 
 fn installed(pkg: &str) -> bool {
     Command::new("dpkg-query")
