@@ -33,6 +33,9 @@ use crate::oci::UmociImage;
 pub const VARIANT: &str = "minbase";
 /// The Debian suite.
 pub const SUITE: &str = "bookworm";
+/// What [`make_image`] does to the root filesystem; bumped whenever the layers change (benchmarks
+/// key their cached layout by it).
+pub const IMAGE_RECIPE: &str = "make_image v1: base -doc -var | +doc +var | changes (tessera_e2e::debian)";
 /// Bumped whenever the way the tarball is made changes.
 const FORMAT: &str = "tar --format=posix --xattrs --xattrs-include=* --numeric-owner --sort=name (v1)";
 /// An upper bound for debootstrap itself (about 2 minutes on the project's machines).

@@ -15,6 +15,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use tessera_e2e::{compare, fixtures, judge};
 
+mod bench_oci;
 mod bench_serve;
 
 #[derive(Debug, Parser)]
@@ -73,6 +74,8 @@ enum Bench {
     },
     /// `tessera serve` vs `qemu-storage-daemon`, same libblkio client, same CPU layout.
     Serve(bench_serve::ServeBench),
+    /// `tessera build oci:…` vs `umoci unpack` + `mkfs.ext4 -d` on the layered Debian image.
+    BuildOci(bench_oci::OciBench),
 }
 
 fn main() -> ExitCode {
@@ -83,6 +86,7 @@ fn main() -> ExitCode {
         Cmd::Demo { fixture } => cmd_demo(&fixture),
         Cmd::Bench { what: Bench::Build { files, runs, cold } } => bench_build(files, runs, cold),
         Cmd::Bench { what: Bench::Serve(opts) } => bench_serve::run(&opts),
+        Cmd::Bench { what: Bench::BuildOci(opts) } => bench_oci::run(&opts),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
