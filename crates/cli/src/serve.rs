@@ -13,7 +13,7 @@ use signal_hook::iterator::Signals;
 use tessera_image::{ImageId, BLOCK_SIZE};
 use tessera_store::{ImageReader, LocalStore, OpenImage, StoreLocation};
 use tessera_vhost::{
-    DeviceConfig, Disk, Overlay, OverlayMode, OverlayParams, Server, DEFAULT_SOCKET_MODE, MAX_QUEUES,
+    DeviceConfig, Disk, MemTier, Overlay, OverlayMode, OverlayParams, Server, DEFAULT_SOCKET_MODE, MAX_QUEUES,
 };
 
 use crate::UsageError;
@@ -31,6 +31,10 @@ refused) and every write completed before a FLUSH survives a crash or power loss
 overlay is an unlinked temporary file in $TMPDIR, gone with the process. DISCARD and WRITE_ZEROES \
 make the range read as zeros. `tessera export IMAGE --overlay FILE` writes base plus overlay. \
 --read-only refuses writes (VIRTIO_BLK_F_RO); with --overlay it serves base plus overlay.\n\
+\n\
+Reads are served from the memory tier (decoded, verified chunks; --mem-cache bytes, default 256M); \
+a read needing a chunk not in memory is finished by a fetch thread and completes out of order, so \
+it never stalls the other requests of its queue.\n\
 \n\
 Examples:\n  tessera serve web --store ./store --socket /run/web.sock --read-only\n  \
 tessera serve web --store ./store --socket /run/web.sock --overlay /var/lib/vm1/web.overlay\n  \
@@ -52,6 +56,9 @@ pub struct ServeArgs {
     /// Default: a temporary overlay in $TMPDIR, gone with the process.
     #[arg(long, value_name = "FILE")]
     overlay: Option<PathBuf>,
+    /// Memory tier: bytes of decoded chunks kept in memory (e.g. 512M, 2G; 0 keeps none).
+    #[arg(long, value_name = "SIZE", default_value = "256M", value_parser = parse_size)]
+    mem_cache: u64,
     /// Number of virtqueues offered, each served by its own thread (1 to 64).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=i64::from(MAX_QUEUES)))]
     queues: u16,
@@ -62,6 +69,29 @@ pub struct ServeArgs {
     /// close it.
     #[arg(long)]
     ready_fd: Option<i32>,
+}
+
+/// A byte count: digits with an optional K, M, G or T suffix (powers of 1024).
+fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let (digits, shift) = match t.char_indices().last() {
+        Some((i, c)) if c.is_ascii_alphabetic() => {
+            let shift = match c.to_ascii_uppercase() {
+                'K' => 10,
+                'M' => 20,
+                'G' => 30,
+                'T' => 40,
+                _ => return Err(format!("{s}: expected a size like 256M or 2G")),
+            };
+            (&t[..i], shift)
+        }
+        _ => (t, 0),
+    };
+    digits
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(1u64 << shift))
+        .ok_or_else(|| format!("{s}: expected a size like 256M or 2G"))
 }
 
 fn parse_mode(s: &str) -> Result<u32, String> {
@@ -86,7 +116,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     let store = StoreLocation::parse(&args.store)?.open_for_read()?;
     let id = store.resolve(&args.image)?;
     let image = OpenImage::open(&store, &id)?;
-    let reader = Arc::new(ImageReader::new(image, store.clone()));
+    let reader = Arc::new(MemTier::new(ImageReader::new(image, store.clone()), args.mem_cache));
     let device = DeviceConfig::new(&id, reader.device_bytes(), args.queues, args.read_only);
     let params = OverlayParams { image_id: id, block_size: BLOCK_SIZE, device_bytes: reader.device_bytes() };
     let disk = match (&args.overlay, args.read_only) {
@@ -153,4 +183,23 @@ fn take_fd(fd: i32) -> Result<File> {
     // SAFETY: the descriptor is open (checked above) and was handed to us by the caller for this
     // purpose; nothing else in the process uses or closes it, so the File may own it.
     Ok(unsafe { File::from_raw_fd(fd) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_size;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("0"), Ok(0));
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("256M"), Ok(256 << 20));
+        assert_eq!(parse_size("2g"), Ok(2 << 30));
+        assert_eq!(parse_size("1K"), Ok(1024));
+        assert!(parse_size("").is_err());
+        assert!(parse_size("M").is_err());
+        assert!(parse_size("12X").is_err());
+        assert!(parse_size("-1").is_err());
+        assert!(parse_size("99999999999T").is_err());
+    }
 }

@@ -3,21 +3,27 @@
 
 use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
-use tracing::{trace, warn};
+use tracing::{debug, trace, warn};
 use vhost::vhost_user::message::VhostUserProtocolFeatures;
 use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
 use virtio_queue::QueueT;
 use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier};
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::config::{DeviceConfig, MAX_QUEUE_SIZE};
-use crate::execute::{serve_chain, Disk};
+use crate::execute::{start_chain, DeferredRead, Disk, Started};
+use crate::fetch::FetchHandle;
 
 /// Guest memory as the framework hands it over (no dirty-page bitmap).
 pub type GuestMem = GuestMemoryAtomic<GuestMemoryMmap<()>>;
+
+/// How long `stop_vring` (GET_VRING_BASE) and a disconnect wait for in-flight reads.
+pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// A vhost-user-blk backend serving one device. Cheap to clone (the framework clones it into
 /// every worker); make a fresh one per connection.
@@ -31,29 +37,85 @@ struct Inner {
     disk: Disk,
     event_idx: AtomicBool,
     mem: Mutex<Option<GuestMem>>,
-    /// One bounce buffer per queue (queue `i` is served by worker thread `i`).
-    bounce: Vec<Mutex<Vec<u8>>>,
+    /// Where reads missing the memory tier go; `None`: they are fetched inline.
+    fetch: Option<FetchHandle>,
+    /// The connection this backend serves (for logs; late completions of an earlier
+    /// connection reach that connection's backend, never this one).
+    connection: u64,
+    queues: Vec<QueueState>,
+}
+
+/// Per queue: bounce buffer and the out-of-order completions.
+struct QueueState {
+    /// Write gathering (queue `i` is served by worker thread `i`).
+    bounce: Mutex<Vec<u8>>,
+    completions: Mutex<Completions>,
+    /// Signalled whenever `in_flight` drops.
+    drained: Condvar,
+    /// Written by a fetch thread after it queued a completion; registered with the queue's
+    /// worker (`register_listener`), which then adds them to the used ring.
+    event: EventFd,
+    /// The queue's vring, once its worker has seen it (for `stop_vring`).
+    vring: Mutex<Option<VringRwLock<GuestMem>>>,
+}
+
+/// Reads finished by the fetch pool, waiting to be added to the used ring.
+#[derive(Default)]
+struct Completions {
+    /// Bumped by `stop_vring`: a completion of an older generation never reaches the ring.
+    generation: u64,
+    /// `(head, used_len)`.
+    done: Vec<(u16, u32)>,
+    /// Deferred reads not finished yet.
+    in_flight: usize,
 }
 
 impl std::fmt::Debug for BlkBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("BlkBackend").field("device", &self.inner.device).finish_non_exhaustive()
+        f.debug_struct("BlkBackend")
+            .field("device", &self.inner.device)
+            .field("connection", &self.inner.connection)
+            .finish_non_exhaustive()
     }
 }
 
 impl BlkBackend {
-    /// A backend for `device` served from `disk`.
-    pub fn new(device: DeviceConfig, disk: Disk) -> Self {
-        let bounce = (0..device.queues).map(|_| Mutex::new(Vec::new())).collect();
-        Self {
+    /// A backend for `device` served from `disk`; reads missing the memory tier are fetched
+    /// inline on the queue thread.
+    pub fn new(device: DeviceConfig, disk: Disk) -> io::Result<Self> {
+        Self::with_fetch(device, disk, None, 0)
+    }
+
+    /// A backend whose reads missing the memory tier are finished by the fetch pool behind
+    /// `fetch` and complete out of order; `connection` numbers the client.
+    pub fn with_fetch(
+        device: DeviceConfig,
+        disk: Disk,
+        fetch: Option<FetchHandle>,
+        connection: u64,
+    ) -> io::Result<Self> {
+        let queues = (0..device.queues)
+            .map(|_| {
+                Ok(QueueState {
+                    bounce: Mutex::new(Vec::new()),
+                    completions: Mutex::new(Completions::default()),
+                    drained: Condvar::new(),
+                    event: EventFd::new(EFD_NONBLOCK)?,
+                    vring: Mutex::new(None),
+                })
+            })
+            .collect::<io::Result<Vec<_>>>()?;
+        Ok(Self {
             inner: Arc::new(Inner {
                 device,
                 disk,
                 event_idx: AtomicBool::new(false),
                 mem: Mutex::new(None),
-                bounce,
+                fetch,
+                connection,
+                queues,
             }),
-        }
+        })
     }
 
     /// The device served.
@@ -61,18 +123,50 @@ impl BlkBackend {
         &self.inner.device
     }
 
+    /// The `device_event` of the completion eventfd (`register_listener` needs more than
+    /// `num_queues`).
+    pub fn completion_event(&self) -> u16 {
+        self.inner.device.queues + 1
+    }
+
+    /// The completion eventfd of queue `queue`, to register with that queue's worker.
+    pub fn completion_fd(&self, queue: usize) -> Option<std::os::fd::RawFd> {
+        use std::os::fd::AsRawFd;
+        self.inner.queues.get(queue).map(|q| q.event.as_raw_fd())
+    }
+
+    /// Deferred reads not finished yet, over all queues.
+    pub fn in_flight(&self) -> usize {
+        self.inner.queues.iter().map(|q| lock(&q.completions).in_flight).sum()
+    }
+
+    /// Wait until no deferred read is in flight (at most `timeout` per queue); false if some
+    /// still are.
+    pub fn drain(&self, timeout: Duration) -> bool {
+        self.inner.queues.iter().all(|q| wait_drained(q, timeout).0)
+    }
+
     /// Drain every available chain of `vring` (queue `queue`), signalling the guest once per
-    /// batch, before notifications are re-enabled. Queue errors (a guest-corrupted ring) are
-    /// logged, not returned: returning an error would kill the worker for good.
+    /// batch, before notifications are re-enabled. Reads missing the memory tier go to the
+    /// fetch pool and complete later ([`Self::process_completions`]). Queue errors (a
+    /// guest-corrupted ring) are logged, not returned: returning an error would kill the worker
+    /// for good.
     fn process_queue(&self, vring: &VringRwLock<GuestMem>, queue: usize) {
         let Some(atomic) = lock(&self.inner.mem).clone() else {
             return;
         };
-        let Some(bounce) = self.inner.bounce.get(queue) else {
+        let Some(qs) = self.inner.queues.get(queue) else {
             return;
         };
-        let mut bounce = lock(bounce);
+        {
+            let mut v = lock(&qs.vring);
+            if v.is_none() {
+                *v = Some(vring.clone());
+            }
+        }
+        let mut bounce = lock(&qs.bounce);
         let event_idx = self.inner.event_idx.load(Ordering::Relaxed);
+        let inline = self.inner.fetch.is_none();
         let mut state = vring.get_mut();
         let result = (|| -> Result<(), virtio_queue::Error> {
             loop {
@@ -87,9 +181,14 @@ impl BlkBackend {
                     let mem = atomic.memory();
                     let Some(chain) = state.get_queue_mut().pop_descriptor_chain(&*mem) else { break };
                     let head = chain.head_index();
-                    let done = serve_chain(chain, &*mem, &self.inner.disk, &self.inner.device, &mut bounce);
-                    state.get_queue_mut().add_used(&*mem, head, done.used_len)?;
-                    served += 1;
+                    match start_chain(chain, &*mem, &self.inner.disk, &self.inner.device, &mut bounce, inline)
+                    {
+                        Started::Done(done) => {
+                            state.get_queue_mut().add_used(&*mem, head, done.used_len)?;
+                            served += 1;
+                        }
+                        Started::Deferred(d) => self.defer(queue, head, d, mem.into_inner()),
+                    }
                 }
                 let mem = atomic.memory();
                 if served > 0 {
@@ -109,6 +208,104 @@ impl BlkBackend {
             warn!(queue, error = %e, "virtqueue error; waiting for the next kick");
         }
     }
+
+    /// Hand a read missing the memory tier to the fetch pool; it completes through the queue's
+    /// completion eventfd.
+    fn defer(&self, queue: usize, head: u16, read: DeferredRead, mem: Arc<GuestMemoryMmap<()>>) {
+        let Some(qs) = self.inner.queues.get(queue) else { return };
+        let generation = {
+            let mut c = lock(&qs.completions);
+            c.in_flight += 1;
+            c.generation
+        };
+        trace!(queue, head, "deferred read");
+        let inner = Arc::clone(&self.inner);
+        let job: crate::fetch::Job = Box::new(move || {
+            let done = read.finish(&*mem, &inner.disk);
+            drop(mem);
+            inner.complete(queue, generation, head, done.used_len);
+        });
+        if let Some(fetch) = &self.inner.fetch {
+            if let Err(job) = fetch.submit(job) {
+                // The pool is gone (shutting down): finish it here.
+                job();
+            }
+        } else {
+            job();
+        }
+    }
+
+    /// Add the reads the fetch pool finished to the used ring, under one lock, and signal once.
+    fn process_completions(&self, vring: &VringRwLock<GuestMem>, queue: usize) {
+        let Some(qs) = self.inner.queues.get(queue) else { return };
+        // Consume the event first: a completion queued after this read writes it again.
+        let _ = qs.event.read();
+        let done = std::mem::take(&mut lock(&qs.completions).done);
+        self.add_used(vring, queue, &done);
+    }
+
+    fn add_used(&self, vring: &VringRwLock<GuestMem>, queue: usize, done: &[(u16, u32)]) {
+        if done.is_empty() {
+            return;
+        }
+        let Some(atomic) = lock(&self.inner.mem).clone() else {
+            return;
+        };
+        let mem = atomic.memory();
+        let mut state = vring.get_mut();
+        let result = (|| -> Result<(), virtio_queue::Error> {
+            for &(head, len) in done {
+                state.get_queue_mut().add_used(&*mem, head, len)?;
+            }
+            trace!(queue, completed = done.len(), "out-of-order completions");
+            if state.get_queue_mut().needs_notification(&*mem)? {
+                if let Err(e) = state.signal_used_queue() {
+                    warn!(queue, error = %e, "cannot signal the guest");
+                }
+            }
+            Ok(())
+        })();
+        if let Err(e) = result {
+            warn!(queue, error = %e, "virtqueue error adding completions");
+        }
+    }
+}
+
+impl Inner {
+    /// A fetch thread finished a deferred read: queue its completion for the worker.
+    fn complete(&self, queue: usize, generation: u64, head: u16, used_len: u32) {
+        let Some(qs) = self.queues.get(queue) else { return };
+        let mut c = lock(&qs.completions);
+        c.in_flight = c.in_flight.saturating_sub(1);
+        if c.generation == generation {
+            c.done.push((head, used_len));
+        } else {
+            debug!(connection = self.connection, queue, head, "dropping a completion of a stopped ring");
+        }
+        drop(c);
+        qs.drained.notify_all();
+        if let Err(e) = qs.event.write(1) {
+            warn!(queue, error = %e, "cannot wake the queue worker");
+        }
+    }
+}
+
+/// Wait until `qs` has nothing in flight (at most `timeout`); returns whether it drained and
+/// the lock.
+fn wait_drained(qs: &QueueState, timeout: Duration) -> (bool, MutexGuard<'_, Completions>) {
+    let deadline = Instant::now() + timeout;
+    let mut c = lock(&qs.completions);
+    while c.in_flight > 0 {
+        let now = Instant::now();
+        if now >= deadline {
+            return (false, c);
+        }
+        c = match qs.drained.wait_timeout(c, deadline - now) {
+            Ok((g, _)) => g,
+            Err(p) => p.into_inner().0,
+        };
+    }
+    (true, c)
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -180,9 +377,34 @@ impl VhostUserBackend for BlkBackend {
             warn!(device_event, ?evset, "unexpected event set");
             return Ok(());
         }
-        // `device_event` indexes this thread's vrings; thread `i` serves queue `i`.
-        if let Some(vring) = vrings.get(usize::from(device_event)) {
+        // Thread `i` serves queue `i` (its one vring); `device_event` indexes this thread's
+        // vrings, or is the completion event.
+        if device_event == self.completion_event() {
+            if let Some(vring) = vrings.first() {
+                self.process_completions(vring, thread_id);
+            }
+        } else if let Some(vring) = vrings.get(usize::from(device_event)) {
             self.process_queue(vring, thread_id);
+        }
+        Ok(())
+    }
+
+    /// GET_VRING_BASE: every read still in flight on this queue completes (into the used ring)
+    /// before the ring is handed back; a completion arriving later (after the timeout) belongs
+    /// to an older generation and is dropped.
+    fn stop_vring(&self, queue_index: u32) -> io::Result<()> {
+        let queue = queue_index as usize;
+        let Some(qs) = self.inner.queues.get(queue) else { return Ok(()) };
+        let (drained, mut c) = wait_drained(qs, DRAIN_TIMEOUT);
+        if !drained {
+            warn!(queue, in_flight = c.in_flight, "reads still in flight when the ring stopped");
+        }
+        let done = std::mem::take(&mut c.done);
+        c.generation += 1;
+        drop(c);
+        let vring = lock(&qs.vring).clone();
+        if let Some(vring) = vring {
+            self.add_used(&vring, queue, &done);
         }
         Ok(())
     }

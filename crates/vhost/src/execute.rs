@@ -13,8 +13,9 @@ use crate::overlay::{Overlay, OverlayError};
 use crate::plan::{plan, Plan};
 use crate::request::{parse, GuestSeg, Parsed, RequestKind};
 pub use crate::source::BlockSource;
+use crate::source::{Sink, Visit};
 
-/// Largest piece of a read assembled in the bounce buffer at once.
+/// Largest piece of a write gathered from guest memory at once.
 pub const BOUNCE_MAX: usize = 1 << 20;
 
 /// What requests execute against: the base image alone (read-only device) or the
@@ -45,6 +46,20 @@ impl Disk {
         }
     }
 
+    /// Hand the device bytes `[offset, offset + len)` to `sink` (see [`BlockSource::visit`]).
+    pub fn visit(
+        &self,
+        offset: u64,
+        len: u64,
+        fetch: bool,
+        sink: &mut dyn Sink,
+    ) -> Result<Visit, RequestError> {
+        match self {
+            Disk::ReadOnly(s) => s.visit(offset, len, fetch, sink),
+            Disk::Overlay(o) => o.visit(offset, len, fetch, sink),
+        }
+    }
+
     fn overlay(&self) -> Result<&Overlay, RequestError> {
         match self {
             Disk::ReadOnly(_) => Err(RequestError::ReadOnly),
@@ -65,23 +80,36 @@ fn overlay_err(offset: u64, e: OverlayError) -> RequestError {
     RequestError::Overlay { offset, source: Arc::new(e) }
 }
 
-/// Execute `plan`; returns the number of bytes written into device-writable guest buffers
-/// (not counting the status byte).
+/// What [`execute`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Executed {
+    /// Done; this many bytes were written into device-writable guest buffers (not counting the
+    /// status byte).
+    Done(u32),
+    /// Without `fetch`: the read needs a chunk that is not in memory; nothing is complete.
+    Missing,
+}
+
+/// Execute `plan`. Reads are copied straight from the source (the memory tier, the prefix,
+/// zeros, overlay slots) into the guest's buffers; without `fetch`, a read that would wait for
+/// a chunk fetch returns [`Executed::Missing`] instead.
 pub fn execute<M: GuestMemory + ?Sized>(
     plan: &Plan,
     mem: &M,
     disk: &Disk,
     device: &DeviceConfig,
     bounce: &mut Vec<u8>,
-) -> Result<u32, RequestError> {
+    fetch: bool,
+) -> Result<Executed, RequestError> {
+    let done = |n: u32| Ok(Executed::Done(n));
     match plan {
-        Plan::Flush => disk.flush().map(|()| 0),
+        Plan::Flush => disk.flush().and_then(|()| done(0)),
         Plan::Zeroes { ranges } => {
             let o = disk.overlay()?;
             for &(offset, len) in ranges {
                 o.write_zeroes(offset, len).map_err(|e| overlay_err(offset, e))?;
             }
-            Ok(0)
+            done(0)
         }
         Plan::Write { offset, len, data } => {
             let o = disk.overlay()?;
@@ -101,7 +129,7 @@ pub fn execute<M: GuestMemory + ?Sized>(
                 o.write_at(at, buf).map_err(|e| overlay_err(at, e))?;
                 pos += n as u64;
             }
-            Ok(0)
+            done(0)
         }
         Plan::GetId { data } => {
             let mut written = 0u32;
@@ -116,24 +144,40 @@ pub fn execute<M: GuestMemory + ?Sized>(
                 rest = &rest[n..];
                 written += n as u32;
             }
-            Ok(written)
+            done(written)
         }
         Plan::Read { offset, len, data } => {
-            let mut cursor = Cursor { segs: data, index: 0, within: 0 };
-            let mut pos = 0u64;
-            while pos < *len {
-                let n = usize::try_from(*len - pos).unwrap_or(BOUNCE_MAX).min(BOUNCE_MAX);
-                if bounce.len() < n {
-                    bounce.resize(n, 0);
-                }
-                let buf = &mut bounce[..n];
-                disk.read_at(offset + pos, buf)?;
-                cursor.write(mem, buf)?;
-                pos += n as u64;
+            let mut sink = GuestSink { mem, cursor: Cursor { segs: data, index: 0, within: 0 } };
+            match disk.visit(*offset, *len, fetch, &mut sink)? {
+                // A chain is at most 2^32 bytes, so the data length fits.
+                Visit::Done => done(u32::try_from(*len).unwrap_or(u32::MAX)),
+                Visit::Missing => Ok(Executed::Missing),
             }
-            // A chain is at most 2^32 bytes, so the data length fits.
-            Ok(u32::try_from(*len).unwrap_or(u32::MAX))
         }
+    }
+}
+
+/// Zeros to copy from.
+static ZEROS: [u8; 64 << 10] = [0; 64 << 10];
+
+/// A [`Sink`] scattering device bytes straight into the guest's buffers.
+struct GuestSink<'a, M: ?Sized> {
+    mem: &'a M,
+    cursor: Cursor<'a>,
+}
+
+impl<M: GuestMemory + ?Sized> Sink for GuestSink<'_, M> {
+    fn put(&mut self, bytes: &[u8]) -> Result<(), RequestError> {
+        self.cursor.write(self.mem, bytes)
+    }
+
+    fn zeros(&mut self, mut n: u64) -> Result<(), RequestError> {
+        while n > 0 {
+            let k = usize::try_from(n).unwrap_or(usize::MAX).min(ZEROS.len());
+            self.cursor.write(self.mem, &ZEROS[..k])?;
+            n -= k as u64;
+        }
+        Ok(())
     }
 }
 
@@ -196,7 +240,8 @@ pub struct Completion {
     pub status: Option<Status>,
 }
 
-/// Parse, plan and execute one descriptor chain and write its status byte.
+/// Parse, plan and execute one descriptor chain and write its status byte (a read that needs
+/// a chunk fetch blocks for it).
 pub fn serve_chain<M: GuestMemory + ?Sized>(
     descs: impl IntoIterator<Item = Descriptor>,
     mem: &M,
@@ -204,10 +249,60 @@ pub fn serve_chain<M: GuestMemory + ?Sized>(
     device: &DeviceConfig,
     bounce: &mut Vec<u8>,
 ) -> Completion {
+    match start_chain(descs, mem, disk, device, bounce, true) {
+        Started::Done(c) => c,
+        Started::Deferred(d) => d.finish(mem, disk),
+    }
+}
+
+/// The outcome of [`start_chain`].
+#[derive(Debug)]
+pub enum Started {
+    /// Complete: add it to the used ring.
+    Done(Completion),
+    /// A read waiting for a chunk fetch: [`DeferredRead::finish`] it off the queue thread.
+    Deferred(DeferredRead),
+}
+
+/// A read that needs a chunk not in memory; everything else about it is checked.
+#[derive(Debug)]
+pub struct DeferredRead {
+    status: GuestAddress,
+    offset: u64,
+    len: u64,
+    data: Vec<GuestSeg>,
+}
+
+impl DeferredRead {
+    /// Fetch what is missing (blocking), copy the bytes into the guest's buffers, write the
+    /// status byte.
+    pub fn finish<M: GuestMemory + ?Sized>(self, mem: &M, disk: &Disk) -> Completion {
+        let span = debug_span!("request", kind = "in", offset = self.offset, len = self.len, deferred = true);
+        let _enter = span.enter();
+        let mut sink = GuestSink { mem, cursor: Cursor { segs: &self.data, index: 0, within: 0 } };
+        let result = disk.visit(self.offset, self.len, true, &mut sink).map(|v| match v {
+            Visit::Done => Executed::Done(u32::try_from(self.len).unwrap_or(u32::MAX)),
+            Visit::Missing => Executed::Missing,
+        });
+        complete(mem, self.status, result)
+    }
+}
+
+/// Parse, plan and execute one descriptor chain. Without `fetch`, a read that needs a chunk not
+/// in memory is returned as [`Started::Deferred`] (nothing written yet); everything else
+/// completes here, status byte included.
+pub fn start_chain<M: GuestMemory + ?Sized>(
+    descs: impl IntoIterator<Item = Descriptor>,
+    mem: &M,
+    disk: &Disk,
+    device: &DeviceConfig,
+    bounce: &mut Vec<u8>,
+    fetch: bool,
+) -> Started {
     let (status_addr, request) = match parse(descs, mem) {
         Parsed::Drop(reason) => {
             warn!(%reason, "dropping a malformed descriptor chain");
-            return Completion { used_len: 0, status: None };
+            return Started::Done(Completion { used_len: 0, status: None });
         }
         Parsed::Reply { status, request } => (status, request),
     };
@@ -216,10 +311,33 @@ pub fn serve_chain<M: GuestMemory + ?Sized>(
             debug_span!("request", kind = kind_name(&req.kind), sector = req.sector, len = req.data_len);
         let _enter = span.enter();
         let p = plan(req, device)?;
-        execute(&p, mem, disk, device, bounce)
+        match execute(&p, mem, disk, device, bounce, fetch)? {
+            Executed::Done(n) => Ok(Ok(n)),
+            Executed::Missing => Ok(Err(p)),
+        }
     });
+    let result = match result {
+        Ok(Err(Plan::Read { offset, len, data })) => {
+            return Started::Deferred(DeferredRead { status: status_addr, offset, len, data });
+        }
+        // Only reads can miss.
+        Ok(Err(_)) => Err(RequestError::GuestMemory { addr: status_addr.0, len: 0 }),
+        Ok(Ok(n)) => Ok(Executed::Done(n)),
+        Err(e) => Err(e),
+    };
+    Started::Done(complete(mem, status_addr, result))
+}
+
+/// Write the status byte of a finished request.
+fn complete<M: GuestMemory + ?Sized>(
+    mem: &M,
+    status_addr: GuestAddress,
+    result: Result<Executed, RequestError>,
+) -> Completion {
     let (status, written) = match result {
-        Ok(n) => (Status::Ok, n),
+        Ok(Executed::Done(n)) => (Status::Ok, n),
+        // Only without `fetch`, which `finish` never uses.
+        Ok(Executed::Missing) => (Status::IoErr, 0),
         Err(e) => {
             match &e {
                 RequestError::Read { .. }

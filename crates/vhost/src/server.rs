@@ -14,11 +14,13 @@ use tracing::{debug, info, warn};
 use vhost::vhost_user::{Error as VhostUserError, Listener};
 use vhost_user_backend::{Error as DaemonError, ShutdownHandle, VhostUserDaemon};
 use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
+use vmm_sys_util::epoll::EventSet;
 
-use crate::backend::BlkBackend;
+use crate::backend::{BlkBackend, DRAIN_TIMEOUT};
 use crate::config::{DeviceConfig, MAX_QUEUES};
 use crate::error::ServeError;
 use crate::execute::Disk;
+use crate::fetch::{FetchPool, DEFAULT_FETCH_THREADS};
 use crate::request::SECTOR_SIZE;
 
 /// Socket permissions unless told otherwise.
@@ -35,6 +37,8 @@ pub struct Server {
     disk: Disk,
     stop: StopHandle,
     connections: Arc<AtomicU64>,
+    /// Finishes reads that miss the memory tier (shared by the connections).
+    fetch: FetchPool,
 }
 
 impl std::fmt::Debug for Server {
@@ -156,6 +160,8 @@ impl Server {
             disk,
             stop: StopHandle::new()?,
             connections: Arc::new(AtomicU64::new(0)),
+            fetch: FetchPool::new(DEFAULT_FETCH_THREADS)
+                .map_err(|source| ServeError::Io { what: "starting the fetch threads", source })?,
         })
     }
 
@@ -213,13 +219,23 @@ impl Server {
     }
 
     fn serve_connection(&mut self) -> Result<(), ServeError> {
-        let backend = BlkBackend::new(self.device.clone(), self.disk.clone());
+        let n = self.connections.load(Ordering::SeqCst) + 1;
+        let backend = BlkBackend::with_fetch(self.device.clone(), self.disk.clone(), self.fetch.handle(), n)
+            .map_err(|source| ServeError::Io { what: "creating the completion events", source })?;
         let mem = GuestMemoryAtomic::new(GuestMemoryMmap::new());
         let daemon_err = |what| move |e: DaemonError| ServeError::Daemon { what, message: e.to_string() };
-        let mut daemon =
-            VhostUserDaemon::new("tessera-vhost".to_owned(), backend, mem).map_err(daemon_err("creating"))?;
+        let mut daemon = VhostUserDaemon::new("tessera-vhost".to_owned(), backend.clone(), mem)
+            .map_err(daemon_err("creating"))?;
+        // Worker `i` serves queue `i`: it also wakes on that queue's completion eventfd.
+        for (i, handler) in daemon.get_epoll_handlers().iter().enumerate() {
+            if let Some(fd) = backend.completion_fd(i) {
+                handler
+                    .register_listener(fd, EventSet::IN, u64::from(backend.completion_event()))
+                    .map_err(|source| ServeError::Io { what: "registering a completion event", source })?;
+            }
+        }
         daemon.start(&mut self.listener).map_err(daemon_err("accepting"))?;
-        let n = self.connections.fetch_add(1, Ordering::SeqCst) + 1;
+        self.connections.fetch_add(1, Ordering::SeqCst);
         info!(connection = n, "client connected");
         *self.stop.current() = daemon.shutdown_handle().map(ShutdownHandleDebug);
         if self.stop.is_stopped() {
@@ -234,6 +250,15 @@ impl Server {
                 info!(connection = n, "client disconnected")
             }
             Err(e) => warn!(connection = n, error = %e, "connection ended with an error"),
+        }
+        // Reads still in flight finish (into this connection's guest memory, which they hold)
+        // before the overlay may be flushed on stop.
+        if !backend.drain(DRAIN_TIMEOUT) {
+            warn!(
+                connection = n,
+                in_flight = backend.in_flight(),
+                "reads still in flight after the client left"
+            );
         }
         // Dropping the daemon sends the exit events and joins the queue workers.
         drop(daemon);

@@ -1,13 +1,52 @@
-//! The base device bytes a device serves (and the overlay writes over).
+//! The base device bytes a device serves (and the overlay writes over), and how a read visits
+//! them without a bounce buffer.
 
 use std::sync::Arc;
 
 use tessera_store::{ChunkSource, ImageReader, StoreError};
 
+use crate::error::RequestError;
+
+/// Where the bytes of a read go, in device order (the guest's buffers, or a plain buffer).
+pub trait Sink {
+    /// The next `bytes.len()` bytes of the read.
+    fn put(&mut self, bytes: &[u8]) -> Result<(), RequestError>;
+    /// The next `n` bytes of the read are zeros.
+    fn zeros(&mut self, n: u64) -> Result<(), RequestError>;
+}
+
+/// The outcome of [`BlockSource::visit`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Visit {
+    /// Every byte went to the sink.
+    Done,
+    /// Without `fetch`: some bytes need a chunk that is not in memory. The sink may have
+    /// received a prefix of the range; visit again with `fetch` to get all of it.
+    Missing,
+}
+
 /// Device bytes to serve: the image read path (or a test double).
 pub trait BlockSource: Send + Sync {
     /// Fill `buf` with the device bytes at `offset` (the range is within the device).
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), StoreError>;
+
+    /// Hand the device bytes `[offset, offset + len)` to `sink` in order. Without `fetch`,
+    /// return [`Visit::Missing`] instead of blocking on a slow fetch (a source that never
+    /// blocks ignores it). The default reads through [`Self::read_at`] in pieces of 1 MiB.
+    fn visit(&self, offset: u64, len: u64, fetch: bool, sink: &mut dyn Sink) -> Result<Visit, RequestError> {
+        let _ = fetch;
+        let mut buf = vec![0u8; usize::try_from(len.min(1 << 20)).unwrap_or(1 << 20)];
+        let mut pos = 0u64;
+        while pos < len {
+            let n = usize::try_from(len - pos).unwrap_or(usize::MAX).min(buf.len());
+            let at = offset + pos;
+            self.read_at(at, &mut buf[..n])
+                .map_err(|e| RequestError::Read { offset: at, source: Arc::new(e) })?;
+            sink.put(&buf[..n])?;
+            pos += n as u64;
+        }
+        Ok(Visit::Done)
+    }
 }
 
 impl<S: ChunkSource> BlockSource for ImageReader<S> {
@@ -20,10 +59,50 @@ impl<T: BlockSource + ?Sized> BlockSource for Arc<T> {
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), StoreError> {
         (**self).read_at(offset, buf)
     }
+
+    fn visit(&self, offset: u64, len: u64, fetch: bool, sink: &mut dyn Sink) -> Result<Visit, RequestError> {
+        (**self).visit(offset, len, fetch, sink)
+    }
 }
 
 impl std::fmt::Debug for dyn BlockSource {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("BlockSource")
+    }
+}
+
+/// A [`Sink`] filling a plain buffer.
+#[derive(Debug)]
+pub struct BufSink<'a> {
+    buf: &'a mut [u8],
+    pos: usize,
+}
+
+impl<'a> BufSink<'a> {
+    pub fn new(buf: &'a mut [u8]) -> Self {
+        Self { buf, pos: 0 }
+    }
+
+    fn next(&mut self, n: u64) -> Result<&mut [u8], RequestError> {
+        let end =
+            usize::try_from(n).ok().and_then(|n| self.pos.checked_add(n)).filter(|&e| e <= self.buf.len());
+        let Some(end) = end else {
+            return Err(RequestError::GuestMemory { addr: 0, len: u32::try_from(n).unwrap_or(u32::MAX) });
+        };
+        let out = &mut self.buf[self.pos..end];
+        self.pos = end;
+        Ok(out)
+    }
+}
+
+impl Sink for BufSink<'_> {
+    fn put(&mut self, bytes: &[u8]) -> Result<(), RequestError> {
+        self.next(bytes.len() as u64)?.copy_from_slice(bytes);
+        Ok(())
+    }
+
+    fn zeros(&mut self, n: u64) -> Result<(), RequestError> {
+        self.next(n)?.fill(0);
+        Ok(())
     }
 }

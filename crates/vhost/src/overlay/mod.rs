@@ -35,7 +35,8 @@ use self::format::{
     Header, HeaderProblem, Op, Record, RecordProblem, HEADER_B_OFFSET, HEADER_LEN, RECORD_LEN,
 };
 use self::io::{FileIo, OverlayIo};
-use crate::source::BlockSource;
+use crate::error::RequestError;
+use crate::source::{BlockSource, Sink, Visit};
 
 /// What an overlay belongs to; an overlay made for other parameters is refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -578,6 +579,53 @@ impl Overlay {
             self.base.read_at(lo, out).map_err(|source| OverlayError::Base { offset: lo, source })?;
         }
         Ok(())
+    }
+
+    /// Hand the device bytes `[offset, offset + len)` to `sink` in order: overlay slots (read
+    /// from the file), zeros, or the base's [`BlockSource::visit`] (straight from its memory
+    /// tier). Without `fetch`, [`Visit::Missing`] when the base would have to fetch a chunk.
+    /// The map's read lock is held throughout (a slot released meanwhile could otherwise be
+    /// reused before it is read), so with `fetch` a writer waits for the base's fetch.
+    pub fn visit(
+        &self,
+        offset: u64,
+        len: u64,
+        fetch: bool,
+        sink: &mut dyn Sink,
+    ) -> Result<Visit, RequestError> {
+        self.check_range(offset, len).map_err(|e| RequestError::Overlay { offset, source: Arc::new(e) })?;
+        if len == 0 {
+            return Ok(Visit::Done);
+        }
+        let st = read_state(&self.state);
+        if st.map.is_empty() {
+            return self.base.visit(offset, len, fetch, sink);
+        }
+        let first = offset / self.bs;
+        let end = (offset + len).div_ceil(self.bs);
+        let mut buf = Vec::new();
+        for piece in st.map.lookup(first, end - first) {
+            let lo = (piece.block * self.bs).max(offset);
+            let hi = ((piece.block + piece.len) * self.bs).min(offset + len);
+            match piece.mapping {
+                None => {
+                    if self.base.visit(lo, hi - lo, fetch, sink)? == Visit::Missing {
+                        return Ok(Visit::Missing);
+                    }
+                }
+                Some(Mapping::Zero) => sink.zeros(hi - lo)?,
+                Some(Mapping::Slot(s)) => {
+                    let at = s * self.bs + (lo - piece.block * self.bs);
+                    buf.resize(usize::try_from(hi - lo).unwrap_or(usize::MAX), 0);
+                    self.io.read_at(&mut buf, at).map_err(|e| RequestError::Overlay {
+                        offset: lo,
+                        source: Arc::new(OverlayError::io("reading", at)(e)),
+                    })?;
+                    sink.put(&buf)?;
+                }
+            }
+        }
+        Ok(Visit::Done)
     }
 
     /// Write `data` at device byte `offset` (any alignment: partial blocks are merged with

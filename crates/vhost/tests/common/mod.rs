@@ -89,7 +89,7 @@ impl Running {
         Self::serve(&socket, device, Disk::Overlay(Arc::new(o)))
     }
 
-    fn serve(socket: &Path, device: DeviceConfig, disk: Disk) -> Running {
+    pub fn serve(socket: &Path, device: DeviceConfig, disk: Disk) -> Running {
         let socket = socket.to_owned();
         let server = Server::bind(&socket, DEFAULT_SOCKET_MODE, device, disk).unwrap();
         let stop = server.stop_handle();

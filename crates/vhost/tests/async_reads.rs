@@ -1,0 +1,167 @@
+//! Out-of-order completion: a read that misses the memory tier is finished by the fetch pool,
+//! so one slow fetch never stalls the other requests of its queue. The slow fetch comes from a
+//! chunk source that holds one chunk back until the test opens a gate (fault injection, no
+//! timing).
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::collections::HashSet;
+use std::sync::{Arc, Condvar, Mutex};
+
+use blkio::ReqFlags;
+use common::{fixture, reader, Client, Running};
+use tessera_image::{SegmentSource, Sha256Digest};
+use tessera_store::{ChunkSource, ImageReader, LocalStore, OpenImage, StoreError};
+use tessera_vhost::{DeviceConfig, Disk, MemTier};
+
+/// A chunk source whose read of one pack range blocks until [`Gate::open`].
+struct Gated {
+    inner: LocalStore,
+    held: (Sha256Digest, u64),
+    gate: Arc<Gate>,
+}
+
+#[derive(Default)]
+struct Gate {
+    state: Mutex<(bool, usize)>,
+    changed: Condvar,
+}
+
+impl Gate {
+    fn open(&self) {
+        self.state.lock().unwrap().0 = true;
+        self.changed.notify_all();
+    }
+
+    /// Block until a held read is waiting at the gate.
+    fn wait_for_waiter(&self) {
+        let mut s = self.state.lock().unwrap();
+        while s.1 == 0 {
+            s = self.changed.wait(s).unwrap();
+        }
+    }
+}
+
+impl ChunkSource for Gated {
+    fn read_stored(&self, pack: &Sha256Digest, offset: u64, len: u32) -> Result<Vec<u8>, StoreError> {
+        if (*pack, offset) == self.held {
+            let mut s = self.gate.state.lock().unwrap();
+            s.1 += 1;
+            self.gate.changed.notify_all();
+            while !s.0 {
+                s = self.gate.changed.wait(s).unwrap();
+            }
+        }
+        self.inner.read_stored(pack, offset, len)
+    }
+}
+
+/// The BlockMap chunk holding device byte `offset`, if any.
+fn chunk_at(r: &ImageReader<LocalStore>, offset: u64) -> Option<u32> {
+    let seg = r.image().record().block_map.plan(offset, 4096).unwrap().next()?;
+    match seg.source {
+        SegmentSource::Chunk { chunk, .. } => Some(chunk),
+        _ => None,
+    }
+}
+
+#[test]
+fn a_slow_fetch_does_not_stall_the_queue() {
+    let f = fixture();
+    let plain = reader(&f.store, &f.id);
+    let g = plain.image().record().geometry;
+    // Device offsets of 4 KiB blocks in distinct chunks, in the file-data region.
+    let mut seen = HashSet::new();
+    let mut targets = Vec::new();
+    for block in g.data_start_block..g.data_end_block {
+        let off = block * 4096;
+        if let Some(c) = chunk_at(&plain, off) {
+            if seen.insert(c) {
+                targets.push((off, c));
+            }
+        }
+    }
+    assert!(targets.len() >= 9, "need 9 distinct chunks, have {}", targets.len());
+    let (slow_off, slow_chunk) = targets[0];
+    let (_, pack, loc) = plain.image().chunk_location(slow_chunk).unwrap();
+    let gate = Arc::new(Gate::default());
+    let source = Gated { inner: f.store.clone(), held: (pack, loc.offset), gate: Arc::clone(&gate) };
+    let tier =
+        Arc::new(MemTier::new(ImageReader::new(OpenImage::open(&f.store, &f.id).unwrap(), source), 64 << 20));
+    let device = DeviceConfig::new(&f.id, tier.device_bytes(), 1, true);
+    let server = Running::serve(&f.dir.path().join("async.sock"), device, Disk::ReadOnly(tier.clone()));
+
+    let mut c = Client::connect(&server.socket, 1);
+    // The slow read first, then eight reads of other chunks (misses too) and one of the
+    // metadata prefix (served inline), all on queue 0.
+    let ptr = c.ptr(0);
+    c.queues[0].read(slow_off, ptr, 4096, 0, ReqFlags::empty());
+    let mut expect = vec![(0usize, slow_off)];
+    for (i, &(off, _)) in targets[1..9].iter().enumerate() {
+        let user = i + 1;
+        let ptr = c.ptr(user * 4096);
+        c.queues[0].read(off, ptr, 4096, user, ReqFlags::empty());
+        expect.push((user, off));
+    }
+    let ptr = c.ptr(9 * 4096);
+    c.queues[0].read(0, ptr, 4096, 9, ReqFlags::empty());
+    expect.push((9, 0));
+    // The slow fetch is held at the gate while the nine others complete.
+    let first = c.complete(0, 9);
+    gate.wait_for_waiter();
+    let users: HashSet<usize> = first.iter().map(|d| d.0).collect();
+    assert_eq!(users, (1..=9).collect::<HashSet<_>>(), "the held read completed before the gate opened");
+    assert!(first.iter().all(|d| d.1 == 0));
+    gate.open();
+    let last = c.complete(0, 1);
+    assert_eq!(last, vec![(0, 0)]);
+    for (user, off) in expect {
+        let off = off as usize;
+        assert!(c.buf(user * 4096, 4096) == &f.raw[off..off + 4096], "request {user} at {off}");
+    }
+    assert!(tier.stats().fetches.load(std::sync::atomic::Ordering::Relaxed) >= 9);
+    drop(c);
+    server.finish();
+}
+
+#[test]
+fn a_client_leaving_with_a_read_in_flight() {
+    let f = fixture();
+    let plain = reader(&f.store, &f.id);
+    let g = plain.image().record().geometry;
+    let (slow_off, slow_chunk) = (g.data_start_block..g.data_end_block)
+        .find_map(|b| chunk_at(&plain, b * 4096).map(|c| (b * 4096, c)))
+        .unwrap();
+    let (_, pack, loc) = plain.image().chunk_location(slow_chunk).unwrap();
+    let gate = Arc::new(Gate::default());
+    let source = Gated { inner: f.store.clone(), held: (pack, loc.offset), gate: Arc::clone(&gate) };
+    let tier =
+        Arc::new(MemTier::new(ImageReader::new(OpenImage::open(&f.store, &f.id).unwrap(), source), 64 << 20));
+    let device = DeviceConfig::new(&f.id, tier.device_bytes(), 1, true);
+    let server = Running::serve(&f.dir.path().join("leave.sock"), device, Disk::ReadOnly(tier));
+
+    let mut c = Client::connect(&server.socket, 1);
+    let ptr = c.ptr(0);
+    c.queues[0].read(slow_off, ptr, 4096, 0, ReqFlags::empty());
+    // Submit without waiting for the completion, then leave once the fetch is held.
+    let mut none: [std::mem::MaybeUninit<blkio::Completion>; 0] = [];
+    let mut timeout = std::time::Duration::from_millis(0);
+    let _ = c.queues[0].do_io(&mut none, 0, Some(&mut timeout), None);
+    gate.wait_for_waiter();
+    drop(c);
+    // The next client connects while the old read is still held; the server finishes it (into
+    // the old client's memory) before serving the new one, whose ring sees only its own reads.
+    let socket = server.socket.clone();
+    let next = std::thread::spawn(move || {
+        let mut c = Client::connect(&socket, 1);
+        let r = c.read(slow_off, 0, 4096);
+        (r, c.buf(0, 4096).to_vec())
+    });
+    gate.open();
+    let (ret, bytes) = next.join().unwrap();
+    assert_eq!(ret, 0);
+    let off = slow_off as usize;
+    assert!(bytes == f.raw[off..off + 4096]);
+    server.finish();
+}
