@@ -30,5 +30,6 @@ pub mod oci;
 pub mod pipeline;
 pub mod prng;
 pub mod reference;
+pub mod registry;
 pub mod tessera;
 pub mod testutil;

@@ -170,6 +170,8 @@ const PACKAGES: &[&str] = &[
     "skopeo",
     "gzip",
     "debootstrap",
+    "docker-registry",
+    "apache2-utils",
 ];
 
 fn installed(pkg: &str) -> bool {

@@ -15,7 +15,7 @@ use tracing::{debug, info};
 use crate::chunk::{chunk_tree, ChunkHome, ChunkOutput};
 use crate::error::BuildError;
 use crate::seed::tree_seed;
-use crate::source::{open_docker_archive, open_oci_layout, Platform, SourceSpec};
+use crate::source::{open_docker_archive, open_oci_layout, open_registry, Platform, SourceSpec};
 use crate::walk::walk_dir;
 use crate::Progress;
 
@@ -274,9 +274,7 @@ pub fn build_source(
         SourceSpec::Dir(path) => return build_dir(path, store, config, progress),
         SourceSpec::Oci { path, reference } => open_oci_layout(path, reference.as_deref(), platform)?,
         SourceSpec::DockerArchive(path) => open_docker_archive(path)?,
-        SourceSpec::Registry(r) => {
-            return Err(BuildError::Unsupported { what: format!("docker://{r}: registry sources") })
-        }
+        SourceSpec::Registry(r) => open_registry(r, platform)?,
     };
     crate::image::build_image(&image, store, config, progress)
 }

@@ -29,9 +29,16 @@ fn open_store(store: &str) -> Result<LocalStore> {
 }
 
 pub fn build(args: BuildArgs) -> Result<()> {
-    let spec = SourceSpec::parse(&args.source).map_err(|e| UsageError(e.to_string()))?;
-    if let SourceSpec::Registry(_) = spec {
-        bail!(UsageError(format!("source {}: docker:// sources are not supported yet", args.source)));
+    let mut spec = SourceSpec::parse(&args.source).map_err(|e| UsageError(e.to_string()))?;
+    match &mut spec {
+        SourceSpec::Registry(r) => {
+            r.creds = args.creds.clone();
+            r.insecure = args.insecure;
+        }
+        _ if args.creds.is_some() || args.insecure => {
+            bail!(UsageError("--creds and --insecure apply to docker:// sources only".into()))
+        }
+        _ => {}
     }
     let store = StoreLocation::parse(&args.store)?.open_for_write()?;
     let size = match (args.size, args.free) {

@@ -69,17 +69,22 @@ Examples:\n  tessera build ./rootfs --store ./store\n  tessera build ./rootfs --
 tessera build ./rootfs --store file:///var/lib/tessera --size 4G --inodes 200000 --chunk-size 1M\n  \
 tessera build oci:./layout:v1 --store ./store --tag app\n  \
 tessera build oci:./multiarch --platform linux/arm64/v8 --store ./store --max-size 8G\n  \
-tessera build docker-archive:./app.tar --store ./store\n\
+tessera build docker-archive:./app.tar --store ./store\n  \
+tessera build docker://registry.example.com/team/app:v1 --store ./store --creds bot:s3cret\n  \
+tessera build docker://127.0.0.1:5000/app@sha256:4f2a... --store ./store\n\
 \n\
 Image sources: layers (tar, tar+gzip, tar+zstd) are streamed twice and never unpacked to disk; every \
-blob is checked against its digest. Files keep uid, gid, mode, mtime (with nanoseconds), PAX atime and \
+blob is checked against its digest. Registries: bearer tokens (from the WWW-Authenticate challenge) or \
+basic auth; credentials from --creds, REGISTRY_AUTH_FILE or ~/.docker/config.json; HTTPS required unless \
+--insecure or the registry is on loopback (then plain HTTP is used when TLS is not offered). Files keep uid, gid, mode, mtime (with nanoseconds), PAX atime and \
 ctime when present (else mtime), xattrs; missing parent directories and the root (unless the image has a \
 `./` entry) get 0755, 0:0 and the filesystem time. The runtime config (Env, Entrypoint, Cmd, \
 WorkingDir, User, Labels) is normalized into the image record (see docs/formats/record.md).")]
 pub struct BuildArgs {
     /// The source: DIR, oci:PATH[:REF] (an OCI image layout; REF is an
-    /// org.opencontainers.image.ref.name or a manifest digest) or docker-archive:PATH (docker save /
-    /// skopeo docker-archive). docker://HOST/REPO[:TAG] is not supported yet.
+    /// org.opencontainers.image.ref.name or a manifest digest), docker-archive:PATH (docker save /
+    /// skopeo docker-archive) or docker://HOST[:PORT]/REPO[:TAG|@DIGEST] (a registry; TAG defaults
+    /// to latest).
     source: String,
     /// The store to write into: PATH or file://PATH (created if missing).
     #[arg(long)]
@@ -106,6 +111,13 @@ pub struct BuildArgs {
     /// limit).
     #[arg(long, value_parser = parse_size_arg)]
     max_size: Option<u64>,
+    /// Registry credentials for docker:// sources (default: REGISTRY_AUTH_FILE, then
+    /// ~/.docker/config.json, else anonymous).
+    #[arg(long, value_name = "USER:PASS", value_parser = parse_creds)]
+    creds: Option<tessera_registry::Credentials>,
+    /// Allow plain HTTP and unverified TLS for docker:// sources (loopback registries always are).
+    #[arg(long)]
+    insecure: bool,
 }
 
 /// Write the whole device as a sparse raw file, assembled through the read path.
@@ -157,6 +169,10 @@ fn parse_chunk_size(s: &str) -> Result<u32, String> {
 
 fn parse_platform(s: &str) -> Result<tessera_build::source::Platform, String> {
     s.parse().map_err(|e: tessera_build::source::SourceError| e.to_string())
+}
+
+fn parse_creds(s: &str) -> Result<tessera_registry::Credentials, String> {
+    tessera_registry::Credentials::parse(s).map_err(|e| e.to_string())
 }
 
 fn parse_tag(s: &str) -> Result<String, String> {

@@ -1,4 +1,4 @@
-//! Errors of the image sources (OCI layout, docker archive) and of layer flattening.
+//! Errors of the image sources (OCI layout, docker archive, registry) and of layer flattening.
 
 use std::io;
 use std::path::PathBuf;
@@ -64,6 +64,9 @@ pub enum SourceError {
     BadPlatform(String),
     #[error("invalid source {0:?}")]
     BadSource(String),
+    /// (`error` is not a `source`: its text is already in this message.)
+    #[error("{what}: {error}")]
+    Registry { what: String, error: tessera_registry::RegistryError },
 }
 
 impl SourceError {
@@ -74,7 +77,11 @@ impl SourceError {
 
     /// Errors that are the caller's fault in how the command was written (usage, exit status 2).
     pub fn is_usage_error(&self) -> bool {
-        matches!(self, Self::BadPlatform(_) | Self::BadSource(_))
+        match self {
+            Self::BadPlatform(_) | Self::BadSource(_) => true,
+            Self::Registry { error, .. } => error.is_usage_error(),
+            _ => false,
+        }
     }
 }
 
@@ -118,6 +125,22 @@ fn find_fault(e: &io::Error) -> Option<&StreamFault> {
 /// Turn an error from a layer's reader chain into a typed error: verification faults keep their
 /// kind, anything else is a corrupt or truncated stream.
 pub(crate) fn from_stream_error(layer: &str, e: io::Error) -> SourceError {
+    // A registry failure (a layer opener's, or a blob reader's mid-stream) keeps its type.
+    if e.get_ref().is_some_and(|r| r.is::<SourceError>() || r.is::<tessera_registry::RegistryError>()) {
+        if let Some(inner) = e.into_inner() {
+            let inner = match inner.downcast::<SourceError>() {
+                Ok(s) => return *s,
+                Err(other) => other,
+            };
+            return match inner.downcast::<tessera_registry::RegistryError>() {
+                Ok(r) => SourceError::Registry { what: layer.to_owned(), error: *r },
+                Err(other) => {
+                    SourceError::Corrupt { layer: layer.to_owned(), source: io::Error::other(other) }
+                }
+            };
+        }
+        return SourceError::Corrupt { layer: layer.to_owned(), source: io::Error::other("unknown error") };
+    }
     match find_fault(&e) {
         Some(StreamFault::Digest { expected, actual }) => SourceError::DigestMismatch {
             what: layer.to_owned(),

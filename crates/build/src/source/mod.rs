@@ -1,4 +1,4 @@
-//! Image sources other than a directory: OCI image layouts and docker archives, their layers
+//! Image sources other than a directory: OCI image layouts, docker archives and registries, their layers
 //! (tar, tar+gzip, tar+zstd) and the flattener that applies them.
 //!
 //! Two passes over each layer, never unpacking to disk: pass 1 parses headers into
@@ -9,6 +9,7 @@ mod error;
 mod flatten;
 mod layer;
 mod oci;
+mod registry;
 #[cfg(test)]
 mod tests;
 
@@ -18,3 +19,4 @@ pub use layer::{scan_layer, Digest, LayerBlob, LayerStream, Opener};
 pub use oci::{
     normalize_config, open_docker_archive, open_oci_layout, ImageSource, Platform, SourceSpec, MAX_DOCUMENT,
 };
+pub use registry::{open_registry, RegistrySpec};

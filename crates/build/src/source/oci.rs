@@ -24,11 +24,13 @@ pub enum SourceSpec {
     Dir(PathBuf),
     Oci { path: PathBuf, reference: Option<String> },
     DockerArchive(PathBuf),
-    Registry(String),
+    Registry(super::registry::RegistrySpec),
 }
 
 impl SourceSpec {
-    /// Parse `DIR | oci:PATH[:REF] | docker-archive:PATH | docker://REF`. For `oci:`, a path that
+    /// Parse `DIR | oci:PATH[:REF] | docker-archive:PATH | docker://HOST[:PORT]/REPO[:TAG|@DIGEST]`
+    /// (a registry source gets no credentials and secure transport; set them on the
+    /// [`RegistrySpec`](super::RegistrySpec) after parsing). For `oci:`, a path that
     /// exists as a directory with the whole text is taken as is; otherwise the text after the last
     /// `:` is the reference.
     pub fn parse(s: &str) -> Result<Self, SourceError> {
@@ -55,7 +57,7 @@ impl SourceSpec {
             return Ok(Self::DockerArchive(rest.into()));
         }
         if let Some(rest) = s.strip_prefix("docker://") {
-            return Ok(Self::Registry(rest.to_owned()));
+            return Ok(Self::Registry(super::registry::RegistrySpec::parse(rest)?));
         }
         Ok(Self::Dir(s.into()))
     }
@@ -115,12 +117,12 @@ pub struct ImageSource {
 
 #[derive(Debug, Deserialize, Default)]
 #[serde(rename_all = "camelCase")]
-struct Descriptor {
+pub(super) struct Descriptor {
     #[serde(default)]
-    media_type: String,
-    digest: String,
+    pub(super) media_type: String,
+    pub(super) digest: String,
     #[serde(default)]
-    size: Option<u64>,
+    pub(super) size: Option<u64>,
     #[serde(default)]
     annotations: BTreeMap<String, String>,
     #[serde(default)]
@@ -140,15 +142,15 @@ struct DescPlatform {
 /// An index or a manifest (both are read as this, told apart by media type and fields).
 #[derive(Debug, Deserialize, Default)]
 #[serde(rename_all = "camelCase")]
-struct Document {
+pub(super) struct Document {
     #[serde(default)]
     media_type: String,
     #[serde(default)]
     manifests: Option<Vec<Descriptor>>,
     #[serde(default)]
-    config: Option<Descriptor>,
+    pub(super) config: Option<Descriptor>,
     #[serde(default)]
-    layers: Option<Vec<Descriptor>>,
+    pub(super) layers: Option<Vec<Descriptor>>,
 }
 
 #[derive(Debug, Deserialize, Default)]
@@ -182,7 +184,7 @@ struct ContainerConfig {
     labels: Option<BTreeMap<String, String>>,
 }
 
-fn json<T: for<'de> Deserialize<'de>>(what: &str, bytes: &[u8]) -> Result<T, SourceError> {
+pub(super) fn json<T: for<'de> Deserialize<'de>>(what: &str, bytes: &[u8]) -> Result<T, SourceError> {
     serde_json::from_slice(bytes).map_err(|source| SourceError::Json { what: what.to_owned(), source })
 }
 
@@ -209,7 +211,7 @@ pub fn normalize_config(config_json: &[u8]) -> Result<(RuntimeConfig, Vec<String
     Ok((config, file.rootfs.unwrap_or_default().diff_ids))
 }
 
-fn read_limited(mut r: impl Read, what: &str) -> Result<Vec<u8>, SourceError> {
+pub(super) fn read_limited(mut r: impl Read, what: &str) -> Result<Vec<u8>, SourceError> {
     let mut buf = Vec::new();
     (&mut r).take(MAX_DOCUMENT + 1).read_to_end(&mut buf).map_err(|e| SourceError::Io {
         path: what.into(),
@@ -239,8 +241,31 @@ const INDEX_TYPES: &[&str] =
 const MANIFEST_TYPES: &[&str] =
     &["application/vnd.oci.image.manifest.v1+json", "application/vnd.docker.distribution.manifest.v2+json"];
 
+/// Where manifests, indexes and configs come from: an OCI layout or a registry. Both verify
+/// digest and size against the descriptor.
+pub(super) trait Documents {
+    /// A manifest or index named by `desc`.
+    fn manifest(&self, what: &str, desc: &Descriptor) -> Result<(Digest, Vec<u8>), SourceError>;
+    /// A config named by `desc`.
+    fn config(&self, what: &str, desc: &Descriptor) -> Result<(Digest, Vec<u8>), SourceError>;
+    /// Where the blob `d` lives, for messages.
+    fn location(&self, d: &Digest) -> PathBuf;
+}
+
 struct Layout {
     root: PathBuf,
+}
+
+impl Documents for Layout {
+    fn manifest(&self, what: &str, desc: &Descriptor) -> Result<(Digest, Vec<u8>), SourceError> {
+        self.document(what, desc)
+    }
+    fn config(&self, what: &str, desc: &Descriptor) -> Result<(Digest, Vec<u8>), SourceError> {
+        self.document(what, desc)
+    }
+    fn location(&self, d: &Digest) -> PathBuf {
+        self.blob_path(d)
+    }
 }
 
 impl Layout {
@@ -326,16 +351,48 @@ pub fn open_oci_layout(
         },
     };
     let (manifest_digest, manifest) = resolve(&layout, chosen, platform, 0)?;
+    let image = assemble(&layout, &manifest_digest, &manifest, |_name, digest, _size| {
+        let path = layout.blob_path(digest);
+        // A missing blob is reported now, before any work.
+        drop(layout.open_blob(digest)?);
+        let open: super::layer::Opener =
+            Box::new(move || Ok(Box::new(File::open(&path)?) as Box<dyn Read + Send>));
+        Ok(open)
+    })?;
+    let provenance = serde_json::json!({
+        "manifest": manifest_digest.to_string(),
+        "config": image.config_digest.to_string(),
+        "layers": image.layer_digests,
+    });
+    Ok(ImageSource { layers: image.layers, config: image.config, provenance })
+}
+
+/// A resolved image manifest's parts.
+pub(super) struct Assembled {
+    pub(super) layers: Vec<LayerBlob>,
+    pub(super) config: RuntimeConfig,
+    pub(super) config_digest: Digest,
+    pub(super) layer_digests: Vec<String>,
+}
+
+/// Read the config of `manifest`, normalize it and describe the layers; `opener` makes each
+/// layer's reader from (name, digest, size).
+pub(super) fn assemble(
+    docs: &dyn Documents,
+    manifest_digest: &Digest,
+    manifest: &Document,
+    mut opener: impl FnMut(&str, &Digest, Option<u64>) -> Result<super::layer::Opener, SourceError>,
+) -> Result<Assembled, SourceError> {
     let config_desc = manifest.config.as_ref().ok_or_else(|| SourceError::Layout {
-        path: layout.blob_path(&manifest_digest),
+        path: docs.location(manifest_digest),
         reason: "the manifest has no config".into(),
     })?;
-    let (config_digest, config_bytes) = layout.document("image config", config_desc)?;
+    let (config_digest, config_bytes) = docs.config("image config", config_desc)?;
     let (config, diff_ids) = normalize_config(&config_bytes)?;
-    let descs = manifest.layers.unwrap_or_default();
+    let descs = manifest.layers.as_deref().unwrap_or_default();
     if diff_ids.len() != descs.len() {
         return Err(SourceError::LayerCountMismatch {
-            what: format!("manifest {}", Digest { hex: manifest_digest.hex.clone() }),
+            what: format!("manifest {manifest_digest}"),
             count: descs.len(),
             diff_ids: diff_ids.len(),
         });
@@ -345,24 +402,20 @@ pub fn open_oci_layout(
         let name = format!("layer {i} ({})", desc.digest);
         let digest = Digest::parse(&name, &desc.digest)?;
         let diff_id = Digest::parse(&format!("{name} diff_id"), diff_id)?;
-        let path = layout.blob_path(&digest);
-        // A missing blob is reported now, before any work.
-        drop(layout.open_blob(&digest)?);
-        let open: super::layer::Opener =
-            Box::new(move || Ok(Box::new(File::open(&path)?) as Box<dyn Read + Send>));
+        let open = opener(&name, &digest, desc.size)?;
         layers.push(LayerBlob { name, open, digest: Some(digest), size: desc.size, diff_id: Some(diff_id) });
     }
-    let provenance = serde_json::json!({
-        "manifest": manifest_digest.to_string(),
-        "config": config_digest.to_string(),
-        "layers": descs.iter().map(|d| d.digest.clone()).collect::<Vec<_>>(),
-    });
-    Ok(ImageSource { layers, config, provenance })
+    Ok(Assembled {
+        layers,
+        config,
+        config_digest,
+        layer_digests: descs.iter().map(|d| d.digest.clone()).collect(),
+    })
 }
 
 /// Follow indexes down to one image manifest, picking `platform` in multi-platform indexes.
 fn resolve(
-    layout: &Layout,
+    docs: &dyn Documents,
     desc: &Descriptor,
     platform: &Platform,
     depth: usize,
@@ -371,10 +424,24 @@ fn resolve(
         return Err(SourceError::NestingTooDeep { what: desc.digest.clone(), limit: MAX_NESTING });
     }
     let what = format!("manifest {}", desc.digest);
-    let (digest, bytes) = layout.document(&what, desc)?;
-    let doc: Document = json(&what, &bytes)?;
-    let media_type =
-        if doc.media_type.is_empty() { desc.media_type.as_str() } else { doc.media_type.as_str() };
+    let (digest, bytes) = docs.manifest(&what, desc)?;
+    resolve_document(docs, &what, digest, &bytes, &desc.media_type, platform, depth)
+}
+
+/// [`resolve`] from a fetched document (`media_type`: the descriptor's or the transport's,
+/// used when the document names none).
+pub(super) fn resolve_document(
+    docs: &dyn Documents,
+    what: &str,
+    digest: Digest,
+    bytes: &[u8],
+    media_type: &str,
+    platform: &Platform,
+    depth: usize,
+) -> Result<(Digest, Document), SourceError> {
+    let what = what.to_owned();
+    let doc: Document = json(&what, bytes)?;
+    let media_type = if doc.media_type.is_empty() { media_type } else { doc.media_type.as_str() };
     let is_index = INDEX_TYPES.contains(&media_type) || (media_type.is_empty() && doc.manifests.is_some());
     if is_index {
         let children = doc.manifests.unwrap_or_default();
@@ -403,7 +470,7 @@ fn resolve(
                 available: available.join(", "),
             });
         };
-        return resolve(layout, pick, platform, depth + 1);
+        return resolve(docs, pick, platform, depth + 1);
     }
     if !(MANIFEST_TYPES.contains(&media_type) || (media_type.is_empty() && doc.layers.is_some())) {
         return Err(SourceError::UnsupportedMediaType { what, media_type: media_type.to_owned() });

@@ -1,0 +1,305 @@
+//! Streaming blob reads: verified, and resumed with `Range` when a connection breaks mid-body.
+
+use std::io::{self, Read};
+
+use sha2::{Digest as _, Sha256};
+use tracing::warn;
+use ureq::http::{Response, StatusCode};
+use ureq::Body;
+
+use crate::client::{status_error, Client, Method};
+use crate::error::RegistryError;
+use crate::reference::Digest;
+
+/// A blob's bytes as they arrive. At the end of the stream the size (when known) and the digest
+/// are checked; a failure is returned as an `io::Error` wrapping a [`RegistryError`] (see
+/// [`unwrap_io`]). A read error mid-body is retried by asking for the rest with
+/// `Range: bytes=N-` (or, when the server ignores ranges, re-reading and skipping), up to the
+/// retry policy's attempts; the digest check covers the joined stream.
+pub struct BlobReader {
+    client: Client,
+    repo: String,
+    digest: Digest,
+    url: String,
+    body: Option<ureq::BodyReader<'static>>,
+    pos: u64,
+    size: Option<u64>,
+    hasher: Option<Sha256>,
+    resumes: u32,
+    finished: bool,
+}
+
+impl std::fmt::Debug for BlobReader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BlobReader")
+            .field("url", &self.url)
+            .field("pos", &self.pos)
+            .field("size", &self.size)
+            .finish()
+    }
+}
+
+/// The [`RegistryError`] inside an `io::Error` from a [`BlobReader`], or a `Read` error naming
+/// `url`.
+pub fn unwrap_io(url: &str, e: io::Error) -> RegistryError {
+    if e.get_ref().is_some_and(|r| r.is::<RegistryError>()) {
+        if let Some(inner) = e.into_inner() {
+            return match inner.downcast::<RegistryError>() {
+                Ok(r) => *r,
+                Err(other) => RegistryError::Read { url: url.to_owned(), source: io::Error::other(other) },
+            };
+        }
+        return RegistryError::Read { url: url.to_owned(), source: io::Error::other("unknown") };
+    }
+    RegistryError::Read { url: url.to_owned(), source: e }
+}
+
+/// `bytes START-END/TOTAL` → (START, END).
+fn parse_content_range(v: &str) -> Option<(u64, u64)> {
+    let rest = v.trim().strip_prefix("bytes ")?;
+    let (range, _total) = rest.split_once('/')?;
+    let (a, b) = range.split_once('-')?;
+    Some((a.trim().parse().ok()?, b.trim().parse().ok()?))
+}
+
+/// GET the blob from byte `from` on. Returns the response body positioned at `from`.
+fn request_from(
+    client: &Client,
+    repo: &str,
+    digest: &Digest,
+    from: u64,
+    end: Option<u64>,
+) -> Result<(String, ureq::BodyReader<'static>), RegistryError> {
+    let path = format!("/v2/{repo}/blobs/{digest}");
+    let headers: Vec<(&str, String)> = match (from, end) {
+        (0, None) => Vec::new(),
+        (f, None) => vec![("Range", format!("bytes={f}-"))],
+        (f, Some(e)) => vec![("Range", format!("bytes={f}-{}", e.saturating_sub(1)))],
+    };
+    let (url, resp): (String, Response<Body>) = client.send(Method::Get, repo, &path, &headers)?;
+    match resp.status() {
+        StatusCode::OK => {
+            let mut body = resp.into_body().into_reader();
+            if from > 0 {
+                // The server ignored Range: skip what we already have.
+                let skipped = io::copy(&mut (&mut body).take(from), &mut io::sink())
+                    .map_err(|source| RegistryError::Read { url: url.clone(), source })?;
+                if skipped != from {
+                    return Err(RegistryError::Read {
+                        url,
+                        source: io::Error::new(io::ErrorKind::UnexpectedEof, "blob shorter than before"),
+                    });
+                }
+            }
+            Ok((url, body))
+        }
+        StatusCode::PARTIAL_CONTENT => {
+            let cr =
+                resp.headers().get("content-range").and_then(|v| v.to_str().ok()).unwrap_or("").to_owned();
+            match parse_content_range(&cr) {
+                Some((start, _)) if start == from => Ok((url, resp.into_body().into_reader())),
+                _ => Err(RegistryError::BadRange {
+                    url,
+                    header: cr,
+                    start: from,
+                    end: end.unwrap_or(u64::MAX),
+                }),
+            }
+        }
+        _ => {
+            let has = client.has_credentials(repo);
+            Err(status_error(&url, resp, has))
+        }
+    }
+}
+
+impl BlobReader {
+    pub(crate) fn open(
+        client: Client,
+        repo: &str,
+        digest: &Digest,
+        size: Option<u64>,
+    ) -> Result<Self, RegistryError> {
+        let (url, body) = request_from(&client, repo, digest, 0, None)?;
+        Ok(Self {
+            client,
+            repo: repo.to_owned(),
+            digest: digest.clone(),
+            url,
+            body: Some(body),
+            pos: 0,
+            size,
+            hasher: Some(Sha256::new()),
+            resumes: 0,
+            finished: false,
+        })
+    }
+
+    /// Skip the digest check, for a caller that hashes the same bytes against the same digest
+    /// itself (the size check and resumption stay).
+    pub fn without_digest_check(mut self) -> Self {
+        self.hasher = None;
+        self
+    }
+
+    /// The blob's URL.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// Bytes delivered so far.
+    pub fn position(&self) -> u64 {
+        self.pos
+    }
+
+    fn fail(&self, e: RegistryError) -> io::Error {
+        io::Error::other(e)
+    }
+
+    fn finish(&mut self) -> io::Result<()> {
+        self.finished = true;
+        if let Some(expected) = self.size.filter(|s| *s != self.pos) {
+            return Err(self.fail(RegistryError::SizeMismatch {
+                url: self.url.clone(),
+                what: "blob",
+                expected,
+                actual: self.pos,
+            }));
+        }
+        if let Some(h) = self.hasher.take() {
+            let actual = Digest::from_hasher(h);
+            if actual != self.digest {
+                return Err(self.fail(RegistryError::DigestMismatch {
+                    url: self.url.clone(),
+                    what: "blob",
+                    expected: self.digest.to_string(),
+                    actual: actual.to_string(),
+                }));
+            }
+        }
+        Ok(())
+    }
+
+    /// After a broken read: wait, then continue from `pos`; `Err` when out of attempts.
+    fn resume(&mut self, cause: io::Error) -> io::Result<()> {
+        self.body = None;
+        let policy = self.client.retry();
+        if self.resumes + 1 >= policy.attempts.max(1) {
+            return Err(self.fail(RegistryError::Read { url: self.url.clone(), source: cause }));
+        }
+        let wait = policy.backoff(self.resumes);
+        warn!(url = self.url, pos = self.pos, error = %cause, ?wait, "registry: blob read broke, resuming");
+        self.resumes += 1;
+        std::thread::sleep(wait);
+        let (_, body) =
+            request_from(&self.client, &self.repo, &self.digest, self.pos, None).map_err(|e| self.fail(e))?;
+        self.body = Some(body);
+        Ok(())
+    }
+}
+
+impl Read for BlobReader {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if self.finished || buf.is_empty() {
+            return Ok(0);
+        }
+        loop {
+            let Some(body) = self.body.as_mut() else {
+                return Err(self.fail(RegistryError::Read {
+                    url: self.url.clone(),
+                    source: io::Error::other("no connection"),
+                }));
+            };
+            match body.read(buf) {
+                Ok(0) => {
+                    if self.size.is_some_and(|s| self.pos < s) {
+                        // The connection ended early without an error: ask for the rest.
+                        self.resume(io::Error::new(io::ErrorKind::UnexpectedEof, "body ended early"))?;
+                        continue;
+                    }
+                    self.finish()?;
+                    return Ok(0);
+                }
+                Ok(n) => {
+                    self.pos += n as u64;
+                    if let Some(expected) = self.size.filter(|s| self.pos > *s) {
+                        return Err(self.fail(RegistryError::SizeMismatch {
+                            url: self.url.clone(),
+                            what: "blob",
+                            expected,
+                            actual: self.pos,
+                        }));
+                    }
+                    if let Some(h) = self.hasher.as_mut() {
+                        h.update(&buf[..n]);
+                    }
+                    return Ok(n);
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => self.resume(e)?,
+            }
+        }
+    }
+}
+
+/// Bytes `start..start + len` of a blob, retried whole on a broken body.
+pub(crate) fn get_range(
+    client: &Client,
+    repo: &str,
+    digest: &Digest,
+    start: u64,
+    len: u64,
+) -> Result<Vec<u8>, RegistryError> {
+    let end = start.checked_add(len).ok_or_else(|| RegistryError::BadRange {
+        url: format!("/v2/{repo}/blobs/{digest}"),
+        header: String::new(),
+        start,
+        end: u64::MAX,
+    })?;
+    let cap = usize::try_from(len).unwrap_or(usize::MAX).min(64 << 20);
+    let policy = client.retry();
+    let mut attempt = 0u32;
+    loop {
+        let (url, body) = request_from(client, repo, digest, start, Some(end))?;
+        let mut out = Vec::with_capacity(cap);
+        match body.take(len).read_to_end(&mut out) {
+            Ok(_) if out.len() as u64 == len => return Ok(out),
+            Ok(_) => {
+                return Err(RegistryError::Read {
+                    url,
+                    source: io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        format!("range ended after {} bytes", out.len()),
+                    ),
+                })
+            }
+            Err(e) if attempt + 1 < policy.attempts.max(1) => {
+                warn!(url, error = %e, "registry: range read broke, retrying");
+                std::thread::sleep(policy.backoff(attempt));
+                attempt += 1;
+            }
+            Err(source) => return Err(RegistryError::Read { url, source }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn content_ranges() {
+        assert_eq!(parse_content_range("bytes 10-19/100"), Some((10, 19)));
+        assert_eq!(parse_content_range("bytes 10-19/*"), Some((10, 19)));
+        assert_eq!(parse_content_range("bytes */100"), None);
+        assert_eq!(parse_content_range("items 1-2/3"), None);
+    }
+
+    #[test]
+    fn unwraps_registry_errors() {
+        let e = io::Error::other(RegistryError::NotFound { url: "u".into(), detail: String::new() });
+        assert!(matches!(unwrap_io("x", e), RegistryError::NotFound { .. }));
+        let e = io::Error::new(io::ErrorKind::ConnectionReset, "reset");
+        assert!(matches!(unwrap_io("x", e), RegistryError::Read { .. }));
+    }
+}
