@@ -26,6 +26,7 @@ pub mod debian;
 pub mod fixtures;
 pub mod guest;
 pub mod judge;
+pub mod nginx;
 pub mod oci;
 pub mod pipeline;
 pub mod prng;

@@ -172,6 +172,7 @@ const PACKAGES: &[&str] = &[
     "debootstrap",
     "docker-registry",
     "apache2-utils",
+    "nginx",
 ];
 
 fn installed(pkg: &str) -> bool {

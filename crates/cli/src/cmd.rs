@@ -1,6 +1,8 @@
 //! The subcommands: typed arguments in, results on stdout, errors with context out.
 
 use std::collections::BTreeSet;
+use std::path::Path;
+use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use indicatif::HumanBytes;
@@ -10,7 +12,7 @@ use tessera_build::Progress;
 use tessera_build::{BuildConfig, BuildError};
 use tessera_ext4::SizePolicy;
 use tessera_image::{ImageId, ImageRecord, PackIndex, RuntimeConfig};
-use tessera_store::{export_raw, ImageReader, LocalStore, OpenImage, StoreError, StoreLocation};
+use tessera_store::{export_raw, ImageReader, ReadStore, StoreError, StoreLocation};
 
 use crate::progress::Bar;
 use crate::{BuildArgs, ExportArgs, InspectArgs, UsageError};
@@ -24,8 +26,10 @@ pub fn is_usage_error(e: &anyhow::Error) -> bool {
     })
 }
 
-fn open_store(store: &str) -> Result<LocalStore> {
-    Ok(StoreLocation::parse(store)?.open_for_read()?)
+/// Open a store for reading: a local directory or an http(s) origin (behind `--cache-dir` if
+/// given).
+fn open_store(store: &str, cache_dir: Option<&Path>) -> Result<Arc<dyn ReadStore>> {
+    Ok(StoreLocation::parse(store)?.open_read_store(cache_dir)?)
 }
 
 pub fn build(args: BuildArgs) -> Result<()> {
@@ -74,9 +78,16 @@ pub fn build(args: BuildArgs) -> Result<()> {
 }
 
 pub fn export(args: ExportArgs) -> Result<()> {
-    let store = open_store(&args.store)?;
+    let store = open_store(&args.store, args.cache_dir.as_deref())?;
     let id = store.resolve(&args.image)?;
-    let reader = ImageReader::new(OpenImage::open(&store, &id)?, store.clone());
+    let local = match (&args.overlay, store.as_local()) {
+        (Some(_), None) => {
+            bail!("--overlay is only supported with a local store so far (store {})", store.describe())
+        }
+        (_, local) => local.cloned(),
+    };
+    let image = Arc::new(store.open_image(&id)?);
+    let reader = ImageReader::new(Arc::clone(&image), store.chunk_source(&image));
     let bar = Bar::new("exporting");
     let mut started = false;
     let stats = export_raw(&reader, &args.output, |p| {
@@ -87,8 +98,8 @@ pub fn export(args: ExportArgs) -> Result<()> {
         bar.set_position(p.done_bytes);
     })
     .with_context(|| format!("exporting {} to {}", id, args.output.display()))?;
-    if let Some(overlay) = &args.overlay {
-        crate::serve::apply_overlay(&store, &id, overlay, &args.output)?;
+    if let (Some(overlay), Some(local)) = (&args.overlay, &local) {
+        crate::serve::apply_overlay(local, &id, overlay, &args.output)?;
     }
     bar.finish();
     tracing::info!(written = stats.written_bytes, device = stats.device_bytes, "exported {id}");
@@ -170,7 +181,7 @@ fn ratio(a: u64, b: u64) -> f64 {
 }
 
 pub fn inspect(args: InspectArgs) -> Result<()> {
-    let store = open_store(&args.store)?;
+    let store = open_store(&args.store, args.cache_dir.as_deref())?;
     let id: ImageId = store.resolve(&args.image)?;
     let entry = store.get_entry(&id)?;
     let record = ImageRecord::decode(&store.read_blob(&entry.record)?)
@@ -189,7 +200,10 @@ pub fn inspect(args: InspectArgs) -> Result<()> {
     let s = &record.stats;
     let unique_chunk_bytes: u64 = record.block_map.chunks().iter().map(|c| u64::from(c.len)).sum();
     let stored_chunk_bytes = index.stored_bytes();
-    let prefix_stored_bytes = store.blob_len(&entry.prefix)?;
+    let prefix_stored_bytes = match store.as_local() {
+        Some(local) => local.blob_len(&entry.prefix)?,
+        None => store.read_blob(&entry.prefix)?.len() as u64,
+    };
     let doc = Inspect {
         id: id.to_string(),
         tags,

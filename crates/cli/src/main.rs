@@ -124,13 +124,18 @@ pub struct BuildArgs {
 #[derive(Debug, Args)]
 #[command(after_help = "Examples:\n  tessera export web --store ./store -o web.img\n  \
 tessera export sha256:3f1c... --store ./store -o /tmp/x.img && e2fsck -fn /tmp/x.img\n  \
-tessera export web --store ./store --overlay vm1.overlay -o vm1.img   # base plus the guest's writes")]
+tessera export web --store ./store --overlay vm1.overlay -o vm1.img   # base plus the guest's writes\n  \
+tessera export web --store https://cdn.example/tessera --cache-dir /var/cache/tessera -o web.img")]
 pub struct ExportArgs {
     /// The image: sha256:<64 hex> or a tag.
     image: String,
-    /// The store holding it: PATH or file://PATH.
+    /// The store holding it: PATH, file://PATH or http(s)://HOST[:PORT][/PREFIX] (read-only).
     #[arg(long)]
     store: String,
+    /// Host disk cache for a remote store (shared, content-addressed; see docs/formats/cache.md).
+    /// Ignored for a local store.
+    #[arg(long, value_name = "DIR")]
+    cache_dir: Option<PathBuf>,
     /// Output file (created or truncated; written sparse).
     #[arg(short = 'o', long = "output")]
     output: PathBuf,
@@ -143,13 +148,18 @@ pub struct ExportArgs {
 #[derive(Debug, Args)]
 #[command(after_help = "--json prints one object; its keys are documented in docs/inspect.md.\n\
 \n\
-Examples:\n  tessera inspect web --store ./store\n  tessera inspect web --store ./store --json | jq .dedup_ratio")]
+Examples:\n  tessera inspect web --store ./store\n  tessera inspect web --store ./store --json | jq .dedup_ratio\n  \
+tessera inspect web --store http://127.0.0.1:8080/store")]
 pub struct InspectArgs {
     /// The image: sha256:<64 hex> or a tag.
     image: String,
-    /// The store holding it: PATH or file://PATH.
+    /// The store holding it: PATH, file://PATH or http(s)://HOST[:PORT][/PREFIX] (read-only).
     #[arg(long)]
     store: String,
+    /// Host disk cache for a remote store (shared, content-addressed; see docs/formats/cache.md).
+    /// Ignored for a local store.
+    #[arg(long, value_name = "DIR")]
+    cache_dir: Option<PathBuf>,
     /// Print JSON instead of text.
     #[arg(long)]
     json: bool,

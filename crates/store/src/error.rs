@@ -94,6 +94,21 @@ pub enum StoreError {
     /// A read outside the device.
     #[error("read outside the device: {0}")]
     OutOfRange(#[source] tessera_image::Error),
+    /// A request to an HTTP origin failed (after the retries its policy allows).
+    #[error("{url}: {source}")]
+    Http {
+        url: String,
+        #[source]
+        source: crate::http::HttpError,
+    },
+    /// The host disk cache (`--cache-dir`) cannot be used.
+    #[error("cache {op} {}: {source}", path.display())]
+    Cache {
+        op: &'static str,
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
 }
 
 impl StoreError {

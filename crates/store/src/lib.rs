@@ -3,7 +3,11 @@
 //! - [`LocalStore`]: the embedded default store, a directory with `blobs/sha256/<hex>`,
 //!   `images/<id hex>.json`, `refs/<tag>` and `tmp/`; every write is atomic (temp file, fsync,
 //!   rename, fsync the directory). Layout and protocol: `docs/formats/store.md`.
-//! - [`StoreLocation`]: the `--store` argument (`PATH`, `file://`, `http(s)://`, `docker://`).
+//! - [`StoreLocation`]: the `--store` argument (`PATH`, `file://`, `http(s)://`, `docker://`);
+//!   [`StoreLocation::open_read_store`] opens any readable kind as a [`ReadStore`].
+//! - [`HttpStore`]: a read-only store behind a static HTTP server (Range GETs, retries);
+//!   [`DiskCache`] + [`CachedStore`] + [`CachedSource`]: the host disk cache in front of it
+//!   (`docs/formats/cache.md`).
 //! - [`ChunkSource`]: where stored chunk bytes come from (one method); tiers slot in behind it.
 //! - [`OpenImage`] + [`ImageReader`]: the verified read path used by `tessera export` and the
 //!   daemon: BlockMap plan → zeros / prefix bytes / chunk bytes (decompressed and checked against
@@ -23,16 +27,22 @@
 //! ```
 #![forbid(unsafe_code)]
 
+mod cache;
 mod error;
 mod export;
+mod http;
 mod local;
 mod location;
+mod read_store;
 mod reader;
 mod source;
 
+pub use cache::{CachedSource, CachedStore, DiskCache};
 pub use error::StoreError;
 pub use export::{export_raw, ExportProgress, ExportStats};
+pub use http::{HttpConfig, HttpError, HttpStore, RetryPolicy, MAX_HTTP_BLOB};
 pub use local::{BlobWriter, KnownChunks, LocalStore};
 pub use location::StoreLocation;
+pub use read_store::ReadStore;
 pub use reader::{decode_stored_chunk, ImageReader, OpenImage, DEFAULT_CHUNK_CACHE, MAX_CHUNK_LEN};
 pub use source::ChunkSource;

@@ -2,8 +2,13 @@
 
 use std::path::{Path, PathBuf};
 
+use std::sync::Arc;
+
+use crate::cache::{CachedStore, DiskCache};
 use crate::error::StoreError;
+use crate::http::{HttpConfig, HttpStore};
 use crate::local::LocalStore;
+use crate::read_store::ReadStore;
 
 /// Where a store lives, as given by `--store`.
 ///
@@ -11,9 +16,9 @@ use crate::local::LocalStore;
 /// - `http://…` / `https://…`: a static HTTP server holding the same layout (read-only);
 /// - `docker://HOST[:PORT]/REPO`: an OCI registry (read-write through the registry API).
 ///
-/// Only local stores are implemented so far; the others parse, and opening them returns
-/// [`StoreError::Unsupported`] — or [`StoreError::ReadOnlyStore`] when writing to an HTTP store,
-/// which is a usage error whatever the implementation status.
+/// Local and HTTP stores can be read ([`Self::open_read_store`]); registry stores parse, and
+/// opening them returns [`StoreError::Unsupported`]. Writing to an HTTP store is
+/// [`StoreError::ReadOnlyStore`], a usage error.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StoreLocation {
     /// A local directory.
@@ -74,7 +79,32 @@ impl StoreLocation {
         !matches!(self, StoreLocation::Http(_))
     }
 
-    /// Open the store for reading (it must exist).
+    /// Open any readable store kind: a local directory (which must exist), or an HTTP origin —
+    /// behind the host disk cache at `cache_dir` if given. A local store is its own disk tier, so
+    /// `cache_dir` is ignored for it.
+    pub fn open_read_store(&self, cache_dir: Option<&Path>) -> Result<Arc<dyn ReadStore>, StoreError> {
+        match self {
+            StoreLocation::Local(p) => {
+                if cache_dir.is_some() {
+                    tracing::debug!("--cache-dir is ignored for a local store");
+                }
+                Ok(Arc::new(LocalStore::open(p)?))
+            }
+            StoreLocation::Http(url) => {
+                let origin = HttpStore::new(url, HttpConfig::default());
+                match cache_dir {
+                    Some(dir) => Ok(Arc::new(CachedStore::new(origin, DiskCache::open(dir)?))),
+                    None => Ok(Arc::new(origin)),
+                }
+            }
+            StoreLocation::Registry(r) => {
+                Err(StoreError::Unsupported { location: format!("docker://{r}"), kind: "registry" })
+            }
+        }
+    }
+
+    /// Open a local store for reading (it must exist). Other kinds: see
+    /// [`Self::open_read_store`].
     pub fn open_for_read(&self) -> Result<LocalStore, StoreError> {
         match self {
             StoreLocation::Local(p) => LocalStore::open(p),

@@ -1,0 +1,106 @@
+//! One small trait over every store kind that can be read: image metadata plus a chunk source.
+
+use std::sync::Arc;
+
+use tessera_image::{ImageEntry, ImageId, Sha256Digest};
+
+use crate::error::StoreError;
+use crate::http::HttpStore;
+use crate::local::LocalStore;
+use crate::reader::OpenImage;
+use crate::source::ChunkSource;
+
+/// A store opened for reading, whatever its kind: a [`LocalStore`], an [`HttpStore`] or a
+/// [`crate::CachedStore`]. What `export`, `inspect` and `serve` need: resolve a reference, read
+/// the image entry and verified blobs, open the image, and a [`ChunkSource`] for its chunks.
+pub trait ReadStore: Send + Sync + std::fmt::Debug {
+    /// The store, for messages.
+    fn describe(&self) -> String;
+    /// Resolve `sha256:<64 hex>` (the store must hold that image) or a tag.
+    fn resolve(&self, reference: &str) -> Result<ImageId, StoreError>;
+    /// The entry of image `id` ([`StoreError::UnknownImage`] if the store lacks it).
+    fn get_entry(&self, id: &ImageId) -> Result<ImageEntry, StoreError>;
+    /// A whole blob, checked against its sha256.
+    fn read_blob(&self, digest: &Sha256Digest) -> Result<Vec<u8>, StoreError>;
+    /// The tags the store knows. A local store lists `refs/`; an HTTP store cannot list, so it
+    /// returns the tags resolved through it so far.
+    fn list_refs(&self) -> Result<Vec<(String, ImageId)>, StoreError>;
+    /// The chunk source for `image`'s chunks.
+    fn chunk_source(&self, image: &OpenImage) -> Arc<dyn ChunkSource>;
+
+    /// Load and check image `id` (entry, record, prefix, pack index; see
+    /// [`OpenImage::from_parts`]).
+    fn open_image(&self, id: &ImageId) -> Result<OpenImage, StoreError> {
+        let entry = self.get_entry(id)?;
+        let record = self.read_blob(&entry.record)?;
+        let prefix = self.read_blob(&entry.prefix)?;
+        let pack_index = self.read_blob(&entry.pack_index)?;
+        OpenImage::from_parts(*id, entry, &record, &prefix, &pack_index)
+    }
+
+    /// The local store, when this is one (for operations only local stores support yet).
+    fn as_local(&self) -> Option<&LocalStore> {
+        None
+    }
+}
+
+impl ReadStore for LocalStore {
+    fn describe(&self) -> String {
+        self.root().display().to_string()
+    }
+
+    fn resolve(&self, reference: &str) -> Result<ImageId, StoreError> {
+        LocalStore::resolve(self, reference)
+    }
+
+    fn get_entry(&self, id: &ImageId) -> Result<ImageEntry, StoreError> {
+        LocalStore::get_entry(self, id)
+    }
+
+    fn read_blob(&self, digest: &Sha256Digest) -> Result<Vec<u8>, StoreError> {
+        LocalStore::read_blob(self, digest)
+    }
+
+    fn list_refs(&self) -> Result<Vec<(String, ImageId)>, StoreError> {
+        LocalStore::list_refs(self)
+    }
+
+    fn chunk_source(&self, _image: &OpenImage) -> Arc<dyn ChunkSource> {
+        Arc::new(self.clone())
+    }
+
+    /// [`OpenImage::open`], which also checks that every pack is long enough.
+    fn open_image(&self, id: &ImageId) -> Result<OpenImage, StoreError> {
+        OpenImage::open(self, id)
+    }
+
+    fn as_local(&self) -> Option<&LocalStore> {
+        Some(self)
+    }
+}
+
+impl ReadStore for HttpStore {
+    fn describe(&self) -> String {
+        self.base().to_owned()
+    }
+
+    fn resolve(&self, reference: &str) -> Result<ImageId, StoreError> {
+        HttpStore::resolve(self, reference)
+    }
+
+    fn get_entry(&self, id: &ImageId) -> Result<ImageEntry, StoreError> {
+        HttpStore::get_entry(self, id)
+    }
+
+    fn read_blob(&self, digest: &Sha256Digest) -> Result<Vec<u8>, StoreError> {
+        HttpStore::read_blob(self, digest)
+    }
+
+    fn list_refs(&self) -> Result<Vec<(String, ImageId)>, StoreError> {
+        Ok(self.seen_refs())
+    }
+
+    fn chunk_source(&self, _image: &OpenImage) -> Arc<dyn ChunkSource> {
+        Arc::new(self.clone())
+    }
+}

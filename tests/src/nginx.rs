@@ -1,0 +1,170 @@
+//! nginx (Debian `nginx`) as a real HTTP origin: serves a directory under a URL prefix on a
+//! loopback port, with Range support as any static server or CDN has.
+//!
+//! One foreground process (`daemon off; master_process off;`) with its config, pid file and logs
+//! in a temp dir; readiness is polled (TCP connect); the process is killed on drop.
+//!
+//! ```no_run
+//! # fn main() -> anyhow::Result<()> {
+//! let origin = tessera_e2e::nginx::Nginx::serve("/tmp/store".as_ref(), "store")?;
+//! let url = origin.url(); // http://127.0.0.1:PORT/store
+//! # Ok(()) }
+//! ```
+
+use std::fs;
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+
+/// The nginx binary: `$NGINX`, else `/usr/sbin/nginx`.
+pub fn nginx_bin() -> PathBuf {
+    std::env::var_os("NGINX").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/usr/sbin/nginx"))
+}
+
+/// A running nginx serving one directory; stopped on drop.
+#[derive(Debug)]
+pub struct Nginx {
+    child: Option<Child>,
+    port: u16,
+    prefix: String,
+    dir: tempfile::TempDir,
+}
+
+impl Nginx {
+    /// Serve `root` at `http://127.0.0.1:PORT/<prefix>/` (prefix without slashes; may be empty).
+    pub fn serve(root: &Path, prefix: &str) -> Result<Self> {
+        let root = root.canonicalize().with_context(|| format!("canonicalize {}", root.display()))?;
+        let dir = crate::testutil::tmp("nginx")?;
+        let conf_path = dir.path().join("nginx.conf");
+        let error_log = dir.path().join("error.log");
+        let mut last_err = None;
+        // A free port can be taken between probing and nginx binding it: try a few.
+        for _ in 0..5 {
+            let port = free_port()?;
+            fs::write(&conf_path, config(dir.path(), &root, prefix, port))?;
+            let mut child = Command::new(nginx_bin())
+                .arg("-p")
+                .arg(dir.path())
+                .arg("-c")
+                .arg(&conf_path)
+                .arg("-e")
+                .arg(&error_log)
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .with_context(|| format!("spawn {} (apt-get install nginx)", nginx_bin().display()))?;
+            match wait_ready(&mut child, port, &error_log, Duration::from_secs(10)) {
+                Ok(()) => {
+                    let prefix = prefix.trim_matches('/').to_owned();
+                    return Ok(Nginx { child: Some(child), port, prefix, dir });
+                }
+                Err(e) => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    last_err = Some(e);
+                }
+            }
+        }
+        Err(last_err.unwrap_or_else(|| anyhow::anyhow!("nginx did not start")))
+    }
+
+    /// The base URL: `http://127.0.0.1:PORT/<prefix>`.
+    pub fn url(&self) -> String {
+        if self.prefix.is_empty() {
+            format!("http://127.0.0.1:{}", self.port)
+        } else {
+            format!("http://127.0.0.1:{}/{}", self.port, self.prefix)
+        }
+    }
+
+    /// The port.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The access log so far (one line per request: method, URI, status, bytes, Range).
+    pub fn access_log(&self) -> String {
+        fs::read_to_string(self.dir.path().join("access.log")).unwrap_or_default()
+    }
+
+    /// The error log so far.
+    pub fn error_log(&self) -> String {
+        fs::read_to_string(self.dir.path().join("error.log")).unwrap_or_default()
+    }
+
+    /// Stop nginx (kill and reap); the origin is then unreachable. Idempotent.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for Nginx {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn wait_ready(child: &mut Child, port: u16, error_log: &Path, timeout: Duration) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+    loop {
+        if let Some(status) = child.try_wait()? {
+            let log = fs::read_to_string(error_log).unwrap_or_default();
+            bail!("nginx exited with {status} before listening: {log}");
+        }
+        if TcpStream::connect_timeout(&addr, Duration::from_millis(100)).is_ok() {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            let log = fs::read_to_string(error_log).unwrap_or_default();
+            bail!("nginx did not listen on {addr} within {timeout:?}: {log}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn free_port() -> Result<u16> {
+    let l = TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).context("bind a loopback port")?;
+    Ok(l.local_addr()?.port())
+}
+
+fn config(dir: &Path, root: &Path, prefix: &str, port: u16) -> String {
+    let d = dir.display();
+    let prefix = prefix.trim_matches('/');
+    let location = if prefix.is_empty() { "/".to_owned() } else { format!("/{prefix}/") };
+    format!(
+        r#"daemon off;
+master_process off;
+worker_processes 1;
+pid {d}/nginx.pid;
+error_log {d}/error.log warn;
+events {{ worker_connections 256; }}
+http {{
+    default_type application/octet-stream;
+    log_format ranges '$request_method $uri $status $body_bytes_sent "$http_range"';
+    access_log {d}/access.log ranges;
+    client_body_temp_path {d}/body;
+    proxy_temp_path {d}/proxy;
+    fastcgi_temp_path {d}/fastcgi;
+    uwsgi_temp_path {d}/uwsgi;
+    scgi_temp_path {d}/scgi;
+    sendfile on;
+    keepalive_requests 10000;
+    server {{
+        listen 127.0.0.1:{port};
+        location {location} {{
+            alias {root}/;
+        }}
+    }}
+}}
+"#,
+        root = root.display()
+    )
+}
