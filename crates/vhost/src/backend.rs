@@ -1,5 +1,5 @@
 //! The [`VhostUserBackend`] implementation: one worker thread per queue, each draining its ring
-//! on every kick through [`serve_chain`].
+//! on every kick through [`start_chain`]; reads missing the memory tier complete out of order.
 
 use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};

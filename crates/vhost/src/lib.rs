@@ -14,8 +14,10 @@
 //! so a VMM may disconnect and reconnect.
 //!
 //! A writable device writes into the copy-on-write [`overlay`] (one file, durable at each FLUSH
-//! with one `fdatasync`); a read-only device serves the base image alone. Current limit (see
-//! `docs/daemon.md`): requests are served synchronously on the queue's worker thread.
+//! with one `fdatasync`); a read-only device serves the base image alone. Reads are served from the
+//! [`MemTier`] (decoded chunks in memory) straight into guest memory on the queue's worker
+//! thread; a read missing it is finished by the [`FetchPool`] and completes out of order
+//! (`docs/daemon.md`).
 //!
 //! ```no_run
 //! use std::sync::Arc;
