@@ -1,0 +1,340 @@
+//! Seed inputs made from real requests, records and overlay files (`cargo run --bin seeds`
+//! writes them to `fuzz/corpus/<target>/`; the smoke test runs them directly).
+
+use std::sync::Arc;
+
+use tessera_image::{
+    BlockMap, BuildOptions, ChunkId, Compression, Geometry, ImageEntry, ImageRecord, ImageStats, PackIndex,
+    PackLocation, PrefixInfo, RuntimeConfig, Sha256Digest,
+};
+use tessera_vhost::{Overlay, OverlayMode, OverlayParams};
+use virtio_bindings::bindings::virtio_blk::{
+    VIRTIO_BLK_T_DISCARD, VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
+    VIRTIO_BLK_T_WRITE_ZEROES, VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP,
+};
+
+use crate::image_record::{
+    MODE_ENTRY, MODE_PACK_INDEX, MODE_RECORD, MODE_STRUCTURED_PACK_INDEX, MODE_STRUCTURED_RECORD,
+};
+use crate::overlay_replay::{self as ov, MemIo};
+use crate::vhost_request::{
+    self as vr, header, segment, Case, DATA, HDR, INDIRECT, NEXT, STATUS, WRITE as W,
+};
+use crate::Output;
+
+/// `(name, bytes)` seeds of one target.
+pub type Seeds = Vec<(String, Vec<u8>)>;
+
+/// Seeds of the named target (`vhost_request`, `image_record`, `overlay_replay`).
+pub fn for_target(target: &str) -> Seeds {
+    match target {
+        "vhost_request" => vhost_request(),
+        "image_record" => image_record(),
+        "overlay_replay" => overlay_replay(),
+        other => panic!("unknown fuzz target {other}"),
+    }
+}
+
+pub const TARGETS: [&str; 3] = ["vhost_request", "image_record", "overlay_replay"];
+
+/// Seeds that fail today because of an open finding (docs/fuzzing.md): the smoke test skips
+/// them, `cargo test -- --ignored` runs them.
+pub const KNOWN_FINDINGS: [&str; 3] = ["bs512", "bs512-resealed", "bs512-read-only"];
+
+const CAP: u64 = 4 << 20;
+
+fn case(flags: u8, hdr: [u8; 16], payload: Vec<u8>, descs: Vec<(u64, u32, u16, u16)>) -> Case {
+    Case { flags: flags | vr::F_SERVE, capacity: CAP, header: hdr, payload, descs, indirect: Vec::new() }
+}
+
+pub fn vhost_request() -> Seeds {
+    let ro = vr::F_READ_ONLY;
+    let simple = |kind, sector, data: Option<(u32, u16)>| {
+        let mut d = vec![(HDR, 16, 0, 0)];
+        if let Some((len, flags)) = data {
+            d.push((DATA, len, flags, 0));
+        }
+        d.push((STATUS, 1, W, 0));
+        (header(kind, sector), d)
+    };
+    let mut out: Vec<(&str, Case)> = Vec::new();
+    let (h, d) = simple(VIRTIO_BLK_T_IN, 8, Some((4096, W)));
+    out.push(("read-4k", case(ro, h, vec![], d)));
+    // The layout-independent form Linux may send: header split 5 + 11, data in uneven pieces,
+    // the status byte at the end of the last data buffer.
+    out.push((
+        "read-split",
+        case(
+            0,
+            header(VIRTIO_BLK_T_IN, 3),
+            vec![],
+            vec![
+                (HDR, 5, 0, 0),
+                (HDR + 0x100, 11, 0, 0),
+                (DATA, 100, W, 0),
+                (DATA + 0x1000, 0, W, 0),
+                (DATA + 0x2000, 312, W, 0),
+                (STATUS - 100, 101, W, 0),
+            ],
+        ),
+    ));
+    let (h, d) = simple(VIRTIO_BLK_T_OUT, 16, Some((4096, 0)));
+    out.push(("write-4k", case(0, h, vec![0x5a; 64], d.clone())));
+    out.push(("write-read-only", case(ro, h, vec![], d)));
+    let (h, d) = simple(VIRTIO_BLK_T_OUT, (CAP / 512) - 1, Some((512, 0)));
+    out.push(("write-last-sector", case(0, h, vec![], d)));
+    let (h, d) = simple(VIRTIO_BLK_T_FLUSH, 0, None);
+    out.push(("flush", case(0, h, vec![], d)));
+    let (h, d) = simple(VIRTIO_BLK_T_GET_ID, 0, Some((20, W)));
+    out.push(("get-id", case(ro, h, vec![], d)));
+    let (h, d) = simple(VIRTIO_BLK_T_DISCARD, 0, Some((16, 0)));
+    out.push(("discard", case(0, h, segment(8, 8, 0), d)));
+    let (h, d) = simple(VIRTIO_BLK_T_WRITE_ZEROES, 0, Some((16, 0)));
+    out.push(("write-zeroes-unmap", case(0, h, segment(1, 7, VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP), d)));
+    let (h, d) = simple(VIRTIO_BLK_T_IN, CAP / 512 - 7, Some((4096, W)));
+    out.push(("read-out-of-range", case(ro, h, vec![], d)));
+    // Header and discard segment in one buffer.
+    out.push((
+        "discard-one-buffer",
+        case(0, header(VIRTIO_BLK_T_DISCARD, 0), segment(0, 16, 0), vec![(HDR, 32, 0, 0), (STATUS, 1, W, 0)]),
+    ));
+    // Data in the second memory region, after the hole.
+    out.push((
+        "read-region2",
+        case(
+            vr::F_REGION2,
+            header(VIRTIO_BLK_T_IN, 0),
+            vec![],
+            vec![(HDR, 16, 0, 0), (vr::REGION2, 8192, W, 0), (STATUS, 1, W, 0)],
+        ),
+    ));
+    // A long read: 64 data buffers of 512 bytes.
+    let mut long = vec![(HDR, 16, 0, 0)];
+    long.extend((0..64).map(|i| (DATA + i * 1024, 512, W, 0)));
+    long.push((STATUS, 1, W, 0));
+    out.push(("read-64-segments", case(0, header(VIRTIO_BLK_T_IN, 64), vec![], long)));
+
+    // Through the split virtqueue: NEXT links, then an indirect table.
+    let q = |flags| vr::F_QUEUE | flags;
+    out.push((
+        "queue-read",
+        case(
+            q(0),
+            header(VIRTIO_BLK_T_IN, 8),
+            vec![],
+            vec![(HDR, 16, NEXT, 1), (DATA, 4096, W | NEXT, 2), (STATUS, 1, W, 0)],
+        ),
+    ));
+    out.push((
+        "queue-write",
+        case(
+            q(0),
+            header(VIRTIO_BLK_T_OUT, 0),
+            vec![7; 512],
+            vec![(HDR, 16, NEXT, 2), (STATUS, 1, W, 0), (DATA, 4096, NEXT, 1)],
+        ),
+    ));
+    let mut c = case(q(0), header(VIRTIO_BLK_T_IN, 0), vec![], vec![(INDIRECT, 3 * 16, vr::INDIRECT_F, 0)]);
+    c.indirect = vec![(HDR, 16, NEXT, 1), (DATA, 1024, W | NEXT, 2), (STATUS, 1, W, 0)];
+    out.push(("queue-indirect-read", c));
+
+    out.into_iter().map(|(n, c)| (n.to_string(), c.encode())).collect()
+}
+
+pub fn image_record() -> Seeds {
+    let mut out = Seeds::new();
+    let with_mode = |mode: u8, bytes: &[u8]| {
+        let mut v = vec![mode];
+        v.extend_from_slice(bytes);
+        v
+    };
+    let r = sample_record();
+    out.push(("record".into(), with_mode(MODE_RECORD, &r.encode())));
+    let mut empty = r.clone();
+    let mut b = BlockMap::builder(16);
+    b.push_prefix(0, 1, 0).unwrap();
+    empty.block_map = b.finish().unwrap();
+    empty.geometry.blocks = 16;
+    empty.prefix.blocks = 1;
+    empty.config = RuntimeConfig::default();
+    out.push(("record-minimal".into(), with_mode(MODE_RECORD, &empty.encode())));
+
+    let p = Sha256Digest::of(b"pack");
+    let loc = |pack, offset, stored_len, raw_len, compression| PackLocation {
+        pack,
+        offset,
+        stored_len,
+        raw_len,
+        compression,
+    };
+    let idx = PackIndex::new(
+        vec![p, Sha256Digest::of(b"pack2")],
+        vec![
+            (ChunkId::of(b"a"), loc(0, 0, 100, 4096, Compression::Zstd)),
+            (ChunkId::of(b"b"), loc(0, 100, 4096, 4096, Compression::None)),
+            (ChunkId::of(b"c"), loc(1, 0, 7, 65536, Compression::Zstd)),
+        ],
+    );
+    out.push(("pack-index".into(), with_mode(MODE_PACK_INDEX, &idx.encode())));
+    out.push(("pack-index-empty".into(), with_mode(MODE_PACK_INDEX, &PackIndex::default().encode())));
+
+    let e = ImageEntry {
+        record: Sha256Digest::of(b"r"),
+        prefix: Sha256Digest::of(b"p"),
+        pack_index: Sha256Digest::of(b"i"),
+        profile: None,
+        provenance: Some(Sha256Digest::of(b"v")),
+    };
+    out.push(("entry".into(), with_mode(MODE_ENTRY, &e.to_json())));
+
+    // Structured: a map with prefix and chunk runs, env and labels.
+    let mut o = Output::default();
+    o.u64(4096);
+    o.u8(2).u8(1).u32(3 * 4096 + 5).u8(2).u32(10);
+    o.u8(4);
+    o.u8(0).u64(0).u64(10).u64(0);
+    o.u8(1).u64(100).u64(4).u8(0).u32(0);
+    o.u8(1).u64(200).u64(1).u8(1).u32(0);
+    o.u8(0).u64(4000).u64(2).u64(10);
+    o.u8(1).u8(9).bytes(b"PATH=/bin");
+    o.u8(1).u8(1).bytes(b"a").u8(1).bytes(b"b");
+    out.push(("structured-record".into(), with_mode(MODE_STRUCTURED_RECORD, &o.buf)));
+    let mut o = Output::default();
+    o.u8(2).u8(1).u8(2).u8(3);
+    for (id, pack, comp) in [(1u8, 0u8, 1u8), (2, 1, 0), (3, 0, 1)] {
+        o.u8(id).u8(pack).u64(u64::from(id) * 4096).u32(4096).u32(4096).u8(comp);
+    }
+    out.push(("structured-pack-index".into(), with_mode(MODE_STRUCTURED_PACK_INDEX, &o.buf)));
+    out
+}
+
+/// A record like the builder makes (prefix, two chunks, config).
+pub fn sample_record() -> ImageRecord {
+    let mut b = BlockMap::builder(32768);
+    b.push_prefix(0, 10, 0).unwrap();
+    let c = b.add_chunk(ChunkId::of(b"data"), 4);
+    let d = b.add_chunk(ChunkId::of(b"more"), 3 * 4096 + 1);
+    b.push_chunk(100, 1, c, 0).unwrap();
+    b.push_chunk(101, 4, d, 0).unwrap();
+    b.push_prefix(20, 2, 10).unwrap();
+    let block_map = b.finish().unwrap();
+    ImageRecord {
+        options: BuildOptions { chunk_size: 512 * 1024 },
+        geometry: Geometry {
+            block_size: 4096,
+            blocks: 32768,
+            inodes: 8192,
+            inodes_per_group: 8192,
+            groups: 1,
+            journal_blocks: 1024,
+            free_blocks: 30000,
+            free_inodes: 8000,
+            data_start_block: 100,
+            data_end_block: 105,
+            uuid: [7; 16],
+        },
+        stats: ImageStats {
+            files: 2,
+            directories: 2,
+            inodes_used: 14,
+            logical_bytes: 12293,
+            data_bytes: 12293,
+            ..Default::default()
+        },
+        prefix: PrefixInfo { digest: Sha256Digest::of(b"prefix"), blocks: 12 },
+        block_map,
+        config: RuntimeConfig {
+            env: vec!["PATH=/bin".into()],
+            entrypoint: Some(vec!["/bin/sh".into()]),
+            cmd: None,
+            working_dir: "/".into(),
+            user: "0:0".into(),
+            labels: [("a".to_string(), "b".to_string())].into_iter().collect(),
+        },
+    }
+}
+
+/// Overlay files made by the overlay itself, in a few states.
+pub fn overlay_replay() -> Seeds {
+    let mut out = Seeds::new();
+    let mut push = |name: &str, bs: u32, device: u64, file: Vec<u8>| {
+        let bs_shift = (bs / 512).trailing_zeros() as u8;
+        for (suffix, flags) in [
+            ("", 0u8),
+            ("-resealed", ov::F_RESEAL_HEADERS | ov::F_RESEAL_RECORDS | ov::F_DATA_CRC),
+            ("-read-only", ov::F_READ_ONLY),
+        ] {
+            let c = ov::Case { flags, bs_shift, device_bytes: device, file: file.clone() };
+            out.push((format!("{name}{suffix}"), c.encode()));
+        }
+    };
+    let bs = 4096u32;
+    let dev = 1u64 << 20;
+    push("fresh", bs, dev, make_overlay(bs, dev, |_| {}));
+    let groups = |o: &Overlay| {
+        let b = 4096u64;
+        o.write_at(0, &[1u8; 4096]).unwrap();
+        o.write_at(5 * b, &[2u8; 8192]).unwrap();
+        o.flush().unwrap();
+        o.write_zeroes(20 * b, 3 * b).unwrap();
+        o.write_at(6 * b + 100, &[3u8; 1000]).unwrap();
+        o.write_zeroes(b + 512, 1024).unwrap();
+        o.flush().unwrap();
+        // Not flushed: the torn tail.
+        o.write_at(40 * b, &[4u8; 4096]).unwrap();
+    };
+    let file = make_overlay(bs, dev, groups);
+    push("two-groups-and-unflushed", bs, dev, file.clone());
+    // The same after a reopen (replayed, checkpointed).
+    let io = MemIo::new(file);
+    drop(
+        Overlay::open(
+            Box::new(io.clone()),
+            params(bs, dev),
+            Arc::new(vr::SectorPattern),
+            OverlayMode::Durable,
+        )
+        .unwrap(),
+    );
+    push("checkpointed", bs, dev, io.snapshot());
+    // Enough records for log segments to link (63 records per 4 KiB segment).
+    let many = make_overlay(bs, dev, |o| {
+        for i in 0..90u64 {
+            o.write_at((i % 12) * 4096 * 3, &[i as u8; 4096]).unwrap();
+            if i % 6 == 5 {
+                o.flush().unwrap();
+            }
+        }
+    });
+    push("linked-segments", bs, dev, many);
+    // Small blocks (the overlay accepts 512..65536; the daemon uses 4096).
+    push(
+        "bs512",
+        512,
+        64 << 10,
+        make_overlay(512, 64 << 10, |o| {
+            o.write_at(0, &[9u8; 2048]).unwrap();
+            o.flush().unwrap();
+        }),
+    );
+    out
+}
+
+fn params(bs: u32, device_bytes: u64) -> OverlayParams {
+    OverlayParams { image_id: ov::image_id(), block_size: bs, device_bytes }
+}
+
+/// The bytes of a new overlay after `f`.
+pub fn make_overlay(bs: u32, device_bytes: u64, f: impl FnOnce(&Overlay)) -> Vec<u8> {
+    let io = MemIo::default();
+    let o = Overlay::create(
+        Box::new(io.clone()),
+        params(bs, device_bytes),
+        Arc::new(vr::SectorPattern),
+        OverlayMode::Durable,
+    )
+    .unwrap();
+    f(&o);
+    drop(o);
+    io.snapshot()
+}

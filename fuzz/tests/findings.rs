@@ -1,0 +1,214 @@
+//! The open findings of docs/fuzzing.md as regression tests. Each asserts the *correct*
+//! behaviour, so each fails (or panics) today and passes once its finding is fixed; they are
+//! ignored so that `cargo test` stays green: `cargo test --test findings -- --ignored`.
+#![allow(clippy::unwrap_used)]
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use tessera_fuzz::overlay_replay::{image_id, MemIo};
+use tessera_fuzz::vhost_request::SectorPattern;
+use tessera_image::{BlockMap, ImageRecord};
+use tessera_vhost::overlay::format::{Header, Op, Record};
+use tessera_vhost::{Overlay, OverlayMode, OverlayParams};
+
+/// Records the largest single allocation (F5).
+struct Peak;
+
+static LARGEST: AtomicUsize = AtomicUsize::new(0);
+
+// SAFETY: forwards to the system allocator unchanged.
+unsafe impl GlobalAlloc for Peak {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        LARGEST.fetch_max(layout.size(), Ordering::Relaxed);
+        // SAFETY: same contract as ours.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: same contract as ours.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        LARGEST.fetch_max(new_size, Ordering::Relaxed);
+        // SAFETY: same contract as ours.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Peak = Peak;
+
+fn strict() {
+    std::env::set_var("TESSERA_FUZZ_STRICT", "1");
+}
+
+const BS: u64 = 4096;
+
+fn params(block_size: u32, device_bytes: u64) -> OverlayParams {
+    OverlayParams { image_id: image_id(), block_size, device_bytes }
+}
+
+fn header(device_bytes: u64, salt: u64, log_head: u64) -> [u8; 128] {
+    Header {
+        block_size: BS as u32,
+        image_id: image_id(),
+        device_bytes,
+        generation: 1,
+        salt,
+        log_head,
+        first_seq: 0,
+    }
+    .encode()
+}
+
+/// A 4 KiB-block overlay file: header copy A, then `records` from slot 1 on, then `slots`.
+fn craft(
+    device_bytes: u64,
+    log_head: u64,
+    records: &[(u64, Op)],
+    slots: &[(u64, Vec<u8>)],
+    len_slots: u64,
+) -> Vec<u8> {
+    let salt = 0x5eed;
+    let mut f = vec![0u8; (len_slots * BS) as usize];
+    f[..128].copy_from_slice(&header(device_bytes, salt, log_head));
+    for (i, &(group, op)) in records.iter().enumerate() {
+        let at = (BS as usize) + i * 64;
+        f[at..at + 64].copy_from_slice(&Record { seq: i as u64, group, op }.encode(salt));
+    }
+    for (slot, bytes) in slots {
+        let at = (slot * BS) as usize;
+        f[at..at + bytes.len()].copy_from_slice(bytes);
+    }
+    f
+}
+
+/// F1: a record whose device size in bytes overflows u64 decodes, and planning on it overflows
+/// (`BlockMap::device_bytes`, `Plan::next`: `blocks * 4096` unchecked).
+#[test]
+#[ignore = "open finding F1"]
+fn f1_record_device_size_overflows() {
+    strict();
+    let mut b = BlockMap::builder((1 << 52) + 256);
+    b.push_prefix(0, 1, 0).unwrap();
+    let mut r = tessera_fuzz::seeds::sample_record();
+    r.block_map = b.finish().unwrap();
+    r.geometry.blocks = (1 << 52) + 256;
+    r.prefix.blocks = 1;
+    assert!(
+        ImageRecord::decode(&r.encode()).is_err(),
+        "a device of 2^52 + 256 blocks (> 2^64 bytes) decodes"
+    );
+    // The minimized fuzz input (structured mode): device_blocks 0x4345525353455400, one prefix
+    // run at block 0x1000_0008_0000_fe.
+    tessera_fuzz::image_record::run(&[
+        0xf8, 0x00, 0x54, 0x45, 0x53, 0x53, 0x52, 0x45, 0x43, 0x00, 0x01, 0x00, 0xfe, 0x00, 0x00, 0x08, 0x00,
+        0x00, 0x10, 0x00, 0x10,
+    ]);
+}
+
+/// F2: below 4 KiB blocks, header copy B (byte 2048) is not in slot 0: the checkpoint at open
+/// overwrites whatever data or log slot holds byte 2048.
+#[test]
+#[ignore = "open finding F2"]
+fn f2_small_block_sizes_overwrite_a_slot() {
+    strict();
+    let io = MemIo::default();
+    let o = Overlay::create(
+        Box::new(io.clone()),
+        params(512, 64 << 10),
+        Arc::new(SectorPattern),
+        OverlayMode::Durable,
+    )
+    .unwrap();
+    o.write_at(0, &[9u8; 2048]).unwrap();
+    o.flush().unwrap();
+    drop(o);
+    let o = Overlay::open(Box::new(io), params(512, 64 << 10), Arc::new(SectorPattern), OverlayMode::Durable)
+        .unwrap();
+    let mut block2 = [0u8; 512];
+    o.read_at(1024, &mut block2).unwrap();
+    assert!(block2.iter().all(|&b| b == 9), "block 2 was overwritten by header copy B");
+}
+
+/// F3: a last-group MAP past the end of the file (its data write torn away) whose data CRC is
+/// that of zeros is *applied*, the checkpoint logs it as durable, and the next open refuses the
+/// overlay ("a map record points outside the device or file").
+#[test]
+#[ignore = "open finding F3"]
+fn f3_torn_zero_write_makes_the_overlay_unopenable() {
+    strict();
+    let dev = 1 << 20;
+    let zeros = crc32c::crc32c(&vec![0u8; BS as usize]);
+    let file = craft(
+        dev,
+        1,
+        &[
+            // A checkpoint record (slot 2 is a free gap), then group 1: block 5 into slot 4,
+            // past the end of the 4-slot file.
+            (0, Op::Map { block: 0, count: 1, slot: 3, data_crc: None }),
+            (1, Op::Map { block: 5, count: 1, slot: 4, data_crc: Some(zeros) }),
+        ],
+        &[(3, vec![0xab; BS as usize])],
+        4,
+    );
+    let io = MemIo::new(file);
+    drop(
+        Overlay::open(
+            Box::new(io.clone()),
+            params(BS as u32, dev),
+            Arc::new(SectorPattern),
+            OverlayMode::Durable,
+        )
+        .unwrap(),
+    );
+    Overlay::open(Box::new(io), params(BS as u32, dev), Arc::new(SectorPattern), OverlayMode::Durable)
+        .expect("the overlay opened (and checkpointed) a moment ago no longer opens");
+}
+
+/// F4: a log head (or LINK / last-group MAP slot) whose byte offset overflows u64:
+/// `segment * bs` in `replay` panics in a debug build and wraps in a release build (here to
+/// slot 1, which is then read as the log).
+#[test]
+#[ignore = "open finding F4"]
+fn f4_log_head_offset_overflows() {
+    strict();
+    let dev = 1 << 20;
+    let head = (1u64 << 52) + 1; // * 4096 wraps to 4096
+    let file = craft(dev, head, &[(0, Op::Zero { block: 0, count: 1 })], &[], 2);
+    let r = std::panic::catch_unwind(|| {
+        Overlay::open(
+            Box::new(MemIo::new(file)),
+            params(BS as u32, dev),
+            Arc::new(SectorPattern),
+            OverlayMode::ReadOnly,
+        )
+        .map(|_| ())
+    });
+    match r {
+        Err(_) => panic!("Overlay::open panicked on a log head of {head}"),
+        Ok(Ok(())) => panic!("Overlay::open accepted a log head of {head} (its offset wrapped to slot 1)"),
+        Ok(Err(_)) => {}
+    }
+}
+
+/// F5: checking the data CRC of a last-group MAP record reads all its `count` blocks into one
+/// buffer: a hostile overlay makes `open` allocate up to the device size at once.
+#[test]
+#[ignore = "open finding F5"]
+fn f5_data_check_allocates_the_record_size() {
+    strict();
+    let dev = 256 << 20;
+    let count = 32768u32; // 128 MiB
+    let file = craft(dev, 1, &[(1, Op::Map { block: 0, count, slot: 2, data_crc: Some(1) })], &[], 2);
+    LARGEST.store(0, Ordering::Relaxed);
+    let _ = Overlay::open(
+        Box::new(MemIo::new(file)),
+        params(BS as u32, dev),
+        Arc::new(SectorPattern),
+        OverlayMode::ReadOnly,
+    );
+    let largest = LARGEST.load(Ordering::Relaxed);
+    assert!(largest < 16 << 20, "opening allocated {largest} bytes at once");
+}
