@@ -10,6 +10,8 @@ use crate::error::{DecodeError, Error};
 use crate::units::BLOCK_SIZE;
 
 const BS: u64 = BLOCK_SIZE as u64;
+/// The largest device (or prefix) whose byte size fits in u64.
+const MAX_BLOCKS: u64 = u64::MAX / BS;
 
 /// A chunk as the BlockMap knows it: its id and uncompressed length in bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -213,6 +215,12 @@ impl BlockMap {
     }
 
     fn validate(&self) -> Result<(), Error> {
+        // Byte offsets must fit in u64 everywhere (plans multiply blocks by the block size).
+        for (what, blocks) in [("device", self.device_blocks), ("prefix", self.prefix_blocks)] {
+            if blocks > MAX_BLOCKS {
+                return Err(Error::TooLarge { what, blocks, max: MAX_BLOCKS });
+            }
+        }
         let mut prev_end = 0u64;
         for (i, run) in self.runs.iter().enumerate() {
             if run.blocks == 0 {
@@ -308,7 +316,8 @@ impl BlockMapBuilder {
             .runs
             .iter()
             .filter_map(|r| match r.source {
-                RunSource::Prefix { block } => Some(block + r.blocks),
+                // Saturates: an overflowing run is then rejected by `validate` as too large.
+                RunSource::Prefix { block } => Some(block.saturating_add(r.blocks)),
                 RunSource::Chunk { .. } => None,
             })
             .max()
@@ -462,6 +471,21 @@ mod tests {
         let mut b = BlockMap::builder(10);
         b.push_chunk(0, 1, 7, 0).unwrap();
         assert!(matches!(b.finish(), Err(Error::BadChunkIndex { .. })));
+    }
+
+    #[test]
+    fn rejects_sizes_whose_bytes_overflow() {
+        // Found by fuzzing (fuzz/: image_record, F1): a device of 2^52 + 256 blocks made
+        // `device_bytes()` and `plan()` overflow.
+        let b = BlockMap::builder((1u64 << 52) + 256);
+        assert!(matches!(b.finish(), Err(Error::TooLarge { what: "device", .. })));
+        let mut b = BlockMap::builder(10);
+        b.push_prefix(0, 1, u64::MAX).unwrap();
+        assert!(b.finish().is_err(), "an overflowing prefix run is an error, not a panic (F6)");
+        let m = BlockMap { device_blocks: 1 << 53, prefix_blocks: 0, runs: vec![], chunks: vec![] };
+        let mut w = Writer::default();
+        m.encode(&mut w);
+        assert!(BlockMap::decode(&mut Reader::new(&w.buf, "t")).is_err());
     }
 
     #[test]

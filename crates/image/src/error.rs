@@ -24,6 +24,9 @@ pub enum Error {
     /// A read range does not fit the device.
     #[error("read of {len} bytes at offset {offset} is outside the device of {device_bytes} bytes")]
     OutOfRange { offset: u64, len: u64, device_bytes: u64 },
+    /// A device or prefix too large for its byte size to fit in 64 bits.
+    #[error("{what} of {blocks} blocks is too large (at most {max} blocks)")]
+    TooLarge { what: &'static str, blocks: u64, max: u64 },
     /// A run of zero blocks.
     #[error("empty block map run at block {start}")]
     EmptyRun { start: u64 },

@@ -936,13 +936,15 @@ fn replay(
 
 fn check_params(p: &OverlayParams) -> Result<u64, OverlayError> {
     let bs = p.block_size;
-    if !bs.is_power_of_two() || !(512..=65536).contains(&bs) {
+    // Slot 0 holds two header copies, the second at byte 2048: smaller blocks would put it in
+    // block 1's slot (found by fuzzing, F2).
+    if !bs.is_power_of_two() || !(4096..=65536).contains(&bs) {
         return Err(OverlayError::BadBlockSize(bs));
     }
     let bs = u64::from(bs);
     if p.device_bytes % bs != 0 {
         return Err(OverlayError::DeviceSizeMismatch {
-            expected: p.device_bytes.next_multiple_of(bs),
+            expected: p.device_bytes.checked_next_multiple_of(bs).unwrap_or(u64::MAX),
             found: p.device_bytes,
         });
     }

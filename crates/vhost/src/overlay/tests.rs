@@ -270,12 +270,21 @@ fn reopen_refuses_other_images_and_garbage() {
     assert!(matches!(e, OverlayError::ImageMismatch { .. }), "{e}");
     let e = Overlay::open(
         disk.io(),
+        OverlayParams { block_size: 8192, ..params() },
+        Arc::new(Pattern),
+        Mode::Durable,
+    )
+    .unwrap_err();
+    assert!(matches!(e, OverlayError::BlockSizeMismatch { found: 4096, expected: 8192 }), "{e}");
+    // Blocks under 4 KiB cannot hold the two header copies of slot 0 (fuzzing finding F2).
+    let e = Overlay::open(
+        disk.io(),
         OverlayParams { block_size: 512, ..params() },
         Arc::new(Pattern),
         Mode::Durable,
     )
     .unwrap_err();
-    assert!(matches!(e, OverlayError::BlockSizeMismatch { found: 4096, expected: 512 }), "{e}");
+    assert!(matches!(e, OverlayError::BadBlockSize(512)), "{e}");
     let e = Overlay::open(
         disk.io(),
         OverlayParams { device_bytes: DEV * 2, ..params() },
