@@ -130,18 +130,12 @@ pub fn run(opts: &OciBench) -> Result<()> {
         if opts.cold {
             drop_caches()?;
         }
-        let (d, out) = timed(Command::new(&bin).arg("build").arg(&source).arg("--store").arg(&store))?;
-        let id = String::from_utf8_lossy(&out).trim().to_owned();
-        if geometry.is_none() {
-            let v = tessera_e2e::tessera::inspect_json_with(&bin, &id, &store)?;
-            geometry = Some((
-                v["geometry"]["size_bytes"].as_u64().context("size_bytes")?,
-                v["geometry"]["inodes"].as_u64().context("inodes")?,
-            ));
-            println!("tessera image {id}: {v}");
+        let first = geometry.is_none();
+        let (d, id, (size, inodes)) =
+            crate::timed_tessera_build(&bin, source.as_ref(), &store, &mut geometry)?;
+        if first {
             println!("store: {:.1} MB", du_bytes(&store) as f64 / 1e6);
         }
-        let (size, inodes) = geometry.unwrap_or((0, 0));
         // Informational: export of the built image to a raw file (not part of the ratio).
         let _ = std::fs::remove_file(&exported);
         let (dx, _) = timed(

@@ -460,6 +460,33 @@ fn timed(cmd: &mut Command) -> Result<(Duration, Vec<u8>)> {
     Ok((t.elapsed(), out.stdout))
 }
 
+/// Time `tessera build SOURCE --store STORE`; the first call also reads the image's geometry
+/// (device bytes, inodes) with `inspect --json`, prints it and keeps it in `geometry`, so the
+/// reference tool can be given the same size.
+fn timed_tessera_build(
+    bin: &Path,
+    source: &std::ffi::OsStr,
+    store: &Path,
+    geometry: &mut Option<(u64, u64)>,
+) -> Result<(Duration, String, (u64, u64))> {
+    let (d, out) = timed(Command::new(bin).arg("build").arg(source).arg("--store").arg(store))?;
+    let id = String::from_utf8_lossy(&out).trim().to_owned();
+    let size_inodes = match *geometry {
+        Some(g) => g,
+        None => {
+            let v = tessera_e2e::tessera::inspect_json_with(bin, &id, store)?;
+            let g = (
+                v["geometry"]["size_bytes"].as_u64().context("size_bytes")?,
+                v["geometry"]["inodes"].as_u64().context("inodes")?,
+            );
+            println!("tessera image {id}: {v}");
+            *geometry = Some(g);
+            g
+        }
+    };
+    Ok((d, id, size_inodes))
+}
+
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
     let n = v.len();
@@ -507,17 +534,7 @@ fn bench_build(files: u64, runs: usize, cold: bool) -> Result<()> {
         if cold {
             drop_caches()?;
         }
-        let (d, out) = timed(Command::new(&bin).arg("build").arg(&tree).arg("--store").arg(&store))?;
-        let id = String::from_utf8_lossy(&out).trim().to_string();
-        if geometry.is_none() {
-            let v = tessera_e2e::tessera::inspect_json_with(&bin, &id, &store)?;
-            geometry = Some((
-                v["geometry"]["size_bytes"].as_u64().context("size_bytes")?,
-                v["geometry"]["inodes"].as_u64().context("inodes")?,
-            ));
-            println!("tessera image {id}: {v}");
-        }
-        let (size, inodes) = geometry.unwrap_or((0, 0));
+        let (d, _id, (size, inodes)) = timed_tessera_build(&bin, tree.as_os_str(), &store, &mut geometry)?;
         let _ = std::fs::remove_file(&img);
         if cold {
             drop_caches()?;
