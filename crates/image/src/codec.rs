@@ -58,6 +58,17 @@ impl<'a> Reader<'a> {
         out.copy_from_slice(self.take(N)?);
         Ok(out)
     }
+    /// The 8-byte magic and the u32 version every binary format starts with.
+    pub(crate) fn header(&mut self, magic: &[u8; 8], version: u32) -> Result<(), DecodeError> {
+        if self.take(8)? != magic {
+            return Err(DecodeError::BadMagic { what: self.what });
+        }
+        let found = self.u32()?;
+        if found != version {
+            return Err(DecodeError::UnsupportedVersion { what: self.what, version: found });
+        }
+        Ok(())
+    }
     pub(crate) fn u8(&mut self) -> Result<u8, DecodeError> {
         Ok(self.array::<1>()?[0])
     }

@@ -48,6 +48,8 @@ pub enum DecodeError {
     NotCanonical { what: &'static str, field: &'static str, reason: &'static str },
     #[error("{what}: field {field} is not valid UTF-8")]
     BadUtf8 { what: &'static str, field: &'static str },
+    #[error("{what}: line {line}: {reason}")]
+    BadLine { what: &'static str, line: usize, reason: &'static str },
     #[error("invalid digest {text:?}: expected `sha256:` and 64 lowercase hex digits")]
     BadDigest { text: String },
     #[error("invalid block map: {0}")]

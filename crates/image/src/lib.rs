@@ -7,6 +7,7 @@
 //! - [`BlockMap`]: which device blocks come from the metadata prefix, which from chunks; the rest is zeros.
 //! - [`ImageRecord`]: the canonical, versioned binary record whose sha256 is the image ID.
 //! - [`PackIndex`]: where each chunk sits inside the store's packs (per store, not part of the ID).
+//! - [`Trace`] / [`Profile`]: boot traces and the prefetch profiles merged from them (per store).
 //! - [`ImageEntry`]: the JSON document tying an image ID to its blobs in one store.
 //!
 //! ```
@@ -28,6 +29,7 @@ mod digest;
 mod entry;
 mod error;
 mod packindex;
+mod profile;
 mod record;
 mod units;
 
@@ -36,6 +38,9 @@ pub use digest::{ChunkId, ImageId, Sha256Digest};
 pub use entry::ImageEntry;
 pub use error::{DecodeError, Error};
 pub use packindex::{Compression, PackIndex, PackLocation};
+pub use profile::{
+    default_min_runs, Coverage, Profile, ProfileEntry, ProfileError, Trace, TraceEntry, PROFILE_VERSION,
+};
 pub use record::{
     BuildOptions, Geometry, ImageRecord, ImageStats, PrefixInfo, RuntimeConfig, RECORD_VERSION,
 };

@@ -93,13 +93,7 @@ impl PackIndex {
 
     pub fn decode(bytes: &[u8]) -> Result<Self, DecodeError> {
         let mut r = Reader::new(bytes, "pack index");
-        if r.take(8)? != MAGIC {
-            return Err(DecodeError::BadMagic { what: "pack index" });
-        }
-        let version = r.u32()?;
-        if version != VERSION {
-            return Err(DecodeError::UnsupportedVersion { what: "pack index", version });
-        }
+        r.header(MAGIC, VERSION)?;
         let n = r.count(32)?;
         let packs = (0..n).map(|_| r.array().map(Sha256Digest)).collect::<Result<Vec<_>, _>>()?;
         let n = r.count(53)?;

@@ -124,13 +124,7 @@ impl ImageRecord {
     /// Decode and validate a record; rejects anything [`Self::encode`] would not produce.
     pub fn decode(bytes: &[u8]) -> Result<Self, DecodeError> {
         let mut r = Reader::new(bytes, "image record");
-        if r.take(8)? != MAGIC {
-            return Err(DecodeError::BadMagic { what: "image record" });
-        }
-        let version = r.u32()?;
-        if version != RECORD_VERSION {
-            return Err(DecodeError::UnsupportedVersion { what: "image record", version });
-        }
+        r.header(MAGIC, RECORD_VERSION)?;
         let options = BuildOptions { chunk_size: r.u32()? };
         let geometry = Geometry {
             block_size: r.u32()?,
