@@ -5,6 +5,8 @@
 //! - [`judge`]: `e2fsck -fn`, loop mounts (serialized), an rw workload, ext4-view.
 //! - [`tessera`]: locating and running the `tessera` binary.
 //! - [`oci`]: OCI images made with umoci/skopeo and hand-written layers.
+//! - [`nginx`]: nginx as a real HTTP origin; [`proxy`]: the latency/bandwidth/fault proxy in
+//!   front of it (the network model).
 //! - [`reference`]: the same pipeline with `mkfs.ext4 -d`, to validate the harness itself.
 //!
 //! ```no_run
@@ -30,6 +32,7 @@ pub mod nginx;
 pub mod oci;
 pub mod pipeline;
 pub mod prng;
+pub mod proxy;
 pub mod reference;
 pub mod registry;
 pub mod tessera;

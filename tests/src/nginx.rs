@@ -86,6 +86,11 @@ impl Nginx {
         self.port
     }
 
+    /// `127.0.0.1:PORT`, for a proxy in front of it.
+    pub fn addr(&self) -> SocketAddr {
+        SocketAddr::from((Ipv4Addr::LOCALHOST, self.port))
+    }
+
     /// The access log so far (one line per request: method, URI, status, bytes, Range).
     pub fn access_log(&self) -> String {
         fs::read_to_string(self.dir.path().join("access.log")).unwrap_or_default()
