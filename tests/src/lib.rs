@@ -4,6 +4,7 @@
 //! - [`compare`]: source tree vs mounted image, attribute by attribute.
 //! - [`judge`]: `e2fsck -fn`, loop mounts (serialized), an rw workload, ext4-view.
 //! - [`tessera`]: locating and running the `tessera` binary.
+//! - [`daemon`]: `tessera serve` as a child process and a libblkio client reading from it.
 //! - [`oci`]: OCI images made with umoci/skopeo and hand-written layers.
 //! - [`nginx`]: nginx as a real HTTP origin; [`proxy`]: the latency/bandwidth/fault proxy in
 //!   front of it (the network model).
@@ -24,6 +25,7 @@
 //! ```
 
 pub mod compare;
+pub mod daemon;
 pub mod debian;
 pub mod fixtures;
 pub mod guest;

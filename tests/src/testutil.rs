@@ -23,6 +23,19 @@ pub fn tmp(prefix: &str) -> Result<tempfile::TempDir> {
     Ok(d)
 }
 
+/// The chunk entries of a host disk cache (`--cache-dir`, layout `docs/formats/cache.md`),
+/// sorted by path.
+pub fn cached_chunks(cache: &Path) -> Result<Vec<std::path::PathBuf>> {
+    let mut out = Vec::new();
+    for d in std::fs::read_dir(cache.join("v1/chunks"))? {
+        for e in std::fs::read_dir(d?.path())? {
+            out.push(e?.path());
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
 /// Counts of a source tree the way `inspect --json` documents them (inodes, a hard-link group
 /// once): (files, directories incl. the root, symlinks, other nodes, logical bytes).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

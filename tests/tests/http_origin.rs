@@ -10,7 +10,7 @@ use anyhow::{ensure, Context, Result};
 use tessera_e2e::nginx::Nginx;
 use tessera_e2e::prng::Prng;
 use tessera_e2e::tessera::{self, ImageId};
-use tessera_e2e::testutil::tmp;
+use tessera_e2e::testutil::{cached_chunks, tmp};
 
 /// A tree whose data spans many chunks (64 KiB chunks), compressible and not.
 fn tree(dir: &Path) -> Result<()> {
@@ -162,17 +162,6 @@ fn a_warm_cache_serves_with_the_origin_stopped() -> Result<()> {
     let v: serde_json::Value = serde_json::from_slice(&o.stdout)?;
     tessera::check_inspect(&v, &f.id)?;
     Ok(())
-}
-
-fn cached_chunks(cache: &Path) -> Result<Vec<PathBuf>> {
-    let mut out = Vec::new();
-    for d in fs::read_dir(cache.join("v1/chunks"))? {
-        for e in fs::read_dir(d?.path())? {
-            out.push(e?.path());
-        }
-    }
-    out.sort();
-    Ok(out)
 }
 
 #[test]

@@ -11,7 +11,7 @@ use clap::Args;
 use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 use tessera_image::{ImageId, BLOCK_SIZE};
-use tessera_store::{ImageReader, LocalStore, OpenImage, StoreLocation};
+use tessera_store::{ChunkSource, ImageReader, LocalStore, OpenImage, StoreLocation};
 use tessera_vhost::{
     DeviceConfig, Disk, MemTier, Overlay, OverlayMode, OverlayParams, Server, DEFAULT_SOCKET_MODE, MAX_QUEUES,
 };
@@ -28,24 +28,37 @@ socket, exit 0.\n\
 Writes go to a copy-on-write overlay (the image itself is never modified): with --overlay FILE \
 they persist across restarts (FILE is created if missing; an overlay made for another image is \
 refused) and every write completed before a FLUSH survives a crash or power loss; without it the \
-overlay is an unlinked temporary file in $TMPDIR, gone with the process. DISCARD and WRITE_ZEROES \
+overlay is an unlinked temporary file in --cache-dir (else $TMPDIR), gone with the process. DISCARD and WRITE_ZEROES \
 make the range read as zeros. `tessera export IMAGE --overlay FILE` writes base plus overlay. \
 --read-only refuses writes (VIRTIO_BLK_F_RO); with --overlay it serves base plus overlay.\n\
 \n\
+Stores: a local directory is read directly. An http(s):// store (any static server or CDN holding \
+the store layout) is read with Range GETs; with --cache-dir DIR the chunks, blobs and image entries \
+go through the host disk cache (shared by every image and daemon on the host), so a warmed cache \
+serves with the origin down; without it chunks are kept in memory only.\n\
+\n\
 Reads are served from the memory tier (decoded, verified chunks; --mem-cache bytes, default 256M); \
 a read needing a chunk not in memory is finished by a fetch thread and completes out of order, so \
-it never stalls the other requests of its queue.\n\
+it never stalls the other requests of its queue. Every chunk is checked against its blake3 id \
+whatever tier it comes from; one that fails is dropped and fetched once more from the origin, and \
+if that fails too the read fails with an I/O error (VIRTIO_BLK_S_IOERR) — never wrong bytes.\n\
 \n\
 Examples:\n  tessera serve web --store ./store --socket /run/web.sock --read-only\n  \
 tessera serve web --store ./store --socket /run/web.sock --overlay /var/lib/vm1/web.overlay\n  \
 tessera serve sha256:3f1c... --store ./store --socket /tmp/vm.sock --queues 2 --socket-mode 0660\n  \
-tessera serve web --store ./store --socket /tmp/vm.sock --ready-fd 3 3>ready.txt")]
+tessera serve web --store ./store --socket /tmp/vm.sock --ready-fd 3 3>ready.txt\n  \
+tessera serve web --store https://cdn.example/tessera --cache-dir /var/cache/tessera --socket /run/web.sock")]
 pub struct ServeArgs {
     /// The image: sha256:<64 hex> or a tag.
     image: String,
-    /// The store holding it: PATH or file://PATH.
+    /// The store holding it: PATH, file://PATH or http(s)://HOST[:PORT][/PREFIX] (read-only).
     #[arg(long)]
     store: String,
+    /// Host disk cache for a remote store (shared by every image and daemon on the host,
+    /// content-addressed; see docs/formats/cache.md); also where the temporary overlay goes.
+    /// Ignored as a chunk cache for a local store, which is read directly.
+    #[arg(long, value_name = "DIR")]
+    cache_dir: Option<PathBuf>,
     /// The vhost-user socket to create.
     #[arg(long)]
     socket: PathBuf,
@@ -53,7 +66,7 @@ pub struct ServeArgs {
     #[arg(long)]
     read_only: bool,
     /// Keep the guest's writes in this overlay file (created if missing) across restarts.
-    /// Default: a temporary overlay in $TMPDIR, gone with the process.
+    /// Default: a temporary overlay in --cache-dir (else $TMPDIR), gone with the process.
     #[arg(long, value_name = "FILE")]
     overlay: Option<PathBuf>,
     /// Memory tier: bytes of decoded chunks kept in memory (e.g. 512M, 2G; 0 keeps none).
@@ -113,10 +126,11 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     // Take the ready fd first, so a bad one fails before anything else happens.
     let ready = args.ready_fd.map(take_fd).transpose()?;
 
-    let store = StoreLocation::parse(&args.store)?.open_for_read()?;
-    let id = store.resolve(&args.image)?;
-    let image = OpenImage::open(&store, &id)?;
-    let reader = Arc::new(MemTier::new(ImageReader::new(image, store.clone()), args.mem_cache));
+    let store = StoreLocation::parse(&args.store)?.open_read_store(args.cache_dir.as_deref())?;
+    let id = store.resolve(&args.image).with_context(|| format!("store {}", store.describe()))?;
+    let image = Arc::new(store.open_image(&id).with_context(|| format!("store {}", store.describe()))?);
+    let source: Arc<dyn ChunkSource> = store.chunk_source(&image);
+    let reader = Arc::new(MemTier::new(ImageReader::new(image, source), args.mem_cache));
     let device = DeviceConfig::new(&id, reader.device_bytes(), args.queues, args.read_only);
     let params = OverlayParams { image_id: id, block_size: BLOCK_SIZE, device_bytes: reader.device_bytes() };
     let disk = match (&args.overlay, args.read_only) {
@@ -126,7 +140,8 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         }
         (Some(path), false) => Disk::Overlay(Arc::new(Overlay::open_or_create_file(path, params, reader)?)),
         (None, false) => {
-            let dir = std::env::temp_dir();
+            let dir = args.cache_dir.clone().unwrap_or_else(std::env::temp_dir);
+            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
             let overlay = Overlay::temporary(&dir, params, reader)?;
             tracing::info!(dir = %dir.display(), "writes go to a temporary overlay");
             Disk::Overlay(Arc::new(overlay))

@@ -25,8 +25,10 @@ pub struct TierStats {
     pub misses: AtomicU64,
     /// Chunks read (and verified) from the chunk source.
     pub fetches: AtomicU64,
-    /// Bytes read from the chunk source (stored, i.e. compressed, bytes).
+    /// Bytes read from the chunk source (decoded bytes of the chunks fetched).
     pub fetched_bytes: AtomicU64,
+    /// Chunks fetched a second time because the first copy failed verification.
+    pub refetches: AtomicU64,
 }
 
 /// An image's device bytes with a byte-weighted memory tier of decoded chunks.
@@ -95,7 +97,17 @@ impl<S: ChunkSource> MemTier<S> {
             return Ok(hit);
         }
         self.cache.try_get_with(index, || {
-            let data = self.reader.fetch_chunk(index)?;
+            let data = match self.reader.fetch_chunk(index) {
+                // A chunk failing its check in any tier below was dropped from it (the disk
+                // cache removes a corrupt entry, bad origin bytes never enter it): fetch once
+                // more, which now reaches the origin. A second failure fails the read.
+                Err(e @ StoreError::CorruptChunk { .. }) => {
+                    tracing::warn!(index, error = %e, "chunk failed verification; fetching it once more");
+                    self.stats.refetches.fetch_add(1, Ordering::Relaxed);
+                    self.reader.fetch_chunk(index)?
+                }
+                other => other?,
+            };
             self.stats.fetches.fetch_add(1, Ordering::Relaxed);
             self.stats.fetched_bytes.fetch_add(data.len() as u64, Ordering::Relaxed);
             Ok::<_, StoreError>(Arc::<[u8]>::from(data))
