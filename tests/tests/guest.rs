@@ -10,6 +10,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
+use tessera_e2e::nginx::Nginx;
 use tessera_e2e::testutil::tmp;
 use tessera_e2e::{fixtures, guest, judge, tessera};
 
@@ -25,7 +26,7 @@ impl Drop for Served {
     }
 }
 
-fn serve(id: &str, store: &Path, socket: &Path, mode: &[&std::ffi::OsStr]) -> Result<Served> {
+fn serve(id: &str, store: &std::ffi::OsStr, socket: &Path, mode: &[&std::ffi::OsStr]) -> Result<Served> {
     let child = tessera::command(["serve", id, "--store"])
         .arg(store)
         .arg("--socket")
@@ -57,14 +58,26 @@ fn guest_checksums(fixture: &str) -> Result<()> {
     let store = t.path().join("store");
     let id = tessera::build(&src, &store, &[])?;
     let socket = t.path().join("blk.sock");
-    let mut served = serve(id.as_str(), &store, &socket, &["--read-only".as_ref()])?;
+    let mut served = serve(id.as_str(), store.as_os_str(), &socket, &["--read-only".as_ref()])?;
+    boot_and_compare_sums(&kit, &src, &socket, t.path(), fixture)?;
+    stop(&mut served, &socket)
+}
 
-    let initrd = t.path().join("initramfs.cpio");
-    guest::initramfs(&kit, guest::CHECKSUM_SCRIPT, &initrd)?;
-    let log = guest::boot(&kit, &initrd, &socket, t.path(), Duration::from_secs(180))?;
+/// Boot a guest on `socket` that checksums every file of the device; the sums must equal those
+/// of the source tree `src`.
+fn boot_and_compare_sums(
+    kit: &guest::GuestKit,
+    src: &Path,
+    socket: &Path,
+    work: &Path,
+    what: &str,
+) -> Result<()> {
+    let initrd = work.join("initramfs.cpio");
+    guest::initramfs(kit, guest::CHECKSUM_SCRIPT, &initrd)?;
+    let log = guest::boot(kit, &initrd, socket, work, Duration::from_secs(180))?;
     let seen = guest::parse_sums(&log)?;
-    let want = guest::host_sums(&src)?;
-    ensure!(!want.is_empty(), "fixture {fixture} has no files to compare");
+    let want = guest::host_sums(src)?;
+    ensure!(!want.is_empty(), "{what}: no files to compare");
     let mut diffs = Vec::new();
     for (path, sum) in &want {
         match seen.get(path) {
@@ -75,9 +88,37 @@ fn guest_checksums(fixture: &str) -> Result<()> {
     for path in seen.keys().filter(|p| !want.contains_key(*p)) {
         diffs.push(format!("{path}: only in the guest"));
     }
-    ensure!(diffs.is_empty(), "{} differences:\n{}", diffs.len(), diffs.join("\n"));
-    eprintln!("guest {fixture}: {} files and symlinks identical", want.len());
+    ensure!(diffs.is_empty(), "{what}: {} differences:\n{}", diffs.len(), diffs.join("\n"));
+    eprintln!("guest {what}: {} files and symlinks identical", want.len());
+    Ok(())
+}
 
+/// The guest boots from an nginx origin through `--cache-dir`; then, with nginx stopped, a
+/// second boot is served from the cache alone.
+#[test]
+fn guest_boots_from_an_http_origin_then_from_the_cache_alone() -> Result<()> {
+    fixtures::require_root()?;
+    let kit = guest::kit()?;
+    let t = tmp("guest-http")?;
+    let src = t.path().join("src");
+    fixtures::by_name("sizes")?.generate(&src)?;
+    let store = t.path().join("store");
+    let id = tessera::build(&src, &store, &[])?;
+    let mut origin = Nginx::serve(&store, "store")?;
+    let url = origin.url();
+    let socket = t.path().join("blk.sock");
+    let cache = t.path().join("cache");
+    let args = ["--read-only".as_ref(), "--cache-dir".as_ref(), cache.as_os_str()];
+
+    let mut served = serve(id.as_str(), url.as_ref(), &socket, &args)?;
+    boot_and_compare_sums(&kit, &src, &socket, t.path(), "sizes from nginx")?;
+    stop(&mut served, &socket)?;
+    let ranged = origin.access_log().lines().filter(|l| l.contains(" 206 ")).count();
+    ensure!(ranged > 0, "the first boot made no ranged GETs of the origin");
+
+    origin.stop();
+    let mut served = serve(id.as_str(), url.as_ref(), &socket, &args)?;
+    boot_and_compare_sums(&kit, &src, &socket, t.path(), "sizes from the cache, nginx stopped")?;
     stop(&mut served, &socket)
 }
 
@@ -140,14 +181,14 @@ fn guest_writes_survive_a_second_boot() -> Result<()> {
     let overlay = t.path().join("vm.overlay");
     let rw = ["--overlay".as_ref(), overlay.as_os_str()];
 
-    let mut served = serve(id.as_str(), &store, &socket, &rw)?;
+    let mut served = serve(id.as_str(), store.as_os_str(), &socket, &rw)?;
     let initrd = t.path().join("write.cpio");
     guest::initramfs(&kit, WRITE_SCRIPT, &initrd)?;
     let log = guest::boot(&kit, &initrd, &socket, t.path(), Duration::from_secs(300))?;
     ensure!(log.contains("TESSERA-RW-OK"), "the guest could not write and unmount; serial log:\n{log}");
     stop(&mut served, &socket)?;
 
-    let mut served = serve(id.as_str(), &store, &socket, &rw)?;
+    let mut served = serve(id.as_str(), store.as_os_str(), &socket, &rw)?;
     let initrd = t.path().join("verify.cpio");
     guest::initramfs(&kit, VERIFY_SCRIPT, &initrd)?;
     let log = guest::boot(&kit, &initrd, &socket, t.path(), Duration::from_secs(300))?;
