@@ -1,7 +1,6 @@
 //! The subcommands: typed arguments in, results on stdout, errors with context out.
 
 use std::collections::BTreeSet;
-use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
@@ -14,6 +13,7 @@ use tessera_ext4::SizePolicy;
 use tessera_image::{ImageId, ImageRecord, PackIndex, RuntimeConfig};
 use tessera_store::{export_raw, ImageReader, ReadStore, StoreError, StoreLocation};
 
+use crate::cache_args::CacheArgs;
 use crate::progress::Bar;
 use crate::{BuildArgs, ExportArgs, InspectArgs, UsageError};
 
@@ -28,8 +28,8 @@ pub fn is_usage_error(e: &anyhow::Error) -> bool {
 
 /// Open a store for reading: a local directory or an http(s) origin (behind `--cache-dir` if
 /// given).
-fn open_store(store: &str, cache_dir: Option<&Path>) -> Result<Arc<dyn ReadStore>> {
-    Ok(StoreLocation::parse(store)?.open_read_store(cache_dir)?)
+fn open_store(store: &str, cache: &CacheArgs) -> Result<Arc<dyn ReadStore>> {
+    Ok(StoreLocation::parse(store)?.open_read_store(cache.config().as_ref())?)
 }
 
 pub fn build(args: BuildArgs) -> Result<()> {
@@ -78,7 +78,7 @@ pub fn build(args: BuildArgs) -> Result<()> {
 }
 
 pub fn export(args: ExportArgs) -> Result<()> {
-    let store = open_store(&args.store, args.cache_dir.as_deref())?;
+    let store = open_store(&args.store, &args.cache)?;
     let id = store.resolve(&args.image)?;
     let local = match (&args.overlay, store.as_local()) {
         (Some(_), None) => {
@@ -181,7 +181,7 @@ fn ratio(a: u64, b: u64) -> f64 {
 }
 
 pub fn inspect(args: InspectArgs) -> Result<()> {
-    let store = open_store(&args.store, args.cache_dir.as_deref())?;
+    let store = open_store(&args.store, &args.cache)?;
     let id: ImageId = store.resolve(&args.image)?;
     let entry = store.get_entry(&id)?;
     let record = ImageRecord::decode(&store.read_blob(&entry.record)?)

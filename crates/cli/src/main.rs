@@ -3,6 +3,7 @@
 //! Exit status: 0 success, 1 failure (including an unknown image or tag), 2 usage error (bad flags,
 //! or a write to a read-only store).
 
+mod cache_args;
 mod cmd;
 mod progress;
 mod serve;
@@ -132,10 +133,8 @@ pub struct ExportArgs {
     /// The store holding it: PATH, file://PATH or http(s)://HOST[:PORT][/PREFIX] (read-only).
     #[arg(long)]
     store: String,
-    /// Host disk cache for a remote store (shared, content-addressed; see docs/formats/cache.md).
-    /// Ignored for a local store.
-    #[arg(long, value_name = "DIR")]
-    cache_dir: Option<PathBuf>,
+    #[command(flatten)]
+    cache: cache_args::CacheArgs,
     /// Output file (created or truncated; written sparse).
     #[arg(short = 'o', long = "output")]
     output: PathBuf,
@@ -156,16 +155,15 @@ pub struct InspectArgs {
     /// The store holding it: PATH, file://PATH or http(s)://HOST[:PORT][/PREFIX] (read-only).
     #[arg(long)]
     store: String,
-    /// Host disk cache for a remote store (shared, content-addressed; see docs/formats/cache.md).
-    /// Ignored for a local store.
-    #[arg(long, value_name = "DIR")]
-    cache_dir: Option<PathBuf>,
+    #[command(flatten)]
+    cache: cache_args::CacheArgs,
     /// Print JSON instead of text.
     #[arg(long)]
     json: bool,
 }
 
-fn parse_size_arg(s: &str) -> Result<u64, String> {
+/// Every SIZE option: `tessera_image::parse_size` (binary suffixes K, M, G, T, KiB … TiB).
+pub fn parse_size_arg(s: &str) -> Result<u64, String> {
     tessera_image::parse_size(s).map_err(|e| e.to_string())
 }
 

@@ -54,11 +54,9 @@ pub struct ServeArgs {
     /// The store holding it: PATH, file://PATH or http(s)://HOST[:PORT][/PREFIX] (read-only).
     #[arg(long)]
     store: String,
-    /// Host disk cache for a remote store (shared by every image and daemon on the host,
-    /// content-addressed; see docs/formats/cache.md); also where the temporary overlay goes.
-    /// Ignored as a chunk cache for a local store, which is read directly.
-    #[arg(long, value_name = "DIR")]
-    cache_dir: Option<PathBuf>,
+    // --cache-dir DIR, --cache-size SIZE (the temporary overlay also goes into DIR).
+    #[command(flatten)]
+    cache: crate::cache_args::CacheArgs,
     /// The vhost-user socket to create.
     #[arg(long)]
     socket: PathBuf,
@@ -70,7 +68,7 @@ pub struct ServeArgs {
     #[arg(long, value_name = "FILE")]
     overlay: Option<PathBuf>,
     /// Memory tier: bytes of decoded chunks kept in memory (e.g. 512M, 2G; 0 keeps none).
-    #[arg(long, value_name = "SIZE", default_value = "256M", value_parser = parse_size)]
+    #[arg(long, value_name = "SIZE", default_value = "256M", value_parser = crate::parse_size_arg)]
     mem_cache: u64,
     /// Number of virtqueues offered, each served by its own thread (1 to 64).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=i64::from(MAX_QUEUES)))]
@@ -82,29 +80,6 @@ pub struct ServeArgs {
     /// close it.
     #[arg(long)]
     ready_fd: Option<i32>,
-}
-
-/// A byte count: digits with an optional K, M, G or T suffix (powers of 1024).
-fn parse_size(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let (digits, shift) = match t.char_indices().last() {
-        Some((i, c)) if c.is_ascii_alphabetic() => {
-            let shift = match c.to_ascii_uppercase() {
-                'K' => 10,
-                'M' => 20,
-                'G' => 30,
-                'T' => 40,
-                _ => return Err(format!("{s}: expected a size like 256M or 2G")),
-            };
-            (&t[..i], shift)
-        }
-        _ => (t, 0),
-    };
-    digits
-        .parse::<u64>()
-        .ok()
-        .and_then(|n| n.checked_mul(1u64 << shift))
-        .ok_or_else(|| format!("{s}: expected a size like 256M or 2G"))
 }
 
 fn parse_mode(s: &str) -> Result<u32, String> {
@@ -126,7 +101,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     // Take the ready fd first, so a bad one fails before anything else happens.
     let ready = args.ready_fd.map(take_fd).transpose()?;
 
-    let store = StoreLocation::parse(&args.store)?.open_read_store(args.cache_dir.as_deref())?;
+    let store = StoreLocation::parse(&args.store)?.open_read_store(args.cache.config().as_ref())?;
     let id = store.resolve(&args.image).with_context(|| format!("store {}", store.describe()))?;
     let image = Arc::new(store.open_image(&id).with_context(|| format!("store {}", store.describe()))?);
     let source: Arc<dyn ChunkSource> = store.chunk_source(&image);
@@ -140,7 +115,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         }
         (Some(path), false) => Disk::Overlay(Arc::new(Overlay::open_or_create_file(path, params, reader)?)),
         (None, false) => {
-            let dir = args.cache_dir.clone().unwrap_or_else(std::env::temp_dir);
+            let dir = args.cache.cache_dir.clone().unwrap_or_else(std::env::temp_dir);
             std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
             let overlay = Overlay::temporary(&dir, params, reader)?;
             tracing::info!(dir = %dir.display(), "writes go to a temporary overlay");
@@ -198,23 +173,4 @@ fn take_fd(fd: i32) -> Result<File> {
     // SAFETY: the descriptor is open (checked above) and was handed to us by the caller for this
     // purpose; nothing else in the process uses or closes it, so the File may own it.
     Ok(unsafe { File::from_raw_fd(fd) })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::parse_size;
-
-    #[test]
-    fn sizes() {
-        assert_eq!(parse_size("0"), Ok(0));
-        assert_eq!(parse_size("4096"), Ok(4096));
-        assert_eq!(parse_size("256M"), Ok(256 << 20));
-        assert_eq!(parse_size("2g"), Ok(2 << 30));
-        assert_eq!(parse_size("1K"), Ok(1024));
-        assert!(parse_size("").is_err());
-        assert!(parse_size("M").is_err());
-        assert!(parse_size("12X").is_err());
-        assert!(parse_size("-1").is_err());
-        assert!(parse_size("99999999999T").is_err());
-    }
 }

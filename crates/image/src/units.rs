@@ -28,7 +28,8 @@ pub enum SizeParseError {
     Overflow(String),
 }
 
-/// Parse a size such as `4096`, `512K`, `64M`, `2G`, `1T`, `64MiB` (binary units).
+/// Parse a size such as `4096`, `512K`, `64M`, `2G`, `1T`, `64MiB` (binary units; the suffix is
+/// case-insensitive, so `2g` and `64mib` work too). The one size parser of every `SIZE` option.
 pub fn parse_size(text: &str) -> Result<u64, SizeParseError> {
     let t = text.trim();
     if t.is_empty() {
@@ -39,12 +40,12 @@ pub fn parse_size(text: &str) -> Result<u64, SizeParseError> {
     if num.is_empty() {
         return Err(SizeParseError::Invalid(text.to_owned()));
     }
-    let shift = match suffix {
-        "" | "B" => 0,
-        "K" | "KiB" | "k" => 10,
-        "M" | "MiB" => 20,
-        "G" | "GiB" => 30,
-        "T" | "TiB" => 40,
+    let shift = match suffix.to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kib" => 10,
+        "m" | "mib" => 20,
+        "g" | "gib" => 30,
+        "t" | "tib" => 40,
         _ => return Err(SizeParseError::Invalid(text.to_owned())),
     };
     let n: u64 = num.parse().map_err(|_| SizeParseError::Overflow(text.to_owned()))?;
@@ -73,6 +74,14 @@ mod tests {
         assert_eq!(parse_size("2G"), Ok(2 << 30));
         assert_eq!(parse_size("1T"), Ok(1 << 40));
         assert_eq!(parse_size("3GiB"), Ok(3 << 30));
+        assert_eq!(parse_size("0"), Ok(0));
+        assert_eq!(parse_size("2g"), Ok(2 << 30));
+        assert_eq!(parse_size("64mib"), Ok(64 << 20));
+        assert_eq!(parse_size("1KiB"), Ok(1024));
+        assert_eq!(parse_size(" 256M "), Ok(256 << 20));
+        assert!(parse_size("1.5G").is_err());
+        assert!(parse_size("1 G").is_err());
+        assert!(parse_size("1GB").is_err(), "decimal-looking suffixes are refused, not guessed");
         assert!(parse_size("").is_err());
         assert!(parse_size("M").is_err());
         assert!(parse_size("12X").is_err());

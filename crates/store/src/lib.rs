@@ -37,7 +37,7 @@ mod read_store;
 mod reader;
 mod source;
 
-pub use cache::{CachedSource, CachedStore, DiskCache};
+pub use cache::{CacheConfig, CachedSource, CachedStore, DiskCache};
 pub use error::StoreError;
 pub use export::{export_raw, ExportProgress, ExportStats};
 pub use http::{HttpConfig, HttpError, HttpStore, RetryPolicy, MAX_HTTP_BLOB};

@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 
 use std::sync::Arc;
 
-use crate::cache::{CachedStore, DiskCache};
+use crate::cache::{CacheConfig, CachedStore, DiskCache};
 use crate::error::StoreError;
 use crate::http::{HttpConfig, HttpStore};
 use crate::local::LocalStore;
@@ -80,20 +80,20 @@ impl StoreLocation {
     }
 
     /// Open any readable store kind: a local directory (which must exist), or an HTTP origin —
-    /// behind the host disk cache at `cache_dir` if given. A local store is its own disk tier, so
-    /// `cache_dir` is ignored for it.
-    pub fn open_read_store(&self, cache_dir: Option<&Path>) -> Result<Arc<dyn ReadStore>, StoreError> {
+    /// behind the host disk cache `cache` if given. A local store is its own disk tier, so
+    /// `cache` is ignored for it.
+    pub fn open_read_store(&self, cache: Option<&CacheConfig>) -> Result<Arc<dyn ReadStore>, StoreError> {
         match self {
             StoreLocation::Local(p) => {
-                if cache_dir.is_some() {
+                if cache.is_some() {
                     tracing::debug!("--cache-dir is ignored for a local store");
                 }
                 Ok(Arc::new(LocalStore::open(p)?))
             }
             StoreLocation::Http(url) => {
                 let origin = HttpStore::new(url, HttpConfig::default());
-                match cache_dir {
-                    Some(dir) => Ok(Arc::new(CachedStore::new(origin, DiskCache::open(dir)?))),
+                match cache {
+                    Some(config) => Ok(Arc::new(CachedStore::new(origin, DiskCache::open(config)?))),
                     None => Ok(Arc::new(origin)),
                 }
             }

@@ -30,21 +30,50 @@ use crate::source::ChunkSource;
 /// The layout version directory under the cache root.
 const VERSION_DIR: &str = "v1";
 
+/// How to open a host disk cache: `--cache-dir DIR [--cache-size SIZE]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CacheConfig {
+    /// The cache directory (created if missing; the layout lives in `DIR/v1`).
+    pub dir: PathBuf,
+    /// Bound on the bytes of cached entries (default `None`: unbounded). Least recently used
+    /// entries are evicted to stay within it; see `docs/formats/cache.md`.
+    pub max_bytes: Option<u64>,
+}
+
+impl CacheConfig {
+    /// An unbounded cache at `dir`.
+    pub fn new(dir: impl Into<PathBuf>) -> Self {
+        Self { dir: dir.into(), max_bytes: None }
+    }
+
+    /// Bound the cache to `max_bytes` (`None`: unbounded).
+    pub fn with_max_bytes(mut self, max_bytes: Option<u64>) -> Self {
+        self.max_bytes = max_bytes;
+        self
+    }
+}
+
 /// A host disk cache directory. Cheap to clone.
 #[derive(Debug, Clone)]
 pub struct DiskCache {
     root: Arc<PathBuf>,
+    max_bytes: Option<u64>,
 }
 
 impl DiskCache {
-    /// Open (creating if needed) the cache at `dir`.
-    pub fn open(dir: impl AsRef<Path>) -> Result<Self, StoreError> {
-        let root = dir.as_ref().join(VERSION_DIR);
+    /// Open (creating if needed) the cache `config` describes.
+    pub fn open(config: &CacheConfig) -> Result<Self, StoreError> {
+        let root = config.dir.join(VERSION_DIR);
         for sub in ["blobs/sha256", "chunks", "origins", "tmp"] {
             let p = root.join(sub);
             fs::create_dir_all(&p).map_err(|source| StoreError::Cache { op: "create", path: p, source })?;
         }
-        Ok(Self { root: Arc::new(root) })
+        Ok(Self { root: Arc::new(root), max_bytes: config.max_bytes })
+    }
+
+    /// The bound on cached bytes, if any.
+    pub fn max_bytes(&self) -> Option<u64> {
+        self.max_bytes
     }
 
     /// The versioned root (`DIR/v1`).
@@ -374,7 +403,7 @@ mod tests {
     #[test]
     fn blobs_are_verified_and_corrupt_ones_dropped() {
         let dir = tempfile::tempdir().unwrap();
-        let cache = DiskCache::open(dir.path()).unwrap();
+        let cache = DiskCache::open(&CacheConfig::new(dir.path())).unwrap();
         let d = Sha256Digest::of(b"blob");
         assert!(cache.get_blob(&d).is_none());
         cache.put_blob(&d, b"blob");
@@ -388,7 +417,7 @@ mod tests {
     #[test]
     fn chunks_are_verified_on_the_way_in_and_out() {
         let dir = tempfile::tempdir().unwrap();
-        let cache = DiskCache::open(dir.path()).unwrap();
+        let cache = DiskCache::open(&CacheConfig::new(dir.path())).unwrap();
         let pack = Sha256Digest::of(b"pack");
         let (c, loc, z) = chunk(&[5u8; 9000]);
         let mut bad = z.clone();
@@ -409,7 +438,7 @@ mod tests {
     #[test]
     fn entries_and_refs_per_origin() {
         let dir = tempfile::tempdir().unwrap();
-        let cache = DiskCache::open(dir.path()).unwrap();
+        let cache = DiskCache::open(&CacheConfig::new(dir.path())).unwrap();
         let id = ImageId(Sha256Digest::of(b"record"));
         let entry = ImageEntry {
             record: id.digest(),
