@@ -68,6 +68,9 @@ impl DiskCache {
             let p = root.join(sub);
             fs::create_dir_all(&p).map_err(|source| StoreError::Cache { op: "create", path: p, source })?;
         }
+        if config.max_bytes.is_some() {
+            warn!("--cache-size is not enforced yet (LRU eviction lands next); the cache is unbounded");
+        }
         Ok(Self { root: Arc::new(root), max_bytes: config.max_bytes })
     }
 
