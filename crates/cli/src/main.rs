@@ -7,6 +7,7 @@ mod cache_args;
 mod cmd;
 mod progress;
 mod serve;
+mod trace;
 
 use std::path::PathBuf;
 use std::process::ExitCode;

@@ -16,6 +16,7 @@ use tessera_vhost::{
     DeviceConfig, Disk, MemTier, Overlay, OverlayMode, OverlayParams, Server, DEFAULT_SOCKET_MODE, MAX_QUEUES,
 };
 
+use crate::trace::TraceSession;
 use crate::UsageError;
 
 /// Serve an image to a VMM as a vhost-user-blk device.
@@ -47,7 +48,8 @@ Examples:\n  tessera serve web --store ./store --socket /run/web.sock --read-onl
 tessera serve web --store ./store --socket /run/web.sock --overlay /var/lib/vm1/web.overlay\n  \
 tessera serve sha256:3f1c... --store ./store --socket /tmp/vm.sock --queues 2 --socket-mode 0660\n  \
 tessera serve web --store ./store --socket /tmp/vm.sock --ready-fd 3 3>ready.txt\n  \
-tessera serve web --store https://cdn.example/tessera --cache-dir /var/cache/tessera --socket /run/web.sock")]
+tessera serve web --store https://cdn.example/tessera --cache-dir /var/cache/tessera --socket /run/web.sock\n  \
+tessera serve web --store ./store --socket /tmp/vm.sock --read-only --record-trace boot1.trace")]
 pub struct ServeArgs {
     /// The image: sha256:<64 hex> or a tag.
     image: String,
@@ -80,6 +82,11 @@ pub struct ServeArgs {
     /// close it.
     #[arg(long)]
     ready_fd: Option<i32>,
+    /// Write the chunks the guest touches, in first-touch order with the time since its first
+    /// read, to FILE (created or truncated; flushed every second and on exit). Feed it to
+    /// `tessera profile`.
+    #[arg(long, value_name = "FILE")]
+    record_trace: Option<PathBuf>,
 }
 
 fn parse_mode(s: &str) -> Result<u32, String> {
@@ -105,7 +112,13 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     let id = store.resolve(&args.image).with_context(|| format!("store {}", store.describe()))?;
     let image = Arc::new(store.open_image(&id).with_context(|| format!("store {}", store.describe()))?);
     let source: Arc<dyn ChunkSource> = store.chunk_source(&image);
-    let reader = Arc::new(MemTier::new(ImageReader::new(image, source), args.mem_cache));
+    let trace = args.record_trace.as_deref().map(|p| TraceSession::start(p, id, &image.record().block_map));
+    let trace = trace.transpose()?;
+    let mut tier = MemTier::new(ImageReader::new(image, source), args.mem_cache);
+    if let Some(t) = &trace {
+        tier = tier.with_trace(t.recorder());
+    }
+    let reader = Arc::new(tier);
     let device = DeviceConfig::new(&id, reader.device_bytes(), args.queues, args.read_only);
     let params = OverlayParams { image_id: id, block_size: BLOCK_SIZE, device_bytes: reader.device_bytes() };
     let disk = match (&args.overlay, args.read_only) {
@@ -142,7 +155,9 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     let result = server.run();
     handle.close();
     let _ = signal_thread.join();
+    let traced = trace.map(TraceSession::finish).transpose();
     result.with_context(|| format!("serving {id}"))?;
+    traced?;
     Ok(())
 }
 

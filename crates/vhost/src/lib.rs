@@ -46,6 +46,7 @@ pub mod request;
 pub mod server;
 pub mod source;
 pub mod tier;
+pub mod trace;
 
 pub use backend::{BlkBackend, GuestMem, DRAIN_TIMEOUT};
 pub use config::{serial_for, DeviceConfig, BLK_SIZE, MAX_QUEUES, MAX_QUEUE_SIZE};
@@ -57,3 +58,4 @@ pub use request::{Parsed, Request, RequestKind};
 pub use server::{Server, StopHandle, DEFAULT_SOCKET_MODE};
 pub use source::{BlockSource, BufSink, Sink, Visit};
 pub use tier::{MemTier, TierStats, DEFAULT_MEM_CACHE};
+pub use trace::{TraceError, TraceRecorder};

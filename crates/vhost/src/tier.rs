@@ -12,6 +12,7 @@ use tessera_store::{ChunkSource, ImageReader, StoreError};
 
 use crate::error::RequestError;
 use crate::source::{BlockSource, BufSink, Sink, Visit};
+use crate::trace::TraceRecorder;
 
 /// `--mem-cache` unless told otherwise: 256 MiB of decoded chunks.
 pub const DEFAULT_MEM_CACHE: u64 = 256 << 20;
@@ -37,6 +38,7 @@ pub struct MemTier<S> {
     cache: Cache<u32, Arc<[u8]>>,
     capacity: u64,
     stats: TierStats,
+    trace: Option<Arc<TraceRecorder>>,
 }
 
 impl<S> std::fmt::Debug for MemTier<S> {
@@ -58,7 +60,19 @@ impl<S: ChunkSource> MemTier<S> {
             .weigher(|_: &u32, v: &Arc<[u8]>| u32::try_from(v.len()).unwrap_or(u32::MAX))
             .max_capacity(capacity)
             .build();
-        Self { reader: reader.with_cache_capacity(0), cache, capacity, stats: TierStats::default() }
+        Self {
+            reader: reader.with_cache_capacity(0),
+            cache,
+            capacity,
+            stats: TierStats::default(),
+            trace: None,
+        }
+    }
+
+    /// Record the first touch of every chunk a read needs (`--record-trace`).
+    pub fn with_trace(mut self, trace: Arc<TraceRecorder>) -> Self {
+        self.trace = Some(trace);
+        self
     }
 
     /// The reader underneath.
@@ -153,6 +167,9 @@ impl<S: ChunkSource> BlockSource for MemTier<S> {
                     sink.put(bytes)?;
                 }
                 SegmentSource::Chunk { chunk, offset: within } => {
+                    if let Some(trace) = &self.trace {
+                        trace.touch(chunk);
+                    }
                     let data = if fetch {
                         self.chunk(chunk).map_err(|source| RequestError::Read { offset: at, source })?
                     } else {
