@@ -135,6 +135,21 @@ impl Registry {
         )
     }
 
+    /// Every request the registry has logged so far, as `(METHOD, PATH)` in order (from its
+    /// access log, query strings included).
+    pub fn requests(&self) -> Vec<(String, String)> {
+        self.logs()
+            .lines()
+            .filter_map(|line| {
+                // `… "PUT /v2/app/manifests/v1 HTTP/1.1" 201 …`
+                let quoted = line.split('"').nth(1)?;
+                let mut parts = quoted.split(' ');
+                let (method, path) = (parts.next()?, parts.next()?);
+                path.starts_with("/v2/").then(|| (method.to_owned(), path.to_owned()))
+            })
+            .collect()
+    }
+
     /// `skopeo copy --dest-tls-verify=false SRC docker://ADDR/DEST` (+ extra arguments).
     pub fn load(&self, src: &str, dest: &str, extra: &[&str]) -> Result<()> {
         let mut args = vec!["--dest-tls-verify=false"];

@@ -6,6 +6,7 @@
 mod cache_args;
 mod cmd;
 mod progress;
+mod push;
 mod serve;
 mod trace;
 
@@ -53,6 +54,7 @@ enum Command {
     Export(ExportArgs),
     Inspect(InspectArgs),
     Serve(serve::ServeArgs),
+    Push(push::PushArgs),
 }
 
 /// Build an image from a directory into a store; prints the image ID.
@@ -127,11 +129,13 @@ pub struct BuildArgs {
 #[command(after_help = "Examples:\n  tessera export web --store ./store -o web.img\n  \
 tessera export sha256:3f1c... --store ./store -o /tmp/x.img && e2fsck -fn /tmp/x.img\n  \
 tessera export web --store ./store --overlay vm1.overlay -o vm1.img   # base plus the guest's writes\n  \
-tessera export web --store https://cdn.example/tessera --cache-dir /var/cache/tessera -o web.img")]
+tessera export web --store https://cdn.example/tessera --cache-dir /var/cache/tessera -o web.img\n  \
+tessera export sha256:3f1c... --store docker://registry.example.com/team/images -o web.img")]
 pub struct ExportArgs {
     /// The image: sha256:<64 hex> or a tag.
     image: String,
-    /// The store holding it: PATH, file://PATH or http(s)://HOST[:PORT][/PREFIX] (read-only).
+    /// The store holding it: PATH, file://PATH, http(s)://HOST[:PORT][/PREFIX] (read-only) or
+    /// docker://HOST[:PORT]/REPO (a registry; see `tessera push`).
     #[arg(long)]
     store: String,
     #[command(flatten)]
@@ -149,11 +153,13 @@ pub struct ExportArgs {
 #[command(after_help = "--json prints one object; its keys are documented in docs/inspect.md.\n\
 \n\
 Examples:\n  tessera inspect web --store ./store\n  tessera inspect web --store ./store --json | jq .dedup_ratio\n  \
-tessera inspect web --store http://127.0.0.1:8080/store")]
+tessera inspect web --store http://127.0.0.1:8080/store\n  \
+tessera inspect web --store docker://127.0.0.1:5000/images")]
 pub struct InspectArgs {
     /// The image: sha256:<64 hex> or a tag.
     image: String,
-    /// The store holding it: PATH, file://PATH or http(s)://HOST[:PORT][/PREFIX] (read-only).
+    /// The store holding it: PATH, file://PATH, http(s)://HOST[:PORT][/PREFIX] (read-only) or
+    /// docker://HOST[:PORT]/REPO (a registry; see `tessera push`).
     #[arg(long)]
     store: String,
     #[command(flatten)]
@@ -203,6 +209,7 @@ fn main() -> ExitCode {
         Command::Export(a) => cmd::export(a),
         Command::Inspect(a) => cmd::inspect(a),
         Command::Serve(a) => serve::serve(a),
+        Command::Push(a) => push::push(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -77,6 +77,31 @@ pub struct Manifest {
 pub(crate) enum Method {
     Get,
     Head,
+    Post,
+    Put,
+    Patch,
+}
+
+/// What a request needs to be allowed to do, which decides the bearer token's scopes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Access<'a> {
+    /// `repository:REPO:pull`.
+    Pull,
+    /// `repository:REPO:pull,push`, plus `repository:FROM:pull` to mount a blob from `FROM`.
+    Push { mount_from: Option<&'a str> },
+}
+
+impl Access<'_> {
+    /// The token scopes, space-separated (also the token cache key).
+    fn scopes(&self, repo: &str) -> String {
+        match self {
+            Access::Pull => repository_scope(repo, "pull"),
+            Access::Push { mount_from: None } => repository_scope(repo, "pull,push"),
+            Access::Push { mount_from: Some(from) } => {
+                format!("{} {}", repository_scope(repo, "pull,push"), repository_scope(from, "pull"))
+            }
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -138,6 +163,20 @@ fn header<'a>(resp: &'a Response<Body>, name: &str) -> Option<&'a str> {
     resp.headers().get(name).and_then(|v| v.to_str().ok())
 }
 
+fn add_headers<B>(
+    mut rb: ureq::RequestBuilder<B>,
+    headers: &[(&str, String)],
+    auth: Option<&str>,
+) -> ureq::RequestBuilder<B> {
+    for (k, v) in headers {
+        rb = rb.header(*k, v.as_str());
+    }
+    if let Some(a) = auth {
+        rb = rb.header("Authorization", a);
+    }
+    rb
+}
+
 /// Percent-encode a query value (RFC 3986 unreserved characters pass).
 fn query_escape(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
@@ -195,7 +234,7 @@ pub(crate) fn status_error(url: &str, resp: Response<Body>, has_creds: bool) -> 
             status,
             detail,
             hint: if has_creds {
-                "the credentials were rejected or lack pull access"
+                "the credentials were rejected or lack access (pull, or push for uploads) to the repository"
             } else {
                 "no credentials: pass --creds USER:PASS or add the registry to REGISTRY_AUTH_FILE or ~/.docker/config.json"
             },
@@ -276,29 +315,31 @@ impl Client {
     }
 
     /// One HTTP exchange with retries on transport failures and retryable statuses.
+    /// `body` is sent with POST, PUT and PATCH (an empty one sends `Content-Length: 0`), and sent
+    /// again on a retry.
     fn call(
         &self,
         method: Method,
         url: &str,
         headers: &[(&str, String)],
         auth: Option<&str>,
+        body: &[u8],
         attempts: u32,
     ) -> Result<Response<Body>, RegistryError> {
         let policy = self.retry();
         let mut retry = 0u32;
         loop {
             let agent = self.agent_for(url);
-            let mut rb = match method {
-                Method::Get => agent.get(url),
-                Method::Head => agent.head(url),
+            let with_headers = |rb| add_headers(rb, headers, auth);
+            let with_body_headers = |rb| add_headers(rb, headers, auth);
+            let sent = match method {
+                Method::Get => with_headers(agent.get(url)).call(),
+                Method::Head => with_headers(agent.head(url)).call(),
+                Method::Post => with_body_headers(agent.post(url)).send(body),
+                Method::Put => with_body_headers(agent.put(url)).send(body),
+                Method::Patch => with_body_headers(agent.patch(url)).send(body),
             };
-            for (k, v) in headers {
-                rb = rb.header(*k, v.as_str());
-            }
-            if let Some(a) = auth {
-                rb = rb.header("Authorization", a);
-            }
-            match rb.call() {
+            match sent {
                 Ok(resp) if retryable_status(resp.status().as_u16()) && retry + 1 < attempts => {
                     let wait = policy.retry_after(retry, header(&resp, "retry-after"));
                     warn!(
@@ -336,18 +377,18 @@ impl Client {
         let resp = if self.inner.insecure {
             let https = format!("https://{registry}/v2/");
             // One try only: a plain-HTTP server fails the TLS handshake at once.
-            match self.call(Method::Get, &https, &[], None, 1) {
+            match self.call(Method::Get, &https, &[], None, &[], 1) {
                 Ok(r) => Ok((format!("https://{registry}"), https, r)),
                 Err(e) => {
                     debug!(registry, error = %e, "registry: no TLS, trying plain HTTP");
                     let http = format!("http://{registry}/v2/");
-                    self.call(Method::Get, &http, &[], None, attempts)
+                    self.call(Method::Get, &http, &[], None, &[], attempts)
                         .map(|r| (format!("http://{registry}"), http, r))
                 }
             }
         } else {
             let https = format!("https://{registry}/v2/");
-            self.call(Method::Get, &https, &[], None, attempts)
+            self.call(Method::Get, &https, &[], None, &[], attempts)
                 .map(|r| (format!("https://{registry}"), https, r))
         };
         let (base, url, resp) = resp?;
@@ -376,8 +417,8 @@ impl Client {
         Ok(c)
     }
 
-    /// The `Authorization` value for a request in `repo` needing `scope`, fetching a bearer token
-    /// when the registry wants one and none is fresh.
+    /// The `Authorization` value for a request in `repo` needing `scope` (space-separated
+    /// scopes), fetching a bearer token when the registry wants one and none is fresh.
     fn authorization(&self, repo: &str, scope: &str) -> Result<Option<String>, RegistryError> {
         let mut st = self.state();
         let Some(challenge) = st.challenge.clone() else { return Ok(None) };
@@ -418,12 +459,14 @@ impl Client {
         if let Some(s) = service {
             param("service", s);
         }
-        param("scope", scope);
-        if let Some(w) = wanted.filter(|w| *w != scope) {
+        for one in scope.split(' ') {
+            param("scope", one);
+        }
+        if let Some(w) = wanted.filter(|w| !scope.split(' ').any(|one| one == *w)) {
             param("scope", w);
         }
         let auth = creds.map(Credentials::basic_header);
-        let resp = self.call(Method::Get, &url, &[], auth.as_deref(), self.retry().attempts.max(1))?;
+        let resp = self.call(Method::Get, &url, &[], auth.as_deref(), &[], self.retry().attempts.max(1))?;
         if resp.status() != StatusCode::OK {
             let status = resp.status().as_u16();
             return Err(RegistryError::Token { url, reason: format!("HTTP {status}{}", error_detail(resp)) });
@@ -449,10 +492,8 @@ impl Client {
         Ok(Token { header: format!("Bearer {value}"), refresh_at: Instant::now() + life.mul_f64(0.9) })
     }
 
-    /// Send a request for `path` (after the base URL) in `repo`, authenticating as needed: a 401
-    /// (first contact, or a token that expired mid-pull) updates the challenge, drops the cached
-    /// token and retries once with fresh credentials. Returns the URL and the response, whatever
-    /// its status.
+    /// Send a request for `path` (after the base URL) in `repo` with pull access; see
+    /// [`Self::send_with`].
     pub(crate) fn send(
         &self,
         method: Method,
@@ -461,14 +502,46 @@ impl Client {
         headers: &[(&str, String)],
     ) -> Result<(String, Response<Body>), RegistryError> {
         let base = self.base()?;
-        let url = format!("{base}{path}");
-        let scope = repository_scope(repo, "pull");
+        self.send_with(method, repo, &format!("{base}{path}"), headers, &[], Access::Pull)
+    }
+
+    /// The absolute URL of `location` (a `Location` header: absolute, or a path on the registry).
+    pub(crate) fn resolve_location(&self, location: &str) -> Result<String, RegistryError> {
+        if location.starts_with("http://") || location.starts_with("https://") {
+            return Ok(location.to_owned());
+        }
+        let base = self.base()?;
+        Ok(format!("{base}/{}", location.trim_start_matches('/')))
+    }
+
+    /// Whether `url` is on the registry itself (credentials are only ever sent there).
+    fn on_registry(&self, url: &str, base: &str) -> bool {
+        url.strip_prefix(base).is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
+    }
+
+    /// Send a request to `url` in `repo`, authenticating as `access` needs: a 401 (first
+    /// contact, or a token that expired mid-transfer) updates the challenge, drops the cached
+    /// token and retries once with fresh credentials. Returns the URL and the response, whatever
+    /// its status. Credentials go only to the registry's own URLs.
+    pub(crate) fn send_with(
+        &self,
+        method: Method,
+        repo: &str,
+        url: &str,
+        headers: &[(&str, String)],
+        body: &[u8],
+        access: Access<'_>,
+    ) -> Result<(String, Response<Body>), RegistryError> {
+        let base = self.base()?;
+        let url = url.to_owned();
+        let ours = self.on_registry(&url, &base);
+        let scope = access.scopes(repo);
         let attempts = self.retry().attempts.max(1);
         let mut reauthenticated = false;
         loop {
-            let auth = self.authorization(repo, &scope)?;
-            let resp = self.call(method, &url, headers, auth.as_deref(), attempts)?;
-            if resp.status() == StatusCode::UNAUTHORIZED && !reauthenticated {
+            let auth = if ours { self.authorization(repo, &scope)? } else { None };
+            let resp = self.call(method, &url, headers, auth.as_deref(), body, attempts)?;
+            if resp.status() == StatusCode::UNAUTHORIZED && ours && !reauthenticated {
                 reauthenticated = true;
                 let h = header(&resp, "www-authenticate").unwrap_or("").to_owned();
                 let challenge = Challenge::parse(&h)
@@ -493,6 +566,11 @@ impl Client {
     pub(crate) fn has_credentials(&self, repo: &str) -> bool {
         let mut st = self.state();
         self.credentials(&mut st, repo).ok().flatten().is_some()
+    }
+
+    /// `https://host[:port]` or `http://host[:port]`, pinging `/v2/` the first time.
+    pub(crate) fn base_url(&self) -> Result<String, RegistryError> {
+        self.base()
     }
 
     /// Check `/v2/` (scheme choice and the auth challenge) without fetching anything else.

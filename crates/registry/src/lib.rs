@@ -22,8 +22,8 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Not yet: push (blob upload POST/PUT, monolithic or chunked; cross-repository mount; manifest
-//! PUT; tagging) — see docs/oci.md, "Registries".
+//! Push ([`Client::push_blob`], [`Client::put_manifest`]): existence checks, cross-repository
+//! mounts, monolithic or chunked uploads with bounded memory, manifests by tag; see `push.rs`.
 #![forbid(unsafe_code)]
 
 mod auth;
@@ -31,6 +31,7 @@ mod blob;
 mod client;
 mod error;
 pub mod media;
+mod push;
 mod reference;
 mod retry;
 
@@ -41,5 +42,6 @@ pub use blob::{unwrap_io, BlobReader};
 pub use client::{Client, ClientOptions, Manifest, Timeouts, MAX_MANIFEST};
 pub use error::RegistryError;
 pub use media::ManifestKind;
+pub use push::{BlobPush, PushOptions, UploadSession, DEFAULT_UPLOAD_PIECE};
 pub use reference::{is_loopback_host, valid_tag, Digest, Reference, Target};
 pub use retry::RetryPolicy;

@@ -26,6 +26,11 @@ impl Digest {
         ok.then(|| Self { hex: hex.to_owned() })
     }
 
+    /// The digest whose 32 raw bytes are `raw`.
+    pub fn from_raw(raw: &[u8; 32]) -> Self {
+        Self { hex: hex::encode(raw) }
+    }
+
     /// The digest of `bytes`.
     pub fn of(bytes: &[u8]) -> Self {
         Self { hex: hex::encode(Sha256::digest(bytes)) }

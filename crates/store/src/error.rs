@@ -101,6 +101,16 @@ pub enum StoreError {
         #[source]
         source: crate::http::HttpError,
     },
+    /// A request to a registry store (`docker://`) failed; the message names the URL.
+    #[error(transparent)]
+    Registry(#[from] tessera_registry::RegistryError),
+    /// A registry manifest is not a Tessera image, or disagrees with its image entry.
+    #[error("{location}: {source}")]
+    Artifact {
+        location: String,
+        #[source]
+        source: crate::artifact::ArtifactError,
+    },
     /// The host disk cache (`--cache-dir`) cannot be used.
     #[error("cache {op} {}: {source}", path.display())]
     Cache {
@@ -122,7 +132,7 @@ impl StoreError {
                 | StoreError::InvalidLocation { .. }
                 | StoreError::InvalidReference { .. }
                 | StoreError::InvalidTag { .. }
-        )
+        ) || matches!(self, StoreError::Registry(e) if e.is_usage_error())
     }
 
     /// Classify an error from a write-side operation: ENOSPC/EDQUOT → [`StoreError::Full`],

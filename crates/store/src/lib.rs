@@ -8,6 +8,8 @@
 //! - [`HttpStore`]: a read-only store behind a static HTTP server (Range GETs, retries);
 //!   [`DiskCache`] + [`CachedStore`] + [`CachedSource`]: the host disk cache in front of it
 //!   (`docs/formats/cache.md`).
+//! - [`RegistryStore`]: a store in an OCI registry (`docker://HOST[:PORT]/REPO`), read through
+//!   the registry API; [`push_image`] publishes an image there (`docs/formats/registry.md`).
 //! - [`ChunkSource`]: where stored chunk bytes come from (one method); tiers slot in behind it.
 //! - [`OpenImage`] + [`ImageReader`]: the verified read path used by `tessera export` and the
 //!   daemon: BlockMap plan → zeros / prefix bytes / chunk bytes (decompressed and checked against
@@ -27,6 +29,7 @@
 //! ```
 #![forbid(unsafe_code)]
 
+pub mod artifact;
 mod cache;
 mod error;
 mod export;
@@ -35,6 +38,7 @@ mod local;
 mod location;
 mod read_store;
 mod reader;
+mod registry;
 mod source;
 
 pub use cache::{CacheConfig, CachedSource, CachedStore, DiskCache};
@@ -45,4 +49,6 @@ pub use local::{BlobWriter, KnownChunks, LocalStore};
 pub use location::StoreLocation;
 pub use read_store::ReadStore;
 pub use reader::{decode_stored_chunk, ImageReader, OpenImage, DEFAULT_CHUNK_CACHE, MAX_CHUNK_LEN};
+pub use registry::{push_image, PushProgress, PushReport, PushTarget, RegistryStore, MAX_REGISTRY_BLOB};
 pub use source::ChunkSource;
+pub use tessera_registry::PushOptions;

@@ -9,6 +9,8 @@ use crate::error::StoreError;
 use crate::http::{HttpConfig, HttpStore};
 use crate::local::LocalStore;
 use crate::read_store::ReadStore;
+use crate::registry::RegistryStore;
+use tessera_registry::ClientOptions;
 
 /// Where a store lives, as given by `--store`.
 ///
@@ -16,8 +18,9 @@ use crate::read_store::ReadStore;
 /// - `http://…` / `https://…`: a static HTTP server holding the same layout (read-only);
 /// - `docker://HOST[:PORT]/REPO`: an OCI registry (read-write through the registry API).
 ///
-/// Local and HTTP stores can be read ([`Self::open_read_store`]); registry stores parse, and
-/// opening them returns [`StoreError::Unsupported`]. Writing to an HTTP store is
+/// Every kind can be read ([`Self::open_read_store`]). Only local stores are written by `build`
+/// ([`Self::open_for_write`]); a registry store is written by `tessera push` ([`crate::push_image`])
+/// and is [`StoreError::Unsupported`] for `build`. Writing to an HTTP store is
 /// [`StoreError::ReadOnlyStore`], a usage error.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum StoreLocation {
@@ -79,8 +82,9 @@ impl StoreLocation {
         !matches!(self, StoreLocation::Http(_))
     }
 
-    /// Open any readable store kind: a local directory (which must exist), or an HTTP origin —
-    /// behind the host disk cache `cache` if given. A local store is its own disk tier, so
+    /// Open any readable store kind: a local directory (which must exist), an HTTP origin or a
+    /// registry (credentials from the auth files; loopback registries over plain HTTP) — remote
+    /// ones behind the host disk cache `cache` if given. A local store is its own disk tier, so
     /// `cache` is ignored for it.
     pub fn open_read_store(&self, cache: Option<&CacheConfig>) -> Result<Arc<dyn ReadStore>, StoreError> {
         match self {
@@ -98,8 +102,21 @@ impl StoreLocation {
                 }
             }
             StoreLocation::Registry(r) => {
-                Err(StoreError::Unsupported { location: format!("docker://{r}"), kind: "registry" })
+                let origin = RegistryStore::new(r, ClientOptions::default())?;
+                match cache {
+                    Some(config) => Ok(Arc::new(CachedStore::new(origin, DiskCache::open(config)?))),
+                    None => Ok(Arc::new(origin)),
+                }
             }
+        }
+    }
+
+    /// Open a registry store with `options` (credentials, `--insecure`); other kinds are
+    /// [`StoreError::Unsupported`].
+    pub fn open_registry(&self, options: ClientOptions) -> Result<RegistryStore, StoreError> {
+        match self {
+            StoreLocation::Registry(r) => RegistryStore::new(r, options),
+            other => Err(StoreError::Unsupported { location: other.to_string(), kind: "non-registry" }),
         }
     }
 

@@ -1,5 +1,6 @@
 //! One small trait over every store kind that can be read: image metadata plus a chunk source.
 
+use std::io::Read;
 use std::sync::Arc;
 
 use tessera_image::{ImageEntry, ImageId, Sha256Digest};
@@ -38,6 +39,19 @@ pub trait ReadStore: Send + Sync + std::fmt::Debug {
         OpenImage::from_parts(*id, entry, &record, &prefix, &pack_index)
     }
 
+    /// The size of blob `digest`. The default reads the whole blob; stores that know sizes
+    /// cheaply (a file's length, a manifest's descriptors) say so instead.
+    fn blob_len(&self, digest: &Sha256Digest) -> Result<u64, StoreError> {
+        Ok(self.read_blob(digest)?.len() as u64)
+    }
+
+    /// Blob `digest` as a stream (for copying packs without holding them in memory). The default
+    /// reads the whole blob (checked) into memory; local and registry stores stream. A streamed
+    /// blob is not checked here: whoever consumes it must (a registry checks what it is sent).
+    fn open_blob(&self, digest: &Sha256Digest) -> Result<Box<dyn Read + Send>, StoreError> {
+        Ok(Box::new(std::io::Cursor::new(self.read_blob(digest)?)))
+    }
+
     /// The local store, when this is one (for operations only local stores support yet).
     fn as_local(&self) -> Option<&LocalStore> {
         None
@@ -72,6 +86,21 @@ impl ReadStore for LocalStore {
     /// [`OpenImage::open`], which also checks that every pack is long enough.
     fn open_image(&self, id: &ImageId) -> Result<OpenImage, StoreError> {
         OpenImage::open(self, id)
+    }
+
+    fn blob_len(&self, digest: &Sha256Digest) -> Result<u64, StoreError> {
+        LocalStore::blob_len(self, digest)
+    }
+
+    fn open_blob(&self, digest: &Sha256Digest) -> Result<Box<dyn Read + Send>, StoreError> {
+        let path = self.blob_path(digest);
+        match std::fs::File::open(&path) {
+            Ok(f) => Ok(Box::new(f)),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                Err(StoreError::BlobNotFound { digest: *digest, path })
+            }
+            Err(e) => Err(StoreError::Io { op: "open blob", path, source: e }),
+        }
     }
 
     fn as_local(&self) -> Option<&LocalStore> {

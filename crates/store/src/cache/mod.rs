@@ -22,6 +22,8 @@ use tessera_image::{ChunkRef, Compression, ImageEntry, ImageId, PackLocation, Sh
 use tracing::{debug, trace, warn};
 
 use crate::error::StoreError;
+use tessera_registry::RegistryError;
+
 use crate::http::{parse_ref, resolve_with, HttpError, HttpStore};
 use crate::read_store::ReadStore;
 use crate::reader::{decode_stored_chunk, OpenImage};
@@ -244,31 +246,64 @@ impl DiskCache {
     }
 }
 
+/// What the cache needs of a remote store behind it ([`HttpStore`], [`crate::RegistryStore`]).
+pub trait Origin: ReadStore + ChunkSource + Clone + 'static {
+    /// A stable name of the origin (its URL), keying its mutable documents in the cache.
+    fn cache_key(&self) -> String;
+    /// The image tag `tag` names, `None` when the origin says it has no such tag.
+    fn read_ref(&self, tag: &str) -> Result<Option<ImageId>, StoreError>;
+}
+
+impl Origin for HttpStore {
+    fn cache_key(&self) -> String {
+        self.base().to_owned()
+    }
+
+    fn read_ref(&self, tag: &str) -> Result<Option<ImageId>, StoreError> {
+        HttpStore::read_ref(self, tag)
+    }
+}
+
+impl Origin for crate::registry::RegistryStore {
+    fn cache_key(&self) -> String {
+        self.location()
+    }
+
+    fn read_ref(&self, tag: &str) -> Result<Option<ImageId>, StoreError> {
+        crate::registry::RegistryStore::read_ref(self, tag)
+    }
+}
+
 /// Whether an origin error means "unreachable or failing" (so cached mutable documents may be
 /// used) rather than an authoritative answer.
 fn origin_unavailable(e: &StoreError) -> bool {
     match e {
         StoreError::Http { source: HttpError::Transport(_), .. } => true,
         StoreError::Http { source: HttpError::Status(s), .. } => *s >= 500 || *s == 429 || *s == 408,
+        StoreError::Registry(r) => match r {
+            RegistryError::Transport { .. } | RegistryError::Read { .. } => true,
+            RegistryError::Status { status, .. } => *status >= 500 || *status == 429 || *status == 408,
+            _ => false,
+        },
         _ => false,
     }
 }
 
-/// An [`HttpStore`] behind a [`DiskCache`]. Cheap to clone.
+/// A remote store (an [`HttpStore`] by default) behind a [`DiskCache`]. Cheap to clone.
 #[derive(Debug, Clone)]
-pub struct CachedStore {
-    origin: HttpStore,
+pub struct CachedStore<O = HttpStore> {
+    origin: O,
     cache: DiskCache,
 }
 
-impl CachedStore {
+impl<O: Origin> CachedStore<O> {
     /// The origin behind the cache.
-    pub fn new(origin: HttpStore, cache: DiskCache) -> Self {
+    pub fn new(origin: O, cache: DiskCache) -> Self {
         Self { origin, cache }
     }
 
     /// The origin.
-    pub fn origin(&self) -> &HttpStore {
+    pub fn origin(&self) -> &O {
         &self.origin
     }
 
@@ -278,7 +313,7 @@ impl CachedStore {
     }
 
     fn read_ref(&self, tag: &str) -> Result<Option<ImageId>, StoreError> {
-        let base = self.origin.base();
+        let base = &self.origin.cache_key();
         match self.origin.read_ref(tag) {
             Ok(Some(id)) => {
                 self.cache.put_ref(base, tag, &id);
@@ -297,9 +332,9 @@ impl CachedStore {
     }
 }
 
-impl ReadStore for CachedStore {
+impl<O: Origin> ReadStore for CachedStore<O> {
     fn describe(&self) -> String {
-        format!("{} (cache {})", self.origin.base(), self.cache.root().display())
+        format!("{} (cache {})", self.origin.describe(), self.cache.root().display())
     }
 
     fn resolve(&self, reference: &str) -> Result<ImageId, StoreError> {
@@ -307,7 +342,7 @@ impl ReadStore for CachedStore {
     }
 
     fn get_entry(&self, id: &ImageId) -> Result<ImageEntry, StoreError> {
-        let base = self.origin.base();
+        let base = &self.origin.cache_key();
         match self.origin.get_entry(id) {
             Ok(entry) => {
                 self.cache.put_entry(base, id, &entry);
@@ -334,7 +369,7 @@ impl ReadStore for CachedStore {
     }
 
     fn list_refs(&self) -> Result<Vec<(String, ImageId)>, StoreError> {
-        Ok(self.origin.seen_refs())
+        self.origin.list_refs()
     }
 
     fn chunk_source(&self, image: &OpenImage) -> Arc<dyn ChunkSource> {

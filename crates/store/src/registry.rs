@@ -1,0 +1,400 @@
+//! A store in an OCI registry: `docker://HOST[:PORT]/REPO` (`docs/formats/registry.md`).
+//!
+//! - [`RegistryStore`] reads it: a tag resolves through its manifest (a Tessera artifact, see
+//!   [`crate::artifact`]) to the image entry in the manifest's config blob; an image ID resolves
+//!   through the tag `sha256-<id hex>`. Whole blobs are fetched and checked against their digest;
+//!   chunks are `Range` GETs on pack blobs (redirects to blob storage are followed without the
+//!   registry's credentials). Auth, token refresh and retries are the registry client's.
+//! - [`push_image`] writes one: every blob of an image from any [`ReadStore`] (skipped when the
+//!   repository has it, mounted from another repository when possible, else uploaded with
+//!   bounded memory), the entry as config, then the manifest under each tag. Used by
+//!   `tessera push` (and `tessera copy` to a registry).
+//!
+//! Writing images into a registry store by `tessera build` is not supported: build into a local
+//! store and push.
+
+use std::collections::HashMap;
+use std::io::Read;
+use std::sync::{Arc, Mutex};
+
+use tessera_image::{validate_tag, ImageEntry, ImageId, PackIndex, Sha256Digest};
+use tessera_registry::{
+    BlobPush, Client, ClientOptions, Digest, ManifestKind, PushOptions, Reference, RegistryError, Target,
+};
+use tracing::{debug, info};
+
+use crate::artifact::{build_manifest, id_tag, parse_manifest, Artifact, ArtifactError, Layer, Role};
+use crate::error::StoreError;
+use crate::read_store::ReadStore;
+use crate::reader::OpenImage;
+use crate::source::ChunkSource;
+
+/// Largest whole blob (record, prefix, pack index) read into memory: 1 GiB.
+pub const MAX_REGISTRY_BLOB: u64 = 1 << 30;
+/// Largest image entry (the config blob): 64 KiB.
+const MAX_ENTRY: u64 = 64 << 10;
+
+fn reg_digest(d: &Sha256Digest) -> Digest {
+    Digest::from_raw(&d.0)
+}
+
+/// An image found in the registry: its manifest and entry.
+#[derive(Debug)]
+struct Found {
+    artifact: Artifact,
+    entry: ImageEntry,
+}
+
+struct Inner {
+    client: Client,
+    registry: String,
+    repo: String,
+    /// Images read so far, by ID.
+    images: Mutex<HashMap<ImageId, Arc<Found>>>,
+    /// Tags resolved through this store (a registry's tag list would also list `sha256-…`).
+    seen_refs: Mutex<Vec<(String, ImageId)>>,
+}
+
+/// A registry repository holding Tessera images. Cheap to clone.
+#[derive(Clone)]
+pub struct RegistryStore {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for RegistryStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RegistryStore").field("location", &self.location()).finish()
+    }
+}
+
+impl RegistryStore {
+    /// The store `HOST[:PORT]/REPO` (no tag or digest). Nothing is fetched yet.
+    pub fn new(repository: &str, options: ClientOptions) -> Result<Self, StoreError> {
+        let r = Reference::parse(repository)?;
+        if r.tag.is_some() || r.digest.is_some() {
+            return Err(StoreError::InvalidLocation {
+                location: format!("docker://{repository}"),
+                reason: "a registry store is docker://HOST[:PORT]/REPO, without a tag or digest",
+            });
+        }
+        let client = Client::for_reference(&r, options);
+        Ok(Self::with_client(client, &r.repository))
+    }
+
+    /// The store `repo` on `client`'s registry.
+    pub fn with_client(client: Client, repo: &str) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                registry: client.registry().to_owned(),
+                client,
+                repo: repo.to_owned(),
+                images: Mutex::new(HashMap::new()),
+                seen_refs: Mutex::new(Vec::new()),
+            }),
+        }
+    }
+
+    /// `docker://HOST[:PORT]/REPO`.
+    pub fn location(&self) -> String {
+        format!("docker://{}/{}", self.inner.registry, self.inner.repo)
+    }
+
+    /// The registry client.
+    pub fn client(&self) -> &Client {
+        &self.inner.client
+    }
+
+    /// `HOST[:PORT]`.
+    pub fn registry(&self) -> &str {
+        &self.inner.registry
+    }
+
+    /// The repository.
+    pub fn repository(&self) -> &str {
+        &self.inner.repo
+    }
+
+    fn artifact_err(&self, tag: &str, source: ArtifactError) -> StoreError {
+        StoreError::Artifact { location: format!("{}:{tag}", self.location()), source }
+    }
+
+    /// The image tagged `tag` (`None` when the tag does not exist).
+    fn fetch(&self, tag: &str) -> Result<Option<(ImageId, Arc<Found>)>, StoreError> {
+        let client = &self.inner.client;
+        let repo = &self.inner.repo;
+        let manifest = match client.get_manifest(repo, &Target::Tag(tag.to_owned())) {
+            Ok(m) => m,
+            Err(RegistryError::NotFound { .. }) => return Ok(None),
+            Err(e) => return Err(e.into()),
+        };
+        if manifest.kind != ManifestKind::Image {
+            return Err(self
+                .artifact_err(tag, ArtifactError::WrongType(format!("an index ({})", manifest.media_type))));
+        }
+        let artifact = parse_manifest(&manifest.bytes).map_err(|e| self.artifact_err(tag, e))?;
+        let entry_bytes = client.get_blob_bytes(
+            repo,
+            &reg_digest(&artifact.entry_digest),
+            Some(artifact.entry_size),
+            MAX_ENTRY,
+        )?;
+        let entry = artifact.check_entry(&entry_bytes).map_err(|e| self.artifact_err(tag, e))?;
+        let id = ImageId(entry.record);
+        debug!(store = self.location(), tag, %id, manifest = %manifest.digest, "registry store: image");
+        let found = Arc::new(Found { artifact, entry });
+        self.inner.images.lock().unwrap_or_else(|p| p.into_inner()).insert(id, Arc::clone(&found));
+        Ok(Some((id, found)))
+    }
+
+    /// The image tagged `tag`, `None` if the tag does not exist.
+    pub fn read_ref(&self, tag: &str) -> Result<Option<ImageId>, StoreError> {
+        if !validate_tag(tag) {
+            return Err(StoreError::InvalidReference { reference: tag.to_owned() });
+        }
+        let id = self.fetch(tag)?.map(|(id, _)| id);
+        if let Some(id) = &id {
+            self.note_ref(tag, id);
+        }
+        Ok(id)
+    }
+
+    fn found(&self, id: &ImageId) -> Result<Arc<Found>, StoreError> {
+        if let Some(f) = self.inner.images.lock().unwrap_or_else(|p| p.into_inner()).get(id) {
+            return Ok(Arc::clone(f));
+        }
+        let tag = id_tag(id);
+        match self.fetch(&tag)? {
+            Some((actual, f)) if actual == *id => Ok(f),
+            Some((actual, _)) => {
+                Err(self.artifact_err(&tag, ArtifactError::WrongImage { expected: *id, actual }))
+            }
+            None => Err(StoreError::UnknownImage { reference: id.to_string() }),
+        }
+    }
+
+    /// The size of `digest` as a manifest read so far lists it.
+    fn known_size(&self, digest: &Sha256Digest) -> Option<u64> {
+        let images = self.inner.images.lock().unwrap_or_else(|p| p.into_inner());
+        images.values().find_map(|f| f.artifact.blob_size(digest))
+    }
+
+    fn note_ref(&self, tag: &str, id: &ImageId) {
+        let mut seen = self.inner.seen_refs.lock().unwrap_or_else(|p| p.into_inner());
+        if !seen.iter().any(|(t, _)| t == tag) {
+            seen.push((tag.to_owned(), *id));
+        }
+    }
+}
+
+impl ReadStore for RegistryStore {
+    fn describe(&self) -> String {
+        self.location()
+    }
+
+    fn resolve(&self, reference: &str) -> Result<ImageId, StoreError> {
+        if reference.starts_with("sha256:") {
+            let id: ImageId = reference
+                .parse()
+                .map_err(|_| StoreError::InvalidReference { reference: reference.to_owned() })?;
+            self.found(&id)?;
+            return Ok(id);
+        }
+        self.read_ref(reference)?.ok_or_else(|| StoreError::UnknownImage { reference: reference.to_owned() })
+    }
+
+    fn get_entry(&self, id: &ImageId) -> Result<ImageEntry, StoreError> {
+        Ok(self.found(id)?.entry.clone())
+    }
+
+    fn read_blob(&self, digest: &Sha256Digest) -> Result<Vec<u8>, StoreError> {
+        let size = self.known_size(digest);
+        Ok(self.inner.client.get_blob_bytes(
+            &self.inner.repo,
+            &reg_digest(digest),
+            size,
+            MAX_REGISTRY_BLOB,
+        )?)
+    }
+
+    fn list_refs(&self) -> Result<Vec<(String, ImageId)>, StoreError> {
+        Ok(self.inner.seen_refs.lock().unwrap_or_else(|p| p.into_inner()).clone())
+    }
+
+    fn chunk_source(&self, _image: &OpenImage) -> Arc<dyn ChunkSource> {
+        Arc::new(self.clone())
+    }
+
+    fn blob_len(&self, digest: &Sha256Digest) -> Result<u64, StoreError> {
+        if let Some(size) = self.known_size(digest) {
+            return Ok(size);
+        }
+        let d = reg_digest(digest);
+        self.inner.client.blob_size(&self.inner.repo, &d)?.ok_or_else(|| {
+            RegistryError::NotFound { url: format!("{}@{d}", self.location()), detail: " (blob)".into() }
+                .into()
+        })
+    }
+
+    fn open_blob(&self, digest: &Sha256Digest) -> Result<Box<dyn Read + Send>, StoreError> {
+        let size = self.known_size(digest);
+        let reader = self.inner.client.get_blob(&self.inner.repo, &reg_digest(digest), size)?;
+        Ok(Box::new(reader))
+    }
+}
+
+impl ChunkSource for RegistryStore {
+    fn read_stored(&self, pack: &Sha256Digest, offset: u64, len: u32) -> Result<Vec<u8>, StoreError> {
+        Ok(self.inner.client.get_blob_range(&self.inner.repo, &reg_digest(pack), offset, u64::from(len))?)
+    }
+}
+
+/// Where a push goes: a repository on a registry, and the tag to give the image (it is also
+/// tagged `sha256-<id hex>`).
+#[derive(Debug, Clone)]
+pub struct PushTarget {
+    pub client: Client,
+    pub repo: String,
+    pub tag: String,
+}
+
+/// Progress of a push, in bytes of blobs (present and mounted blobs count as done).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PushProgress {
+    pub done_bytes: u64,
+    pub total_bytes: u64,
+}
+
+/// What a push did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PushReport {
+    pub id: ImageId,
+    /// The manifest digest (the same for every tag).
+    pub manifest: Sha256Digest,
+    /// `TAG` and `sha256-<id hex>`.
+    pub tags: Vec<String>,
+    /// Blobs of the artifact, the config included.
+    pub blobs: usize,
+    pub total_bytes: u64,
+    pub uploaded: usize,
+    pub uploaded_bytes: u64,
+    pub mounted: usize,
+    pub present: usize,
+    /// Tags written (a tag already naming this manifest is left alone).
+    pub tags_written: usize,
+}
+
+impl PushReport {
+    fn count(&mut self, how: BlobPush, size: u64) {
+        match how {
+            BlobPush::Present => self.present += 1,
+            BlobPush::Mounted => self.mounted += 1,
+            BlobPush::Uploaded => {
+                self.uploaded += 1;
+                self.uploaded_bytes += size;
+            }
+        }
+    }
+}
+
+/// Push image `id` from `source` to `target` as the artifact of `docs/formats/registry.md`.
+/// Blobs first (skipped, mounted from `options.mount_from`, or uploaded), then the config, then
+/// the manifest under `sha256-<id hex>` and `target.tag` — so a tag never names an incomplete
+/// image. Pushing again does nothing but existence checks.
+pub fn push_image(
+    source: &dyn ReadStore,
+    id: &ImageId,
+    target: &PushTarget,
+    options: &PushOptions,
+    progress: &mut dyn FnMut(PushProgress),
+) -> Result<PushReport, StoreError> {
+    let client = &target.client;
+    let repo = target.repo.as_str();
+    if !validate_tag(&target.tag) {
+        return Err(StoreError::InvalidTag { tag: target.tag.clone() });
+    }
+    let entry = source.get_entry(id)?;
+    let index = PackIndex::decode(&source.read_blob(&entry.pack_index)?).map_err(|e| StoreError::Decode {
+        what: "pack index",
+        digest: entry.pack_index,
+        source: e,
+    })?;
+    let mut layers = Vec::new();
+    let named = [
+        (Role::Record, Some(entry.record)),
+        (Role::Prefix, Some(entry.prefix)),
+        (Role::PackIndex, Some(entry.pack_index)),
+        (Role::Profile, entry.profile),
+        (Role::Provenance, entry.provenance),
+    ];
+    for (role, digest) in named {
+        if let Some(d) = digest {
+            layers.push(Layer { role, digest: d, size: source.blob_len(&d)? });
+        }
+    }
+    for pack in index.packs() {
+        if !layers.iter().any(|l| l.digest == *pack) {
+            layers.push(Layer { role: Role::Pack, digest: *pack, size: source.blob_len(pack)? });
+        }
+    }
+    let entry_json = entry.to_json();
+    let entry_digest = Sha256Digest::of(&entry_json);
+    let manifest = build_manifest(id, entry_digest, entry_json.len() as u64, &layers);
+    let total_bytes = layers.iter().map(|l| l.size).sum::<u64>() + entry_json.len() as u64;
+    let mut report = PushReport {
+        id: *id,
+        manifest: Sha256Digest::of(&manifest),
+        tags: vec![target.tag.clone(), id_tag(id)],
+        blobs: layers.len() + 1,
+        total_bytes,
+        uploaded: 0,
+        uploaded_bytes: 0,
+        mounted: 0,
+        present: 0,
+        tags_written: 0,
+    };
+    let mut done = 0u64;
+    progress(PushProgress { done_bytes: 0, total_bytes });
+    for layer in &layers {
+        let before = done;
+        let how = client.push_blob(
+            repo,
+            &reg_digest(&layer.digest),
+            layer.size,
+            options,
+            || source.open_blob(&layer.digest).map_err(std::io::Error::other),
+            &mut |n| {
+                done += n;
+                progress(PushProgress { done_bytes: done, total_bytes });
+            },
+        )?;
+        done = before + layer.size;
+        progress(PushProgress { done_bytes: done, total_bytes });
+        debug!(role = layer.role.name(), digest = %layer.digest, ?how, "push: blob");
+        report.count(how, layer.size);
+    }
+    let how = client.push_blob(
+        repo,
+        &reg_digest(&entry_digest),
+        entry_json.len() as u64,
+        options,
+        || Ok(std::io::Cursor::new(&entry_json)),
+        &mut |_| {},
+    )?;
+    report.count(how, entry_json.len() as u64);
+    progress(PushProgress { done_bytes: total_bytes, total_bytes });
+
+    let digest = Digest::of(&manifest);
+    // The ID tag first: a TAG never names an image that cannot be found by ID.
+    for tag in [id_tag(id), target.tag.clone()] {
+        if client.manifest_digest(repo, &tag)?.as_ref() == Some(&digest) {
+            continue;
+        }
+        client.put_manifest(repo, &tag, crate::artifact::MANIFEST_MEDIA_TYPE, &manifest)?;
+        report.tags_written += 1;
+    }
+    info!(
+        %id, repo, manifest = %digest, uploaded = report.uploaded, mounted = report.mounted,
+        present = report.present, "pushed"
+    );
+    Ok(report)
+}

@@ -1,0 +1,275 @@
+//! `docker://` stores against the real CNCF registry (`docker-registry` on loopback): `tessera
+//! push` publishes an image as a Tessera artifact; `export` and `inspect` read it back by tag and
+//! by ID, byte for byte equal to the local export; a second push uploads nothing (the registry's
+//! access log is the judge); a second image sharing a pack skips it; a push to another repository
+//! mounts every blob; `--cache-dir` serves with the registry stopped; basic auth; clear errors for
+//! a missing tag, a manifest that is not ours and a destination without a tag.
+//!
+//! Needs root (for the store paths only, not mounts), docker-registry and htpasswd (`cargo xtask
+//! test` installs them).
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Output;
+
+use anyhow::{ensure, Context, Result};
+use tessera_e2e::prng::Prng;
+use tessera_e2e::registry::{require_registry, Registry, PASSWORD, USER};
+use tessera_e2e::tessera::{self, ImageId};
+use tessera_e2e::testutil::tmp;
+
+/// A tree with one file big enough for a pack of more than one 16 MiB upload piece (so the pack
+/// goes up in PATCH pieces) and a few small ones.
+fn tree(dir: &Path, label: &str, big: usize) -> Result<()> {
+    let mut rng = Prng::from_label(label);
+    fs::create_dir_all(dir.join("etc"))?;
+    fs::write(dir.join("big.bin"), rng.bytes(big))?;
+    fs::write(dir.join("etc/text"), rng.text(300_000))?;
+    fs::write(dir.join("etc/hello"), b"hello from a registry\n")?;
+    Ok(())
+}
+
+fn ok(o: Output, what: &str) -> Result<Output> {
+    ensure!(o.status.success(), "{what}: {} — {}", o.status, String::from_utf8_lossy(&o.stderr));
+    Ok(o)
+}
+
+fn run(args: &[&str]) -> Result<Output> {
+    tessera::run(args)
+}
+
+fn s(p: &Path) -> Result<&str> {
+    p.to_str().context("utf-8 path")
+}
+
+/// `tessera push IMAGE --store STORE DEST --json [extra]` → the JSON report.
+fn push(image: &str, store: &str, dest: &str, extra: &[&str]) -> Result<serde_json::Value> {
+    let mut args = vec!["push", image, "--store", store, dest, "--json"];
+    args.extend_from_slice(extra);
+    let o = ok(run(&args)?, &format!("push {image} to {dest}"))?;
+    serde_json::from_slice(&o.stdout)
+        .with_context(|| format!("push --json: {}", String::from_utf8_lossy(&o.stdout)))
+}
+
+fn export(image: &str, store: &str, out: &Path, cache: Option<&Path>) -> Result<Output> {
+    let mut args = vec!["export", image, "--store", store, "-o", s(out)?];
+    if let Some(c) = cache {
+        args.extend(["--cache-dir", s(c)?]);
+    }
+    run(&args)
+}
+
+fn same_file(expected: &[u8], path: &Path, what: &str) -> Result<()> {
+    let got = fs::read(path)?;
+    ensure!(got.len() == expected.len(), "{what}: {} bytes, expected {}", got.len(), expected.len());
+    ensure!(got == expected, "{what}: bytes differ from the local export");
+    Ok(())
+}
+
+/// Blob upload requests (`POST …/blobs/uploads/` without a mount, `PATCH`, `PUT …/blobs/…`).
+fn uploads(requests: &[(String, String)]) -> Vec<String> {
+    requests
+        .iter()
+        .filter(|(m, p)| {
+            p.contains("/blobs/uploads/")
+                && ((m == "POST" && !p.contains("mount=")) || m == "PATCH" || m == "PUT")
+        })
+        .map(|(m, p)| format!("{m} {p}"))
+        .collect()
+}
+
+struct Fixture {
+    t: tempfile::TempDir,
+    store: PathBuf,
+    id: ImageId,
+    local_raw: Vec<u8>,
+}
+
+fn fixture(name: &str) -> Result<Fixture> {
+    require_registry()?;
+    let t = tmp(name)?;
+    let (src, store) = (t.path().join("src"), t.path().join("store"));
+    tree(&src, name, 20 << 20)?;
+    let id = tessera::build(&src, &store, &["--tag", "v1", "--chunk-size", "1M"])?;
+    let local = t.path().join("local.raw");
+    tessera::export("v1", &store, &local)?;
+    let local_raw = fs::read(&local)?;
+    Ok(Fixture { t, store, id, local_raw })
+}
+
+#[test]
+fn push_then_read_back_by_tag_and_id_and_push_again_uploads_nothing() -> Result<()> {
+    let f = fixture("reg-push")?;
+    let reg = Registry::start()?;
+    let addr = reg.addr();
+    let dest = format!("docker://{addr}/team/images:v1");
+    let report = push("v1", s(&f.store)?, &dest, &[])?;
+    ensure!(report["id"] == f.id.as_str(), "push reports {}", report["id"]);
+    let blobs = report["blobs"].as_u64().context("blobs")?;
+    // record, prefix, pack index, provenance, ≥ 1 pack, the entry.
+    ensure!(blobs >= 6, "{report}");
+    ensure!(report["uploaded"].as_u64() == Some(blobs), "first push uploads every blob: {report}");
+    ensure!(report["tags_written"] == 2, "{report}");
+    let first = reg.requests();
+    ensure!(
+        first.iter().any(|(m, _)| m == "PATCH"),
+        "the > 16 MiB pack goes up in PATCH pieces: {:?}",
+        uploads(&first)
+    );
+    let tags = [
+        "/v2/team/images/manifests/v1".to_owned(),
+        format!("/v2/team/images/manifests/sha256-{}", f.id.hex()),
+    ];
+    for tag in &tags {
+        ensure!(first.iter().any(|(m, p)| m == "PUT" && p == tag), "no PUT {tag}: {first:?}");
+    }
+
+    // Read back: by tag and by ID, export equals the local export byte for byte.
+    let store = format!("docker://{addr}/team/images");
+    for image in ["v1", f.id.as_str()] {
+        let out = f.t.path().join("reg.raw");
+        ok(export(image, &store, &out, None)?, &format!("export {image} from {store}"))?;
+        same_file(&f.local_raw, &out, &format!("export {image} from the registry"))?;
+    }
+    let o = ok(run(&["inspect", "v1", "--store", &store, "--json"])?, "inspect")?;
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout)?;
+    ensure!(v["id"] == f.id.as_str() && v["tags"] == serde_json::json!(["v1"]), "inspect: {v}");
+
+    // Again: only existence checks; no upload request, no manifest written.
+    let before = reg.requests().len();
+    let again = push("v1", s(&f.store)?, &dest, &[])?;
+    ensure!(again["uploaded"] == 0 && again["present"].as_u64() == Some(blobs), "{again}");
+    ensure!(again["tags_written"] == 0 && again["manifest"] == report["manifest"], "{again} vs {report}");
+    let second: Vec<_> = reg.requests().split_off(before);
+    ensure!(uploads(&second).is_empty(), "the second push uploaded: {:?}", uploads(&second));
+    ensure!(second.iter().all(|(m, _)| m == "HEAD" || m == "GET"), "the second push only looks: {second:?}");
+    Ok(())
+}
+
+#[test]
+fn shared_packs_are_skipped_and_other_repositories_mount() -> Result<()> {
+    let f = fixture("reg-share")?;
+    let reg = Registry::start()?;
+    let addr = reg.addr();
+    push("v1", s(&f.store)?, &format!("docker://{addr}/app:v1"), &[])?;
+    // Every blob the first image put in the store (its pack among them).
+    let shared = fs::read_dir(f.store.join("blobs/sha256"))?
+        .map(|e| Ok(e?.file_name().to_string_lossy().into_owned()))
+        .collect::<Result<Vec<_>>>()?;
+
+    // A second image in the same store: the old tree plus a new file; its pack index names the
+    // first image's pack (reused chunks) and a new pack.
+    let src2 = f.t.path().join("src2");
+    tree(&src2, "reg-share", 20 << 20)?;
+    fs::write(src2.join("etc/new"), Prng::from_label("new").bytes(200_000))?;
+    let id2 = tessera::build(&src2, &f.store, &["--tag", "v2", "--chunk-size", "1M"])?;
+    let before = reg.requests().len();
+    let r2 = push("v2", s(&f.store)?, &format!("docker://{addr}/app:v2"), &[])?;
+    ensure!(r2["present"].as_u64().is_some_and(|p| p >= 1), "the shared pack is already there: {r2}");
+    let ups = uploads(&reg.requests().split_off(before));
+    for blob in &shared {
+        ensure!(
+            !ups.iter().any(|u| u.contains(blob.as_str())),
+            "blob {blob} of the first image was uploaded again: {ups:?}"
+        );
+    }
+
+    // Another repository, mounting from the first: nothing uploaded.
+    let before = reg.requests().len();
+    let r3 = push("v2", &format!("docker://{addr}/app"), &format!("docker://{addr}/mirror/app:v2"), &[])?;
+    ensure!(r3["uploaded"] == 0 && r3["mounted"] == r2["blobs"], "mounts: {r3}");
+    let after = reg.requests().split_off(before);
+    ensure!(uploads(&after).is_empty(), "uploads during a mount push: {:?}", uploads(&after));
+    ensure!(
+        after.iter().any(|(m, p)| m == "POST" && p.contains("mount=") && p.contains("from=app")),
+        "{after:?}"
+    );
+    // The mirror reads back to the same device.
+    let out = f.t.path().join("mirror.raw");
+    ok(export(id2.as_str(), &format!("docker://{addr}/mirror/app"), &out, None)?, "export the mirror")?;
+    let local = f.t.path().join("v2.raw");
+    tessera::export("v2", &f.store, &local)?;
+    same_file(&fs::read(&local)?, &out, "the mirror")?;
+    Ok(())
+}
+
+#[test]
+fn cached_registry_store_serves_with_the_registry_stopped() -> Result<()> {
+    let f = fixture("reg-cache")?;
+    let reg = Registry::start()?;
+    let addr = reg.addr();
+    push("v1", s(&f.store)?, &format!("docker://{addr}/cached:v1"), &[])?;
+    let store = format!("docker://{addr}/cached");
+    let cache = f.t.path().join("cache");
+    let out = f.t.path().join("warm.raw");
+    ok(export("v1", &store, &out, Some(&cache))?, "export through the cache")?;
+    same_file(&f.local_raw, &out, "through the cache")?;
+    drop(reg);
+    for image in ["v1", f.id.as_str()] {
+        let out = f.t.path().join("cold.raw");
+        ok(export(image, &store, &out, Some(&cache))?, &format!("export {image} with the registry stopped"))?;
+        same_file(&f.local_raw, &out, "from the cache alone")?;
+    }
+    // Without the cache, the stopped registry is a clear failure (exit 1).
+    let o = export("v1", &store, &f.t.path().join("x.raw"), None)?;
+    ensure!(o.status.code() == Some(1), "no registry, no cache: {o:?}");
+    Ok(())
+}
+
+#[test]
+fn errors_are_clear() -> Result<()> {
+    let f = fixture("reg-errors")?;
+    let reg = Registry::start()?;
+    let addr = reg.addr();
+    let store = format!("docker://{addr}/errs");
+    // Nothing pushed yet: an unknown tag and an unknown ID are failures (exit 1).
+    for image in ["v1", f.id.as_str()] {
+        let o = run(&["inspect", image, "--store", &store])?;
+        let err = String::from_utf8_lossy(&o.stderr);
+        ensure!(o.status.code() == Some(1) && err.contains("unknown image"), "{image}: {o:?}");
+    }
+    // A destination without a tag, or not docker://, is a usage error (exit 2).
+    for dest in [format!("docker://{addr}/errs"), format!("{addr}/errs:v1")] {
+        let o = run(&["push", "v1", "--store", s(&f.store)?, &dest])?;
+        ensure!(o.status.code() == Some(2), "{dest}: {o:?}");
+    }
+    // A regular OCI image under a tag is not a Tessera image.
+    push("v1", s(&f.store)?, &format!("docker://{addr}/errs:v1"), &[])?;
+    let layout = f.t.path().join("layout");
+    let img = tessera_e2e::oci::UmociImage::new(&layout, "t")?;
+    img.layer(|root| Ok(fs::write(root.join("f"), b"x")?))?;
+    reg.load(&format!("oci:{}", img.image_ref()), "errs:plain", &[])?;
+    let o = run(&["inspect", "plain", "--store", &store])?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    ensure!(o.status.code() == Some(1) && err.contains("not a Tessera image"), "{o:?}");
+    Ok(())
+}
+
+#[test]
+fn basic_auth_push_and_read() -> Result<()> {
+    let f = fixture("reg-auth")?;
+    let reg = Registry::start_with_htpasswd()?;
+    let addr = reg.addr();
+    let dest = format!("docker://{addr}/private:v1");
+    let home = f.t.path().join("home");
+    fs::create_dir_all(&home)?;
+    // No credentials: refused, exit 1, and the message says how to give them.
+    let mut c = tessera::command(["push", "v1", "--store", s(&f.store)?, &dest]);
+    let o = c.env("HOME", &home).env_remove("REGISTRY_AUTH_FILE").env_remove("DOCKER_CONFIG").output()?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    ensure!(o.status.code() == Some(1) && err.contains("unauthorized"), "{o:?}");
+    let creds = format!("{USER}:{PASSWORD}");
+    let r = push("v1", s(&f.store)?, &dest, &["--creds", &creds])?;
+    ensure!(r["uploaded"] == r["blobs"], "{r}");
+    // Read with credentials from REGISTRY_AUTH_FILE.
+    let auth_file = f.t.path().join("auth.json");
+    let auths = serde_json::json!({"auths": {addr.to_string(): {"username": USER, "password": PASSWORD}}});
+    fs::write(&auth_file, auths.to_string())?;
+    let out = f.t.path().join("auth.raw");
+    let mut c =
+        tessera::command(["export", "v1", "--store", &format!("docker://{addr}/private"), "-o", s(&out)?]);
+    let o = c.env("HOME", &home).env("REGISTRY_AUTH_FILE", &auth_file).output()?;
+    ok(o, "export with REGISTRY_AUTH_FILE")?;
+    same_file(&f.local_raw, &out, "behind basic auth")?;
+    Ok(())
+}
