@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
 use tessera_e2e::nginx::Nginx;
+use tessera_e2e::registry::Registry;
 use tessera_e2e::testutil::tmp;
 use tessera_e2e::{fixtures, guest, judge, tessera};
 
@@ -120,6 +121,45 @@ fn guest_boots_from_an_http_origin_then_from_the_cache_alone() -> Result<()> {
     let mut served = serve(id.as_str(), url.as_ref(), &socket, &args)?;
     boot_and_compare_sums(&kit, &src, &socket, t.path(), "sizes from the cache, nginx stopped")?;
     stop(&mut served, &socket)
+}
+
+/// The guest boots from a registry: the image is pushed to the CNCF registry and `tessera serve`
+/// reads it from `docker://127.0.0.1:PORT/REPO` by ID (through the `sha256-<id>` tag), chunks by
+/// Range GETs on the pack blobs.
+#[test]
+fn guest_boots_from_a_registry() -> Result<()> {
+    fixtures::require_root()?;
+    tessera_e2e::registry::require_registry()?;
+    let kit = guest::kit()?;
+    let t = tmp("guest-registry")?;
+    let src = t.path().join("src");
+    fixtures::by_name("sizes")?.generate(&src)?;
+    let store = t.path().join("store");
+    let id = tessera::build(&src, &store, &["--tag", "sizes"])?;
+    let reg = Registry::start()?;
+    let dest = format!("docker://{}/guest/sizes:v1", reg.addr());
+    let pushed = tessera::run([
+        "push".as_ref(),
+        "sizes".as_ref(),
+        "--store".as_ref(),
+        store.as_os_str(),
+        dest.as_ref(),
+    ])?;
+    ensure!(pushed.status.success(), "push: {}", String::from_utf8_lossy(&pushed.stderr));
+    let origin = format!("docker://{}/guest/sizes", reg.addr());
+    let socket = t.path().join("blk.sock");
+    let before = reg.requests().len();
+    let mut served = serve(id.as_str(), origin.as_ref(), &socket, &["--read-only".as_ref()])?;
+    boot_and_compare_sums(&kit, &src, &socket, t.path(), "sizes from a registry")?;
+    stop(&mut served, &socket)?;
+    let blob_gets = reg
+        .requests()
+        .split_off(before)
+        .into_iter()
+        .filter(|(m, p)| m == "GET" && p.contains("/blobs/"))
+        .count();
+    ensure!(blob_gets > 3, "the guest's reads made only {blob_gets} blob GETs of the registry");
+    Ok(())
 }
 
 /// SIGTERM: the daemon finishes, flushes, removes its socket and exits 0.
