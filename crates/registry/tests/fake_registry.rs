@@ -22,6 +22,7 @@ struct Req {
     method: String,
     path: String,
     headers: HashMap<String, String>,
+    body: Vec<u8>,
 }
 
 #[derive(Debug, Default)]
@@ -66,7 +67,10 @@ fn serve_one(mut s: TcpStream, handler: &Handler, log: &Mutex<Vec<Req>>) -> std:
             headers.insert(k.trim().to_ascii_lowercase(), v.trim().to_owned());
         }
     }
-    let req = Req { method: method.to_owned(), path: path.to_owned(), headers };
+    let len: usize = headers.get("content-length").and_then(|v| v.parse().ok()).unwrap_or(0);
+    let mut body = vec![0u8; len];
+    r.read_exact(&mut body)?;
+    let req = Req { method: method.to_owned(), path: path.to_owned(), headers, body };
     log.lock().unwrap().push(req.clone());
     let out = handler(&req);
     let mut head =
@@ -345,4 +349,229 @@ fn basic_auth() {
     assert!(matches!(e, RegistryError::Unauthorized { status: 401, .. }), "{e}");
     let e = fake.client(None).get_manifest("app", &Target::Tag("v1".into())).unwrap_err();
     assert!(matches!(e, RegistryError::Unauthorized { .. }) && e.to_string().contains("--creds"), "{e}");
+}
+
+/// A blob GET redirected to another host (as registries backed by object storage do): the
+/// redirect is followed with the Range header and without the registry's credentials.
+#[test]
+fn redirected_blob_reads_do_not_leak_credentials() {
+    let blob = blob_bytes();
+    let d = digest_of(&blob);
+    let b2 = blob.clone();
+    let storage = Fake::start(move |r| match r.headers.get("range") {
+        Some(range) => {
+            let (a, b) = range.trim_start_matches("bytes=").split_once('-').unwrap();
+            let (a, b): (usize, usize) = (a.parse().unwrap(), b.parse().unwrap());
+            Resp {
+                status: 206,
+                headers: vec![("Content-Range".into(), format!("bytes {a}-{b}/{}", b2.len()))],
+                body: b2[a..=b].to_vec(),
+                cut: None,
+            }
+        }
+        None => resp(200, &b2),
+    });
+    let target = format!("http://{}/bucket/blob?sig=abc", storage.addr);
+    let registry = Fake::start(move |r| {
+        if r.headers.get("authorization").map(String::as_str) != Some("Basic dXNlcjpwdw==") {
+            return Resp {
+                status: 401,
+                headers: vec![("WWW-Authenticate".into(), r#"Basic realm="x""#.into())],
+                ..Resp::default()
+            };
+        }
+        if r.path.starts_with("/v2/app/blobs/") {
+            return Resp {
+                status: 307,
+                headers: vec![("Location".into(), target.clone())],
+                ..Resp::default()
+            };
+        }
+        resp(200, b"{}")
+    });
+    let c = registry.client(Some(("user", "pw")));
+    assert_eq!(c.get_blob_range("app", &d, 1000, 5000).unwrap(), blob[1000..6000].to_vec());
+    assert_eq!(read_all(&c, &d, Some(blob.len() as u64)).unwrap(), blob);
+    let seen = storage.requests("/bucket/");
+    assert_eq!(seen.len(), 2);
+    for r in &seen {
+        assert!(!r.headers.contains_key("authorization"), "credentials sent to the storage host: {r:?}");
+    }
+    assert_eq!(seen[0].headers.get("range").map(String::as_str), Some("bytes=1000-5999"));
+}
+
+/// The upload state a fake registry keeps for the push test.
+#[derive(Default)]
+struct Uploads {
+    received: Vec<u8>,
+    committed: Vec<(String, Vec<u8>)>,
+    patches: u32,
+    puts: u32,
+    manifests: Vec<(String, String, Vec<u8>)>,
+    scopes: Vec<String>,
+}
+
+/// Push against a bearer-token registry: scopes `pull,push` (plus the mount source's `pull`),
+/// a mount, a blob in PATCH pieces of 1 MiB with a piece the registry took but answered 500 to
+/// (the retry gets 416; the upload's status settles it), a final PUT committed but answered 503
+/// (the retry gets 404; a HEAD settles it), and a manifest PUT with its media type.
+#[test]
+fn push_mounts_uploads_in_pieces_and_settles_ambiguous_answers() {
+    use tessera_registry::{BlobPush, PushOptions};
+    let blob: Vec<u8> = (0..(2_500_000u32)).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+    let d = digest_of(&blob);
+    let mounted = digest_of(b"in the base repository");
+    let state = Arc::new(Mutex::new(Uploads::default()));
+    let addr_cell: Arc<Mutex<Option<SocketAddr>>> = Arc::new(Mutex::new(None));
+    let (st, ac) = (state.clone(), addr_cell.clone());
+    let (dh, mh) = (d.to_string(), mounted.to_string());
+    let fake = Fake::start(move |r| {
+        let addr = ac.lock().unwrap().unwrap();
+        let mut s = st.lock().unwrap();
+        if r.path.starts_with("/token") {
+            s.scopes.push(r.path.clone());
+            return resp(200, br#"{"token":"t","expires_in":300}"#);
+        }
+        if r.headers.get("authorization").map(String::as_str) != Some("Bearer t") {
+            return Resp {
+                status: 401,
+                headers: vec![("WWW-Authenticate".into(), format!(r#"Bearer realm="http://{addr}/token""#))],
+                ..Resp::default()
+            };
+        }
+        let loc = |n: usize| vec![("Location".to_string(), format!("/v2/app/blobs/uploads/u1?_state={n}"))];
+        let path = r.path.as_str();
+        match r.method.as_str() {
+            "HEAD" if path.starts_with("/v2/app/blobs/") => {
+                let want = path.trim_start_matches("/v2/app/blobs/");
+                if s.committed.iter().any(|(c, _)| c == want) {
+                    resp(200, b"")
+                } else {
+                    resp(404, b"")
+                }
+            }
+            "HEAD" => resp(404, b""),
+            "POST" if path.contains(&format!("mount={mh}&from=base")) => resp(201, b""),
+            "POST" if path == "/v2/app/blobs/uploads/" => {
+                s.received.clear();
+                Resp { status: 202, headers: loc(0), ..Resp::default() }
+            }
+            "PATCH" => {
+                s.patches += 1;
+                let range = r.headers.get("content-range").cloned().unwrap_or_default();
+                let start: usize = range.split('-').next().unwrap().parse().unwrap();
+                if start != s.received.len() {
+                    return resp(416, b"");
+                }
+                s.received.extend_from_slice(&r.body);
+                let n = s.received.len();
+                if s.patches == 2 {
+                    return resp(500, b"took it, then failed");
+                }
+                let mut h = loc(n);
+                h.push(("Range".into(), format!("0-{}", n - 1)));
+                Resp { status: 202, headers: h, ..Resp::default() }
+            }
+            "GET" if path.starts_with("/v2/app/blobs/uploads/u1") => {
+                let n = s.received.len();
+                let mut h = loc(n);
+                h.push(("Range".into(), format!("0-{}", n - 1)));
+                Resp { status: 204, headers: h, ..Resp::default() }
+            }
+            "PUT" if path.starts_with("/v2/app/blobs/uploads/u1") => {
+                s.puts += 1;
+                if s.puts > 1 {
+                    return resp(404, br#"{"errors":[{"code":"BLOB_UPLOAD_UNKNOWN","message":"x"}]}"#);
+                }
+                assert!(path.contains(&format!("&digest={dh}")), "{path}");
+                let mut all = std::mem::take(&mut s.received);
+                all.extend_from_slice(&r.body);
+                let got = format!("sha256:{}", hex::encode(Sha256::digest(&all)));
+                s.committed.push((got, all));
+                resp(503, b"committed, then failed")
+            }
+            "PUT" if path.starts_with("/v2/app/manifests/") => {
+                let ct = r.headers.get("content-type").cloned().unwrap_or_default();
+                s.manifests.push((path.to_owned(), ct, r.body.clone()));
+                Resp {
+                    status: 201,
+                    headers: vec![("Docker-Content-Digest".into(), digest_of(&r.body).to_string())],
+                    ..Resp::default()
+                }
+            }
+            _ => resp(if path == "/v2/" { 200 } else { 404 }, b""),
+        }
+    });
+    *addr_cell.lock().unwrap() = Some(fake.addr);
+    let c = fake.client(Some(("user", "pw")));
+    let options = PushOptions { mount_from: vec!["base".into()], piece: 1 << 20 };
+    let mut opened = false;
+    let how = c
+        .push_blob(
+            "app",
+            &mounted,
+            23,
+            &options,
+            || {
+                opened = true;
+                Ok(std::io::Cursor::new(Vec::new()))
+            },
+            &mut |_| {},
+        )
+        .unwrap();
+    assert_eq!(how, BlobPush::Mounted);
+    assert!(!opened, "a mounted blob is never read");
+
+    let mut progress = 0u64;
+    let options = PushOptions { mount_from: Vec::new(), piece: 1 << 20 };
+    let how = c
+        .push_blob(
+            "app",
+            &d,
+            blob.len() as u64,
+            &options,
+            || Ok(std::io::Cursor::new(blob.clone())),
+            &mut |n| progress += n,
+        )
+        .unwrap();
+    assert_eq!(how, BlobPush::Uploaded);
+    assert_eq!(progress, blob.len() as u64);
+    let s = state.lock().unwrap();
+    assert_eq!(s.committed.len(), 1);
+    assert_eq!(s.committed[0].0, d.to_string());
+    assert_eq!(s.committed[0].1, blob, "the registry got exactly the blob");
+    assert_eq!(s.patches, 4, "3 pieces, one of them sent twice");
+    assert!(s.scopes.iter().any(|p| p.contains("scope=repository%3Aapp%3Apull%2Cpush")), "{:?}", s.scopes);
+    assert!(s.scopes.iter().any(|p| p.contains("scope=repository%3Abase%3Apull")), "{:?}", s.scopes);
+    drop(s);
+    // Pushing it again: HEAD says it is there.
+    let how = c
+        .push_blob(
+            "app",
+            &d,
+            blob.len() as u64,
+            &options,
+            || Ok(std::io::Cursor::new(Vec::new())),
+            &mut |_| {},
+        )
+        .unwrap();
+    assert_eq!(how, BlobPush::Present);
+    // A source shorter than announced is an error, not a short blob.
+    let e = c
+        .push_blob(
+            "app",
+            &digest_of(b"other"),
+            10,
+            &options,
+            || Ok(std::io::Cursor::new(b"short".to_vec())),
+            &mut |_| {},
+        )
+        .unwrap_err();
+    assert!(matches!(e, RegistryError::SizeMismatch { .. }), "{e}");
+
+    let media = "application/vnd.oci.image.manifest.v1+json";
+    assert_eq!(c.put_manifest("app", "v1", media, MANIFEST).unwrap(), digest_of(MANIFEST));
+    assert_eq!(c.manifest_digest("app", "v1").unwrap(), None, "this fake never answers HEAD 200");
+    let s = state.lock().unwrap();
+    assert_eq!(s.manifests, vec![("/v2/app/manifests/v1".to_owned(), media.to_owned(), MANIFEST.to_vec())]);
 }
