@@ -418,7 +418,7 @@ struct Uploads {
 #[test]
 fn push_mounts_uploads_in_pieces_and_settles_ambiguous_answers() {
     use tessera_registry::{BlobPush, PushOptions};
-    let blob: Vec<u8> = (0..(2_500_000u32)).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+    let blob: Vec<u8> = (0..2_500_000u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
     let d = digest_of(&blob);
     let mounted = digest_of(b"in the base repository");
     let state = Arc::new(Mutex::new(Uploads::default()));
