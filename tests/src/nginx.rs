@@ -96,6 +96,11 @@ impl Nginx {
         fs::read_to_string(self.dir.path().join("access.log")).unwrap_or_default()
     }
 
+    /// The access log so far, parsed (see [`parse_access_log`]).
+    pub fn requests(&self) -> Result<Vec<LoggedRequest>> {
+        parse_access_log(&self.access_log())
+    }
+
     /// The error log so far.
     pub fn error_log(&self) -> String {
         fs::read_to_string(self.dir.path().join("error.log")).unwrap_or_default()
@@ -114,6 +119,84 @@ impl Drop for Nginx {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// One access-log line: `METHOD URI STATUS BODY_BYTES "RANGE"` (RANGE is `-` without a Range
+/// header).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoggedRequest {
+    /// `GET`, `HEAD`, …
+    pub method: String,
+    /// The decoded path, without the query.
+    pub uri: String,
+    /// The status sent.
+    pub status: u16,
+    /// Body bytes sent (`$body_bytes_sent`).
+    pub body_bytes: u64,
+    /// The `Range` header as `(first, last)` (inclusive), if one was sent.
+    pub range: Option<(u64, u64)>,
+}
+
+impl LoggedRequest {
+    /// The byte interval `[start, end)` of the resource whose body was sent: the range for a 206,
+    /// `[0, body_bytes)` for a 200; `None` for other statuses or an empty body.
+    pub fn sent_interval(&self) -> Option<(u64, u64)> {
+        match (self.status, self.range) {
+            (206, Some((first, _))) if self.body_bytes > 0 => Some((first, first + self.body_bytes)),
+            (200, _) if self.body_bytes > 0 => Some((0, self.body_bytes)),
+            _ => None,
+        }
+    }
+}
+
+/// Parse the access log the helper configures (`log_format ranges`).
+pub fn parse_access_log(log: &str) -> Result<Vec<LoggedRequest>> {
+    log.lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|line| {
+            let bad = || anyhow::anyhow!("unexpected access-log line {line:?}");
+            let mut f = line.splitn(5, ' ');
+            let method = f.next().ok_or_else(bad)?.to_owned();
+            let uri = f.next().ok_or_else(bad)?.to_owned();
+            let status = f.next().ok_or_else(bad)?.parse().map_err(|_| bad())?;
+            let body_bytes = f.next().ok_or_else(bad)?.parse().map_err(|_| bad())?;
+            let range_field = f.next().ok_or_else(bad)?.trim_matches('"');
+            let range = match range_field.strip_prefix("bytes=") {
+                None => None,
+                Some(r) => {
+                    let (a, b) = r.split_once('-').ok_or_else(bad)?;
+                    Some((a.parse().map_err(|_| bad())?, b.parse().map_err(|_| bad())?))
+                }
+            };
+            Ok(LoggedRequest { method, uri, status, body_bytes, range })
+        })
+        .collect()
+}
+
+/// For every URI starting with `prefix`: the bytes the origin sent more than once (overlaps of
+/// the intervals sent). Empty when no byte of any such resource was sent twice.
+pub fn bytes_sent_twice(requests: &[LoggedRequest], prefix: &str) -> Vec<(String, u64)> {
+    let mut by_uri: std::collections::BTreeMap<&str, Vec<(u64, u64)>> = Default::default();
+    for r in requests.iter().filter(|r| r.uri.starts_with(prefix)) {
+        if let Some(iv) = r.sent_interval() {
+            by_uri.entry(r.uri.as_str()).or_default().push(iv);
+        }
+    }
+    let mut out = Vec::new();
+    for (uri, mut ivs) in by_uri {
+        ivs.sort_unstable();
+        let (mut twice, mut covered_to) = (0u64, 0u64);
+        for (start, end) in ivs {
+            if start < covered_to {
+                twice += covered_to.min(end) - start;
+            }
+            covered_to = covered_to.max(end);
+        }
+        if twice > 0 {
+            out.push((uri.to_owned(), twice));
+        }
+    }
+    out
 }
 
 fn wait_ready(child: &mut Child, port: u16, error_log: &Path, timeout: Duration) -> Result<()> {
@@ -172,4 +255,26 @@ http {{
 "#,
         root = root.display()
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn access_log_lines_and_overlaps() {
+        let log = "GET /s/blobs/sha256/aa 206 10 \"bytes=0-9\"\n\
+                   GET /s/blobs/sha256/aa 206 10 \"bytes=10-19\"\n\
+                   GET /s/blobs/sha256/bb 200 30 \"-\"\n\
+                   GET /s/blobs/sha256/bb 206 5 \"bytes=20-24\"\n\
+                   GET /s/images/x.json 200 99 \"-\"\n\
+                   GET /s/images/x.json 200 99 \"-\"\n";
+        let reqs = parse_access_log(log).unwrap();
+        assert_eq!(reqs.len(), 6);
+        assert_eq!(reqs[0].range, Some((0, 9)));
+        assert_eq!(reqs[2].range, None);
+        assert_eq!(bytes_sent_twice(&reqs, "/s/blobs/"), vec![("/s/blobs/sha256/bb".to_owned(), 5)]);
+        assert_eq!(bytes_sent_twice(&reqs, "/s/images/").len(), 1);
+        assert!(parse_access_log("GET / x 1 \"-\"").is_err());
+    }
 }

@@ -9,6 +9,12 @@
 //!   first; image entries and tag lookups come from the origin first and fall back to the cache
 //!   when the origin is unreachable, so a warmed cache serves with the origin down.
 //! - [`CachedSource`]: the [`ChunkSource`] of one open image over the cache and the origin.
+//!
+//! Misses are single-flight per host: concurrent misses of one entry, from threads of one
+//! process or from many processes sharing the directory, fetch it from the origin once
+//! ([`DiskCache::get_or_fetch`], `lock.rs`).
+
+mod lock;
 
 use std::collections::HashMap;
 use std::fs::{self, OpenOptions};
@@ -18,6 +24,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::SystemTime;
 
+use self::lock::{EntryLock, KeyedLocks};
 use tessera_image::{ChunkRef, Compression, ImageEntry, ImageId, PackLocation, Sha256Digest};
 use tracing::{debug, trace, warn};
 
@@ -55,40 +62,128 @@ impl CacheConfig {
     }
 }
 
-/// A host disk cache directory. Cheap to clone.
+/// A host disk cache directory. Cheap to clone (clones share their single-flight state and
+/// counters).
 #[derive(Debug, Clone)]
 pub struct DiskCache {
-    root: Arc<PathBuf>,
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    root: PathBuf,
     max_bytes: Option<u64>,
+    /// Threads of this process missing the same entry wait here (one fetch per process) …
+    flights: KeyedLocks,
+    /// … and processes wait on the entry's lock file in `locks/` (one fetch per host).
+    stats: Counters,
+}
+
+/// What a [`DiskCache`] did since it was opened (this process only).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    /// Reads answered by a valid cached entry.
+    pub hits: u64,
+    /// Bytes of those entries.
+    pub hit_bytes: u64,
+    /// Reads the cache could not answer (the data came from the origin, or from another
+    /// process that fetched it while this one waited: see `shared_fetches`).
+    pub misses: u64,
+    /// Misses answered by another thread or process's fetch after waiting for its lock.
+    pub shared_fetches: u64,
+    /// Entries fetched from the origin and written to the cache by this process.
+    pub fills: u64,
+    /// Bytes of those entries.
+    pub fill_bytes: u64,
+    /// Entries that failed their check and were removed.
+    pub corrupt: u64,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    hits: AtomicU64,
+    hit_bytes: AtomicU64,
+    misses: AtomicU64,
+    shared_fetches: AtomicU64,
+    fills: AtomicU64,
+    fill_bytes: AtomicU64,
+    corrupt: AtomicU64,
+}
+
+fn bump(counter: &AtomicU64, n: u64) {
+    counter.fetch_add(n, Ordering::Relaxed);
 }
 
 impl DiskCache {
     /// Open (creating if needed) the cache `config` describes.
     pub fn open(config: &CacheConfig) -> Result<Self, StoreError> {
         let root = config.dir.join(VERSION_DIR);
-        for sub in ["blobs/sha256", "chunks", "origins", "tmp"] {
+        for sub in ["blobs/sha256", "chunks", "origins", "tmp", "locks"] {
             let p = root.join(sub);
             fs::create_dir_all(&p).map_err(|source| StoreError::Cache { op: "create", path: p, source })?;
         }
         if config.max_bytes.is_some() {
             warn!("--cache-size is not enforced yet (LRU eviction lands next); the cache is unbounded");
         }
-        Ok(Self { root: Arc::new(root), max_bytes: config.max_bytes })
+        let cache = Self {
+            inner: Arc::new(Inner {
+                root,
+                max_bytes: config.max_bytes,
+                flights: KeyedLocks::default(),
+                stats: Counters::default(),
+            }),
+        };
+        cache.remove_abandoned_temps();
+        Ok(cache)
+    }
+
+    /// Remove the temp files of writers that died before their rename (nobody holds their
+    /// flock). Returns how many files and bytes went.
+    pub fn remove_abandoned_temps(&self) -> (u64, u64) {
+        let (mut files, mut bytes) = (0, 0);
+        let Ok(dir) = fs::read_dir(self.inner.root.join("tmp")) else { return (0, 0) };
+        for entry in dir.flatten() {
+            let path = entry.path();
+            if lock::temp_is_abandoned(&path).unwrap_or(false) {
+                let len = entry.metadata().map_or(0, |m| m.len());
+                if fs::remove_file(&path).is_ok() {
+                    debug!(path = %path.display(), "removed a temp file left by a dead writer");
+                    files += 1;
+                    bytes += len;
+                }
+            }
+        }
+        (files, bytes)
     }
 
     /// The bound on cached bytes, if any.
     pub fn max_bytes(&self) -> Option<u64> {
-        self.max_bytes
+        self.inner.max_bytes
+    }
+
+    /// This process's counters.
+    pub fn stats(&self) -> CacheStats {
+        let c = &self.inner.stats;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        CacheStats {
+            hits: get(&c.hits),
+            hit_bytes: get(&c.hit_bytes),
+            misses: get(&c.misses),
+            shared_fetches: get(&c.shared_fetches),
+            fills: get(&c.fills),
+            fill_bytes: get(&c.fill_bytes),
+            corrupt: get(&c.corrupt),
+        }
     }
 
     /// The versioned root (`DIR/v1`).
     pub fn root(&self) -> &Path {
-        &self.root
+        &self.inner.root
     }
 
     /// Where blob `digest` is cached.
     pub fn blob_path(&self, digest: &Sha256Digest) -> PathBuf {
-        self.root.join("blobs/sha256").join(digest.hex())
+        self.inner.root.join("blobs/sha256").join(digest.hex())
     }
 
     /// Where the stored form of `chunk` described by `loc` is cached: `.raw` for an uncompressed
@@ -100,25 +195,17 @@ impl DiskCache {
             Compression::None => format!("{hex}.raw"),
             Compression::Zstd => format!("{hex}.zst.{}", loc.stored_len),
         };
-        self.root.join("chunks").join(&hex[..2]).join(name)
+        self.inner.root.join("chunks").join(&hex[..2]).join(name)
     }
 
     /// The directory of the mutable documents (entries, refs) of origin `base`.
     pub fn origin_dir(&self, base: &str) -> PathBuf {
-        self.root.join("origins").join(Sha256Digest::of(base.as_bytes()).hex())
+        self.inner.root.join("origins").join(Sha256Digest::of(base.as_bytes()).hex())
     }
 
     /// A cached blob, checked against its sha256 (a corrupt one is removed: `None`).
     pub fn get_blob(&self, digest: &Sha256Digest) -> Option<Vec<u8>> {
-        let path = self.blob_path(digest);
-        let bytes = self.read(&path)?;
-        if Sha256Digest::of(&bytes) == *digest {
-            trace!(%digest, "cache hit: blob");
-            Some(bytes)
-        } else {
-            self.drop_corrupt(&path, "its sha256 does not match");
-            None
-        }
+        self.read_checked(&self.blob_path(digest), &|b| blob_ok(digest, b))
     }
 
     /// Cache a blob whose digest the caller has checked. Failures are logged, not returned: the
@@ -127,21 +214,21 @@ impl DiskCache {
         self.write_atomic(&self.blob_path(digest), bytes);
     }
 
+    /// Blob `digest` from the cache, else from `fetch` — called at most once per host for
+    /// concurrent misses of the same blob (see [`Self::get_or_fetch`]).
+    pub fn fetch_blob(
+        &self,
+        digest: &Sha256Digest,
+        fetch: impl FnOnce() -> Result<Vec<u8>, StoreError>,
+    ) -> Result<Vec<u8>, StoreError> {
+        let lock = format!("blob-{}", digest.hex());
+        self.get_or_fetch(&self.blob_path(digest), &lock, &|b| blob_ok(digest, b), fetch)
+    }
+
     /// A cached chunk in the stored form `loc` describes, fully checked (decoded, length and
     /// blake3 against the ChunkId). A corrupt entry is removed: `None`.
     pub fn get_chunk(&self, chunk: &ChunkRef, pack: &Sha256Digest, loc: &PackLocation) -> Option<Vec<u8>> {
-        let path = self.chunk_path(chunk, loc);
-        let bytes = self.read(&path)?;
-        match decode_stored_chunk(chunk, pack, loc, &bytes) {
-            Ok(_) => {
-                trace!(chunk = %chunk.id, "cache hit: chunk");
-                Some(bytes)
-            }
-            Err(_) => {
-                self.drop_corrupt(&path, "it does not decode to its chunk id");
-                None
-            }
-        }
+        self.read_checked(&self.chunk_path(chunk, loc), &|b| decode_stored_chunk(chunk, pack, loc, b).is_ok())
     }
 
     /// Cache stored chunk bytes, only if they check out (bad bytes from the origin never enter).
@@ -151,18 +238,29 @@ impl DiskCache {
         }
     }
 
+    /// The stored chunk from the cache, else from `fetch` — called at most once per host for
+    /// concurrent misses of the same chunk (see [`Self::get_or_fetch`]). Bytes from `fetch`
+    /// that do not decode to the ChunkId are returned (the reader reports them) but not cached.
+    pub fn fetch_chunk(
+        &self,
+        chunk: &ChunkRef,
+        pack: &Sha256Digest,
+        loc: &PackLocation,
+        fetch: impl FnOnce() -> Result<Vec<u8>, StoreError>,
+    ) -> Result<Vec<u8>, StoreError> {
+        let path = self.chunk_path(chunk, loc);
+        let lock = format!("chunk-{}", path.file_name().and_then(|n| n.to_str()).unwrap_or_default());
+        self.get_or_fetch(&path, &lock, &|b| decode_stored_chunk(chunk, pack, loc, b).is_ok(), fetch)
+    }
+
     /// A cached image entry of origin `base` for `id` (it must parse and name `id` as its
     /// record; otherwise it is removed: `None`).
     pub fn get_entry(&self, base: &str, id: &ImageId) -> Option<ImageEntry> {
-        let path = self.entry_path(base, id);
-        let bytes = self.read(&path)?;
-        match ImageEntry::from_json(&bytes) {
-            Ok(e) if e.record == id.digest() => Some(e),
-            _ => {
-                self.drop_corrupt(&path, "it is not a valid entry for this image");
-                None
-            }
-        }
+        let bytes = self.read_checked(
+            &self.entry_path(base, id),
+            &|b| matches!(ImageEntry::from_json(b), Ok(e) if e.record == id.digest()),
+        )?;
+        ImageEntry::from_json(&bytes).ok()
     }
 
     /// Cache an image entry of origin `base`.
@@ -172,37 +270,106 @@ impl DiskCache {
 
     /// A cached tag lookup of origin `base` (a corrupt one is removed: `None`).
     pub fn get_ref(&self, base: &str, tag: &str) -> Option<ImageId> {
-        let path = self.origin_dir(base).join("refs").join(tag);
-        let bytes = self.read(&path)?;
-        let id = parse_ref(&bytes);
-        if id.is_none() {
-            self.drop_corrupt(&path, "it is not `sha256:<64 hex>` and a newline");
-        }
-        id
+        let bytes = self.read_checked(&self.ref_path(base, tag), &|b| parse_ref(b).is_some())?;
+        parse_ref(&bytes)
     }
 
     /// Cache a tag lookup of origin `base` (the tag must be validated).
     pub fn put_ref(&self, base: &str, tag: &str, id: &ImageId) {
-        self.write_atomic(&self.origin_dir(base).join("refs").join(tag), format!("{id}\n").as_bytes());
+        self.write_atomic(&self.ref_path(base, tag), format!("{id}\n").as_bytes());
     }
 
     fn entry_path(&self, base: &str, id: &ImageId) -> PathBuf {
         self.origin_dir(base).join("images").join(format!("{}.json", id.digest().hex()))
     }
 
-    fn read(&self, path: &Path) -> Option<Vec<u8>> {
-        match fs::read(path) {
-            Ok(b) => Some(b),
-            Err(e) if e.kind() == ErrorKind::NotFound => None,
+    fn ref_path(&self, base: &str, tag: &str) -> PathBuf {
+        self.origin_dir(base).join("refs").join(tag)
+    }
+
+    /// The entry at `path` from the cache, else from `fetch`, with single-flight: concurrent
+    /// misses of one entry — from threads of this process and from other processes sharing the
+    /// directory — call `fetch` once; the others wait and then read what it published.
+    ///
+    /// Miss protocol: in-process key lock → `flock` on `locks/<lock>` → look again (another
+    /// process may have published while we waited) → fetch → publish (temp file + rename) if
+    /// `check` passes → unlink the lock file → release. A holder that dies mid-fetch releases
+    /// its flock with its last descriptor, so the next waiter takes over; nothing stays blocked.
+    /// If the lock file cannot be used (permissions, full disk), the fetch goes ahead unlocked.
+    pub fn get_or_fetch(
+        &self,
+        path: &Path,
+        lock: &str,
+        check: &dyn Fn(&[u8]) -> bool,
+        fetch: impl FnOnce() -> Result<Vec<u8>, StoreError>,
+    ) -> Result<Vec<u8>, StoreError> {
+        if let Some(bytes) = self.read_checked(path, check) {
+            return Ok(bytes);
+        }
+        bump(&self.inner.stats.misses, 1);
+        let _in_process = self.inner.flights.lock(lock);
+        if let Some(bytes) = self.read_checked_quiet(path, check) {
+            bump(&self.inner.stats.shared_fetches, 1);
+            return Ok(bytes);
+        }
+        let lock_path = self.inner.root.join("locks").join(lock);
+        let mut host_lock = match EntryLock::acquire(&lock_path) {
+            Ok(l) => Some(l),
             Err(e) => {
-                warn!(path = %path.display(), error = %e, "cannot read a cache entry; treating it as a miss");
+                warn!(path = %lock_path.display(), error = %e, "cannot take a cache lock; fetching without it");
                 None
             }
+        };
+        if let Some(l) = host_lock.as_mut() {
+            // Whatever happens next, the lock file has served its purpose once we release it.
+            l.remove_on_drop();
+        }
+        if let Some(bytes) = self.read_checked_quiet(path, check) {
+            bump(&self.inner.stats.shared_fetches, 1);
+            return Ok(bytes);
+        }
+        let bytes = fetch()?;
+        if check(&bytes) {
+            if self.try_write_atomic(path, &bytes).is_ok() {
+                bump(&self.inner.stats.fills, 1);
+                bump(&self.inner.stats.fill_bytes, bytes.len() as u64);
+            }
+        } else {
+            debug!(path = %path.display(), "fetched bytes fail their check; not cached");
+        }
+        drop(host_lock);
+        Ok(bytes)
+    }
+
+    /// A valid entry at `path`, counted as a hit; an invalid one is removed (`None`).
+    fn read_checked(&self, path: &Path, check: &dyn Fn(&[u8]) -> bool) -> Option<Vec<u8>> {
+        let bytes = self.read_checked_quiet(path, check)?;
+        bump(&self.inner.stats.hits, 1);
+        bump(&self.inner.stats.hit_bytes, bytes.len() as u64);
+        trace!(path = %path.display(), "cache hit");
+        Some(bytes)
+    }
+
+    fn read_checked_quiet(&self, path: &Path, check: &dyn Fn(&[u8]) -> bool) -> Option<Vec<u8>> {
+        let bytes = match fs::read(path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == ErrorKind::NotFound => return None,
+            Err(e) => {
+                warn!(path = %path.display(), error = %e, "cannot read a cache entry; treating it as a miss");
+                return None;
+            }
+        };
+        if check(&bytes) {
+            Some(bytes)
+        } else {
+            self.drop_corrupt(path);
+            None
         }
     }
 
-    fn drop_corrupt(&self, path: &Path, reason: &str) {
-        warn!(path = %path.display(), reason, "dropping a corrupt cache entry");
+    fn drop_corrupt(&self, path: &Path) {
+        warn!(path = %path.display(), "dropping a cache entry that fails its check");
+        bump(&self.inner.stats.corrupt, 1);
         if let Err(e) = fs::remove_file(path) {
             if e.kind() != ErrorKind::NotFound {
                 warn!(path = %path.display(), error = %e, "cannot remove a corrupt cache entry");
@@ -224,26 +391,29 @@ impl DiskCache {
             fs::create_dir_all(parent)?;
         }
         let nanos = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
-        let tmp = loop {
+        let (tmp, file) = loop {
             let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-            let tmp = self.root.join("tmp").join(format!("{}-{nanos:x}-{n}.tmp", std::process::id()));
+            let tmp = self.inner.root.join("tmp").join(format!("{}-{nanos:x}-{n}.tmp", std::process::id()));
             match OpenOptions::new().write(true).create_new(true).open(&tmp) {
-                Ok(mut f) => {
-                    let written = f.write_all(bytes);
-                    if let Err(e) = written {
-                        let _ = fs::remove_file(&tmp);
-                        return Err(e);
-                    }
-                    break tmp;
-                }
+                Ok(f) => break (tmp, f),
                 Err(e) if e.kind() == ErrorKind::AlreadyExists => continue,
                 Err(e) => return Err(e),
             }
         };
-        fs::rename(&tmp, dest).inspect_err(|_| {
+        // The writer holds a shared flock on its temp file until the rename, so `tessera cache
+        // gc` can tell a live writer's file (lock refused) from one left by a killed process.
+        let written = lock::hold_temp(&file).and_then(|()| (&file).write_all(bytes));
+        let result = written.and_then(|()| fs::rename(&tmp, dest));
+        if result.is_err() {
             let _ = fs::remove_file(&tmp);
-        })
+        }
+        drop(file);
+        result
     }
+}
+
+fn blob_ok(digest: &Sha256Digest, bytes: &[u8]) -> bool {
+    Sha256Digest::of(bytes) == *digest
 }
 
 /// What the cache needs of a remote store behind it ([`HttpStore`], [`crate::RegistryStore`]).
@@ -360,12 +530,7 @@ impl<O: Origin> ReadStore for CachedStore<O> {
     }
 
     fn read_blob(&self, digest: &Sha256Digest) -> Result<Vec<u8>, StoreError> {
-        if let Some(bytes) = self.cache.get_blob(digest) {
-            return Ok(bytes);
-        }
-        let bytes = self.origin.read_blob(digest)?;
-        self.cache.put_blob(digest, &bytes);
-        Ok(bytes)
+        self.cache.fetch_blob(digest, || self.origin.read_blob(digest))
     }
 
     fn list_refs(&self) -> Result<Vec<(String, ImageId)>, StoreError> {
@@ -412,12 +577,7 @@ impl<S: ChunkSource> ChunkSource for CachedSource<S> {
             debug!(%pack, offset, len, "range is not a chunk of the image; not cached");
             return self.origin.read_stored(pack, offset, len);
         };
-        if let Some(bytes) = self.cache.get_chunk(chunk, pack, loc) {
-            return Ok(bytes);
-        }
-        let bytes = self.origin.read_stored(pack, offset, len)?;
-        self.cache.put_chunk(chunk, pack, loc, &bytes);
-        Ok(bytes)
+        self.cache.fetch_chunk(chunk, pack, loc, || self.origin.read_stored(pack, offset, len))
     }
 }
 
@@ -471,6 +631,73 @@ mod tests {
         // Another stored form of the same chunk is a different entry.
         let raw = PackLocation { stored_len: 9000, compression: Compression::None, ..loc };
         assert_ne!(cache.chunk_path(&c, &raw), cache.chunk_path(&c, &loc));
+    }
+
+    #[test]
+    fn concurrent_misses_fetch_once_across_threads_and_instances() {
+        use std::sync::atomic::AtomicUsize;
+        let dir = tempfile::tempdir().unwrap();
+        // Two instances do not share in-process state: between them only the flock works, as
+        // between two processes.
+        let caches = [
+            DiskCache::open(&CacheConfig::new(dir.path())).unwrap(),
+            DiskCache::open(&CacheConfig::new(dir.path())).unwrap(),
+        ];
+        let d = Sha256Digest::of(b"shared blob");
+        let fetches = Arc::new(AtomicUsize::new(0));
+        let threads: Vec<_> = (0..8)
+            .map(|i| {
+                let (cache, fetches) = (caches[i % 2].clone(), fetches.clone());
+                std::thread::spawn(move || {
+                    cache
+                        .fetch_blob(&d, || {
+                            fetches.fetch_add(1, Ordering::SeqCst);
+                            std::thread::sleep(std::time::Duration::from_millis(30));
+                            Ok(b"shared blob".to_vec())
+                        })
+                        .unwrap()
+                })
+            })
+            .collect();
+        for t in threads {
+            assert_eq!(t.join().unwrap(), b"shared blob");
+        }
+        assert_eq!(fetches.load(Ordering::SeqCst), 1, "one fetch for eight concurrent misses");
+        let stats: Vec<CacheStats> = caches.iter().map(DiskCache::stats).collect();
+        assert_eq!(stats.iter().map(|s| s.fills).sum::<u64>(), 1);
+        assert_eq!(stats.iter().map(|s| s.hits + s.shared_fetches).sum::<u64>(), 7);
+        assert_eq!(fs::read_dir(caches[0].root().join("locks")).unwrap().count(), 0, "lock files removed");
+        assert_eq!(fs::read_dir(caches[0].root().join("tmp")).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn a_failed_fetch_is_not_cached_and_the_next_caller_fetches() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = DiskCache::open(&CacheConfig::new(dir.path())).unwrap();
+        let d = Sha256Digest::of(b"x");
+        let e = cache.fetch_blob(&d, || {
+            Err(StoreError::Cache { op: "test", path: "/".into(), source: std::io::ErrorKind::Other.into() })
+        });
+        assert!(e.is_err());
+        // Wrong bytes are returned to the caller (who checks them) but never cached.
+        assert_eq!(cache.fetch_blob(&d, || Ok(b"y".to_vec())).unwrap(), b"y");
+        assert!(!cache.blob_path(&d).exists());
+        assert_eq!(cache.fetch_blob(&d, || Ok(b"x".to_vec())).unwrap(), b"x");
+        assert_eq!(cache.fetch_blob(&d, || panic!("a hit must not fetch")).unwrap(), b"x");
+    }
+
+    #[test]
+    fn a_temp_file_is_removed_only_once_its_writer_is_gone() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = DiskCache::open(&CacheConfig::new(dir.path())).unwrap();
+        let path = cache.root().join("tmp/1-2-3.tmp");
+        let f = fs::File::create(&path).unwrap();
+        lock::hold_temp(&f).unwrap();
+        fs::write(&path, b"partial").unwrap();
+        assert_eq!(cache.remove_abandoned_temps(), (0, 0), "a live writer's file stays");
+        drop(f);
+        assert_eq!(cache.remove_abandoned_temps(), (1, 7));
+        assert!(!path.exists());
     }
 
     #[test]
