@@ -41,7 +41,7 @@ mod reader;
 mod registry;
 mod source;
 
-pub use cache::{CacheConfig, CachedSource, CachedStore, DiskCache};
+pub use cache::{CacheConfig, CacheStats, CachedSource, CachedStore, DiskCache, Leftovers};
 pub use error::StoreError;
 pub use export::{export_raw, ExportProgress, ExportStats};
 pub use http::{HttpConfig, HttpError, HttpStore, RetryPolicy, MAX_HTTP_BLOB};

@@ -79,6 +79,17 @@ struct Inner {
     stats: Counters,
 }
 
+/// What [`DiskCache::remove_leftovers`] removed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Leftovers {
+    /// Temp files of writers that died before publishing.
+    pub temp_files: u64,
+    /// Their bytes.
+    pub temp_bytes: u64,
+    /// Lock files nobody held.
+    pub lock_files: u64,
+}
+
 /// What a [`DiskCache`] did since it was opened (this process only).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CacheStats {
@@ -133,27 +144,37 @@ impl DiskCache {
                 stats: Counters::default(),
             }),
         };
-        cache.remove_abandoned_temps();
+        cache.remove_leftovers();
         Ok(cache)
     }
 
-    /// Remove the temp files of writers that died before their rename (nobody holds their
-    /// flock). Returns how many files and bytes went.
-    pub fn remove_abandoned_temps(&self) -> (u64, u64) {
-        let (mut files, mut bytes) = (0, 0);
-        let Ok(dir) = fs::read_dir(self.inner.root.join("tmp")) else { return (0, 0) };
-        for entry in dir.flatten() {
-            let path = entry.path();
-            if lock::temp_is_abandoned(&path).unwrap_or(false) {
-                let len = entry.metadata().map_or(0, |m| m.len());
-                if fs::remove_file(&path).is_ok() {
-                    debug!(path = %path.display(), "removed a temp file left by a dead writer");
-                    files += 1;
-                    bytes += len;
+    /// Remove what killed processes left: temp files of writers that died before their rename
+    /// (nobody holds their flock) and lock files nobody holds. Cheap when there is nothing: two
+    /// directory listings.
+    pub fn remove_leftovers(&self) -> Leftovers {
+        let mut out = Leftovers::default();
+        if let Ok(dir) = fs::read_dir(self.inner.root.join("tmp")) {
+            for entry in dir.flatten() {
+                let path = entry.path();
+                if lock::temp_is_abandoned(&path).unwrap_or(false) {
+                    let len = entry.metadata().map_or(0, |m| m.len());
+                    if fs::remove_file(&path).is_ok() {
+                        debug!(path = %path.display(), "removed a temp file left by a dead writer");
+                        out.temp_files += 1;
+                        out.temp_bytes += len;
+                    }
                 }
             }
         }
-        (files, bytes)
+        if let Ok(dir) = fs::read_dir(self.inner.root.join("locks")) {
+            for entry in dir.flatten() {
+                if let Ok(Some(mut free)) = EntryLock::try_acquire_existing(&entry.path()) {
+                    free.remove_on_drop();
+                    out.lock_files += 1;
+                }
+            }
+        }
+        out
     }
 
     /// The bound on cached bytes, if any.
@@ -694,10 +715,16 @@ mod tests {
         let f = fs::File::create(&path).unwrap();
         lock::hold_temp(&f).unwrap();
         fs::write(&path, b"partial").unwrap();
-        assert_eq!(cache.remove_abandoned_temps(), (0, 0), "a live writer's file stays");
+        let held = cache.root().join("locks/blob-x");
+        let lock = EntryLock::acquire(&held).unwrap();
+        fs::write(cache.root().join("locks/blob-y"), b"").unwrap();
+        let none = Leftovers { temp_files: 0, temp_bytes: 0, lock_files: 1 };
+        assert_eq!(cache.remove_leftovers(), none, "a live writer's file and a held lock stay");
+        assert!(path.exists() && held.exists());
         drop(f);
-        assert_eq!(cache.remove_abandoned_temps(), (1, 7));
-        assert!(!path.exists());
+        drop(lock);
+        assert_eq!(cache.remove_leftovers(), Leftovers { temp_files: 1, temp_bytes: 7, lock_files: 1 });
+        assert!(!path.exists() && !held.exists());
     }
 
     #[test]
