@@ -186,7 +186,13 @@ fn corrupt_chunks_are_refetched_and_bad_origin_bytes_fail_with_eio() -> Result<(
     let pack_uri =
         format!("/store/blobs/sha256/{}", pack.file_name().context("pack name")?.to_string_lossy());
     let cache2 = f.t.path().join("cache2");
-    let d = Daemon::start("demo", &url, &socket, &["--read-only", "--cache-dir", path_str(&cache2)?])?;
+    // Without readahead, so that every GET of the corrupt chunk is a demand read's.
+    let d = Daemon::start(
+        "demo",
+        &url,
+        &socket,
+        &["--read-only", "--readahead", "0", "--cache-dir", path_str(&cache2)?],
+    )?;
     let mut client = BlkClient::connect(d.socket(), 1, true)?;
     let (whole, failed) = client.read_device(MIB, 8)?;
     ensure!(!failed.is_empty(), "a corrupt chunk at the origin must fail some read");

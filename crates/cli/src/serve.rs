@@ -10,10 +10,12 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
+use tessera_image::Profile;
 use tessera_image::{ImageId, BLOCK_SIZE};
-use tessera_store::{ChunkSource, ImageReader, LocalStore, OpenImage, StoreLocation};
+use tessera_store::{ChunkSource, ImageReader, LocalStore, OpenImage, ReadStore, StoreLocation};
 use tessera_vhost::{
-    DeviceConfig, Disk, MemTier, Overlay, OverlayMode, OverlayParams, Server, DEFAULT_SOCKET_MODE, MAX_QUEUES,
+    DeviceConfig, Disk, FetchLimits, MemTier, Overlay, OverlayMode, OverlayParams, Server,
+    DEFAULT_LOCAL_FETCH_JOBS, DEFAULT_REMOTE_FETCH_JOBS, DEFAULT_SOCKET_MODE, MAX_QUEUES,
 };
 
 use crate::trace::TraceSession;
@@ -39,8 +41,11 @@ go through the host disk cache (shared by every image and daemon on the host), s
 serves with the origin down; without it chunks are kept in memory only.\n\
 \n\
 Reads are served from the memory tier (decoded, verified chunks; --mem-cache bytes, default 256M); \
-a read needing a chunk not in memory is finished by a fetch thread and completes out of order, so \
-it never stalls the other requests of its queue. Every chunk is checked against its blake3 id \
+a read needing chunks not in memory completes out of order once they are fetched, so it never \
+stalls the other requests of its queue. Up to --fetch-jobs chunks are fetched at once, each once \
+however many reads want it; guest reads go first, then readahead of the next chunks of a file \
+being read sequentially (--readahead), then the image's prefetch profile if it has one (capped \
+by --prefetch-rate; --no-prefetch turns it off). Every chunk is checked against its blake3 id \
 whatever tier it comes from; one that fails is dropped and fetched once more from the origin, and \
 if that fails too the read fails with an I/O error (VIRTIO_BLK_S_IOERR) — never wrong bytes.\n\
 \n\
@@ -72,6 +77,23 @@ pub struct ServeArgs {
     /// Memory tier: bytes of decoded chunks kept in memory (e.g. 512M, 2G; 0 keeps none).
     #[arg(long, value_name = "SIZE", default_value = "256M", value_parser = crate::parse_size_arg)]
     mem_cache: u64,
+    /// Concurrent chunk fetches (threads): the chunks of reads missing memory are fetched in
+    /// parallel, each once however many reads wait for it. Default: 4 for a local store, 64 for
+    /// a remote one (enough to hide the origin's round trip for a queue full of cold reads).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=1024))]
+    fetch_jobs: Option<u16>,
+    /// Sequential reads within a file fetch up to this many bytes of the file's next chunks
+    /// ahead, in the background (0 turns readahead off).
+    #[arg(long, value_name = "SIZE", default_value = "2M", value_parser = crate::parse_size_arg)]
+    readahead: u64,
+    /// Bandwidth cap for background fetches (readahead and profile prefetch), in stored bytes
+    /// per second (e.g. 20M). Default: no cap. Demand fetches are never capped and always go
+    /// first; background fetches use at most a quarter of --fetch-jobs.
+    #[arg(long, value_name = "SIZE", value_parser = crate::parse_size_arg)]
+    prefetch_rate: Option<u64>,
+    /// Do not prefetch the chunks of the image's prefetch profile.
+    #[arg(long)]
+    no_prefetch: bool,
     /// Number of virtqueues offered, each served by its own thread (1 to 64).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=i64::from(MAX_QUEUES)))]
     queues: u16,
@@ -108,15 +130,28 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     // Take the ready fd first, so a bad one fails before anything else happens.
     let ready = args.ready_fd.map(take_fd).transpose()?;
 
-    let store = StoreLocation::parse(&args.store)?.open_read_store(args.cache.config().as_ref())?;
+    let location = StoreLocation::parse(&args.store)?;
+    let store = location.open_read_store(args.cache.config().as_ref())?;
     let id = store.resolve(&args.image).with_context(|| format!("store {}", store.describe()))?;
     let image = Arc::new(store.open_image(&id).with_context(|| format!("store {}", store.describe()))?);
     let source: Arc<dyn ChunkSource> = store.chunk_source(&image);
     let trace = args.record_trace.as_deref().map(|p| TraceSession::start(p, id, &image.record().block_map));
     let trace = trace.transpose()?;
-    let mut tier = MemTier::new(ImageReader::new(image, source), args.mem_cache);
+    let default_jobs =
+        if location.local_path().is_some() { DEFAULT_LOCAL_FETCH_JOBS } else { DEFAULT_REMOTE_FETCH_JOBS };
+    let limits = FetchLimits {
+        background_bytes_per_sec: args.prefetch_rate.filter(|&r| r > 0),
+        ..FetchLimits::new(args.fetch_jobs.map_or(default_jobs, usize::from))
+    };
+    let mut tier = MemTier::new(ImageReader::new(Arc::clone(&image), source), args.mem_cache)
+        .with_fetcher(limits)
+        .context("starting the chunk fetch threads")?
+        .with_readahead(args.readahead);
     if let Some(t) = &trace {
         tier = tier.with_trace(t.recorder());
+    }
+    if !args.no_prefetch {
+        start_prefetch(&*store, &image, &tier);
     }
     let reader = Arc::new(tier);
     let device = DeviceConfig::new(&id, reader.device_bytes(), args.queues, args.read_only);
@@ -159,6 +194,28 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     result.with_context(|| format!("serving {id}"))?;
     traced?;
     Ok(())
+}
+
+/// Queue the chunks of the image's prefetch profile, if the entry names one, for background
+/// fetching. A profile that cannot be read or does not fit the image is logged and ignored: it
+/// only ever makes things faster.
+fn start_prefetch<S: ChunkSource>(store: &dyn ReadStore, image: &OpenImage, tier: &MemTier<S>) {
+    let Some(digest) = image.entry().profile else { return };
+    let profile = store
+        .read_blob(&digest)
+        .map_err(|e| e.to_string())
+        .and_then(|bytes| Profile::decode(&bytes).map_err(|e| e.to_string()))
+        .and_then(|p| {
+            p.check_against(*image.id(), &image.record().block_map).map_err(|e| e.to_string())?;
+            Ok(p)
+        });
+    match profile {
+        Ok(p) => {
+            let queued = tier.prefetch(p.entries().iter().map(|e| e.chunk));
+            tracing::info!(profile = %digest, chunks = p.entries().len(), queued, "prefetching the profile");
+        }
+        Err(e) => tracing::warn!(profile = %digest, error = %e, "ignoring the prefetch profile"),
+    }
 }
 
 /// `tessera export --overlay FILE`: write the overlay's blocks over an exported base image at

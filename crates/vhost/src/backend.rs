@@ -220,19 +220,33 @@ impl BlkBackend {
         };
         trace!(queue, head, "deferred read");
         let inner = Arc::clone(&self.inner);
-        let job: crate::fetch::Job = Box::new(move || {
-            let done = read.finish(&*mem, &inner.disk);
-            drop(mem);
-            inner.complete(queue, generation, head, done.used_len);
-        });
-        if let Some(fetch) = &self.inner.fetch {
-            if let Err(job) = fetch.submit(job) {
-                // The pool is gone (shutting down): finish it here.
-                job();
-            }
-        } else {
-            job();
-        }
+        let (offset, len) = read.range();
+        // The chunks the read needs are fetched in the background (in parallel, once each,
+        // when the source can); then the fetch pool copies them into the guest's buffers.
+        self.inner.disk.fetch_ahead(
+            offset,
+            len,
+            Box::new(move |fetched| {
+                let fetch = inner.fetch.clone();
+                let job: crate::fetch::Job = Box::new(move || {
+                    let done = match fetched {
+                        Ok(()) => read.finish(&*mem, &inner.disk),
+                        Err(e) => read.fail(&*mem, e),
+                    };
+                    drop(mem);
+                    inner.complete(queue, generation, head, done.used_len);
+                });
+                match fetch {
+                    Some(pool) => {
+                        if let Err(job) = pool.submit(job) {
+                            // The pool is gone (shutting down): finish it here.
+                            job();
+                        }
+                    }
+                    None => job(),
+                }
+            }),
+        );
     }
 
     /// Add the reads the fetch pool finished to the used ring, under one lock, and signal once.

@@ -9,6 +9,7 @@ use vm_memory::{Bytes, GuestAddress, GuestMemory};
 
 use crate::config::DeviceConfig;
 use crate::error::{RequestError, Status};
+use crate::fetcher::FetchDone;
 use crate::overlay::{Overlay, OverlayError};
 use crate::plan::{plan, Plan};
 use crate::request::{parse, GuestSeg, Parsed, RequestKind};
@@ -57,6 +58,15 @@ impl Disk {
         match self {
             Disk::ReadOnly(s) => s.visit(offset, len, fetch, sink),
             Disk::Overlay(o) => o.visit(offset, len, fetch, sink),
+        }
+    }
+
+    /// Fetch ahead what a read of `[offset, offset + len)` needs (see
+    /// [`BlockSource::fetch_ahead`]).
+    pub fn fetch_ahead(&self, offset: u64, len: u64, done: FetchDone) {
+        match self {
+            Disk::ReadOnly(s) => s.fetch_ahead(offset, len, done),
+            Disk::Overlay(o) => o.fetch_ahead(offset, len, done),
         }
     }
 
@@ -274,6 +284,16 @@ pub struct DeferredRead {
 }
 
 impl DeferredRead {
+    /// The device range read: `(offset, len)`.
+    pub fn range(&self) -> (u64, u64) {
+        (self.offset, self.len)
+    }
+
+    /// Fail the read with `error` (its chunks could not be fetched): write the status byte.
+    pub fn fail<M: GuestMemory + ?Sized>(self, mem: &M, error: Arc<tessera_store::StoreError>) -> Completion {
+        complete(mem, self.status, Err(RequestError::Read { offset: self.offset, source: error }))
+    }
+
     /// Fetch what is missing (blocking), copy the bytes into the guest's buffers, write the
     /// status byte.
     pub fn finish<M: GuestMemory + ?Sized>(self, mem: &M, disk: &Disk) -> Completion {

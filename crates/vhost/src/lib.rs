@@ -40,6 +40,7 @@ pub mod config;
 pub mod error;
 pub mod execute;
 pub mod fetch;
+pub mod fetcher;
 pub mod overlay;
 pub mod plan;
 pub mod request;
@@ -53,9 +54,13 @@ pub use config::{serial_for, DeviceConfig, BLK_SIZE, MAX_QUEUES, MAX_QUEUE_SIZE}
 pub use error::{DropReason, RequestError, ServeError, Status};
 pub use execute::{serve_chain, start_chain, Completion, DeferredRead, Disk, Executed, Started};
 pub use fetch::{FetchHandle, FetchPool, DEFAULT_FETCH_THREADS};
+pub use fetcher::{
+    ChunkFetcher, FetchDone, FetchLimits, FetchResult, FetcherStats, Priority, DEFAULT_LOCAL_FETCH_JOBS,
+    DEFAULT_REMOTE_FETCH_JOBS,
+};
 pub use overlay::{Mode as OverlayMode, Overlay, OverlayError, OverlayParams};
 pub use request::{Parsed, Request, RequestKind};
 pub use server::{Server, StopHandle, DEFAULT_SOCKET_MODE};
 pub use source::{BlockSource, BufSink, Sink, Visit};
-pub use tier::{MemTier, TierStats, DEFAULT_MEM_CACHE};
+pub use tier::{MemTier, TierStats, DEFAULT_MEM_CACHE, DEFAULT_READAHEAD};
 pub use trace::{TraceError, TraceRecorder};

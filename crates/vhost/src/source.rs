@@ -6,6 +6,7 @@ use std::sync::Arc;
 use tessera_store::{ChunkSource, ImageReader, StoreError};
 
 use crate::error::RequestError;
+use crate::fetcher::FetchDone;
 
 /// Where the bytes of a read go, in device order (the guest's buffers, or a plain buffer).
 pub trait Sink {
@@ -47,6 +48,15 @@ pub trait BlockSource: Send + Sync {
         }
         Ok(Visit::Done)
     }
+
+    /// Start fetching, off the calling thread, what `[offset, offset + len)` needs that is not
+    /// in memory, and call `done` once it all is (with the error if a fetch failed, after its
+    /// retry). A source that cannot fetch in the background calls `done(Ok(()))` at once, and the
+    /// read then fetches inline (a [`Self::visit`] with `fetch`).
+    fn fetch_ahead(&self, offset: u64, len: u64, done: FetchDone) {
+        let _ = (offset, len);
+        done(Ok(()))
+    }
 }
 
 impl<S: ChunkSource> BlockSource for ImageReader<S> {
@@ -62,6 +72,10 @@ impl<T: BlockSource + ?Sized> BlockSource for Arc<T> {
 
     fn visit(&self, offset: u64, len: u64, fetch: bool, sink: &mut dyn Sink) -> Result<Visit, RequestError> {
         (**self).visit(offset, len, fetch, sink)
+    }
+
+    fn fetch_ahead(&self, offset: u64, len: u64, done: FetchDone) {
+        (**self).fetch_ahead(offset, len, done)
     }
 }
 

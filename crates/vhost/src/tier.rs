@@ -2,20 +2,34 @@
 //! of an [`ImageReader`]'s chunk source. Reads are served straight out of the cached chunks into
 //! the guest's buffers ([`BlockSource::visit`]); a read that needs a chunk not in memory is
 //! reported as [`Visit::Missing`] so the daemon can fetch it off the queue thread.
+//!
+//! With a [`ChunkFetcher`] ([`MemTier::with_fetcher`]) the chunks a deferred read needs are
+//! fetched in parallel, once each however many reads wait for them
+//! ([`BlockSource::fetch_ahead`]); sequential reads within a file fetch the next chunks ahead
+//! ([`MemTier::with_readahead`]); and a prefetch profile's chunks can be fetched in the
+//! background ([`MemTier::prefetch`]). Demand fetches always go first.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use moka::sync::Cache;
-use tessera_image::SegmentSource;
+use tessera_image::{ChunkId, SegmentSource};
 use tessera_store::{ChunkSource, ImageReader, StoreError};
 
 use crate::error::RequestError;
+use crate::fetcher::{ChunkFetcher, FetchDone, FetchLimits, FetcherStats, Priority};
 use crate::source::{BlockSource, BufSink, Sink, Visit};
 use crate::trace::TraceRecorder;
 
 /// `--mem-cache` unless told otherwise: 256 MiB of decoded chunks.
 pub const DEFAULT_MEM_CACHE: u64 = 256 << 20;
+
+/// `--readahead` unless told otherwise: bytes fetched ahead of a sequential reader.
+pub const DEFAULT_READAHEAD: u64 = 2 << 20;
+
+/// Sequential streams remembered for readahead (several guest processes reading files at once).
+const STREAMS: usize = 16;
 
 /// Counters of a [`MemTier`].
 #[derive(Debug, Default)]
@@ -30,72 +44,63 @@ pub struct TierStats {
     pub fetched_bytes: AtomicU64,
     /// Chunks fetched a second time because the first copy failed verification.
     pub refetches: AtomicU64,
+    /// Chunks queued for readahead.
+    pub readahead_chunks: AtomicU64,
+    /// Chunks queued for profile prefetch.
+    pub prefetch_chunks: AtomicU64,
 }
 
 /// An image's device bytes with a byte-weighted memory tier of decoded chunks.
 pub struct MemTier<S> {
+    core: Arc<Core<S>>,
+    fetcher: Option<ChunkFetcher>,
+    readahead: u64,
+    /// End offsets of recent reads: a read starting at one of them is sequential.
+    streams: Mutex<Streams>,
+    trace: Option<Arc<TraceRecorder>>,
+}
+
+struct Core<S> {
     reader: ImageReader<S>,
     cache: Cache<u32, Arc<[u8]>>,
     capacity: u64,
     stats: TierStats,
-    trace: Option<Arc<TraceRecorder>>,
+}
+
+#[derive(Default)]
+struct Streams {
+    ends: [u64; STREAMS],
+    next: usize,
+}
+
+impl Streams {
+    /// Record a read `[offset, end)`; whether it continues an earlier one.
+    fn note(&mut self, offset: u64, end: u64) -> bool {
+        if offset > 0 {
+            if let Some(e) = self.ends.iter_mut().find(|e| **e == offset) {
+                *e = end;
+                return true;
+            }
+        }
+        self.ends[self.next] = end;
+        self.next = (self.next + 1) % STREAMS;
+        false
+    }
 }
 
 impl<S> std::fmt::Debug for MemTier<S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MemTier")
-            .field("capacity", &self.capacity)
-            .field("weighted_size", &self.cache.weighted_size())
-            .field("stats", &self.stats)
+            .field("capacity", &self.core.capacity)
+            .field("weighted_size", &self.core.cache.weighted_size())
+            .field("stats", &self.core.stats)
+            .field("fetcher", &self.fetcher)
+            .field("readahead", &self.readahead)
             .finish_non_exhaustive()
     }
 }
 
-impl<S: ChunkSource> MemTier<S> {
-    /// Serve `reader`'s image keeping up to `capacity` bytes of decoded chunks in memory (0
-    /// keeps none: every chunk read goes to the source). The reader's own small chunk cache is
-    /// turned off.
-    pub fn new(reader: ImageReader<S>, capacity: u64) -> Self {
-        let cache = Cache::builder()
-            .weigher(|_: &u32, v: &Arc<[u8]>| u32::try_from(v.len()).unwrap_or(u32::MAX))
-            .max_capacity(capacity)
-            .build();
-        Self {
-            reader: reader.with_cache_capacity(0),
-            cache,
-            capacity,
-            stats: TierStats::default(),
-            trace: None,
-        }
-    }
-
-    /// Record the first touch of every chunk a read needs (`--record-trace`).
-    pub fn with_trace(mut self, trace: Arc<TraceRecorder>) -> Self {
-        self.trace = Some(trace);
-        self
-    }
-
-    /// The reader underneath.
-    pub fn reader(&self) -> &ImageReader<S> {
-        &self.reader
-    }
-
-    /// Device size in bytes.
-    pub fn device_bytes(&self) -> u64 {
-        self.reader.device_bytes()
-    }
-
-    /// Counters.
-    pub fn stats(&self) -> &TierStats {
-        &self.stats
-    }
-
-    /// Bytes of decoded chunks held.
-    pub fn weighted_size(&self) -> u64 {
-        self.cache.run_pending_tasks();
-        self.cache.weighted_size()
-    }
-
+impl<S: ChunkSource> Core<S> {
     /// Chunk `index` if it is in memory.
     fn cached(&self, index: u32) -> Option<Arc<[u8]>> {
         let hit = self.cache.get(&index);
@@ -104,9 +109,7 @@ impl<S: ChunkSource> MemTier<S> {
         hit
     }
 
-    /// Chunk `index`, fetched, decoded and verified if it is not in memory (concurrent callers
-    /// of the same chunk share one fetch, and its error).
-    pub fn chunk(&self, index: u32) -> Result<Arc<[u8]>, Arc<StoreError>> {
+    fn chunk(&self, index: u32) -> Result<Arc<[u8]>, Arc<StoreError>> {
         if let Some(hit) = self.cached(index) {
             return Ok(hit);
         }
@@ -127,30 +130,231 @@ impl<S: ChunkSource> MemTier<S> {
             Ok::<_, StoreError>(Arc::<[u8]>::from(data))
         })
     }
+
+    /// Stored bytes of chunk `index` (what fetching it costs the origin).
+    fn stored_len(&self, index: u32) -> u64 {
+        self.reader.image().chunk_location(index).map_or(0, |(_, _, loc)| u64::from(loc.stored_len))
+    }
+
+    /// The chunks `[offset, offset + len)` needs that are not in memory, in device order.
+    fn missing(&self, offset: u64, len: u64) -> Result<Vec<u32>, StoreError> {
+        let plan =
+            self.reader.image().record().block_map.plan(offset, len).map_err(StoreError::OutOfRange)?;
+        let mut out: Vec<u32> = Vec::new();
+        for seg in plan {
+            if let SegmentSource::Chunk { chunk, .. } = seg.source {
+                if out.last() != Some(&chunk) && !self.cache.contains_key(&chunk) {
+                    out.push(chunk);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// The chunks after device byte `end` in the same file, up to `window` bytes: nothing if
+    /// the chunk ending at `end` is a file's last (shorter than the chunk size); stops after the
+    /// first short chunk and at anything that is not file data.
+    fn chunks_after(&self, end: u64, window: u64) -> Vec<u32> {
+        let image = self.reader.image();
+        let record = image.record();
+        let map = &record.block_map;
+        let chunk_size = record.options.chunk_size;
+        let chunks = map.chunks();
+        let full = |c: u32| chunks.get(c as usize).is_some_and(|r| r.len >= chunk_size);
+        let window = window.min(image.device_bytes().saturating_sub(end));
+        if end == 0 || window == 0 {
+            return Vec::new();
+        }
+        let last = match map.plan(end - 1, 1).ok().and_then(|mut p| p.next()) {
+            Some(seg) => match seg.source {
+                SegmentSource::Chunk { chunk, .. } => chunk,
+                _ => return Vec::new(),
+            },
+            None => return Vec::new(),
+        };
+        if !full(last) {
+            return Vec::new();
+        }
+        let Ok(plan) = map.plan(end, window) else { return Vec::new() };
+        let mut out: Vec<u32> = Vec::new();
+        for seg in plan {
+            let SegmentSource::Chunk { chunk, .. } = seg.source else { break };
+            if chunk == last || out.last() == Some(&chunk) {
+                continue;
+            }
+            out.push(chunk);
+            if !full(chunk) {
+                break;
+            }
+        }
+        out
+    }
+}
+
+impl<S: ChunkSource> MemTier<S> {
+    /// Serve `reader`'s image keeping up to `capacity` bytes of decoded chunks in memory (0
+    /// keeps none: every chunk read goes to the source). The reader's own small chunk cache is
+    /// turned off. Without [`Self::with_fetcher`], reads missing memory fetch their chunks one
+    /// by one on the daemon's fetch pool, and there is no readahead or prefetch.
+    pub fn new(reader: ImageReader<S>, capacity: u64) -> Self {
+        let cache = Cache::builder()
+            .weigher(|_: &u32, v: &Arc<[u8]>| u32::try_from(v.len()).unwrap_or(u32::MAX))
+            .max_capacity(capacity)
+            .build();
+        let core =
+            Core { reader: reader.with_cache_capacity(0), cache, capacity, stats: TierStats::default() };
+        Self { core: Arc::new(core), fetcher: None, readahead: 0, streams: Mutex::default(), trace: None }
+    }
+
+    /// Record the first touch of every chunk a read needs (`--record-trace`).
+    pub fn with_trace(self, trace: Arc<TraceRecorder>) -> Self {
+        Self { trace: Some(trace), ..self }
+    }
+
+    /// Fetch chunks on a [`ChunkFetcher`] with `limits`: the chunks of a read missing memory in
+    /// parallel, each once, demand before background.
+    pub fn with_fetcher(self, limits: FetchLimits) -> std::io::Result<Self>
+    where
+        S: 'static,
+    {
+        let (fetch_core, cost_core) = (Arc::clone(&self.core), Arc::clone(&self.core));
+        let fetcher = ChunkFetcher::start(
+            limits,
+            move |c| fetch_core.chunk(c).map(|_| ()),
+            move |c| cost_core.stored_len(c),
+        )?;
+        Ok(Self { fetcher: Some(fetcher), ..self })
+    }
+
+    /// Fetch up to `bytes` of the following chunks of the same file in the background when a
+    /// read continues the previous one (needs a fetcher; 0 turns readahead off).
+    pub fn with_readahead(self, bytes: u64) -> Self {
+        Self { readahead: bytes, ..self }
+    }
+
+    /// The reader underneath.
+    pub fn reader(&self) -> &ImageReader<S> {
+        &self.core.reader
+    }
+
+    /// Device size in bytes.
+    pub fn device_bytes(&self) -> u64 {
+        self.core.reader.device_bytes()
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> &TierStats {
+        &self.core.stats
+    }
+
+    /// The fetcher's counters, if there is one.
+    pub fn fetcher_stats(&self) -> Option<&FetcherStats> {
+        self.fetcher.as_ref().map(ChunkFetcher::stats)
+    }
+
+    /// Chunk fetches queued or running.
+    pub fn pending_fetches(&self) -> usize {
+        self.fetcher.as_ref().map_or(0, ChunkFetcher::pending)
+    }
+
+    /// Bytes of decoded chunks held.
+    pub fn weighted_size(&self) -> u64 {
+        self.core.cache.run_pending_tasks();
+        self.core.cache.weighted_size()
+    }
+
+    /// Whether chunk `index` is in memory (no statistics counted).
+    pub fn contains(&self, index: u32) -> bool {
+        self.core.cache.contains_key(&index)
+    }
+
+    /// Chunk `index`, fetched, decoded and verified if it is not in memory (concurrent callers
+    /// of the same chunk share one fetch, and its error). A chunk failing verification is
+    /// fetched once more before the error is returned.
+    pub fn chunk(&self, index: u32) -> Result<Arc<[u8]>, Arc<StoreError>> {
+        self.core.chunk(index)
+    }
+
+    /// Queue the chunks `ids` names (a prefetch profile, in fetch order) for background fetching
+    /// behind demand and readahead fetches. Chunks the image lacks or memory holds are skipped;
+    /// at most half the memory tier's capacity is queued, so prefetching never evicts what it
+    /// fetched (nor much of what the guest read). Returns the number of chunks queued; 0 without
+    /// a fetcher.
+    pub fn prefetch(&self, ids: impl IntoIterator<Item = ChunkId>) -> usize {
+        let Some(f) = &self.fetcher else { return 0 };
+        let map = &self.core.reader.image().record().block_map;
+        let mut index: HashMap<ChunkId, u32> = HashMap::with_capacity(map.chunks().len());
+        for (i, c) in map.chunks().iter().enumerate() {
+            if let Ok(i) = u32::try_from(i) {
+                index.entry(c.id).or_insert(i);
+            }
+        }
+        let budget = self.core.capacity / 2;
+        let mut bytes = 0u64;
+        let mut queued = Vec::new();
+        for id in ids {
+            let Some(&i) = index.get(&id) else { continue };
+            if self.contains(i) {
+                continue;
+            }
+            let len = map.chunks().get(i as usize).map_or(0, |c| u64::from(c.len));
+            if bytes + len > budget {
+                break;
+            }
+            bytes += len;
+            queued.push(i);
+        }
+        f.fetch(&queued, Priority::Prefetch, None);
+        self.core.stats.prefetch_chunks.fetch_add(queued.len() as u64, Ordering::Relaxed);
+        queued.len()
+    }
+
+    /// A read of `[offset, offset + len)` arrived: if it continues an earlier one, queue the
+    /// next chunks of the file for readahead.
+    fn note_read(&self, offset: u64, len: u64) {
+        let Some(f) = &self.fetcher else { return };
+        if self.readahead == 0 || len == 0 {
+            return;
+        }
+        let end = offset.saturating_add(len);
+        let sequential = self.streams.lock().unwrap_or_else(|p| p.into_inner()).note(offset, end);
+        if !sequential {
+            return;
+        }
+        let ahead: Vec<u32> =
+            self.core.chunks_after(end, self.readahead).into_iter().filter(|&c| !self.contains(c)).collect();
+        if !ahead.is_empty() {
+            self.core.stats.readahead_chunks.fetch_add(ahead.len() as u64, Ordering::Relaxed);
+            f.fetch(&ahead, Priority::Readahead, None);
+        }
+    }
 }
 
 impl<S: ChunkSource> BlockSource for MemTier<S> {
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), StoreError> {
         let len = buf.len() as u64;
+        let image = *self.core.reader.image().id();
         match self.visit(offset, len, true, &mut BufSink::new(buf)) {
             Ok(_) => Ok(()),
-            Err(RequestError::Read { source, .. }) => Err(Arc::try_unwrap(source).unwrap_or_else(|e| {
-                StoreError::Inconsistent { image: *self.reader.image().id(), reason: e.to_string() }
-            })),
-            Err(e) => {
-                Err(StoreError::Inconsistent { image: *self.reader.image().id(), reason: e.to_string() })
-            }
+            Err(RequestError::Read { source, .. }) => Err(Arc::try_unwrap(source)
+                .unwrap_or_else(|e| StoreError::Inconsistent { image, reason: e.to_string() })),
+            Err(e) => Err(StoreError::Inconsistent { image, reason: e.to_string() }),
         }
     }
 
     fn visit(&self, offset: u64, len: u64, fetch: bool, sink: &mut dyn Sink) -> Result<Visit, RequestError> {
-        let image = self.reader.image();
+        let image = self.core.reader.image();
         let read_err = |at: u64, e: StoreError| RequestError::Read { offset: at, source: Arc::new(e) };
         let plan = image
             .record()
             .block_map
             .plan(offset, len)
             .map_err(|e| read_err(offset, StoreError::OutOfRange(e)))?;
+        if !fetch {
+            // The first visit of every guest read (the queue thread's); a deferred read's second
+            // visit (with `fetch`) must not count it twice.
+            self.note_read(offset, len);
+        }
         let mut at = offset;
         for seg in plan {
             match seg.source {
@@ -171,9 +375,9 @@ impl<S: ChunkSource> BlockSource for MemTier<S> {
                         trace.touch(chunk);
                     }
                     let data = if fetch {
-                        self.chunk(chunk).map_err(|source| RequestError::Read { offset: at, source })?
+                        self.core.chunk(chunk).map_err(|source| RequestError::Read { offset: at, source })?
                     } else {
-                        match self.cached(chunk) {
+                        match self.core.cached(chunk) {
                             Some(d) => d,
                             None => return Ok(Visit::Missing),
                         }
@@ -190,5 +394,13 @@ impl<S: ChunkSource> BlockSource for MemTier<S> {
             at += seg.len;
         }
         Ok(Visit::Done)
+    }
+
+    fn fetch_ahead(&self, offset: u64, len: u64, done: FetchDone) {
+        let Some(f) = &self.fetcher else { return done(Ok(())) };
+        match self.core.missing(offset, len) {
+            Ok(chunks) => f.fetch(&chunks, Priority::Demand, Some(done)),
+            Err(e) => done(Err(Arc::new(e))),
+        }
     }
 }

@@ -13,7 +13,7 @@ use blkio::ReqFlags;
 use common::{fixture, reader, Client, Running};
 use tessera_image::{SegmentSource, Sha256Digest};
 use tessera_store::{ChunkSource, ImageReader, LocalStore, OpenImage, StoreError};
-use tessera_vhost::{DeviceConfig, Disk, MemTier};
+use tessera_vhost::{DeviceConfig, Disk, FetchLimits, MemTier};
 
 /// A chunk source whose read of one pack range blocks until [`Gate::open`].
 struct Gated {
@@ -66,8 +66,24 @@ fn chunk_at(r: &ImageReader<LocalStore>, offset: u64) -> Option<u32> {
     }
 }
 
+/// The memory tier over `source`: reads missing it fetch inline on the fetch pool, or (with
+/// `fetcher`) on the chunk fetcher's threads.
+fn tier(f: &common::Fixture, source: Gated, fetcher: bool) -> Arc<MemTier<Gated>> {
+    let t = MemTier::new(ImageReader::new(OpenImage::open(&f.store, &f.id).unwrap(), source), 64 << 20);
+    Arc::new(if fetcher { t.with_fetcher(FetchLimits::new(4)).unwrap() } else { t })
+}
+
 #[test]
 fn a_slow_fetch_does_not_stall_the_queue() {
+    slow_fetch(false)
+}
+
+#[test]
+fn a_slow_fetch_does_not_stall_the_queue_with_the_chunk_fetcher() {
+    slow_fetch(true)
+}
+
+fn slow_fetch(fetcher: bool) {
     let f = fixture();
     let plain = reader(&f.store, &f.id);
     let g = plain.image().record().geometry;
@@ -87,8 +103,7 @@ fn a_slow_fetch_does_not_stall_the_queue() {
     let (_, pack, loc) = plain.image().chunk_location(slow_chunk).unwrap();
     let gate = Arc::new(Gate::default());
     let source = Gated { inner: f.store.clone(), held: (pack, loc.offset), gate: Arc::clone(&gate) };
-    let tier =
-        Arc::new(MemTier::new(ImageReader::new(OpenImage::open(&f.store, &f.id).unwrap(), source), 64 << 20));
+    let tier = tier(&f, source, fetcher);
     let device = DeviceConfig::new(&f.id, tier.device_bytes(), 1, true);
     let server = Running::serve(&f.dir.path().join("async.sock"), device, Disk::ReadOnly(tier.clone()));
 
@@ -127,6 +142,15 @@ fn a_slow_fetch_does_not_stall_the_queue() {
 
 #[test]
 fn a_client_leaving_with_a_read_in_flight() {
+    client_leaving(false)
+}
+
+#[test]
+fn a_client_leaving_with_a_read_in_flight_with_the_chunk_fetcher() {
+    client_leaving(true)
+}
+
+fn client_leaving(fetcher: bool) {
     let f = fixture();
     let plain = reader(&f.store, &f.id);
     let g = plain.image().record().geometry;
@@ -136,8 +160,7 @@ fn a_client_leaving_with_a_read_in_flight() {
     let (_, pack, loc) = plain.image().chunk_location(slow_chunk).unwrap();
     let gate = Arc::new(Gate::default());
     let source = Gated { inner: f.store.clone(), held: (pack, loc.offset), gate: Arc::clone(&gate) };
-    let tier =
-        Arc::new(MemTier::new(ImageReader::new(OpenImage::open(&f.store, &f.id).unwrap(), source), 64 << 20));
+    let tier = tier(&f, source, fetcher);
     let device = DeviceConfig::new(&f.id, tier.device_bytes(), 1, true);
     let server = Running::serve(&f.dir.path().join("leave.sock"), device, Disk::ReadOnly(tier));
 

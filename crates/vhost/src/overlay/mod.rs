@@ -586,6 +586,12 @@ impl Overlay {
     /// tier). Without `fetch`, [`Visit::Missing`] when the base would have to fetch a chunk.
     /// The map's read lock is held throughout (a slot released meanwhile could otherwise be
     /// reused before it is read), so with `fetch` a writer waits for the base's fetch.
+    /// Fetch ahead what the base needs for `[offset, offset + len)` (see
+    /// [`BlockSource::fetch_ahead`]; blocks the overlay holds may be fetched needlessly).
+    pub fn fetch_ahead(&self, offset: u64, len: u64, done: crate::fetcher::FetchDone) {
+        self.base.fetch_ahead(offset, len, done)
+    }
+
     pub fn visit(
         &self,
         offset: u64,

@@ -1,0 +1,556 @@
+//! The chunk fetcher: a pool of threads fetching chunks into the memory tier, by priority.
+//!
+//! - **Demand** fetches (a guest read is waiting) always go first; any free thread takes one.
+//! - **Background** fetches (readahead, profile prefetch) run only when no demand fetch is
+//!   queued, at most [`FetchLimits::background_jobs`] at a time (so demand fetches always find
+//!   free threads) and within [`FetchLimits::background_bytes_per_sec`] of stored bytes.
+//! - **Single flight**: a chunk is fetched once however many reads (and background requests)
+//!   want it at the same time; every waiter is told when it arrives. A demand request for a chunk
+//!   still queued in the background promotes it.
+//!
+//! The fetcher knows chunks only by BlockMap index; what "fetch" means (the memory tier's
+//! verified fetch through the disk cache to the origin) is the closure it is built with.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use tessera_store::StoreError;
+use tracing::{trace, warn};
+
+/// What a waiter learns once every chunk it asked for is in memory (or one failed).
+pub type FetchResult = Result<(), Arc<StoreError>>;
+
+/// Called once the chunks a read needs are all fetched (or one failed), on a fetcher thread.
+pub type FetchDone = Box<dyn FnOnce(FetchResult) + Send>;
+
+/// Default number of fetcher threads for a local store (a `pread` each).
+pub const DEFAULT_LOCAL_FETCH_JOBS: usize = 4;
+/// Default number of fetcher threads for a remote store: enough concurrent requests to hide the
+/// origin's round trip for a queue full of cold reads (brief §7: 32 cold reads in ≤ 3 RTTs).
+pub const DEFAULT_REMOTE_FETCH_JOBS: usize = 64;
+
+/// Why a chunk is fetched, most urgent first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Priority {
+    /// A guest read waits for it.
+    Demand,
+    /// A sequential reader will want it soon (background: only when no demand fetch waits).
+    Readahead,
+    /// A prefetch profile names it (background, behind readahead).
+    Prefetch,
+}
+
+impl Priority {
+    fn queue(self) -> usize {
+        match self {
+            Priority::Demand => 0,
+            Priority::Readahead => 1,
+            Priority::Prefetch => 2,
+        }
+    }
+}
+
+/// How many fetches run at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FetchLimits {
+    /// Threads (concurrent fetches of any kind), at least 1.
+    pub jobs: usize,
+    /// Background fetches running at once (at most `jobs - 1` when `jobs > 1`, so demand
+    /// always has a thread).
+    pub background_jobs: usize,
+    /// Stored bytes per second background fetches may start (`None`: unlimited).
+    pub background_bytes_per_sec: Option<u64>,
+}
+
+impl FetchLimits {
+    /// `jobs` threads; a quarter of them (at least 1) for background fetches; no bandwidth cap.
+    pub fn new(jobs: usize) -> Self {
+        let jobs = jobs.max(1);
+        Self { jobs, background_jobs: (jobs / 4).max(1), background_bytes_per_sec: None }
+    }
+
+    fn background_cap(&self) -> usize {
+        let cap = self.background_jobs.max(1);
+        if self.jobs > 1 {
+            cap.min(self.jobs - 1)
+        } else {
+            cap
+        }
+    }
+}
+
+/// Counters of a [`ChunkFetcher`].
+#[derive(Debug, Default)]
+pub struct FetcherStats {
+    /// Demand fetches run.
+    pub demand: std::sync::atomic::AtomicU64,
+    /// Background fetches run.
+    pub background: std::sync::atomic::AtomicU64,
+    /// Requests for a chunk already being fetched or queued (single flight).
+    pub joined: std::sync::atomic::AtomicU64,
+    /// Queued fetches promoted to a more urgent priority before they started.
+    pub promoted: std::sync::atomic::AtomicU64,
+    /// Most fetches running at the same time.
+    pub max_running: AtomicUsize,
+}
+
+type FetchFn = dyn Fn(u32) -> FetchResult + Send + Sync;
+type CostFn = dyn Fn(u32) -> u64 + Send + Sync;
+
+/// The fetcher threads and their queues. Dropping it stops the threads once the demand queue is
+/// empty (queued background fetches are dropped); it does not join them (a thread may be the one
+/// dropping it, from a completion callback).
+pub struct ChunkFetcher {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for ChunkFetcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChunkFetcher").field("limits", &self.shared.limits).finish_non_exhaustive()
+    }
+}
+
+struct Shared {
+    limits: FetchLimits,
+    fetch: Box<FetchFn>,
+    cost: Box<CostFn>,
+    state: Mutex<State>,
+    wake: Condvar,
+    stats: FetcherStats,
+}
+
+struct State {
+    /// One queue per [`Priority`] (a promoted chunk also stays in its old queue, where it is
+    /// skipped once started).
+    queues: [VecDeque<u32>; 3],
+    entries: HashMap<u32, Entry>,
+    running: usize,
+    running_background: usize,
+    /// Background byte budget (token bucket; may go negative by one chunk).
+    tokens: f64,
+    refilled: Instant,
+    stopped: bool,
+}
+
+struct Entry {
+    started: bool,
+    priority: Priority,
+    waiters: Vec<Arc<Waiter>>,
+}
+
+/// One request waiting for several chunks.
+struct Waiter {
+    /// Chunks not arrived yet, plus one while they are being registered.
+    remaining: AtomicUsize,
+    error: Mutex<Option<Arc<StoreError>>>,
+    done: Mutex<Option<FetchDone>>,
+}
+
+impl Waiter {
+    fn arrived(&self, result: &FetchResult) {
+        if let Err(e) = result {
+            lock(&self.error).get_or_insert_with(|| Arc::clone(e));
+        }
+        if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+            let result = match lock(&self.error).take() {
+                Some(e) => Err(e),
+                None => Ok(()),
+            };
+            if let Some(done) = lock(&self.done).take() {
+                done(result);
+            }
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Every critical section leaves the state consistent.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl ChunkFetcher {
+    /// Start `limits.jobs` threads running `fetch(index)` (fetch chunk `index` into memory);
+    /// `cost(index)` is the chunk's stored size, charged against the background bandwidth.
+    pub fn start(
+        limits: FetchLimits,
+        fetch: impl Fn(u32) -> FetchResult + Send + Sync + 'static,
+        cost: impl Fn(u32) -> u64 + Send + Sync + 'static,
+    ) -> std::io::Result<Self> {
+        let limits = FetchLimits { jobs: limits.jobs.max(1), ..limits };
+        let shared = Arc::new(Shared {
+            limits,
+            fetch: Box::new(fetch),
+            cost: Box::new(cost),
+            state: Mutex::new(State {
+                queues: Default::default(),
+                entries: HashMap::new(),
+                running: 0,
+                running_background: 0,
+                tokens: 0.0,
+                refilled: Instant::now(),
+                stopped: false,
+            }),
+            wake: Condvar::new(),
+            stats: FetcherStats::default(),
+        });
+        for i in 0..limits.jobs {
+            let s = Arc::clone(&shared);
+            std::thread::Builder::new().name(format!("tessera-chunk-{i}")).spawn(move || s.run())?;
+        }
+        Ok(Self { shared })
+    }
+
+    /// The limits.
+    pub fn limits(&self) -> FetchLimits {
+        self.shared.limits
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> &FetcherStats {
+        &self.shared.stats
+    }
+
+    /// Whether chunk `index` is queued or being fetched.
+    pub fn is_pending(&self, index: u32) -> bool {
+        lock(&self.shared.state).entries.contains_key(&index)
+    }
+
+    /// Fetches queued or running.
+    pub fn pending(&self) -> usize {
+        lock(&self.shared.state).entries.len()
+    }
+
+    /// Fetch `chunks` (the caller has checked they are not in memory; one that arrived meanwhile
+    /// costs a memory lookup) with `priority`; call `done` once all are in (or one failed). With
+    /// no chunks, `done` runs at once on this thread.
+    pub fn fetch(&self, chunks: &[u32], priority: Priority, done: Option<FetchDone>) {
+        let waiter = done.map(|d| {
+            Arc::new(Waiter {
+                remaining: AtomicUsize::new(1),
+                error: Mutex::new(None),
+                done: Mutex::new(Some(d)),
+            })
+        });
+        {
+            let mut st = lock(&self.shared.state);
+            for &c in chunks {
+                if let Some(w) = &waiter {
+                    w.remaining.fetch_add(1, Ordering::AcqRel);
+                }
+                match st.entries.get_mut(&c) {
+                    Some(e) => {
+                        self.shared.stats.joined.fetch_add(1, Ordering::Relaxed);
+                        if let Some(w) = &waiter {
+                            e.waiters.push(Arc::clone(w));
+                        }
+                        if priority < e.priority && !e.started {
+                            e.priority = priority;
+                            st.queues[priority.queue()].push_back(c);
+                            self.shared.stats.promoted.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                    None => {
+                        let waiters = waiter.iter().cloned().collect();
+                        st.entries.insert(c, Entry { started: false, priority, waiters });
+                        st.queues[priority.queue()].push_back(c);
+                    }
+                }
+            }
+        }
+        self.shared.wake.notify_all();
+        if let Some(w) = waiter {
+            // Release the registration guard: done runs here if everything already arrived.
+            w.arrived(&Ok(()));
+        }
+    }
+}
+
+impl Drop for ChunkFetcher {
+    fn drop(&mut self) {
+        lock(&self.shared.state).stopped = true;
+        self.shared.wake.notify_all();
+    }
+}
+
+impl Shared {
+    fn run(&self) {
+        let mut st = lock(&self.state);
+        loop {
+            if let Some(c) = st.queues[0].pop_front() {
+                if claim(&mut st, c) {
+                    st = self.fetch_one(st, c, false);
+                }
+                continue;
+            }
+            if st.stopped {
+                // Nobody waits for background fetches once the tier is gone.
+                let st_ref = &mut *st;
+                let [_, readahead, prefetch] = &mut st_ref.queues;
+                let background: Vec<u32> = readahead.drain(..).chain(prefetch.drain(..)).collect();
+                for c in background {
+                    if let Some(e) = st.entries.get(&c) {
+                        if !e.started && e.waiters.is_empty() {
+                            st.entries.remove(&c);
+                        }
+                    }
+                }
+                return;
+            }
+            let background_queued = !st.queues[1].is_empty() || !st.queues[2].is_empty();
+            if background_queued && st.running_background < self.limits.background_cap() {
+                if let Some(wait) = self.bandwidth_wait(&mut st) {
+                    st = match self.wake.wait_timeout(st, wait) {
+                        Ok((g, _)) => g,
+                        Err(p) => p.into_inner().0,
+                    };
+                    continue;
+                }
+                if let Some(c) = st.queues[1].pop_front().or_else(|| st.queues[2].pop_front()) {
+                    if claim(&mut st, c) {
+                        st.running_background += 1;
+                        st.tokens -= (self.cost)(c) as f64;
+                        st = self.fetch_one(st, c, true);
+                    }
+                }
+                continue;
+            }
+            st = match self.wake.wait(st) {
+                Ok(g) => g,
+                Err(p) => p.into_inner(),
+            };
+        }
+    }
+
+    /// With a bandwidth cap: refill the bucket; how long to wait if it is empty.
+    fn bandwidth_wait(&self, st: &mut State) -> Option<Duration> {
+        let rate = self.limits.background_bytes_per_sec? as f64;
+        if rate <= 0.0 {
+            return Some(Duration::from_secs(1));
+        }
+        let now = Instant::now();
+        let elapsed = now.duration_since(st.refilled).as_secs_f64();
+        st.refilled = now;
+        // At most one second of burst.
+        st.tokens = (st.tokens + elapsed * rate).min(rate);
+        if st.tokens >= 0.0 {
+            None
+        } else {
+            Some(Duration::from_secs_f64((-st.tokens / rate).clamp(0.001, 1.0)))
+        }
+    }
+
+    /// Fetch chunk `c` without the lock, then tell its waiters.
+    fn fetch_one<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, State>,
+        c: u32,
+        background: bool,
+    ) -> MutexGuard<'a, State> {
+        st.running += 1;
+        self.stats.max_running.fetch_max(st.running, Ordering::Relaxed);
+        drop(st);
+        let counter = if background { &self.stats.background } else { &self.stats.demand };
+        counter.fetch_add(1, Ordering::Relaxed);
+        trace!(chunk = c, background, "chunk fetch");
+        let result = (self.fetch)(c);
+        if let Err(e) = &result {
+            if background {
+                // Nobody may be waiting; a demand read of the chunk tries again.
+                warn!(chunk = c, error = %e, "background chunk fetch failed");
+            }
+        }
+        let mut st = lock(&self.state);
+        st.running -= 1;
+        if background {
+            st.running_background -= 1;
+        }
+        let waiters = st.entries.remove(&c).map(|e| e.waiters).unwrap_or_default();
+        drop(st);
+        // A background slot or the end of a fetch may let another thread proceed.
+        self.wake.notify_all();
+        for w in waiters {
+            w.arrived(&result);
+        }
+        lock(&self.state)
+    }
+}
+
+/// Mark a queued chunk as started; false if it already is (a promoted duplicate) or is gone.
+fn claim(st: &mut State, c: u32) -> bool {
+    match st.entries.get_mut(&c) {
+        Some(e) if !e.started => {
+            e.started = true;
+            true
+        }
+        _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::mpsc;
+
+    /// A fetch function that blocks each chunk until released, recording the order.
+    struct Gates {
+        state: Mutex<(Vec<u32>, Vec<u32>)>, // (started, released)
+        changed: Condvar,
+    }
+
+    impl Gates {
+        fn new() -> Arc<Self> {
+            Arc::new(Self { state: Mutex::new((Vec::new(), Vec::new())), changed: Condvar::new() })
+        }
+        fn fetch(&self, c: u32) -> FetchResult {
+            let mut s = self.state.lock().unwrap();
+            s.0.push(c);
+            self.changed.notify_all();
+            while !s.1.contains(&c) {
+                s = self.changed.wait(s).unwrap();
+            }
+            Ok(())
+        }
+        fn release(&self, c: u32) {
+            self.state.lock().unwrap().1.push(c);
+            self.changed.notify_all();
+        }
+        fn wait_started(&self, n: usize) -> Vec<u32> {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            let mut s = self.state.lock().unwrap();
+            while s.0.len() < n {
+                assert!(Instant::now() < deadline, "only {:?} started", s.0);
+                s = self.changed.wait_timeout(s, Duration::from_millis(50)).unwrap().0;
+            }
+            s.0.clone()
+        }
+    }
+
+    fn fetcher(limits: FetchLimits, gates: &Arc<Gates>) -> ChunkFetcher {
+        let g = Arc::clone(gates);
+        ChunkFetcher::start(limits, move |c| g.fetch(c), |_| 1000).unwrap()
+    }
+
+    fn done_channel() -> (FetchDone, mpsc::Receiver<FetchResult>) {
+        let (tx, rx) = mpsc::channel();
+        (
+            Box::new(move |r| {
+                let _ = tx.send(r);
+            }),
+            rx,
+        )
+    }
+
+    #[test]
+    fn distinct_demand_chunks_run_in_parallel() {
+        let gates = Gates::new();
+        let f = fetcher(FetchLimits::new(32), &gates);
+        let mut rxs = Vec::new();
+        for c in 0..32 {
+            let (done, rx) = done_channel();
+            f.fetch(&[c], Priority::Demand, Some(done));
+            rxs.push(rx);
+        }
+        // All 32 are running at the same time before any is released.
+        let started = gates.wait_started(32);
+        assert_eq!(started.len(), 32);
+        for c in 0..32 {
+            gates.release(c);
+        }
+        for rx in rxs {
+            assert!(rx.recv_timeout(Duration::from_secs(10)).unwrap().is_ok());
+        }
+        assert_eq!(f.stats().max_running.load(Ordering::Relaxed), 32);
+    }
+
+    #[test]
+    fn one_fetch_serves_every_waiter() {
+        let gates = Gates::new();
+        let f = fetcher(FetchLimits::new(8), &gates);
+        let mut rxs = Vec::new();
+        for _ in 0..5 {
+            let (done, rx) = done_channel();
+            f.fetch(&[7, 8], Priority::Demand, Some(done));
+            rxs.push(rx);
+        }
+        gates.wait_started(2);
+        gates.release(7);
+        gates.release(8);
+        for rx in rxs {
+            assert!(rx.recv_timeout(Duration::from_secs(10)).unwrap().is_ok());
+        }
+        let started = gates.state.lock().unwrap().0.clone();
+        assert_eq!(started.len(), 2, "each chunk fetched once: {started:?}");
+        assert_eq!(f.stats().joined.load(Ordering::Relaxed), 8);
+    }
+
+    #[test]
+    fn demand_goes_before_background_and_promotes_it() {
+        let gates = Gates::new();
+        // 2 threads, 1 background slot.
+        let f = fetcher(FetchLimits { jobs: 2, background_jobs: 1, background_bytes_per_sec: None }, &gates);
+        f.fetch(&[100, 101, 102], Priority::Prefetch, None);
+        // One background fetch runs; the other thread stays free for demand.
+        assert_eq!(gates.wait_started(1), vec![100]);
+        let (done, rx) = done_channel();
+        f.fetch(&[1], Priority::Demand, Some(done));
+        assert_eq!(gates.wait_started(2), vec![100, 1]);
+        gates.release(1);
+        assert!(rx.recv_timeout(Duration::from_secs(10)).unwrap().is_ok());
+        // 102 is still queued in the background: a demand read promotes it past 101.
+        let (done, rx) = done_channel();
+        f.fetch(&[102], Priority::Demand, Some(done));
+        assert_eq!(gates.wait_started(3), vec![100, 1, 102]);
+        gates.release(102);
+        assert!(rx.recv_timeout(Duration::from_secs(10)).unwrap().is_ok());
+        gates.release(100);
+        assert_eq!(gates.wait_started(4), vec![100, 1, 102, 101]);
+        gates.release(101);
+        assert_eq!(f.stats().promoted.load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn errors_reach_every_waiter_and_empty_requests_finish_at_once() {
+        let f = ChunkFetcher::start(
+            FetchLimits::new(2),
+            |c| {
+                if c == 3 {
+                    Err(Arc::new(StoreError::InvalidTag { tag: "x".into() }))
+                } else {
+                    Ok(())
+                }
+            },
+            |_| 0,
+        )
+        .unwrap();
+        let (done, rx) = done_channel();
+        f.fetch(&[1, 3, 5], Priority::Demand, Some(done));
+        assert!(rx.recv_timeout(Duration::from_secs(10)).unwrap().is_err());
+        let (done, rx) = done_channel();
+        f.fetch(&[], Priority::Demand, Some(done));
+        assert!(rx.try_recv().unwrap().is_ok(), "no chunks: done at once");
+    }
+
+    #[test]
+    fn background_bandwidth_is_capped() {
+        let f = ChunkFetcher::start(
+            FetchLimits { jobs: 4, background_jobs: 3, background_bytes_per_sec: Some(100_000) },
+            |_| Ok(()),
+            |_| 10_000,
+        )
+        .unwrap();
+        let start = Instant::now();
+        let chunks: Vec<u32> = (0..12).collect();
+        f.fetch(&chunks, Priority::Prefetch, None);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while f.pending() > 0 {
+            assert!(Instant::now() < deadline);
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // 120 kB at 100 kB/s, the bucket starting empty: about 1.1 s (the first chunk starts at
+        // once, each later one when the bucket is back to zero).
+        let took = start.elapsed();
+        assert!(took >= Duration::from_millis(1000), "took {took:?}");
+    }
+}
