@@ -101,6 +101,8 @@ pub struct LoggedRequest {
     pub range: Option<String>,
     /// The fault applied, if any.
     pub fault: Option<Fault>,
+    /// When its head was received.
+    pub at: Instant,
 }
 
 /// Counters of a [`Proxy`].
@@ -428,16 +430,14 @@ fn serve_connection(client: TcpStream, s: &Shared) -> std::io::Result<()> {
             path: path.clone(),
             range: req.header("range").map(str::to_owned),
             fault,
+            at: received,
         });
         // Half a round trip to the origin, half back: the answer starts one RTT after the ask.
         let answer_at = received + s.config.rtt;
         match fault {
             Some(Fault::Status(code)) => {
                 sleep_until(answer_at);
-                let head = format!(
-                    "HTTP/1.1 {code} {}\r\nContent-Length: 0\r\nRetry-After: 0\r\n\r\n",
-                    status_text(code)
-                );
+                let head = format!("HTTP/1.1 {code} {}\r\nContent-Length: 0\r\n\r\n", status_text(code));
                 s.send(&mut client, head.as_bytes())?;
                 if req.wants_close() {
                     return Ok(());

@@ -55,7 +55,7 @@ pub struct ClientOptions {
     pub insecure: bool,
     /// Where credentials come from (default: `--creds`-less lookup in the auth files).
     pub credentials: CredentialSource,
-    /// Retries (default: 5 attempts, 250 ms doubling to at most 8 s, with jitter).
+    /// Retries (default: 5 attempts, 100 ms doubling to at most 4 s, with jitter).
     pub retry: RetryPolicy,
     /// Timeouts (default: connect 15 s, first byte 60 s, read stall 60 s).
     pub timeouts: Timeouts,

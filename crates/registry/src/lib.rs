@@ -44,4 +44,4 @@ pub use error::RegistryError;
 pub use media::ManifestKind;
 pub use push::{BlobPush, PushOptions, UploadSession, DEFAULT_UPLOAD_PIECE};
 pub use reference::{is_loopback_host, valid_tag, Digest, Reference, Target};
-pub use retry::RetryPolicy;
+pub use retry::{retryable_error, retryable_status, RetryPolicy};

@@ -111,6 +111,9 @@ pub enum StoreError {
         #[source]
         source: crate::artifact::ArtifactError,
     },
+    /// A setting (e.g. a `TESSERA_HTTP_*` environment variable) has a malformed value.
+    #[error("{name}={value:?}: expected {expected}")]
+    BadSetting { name: String, value: String, expected: &'static str },
     /// The host disk cache (`--cache-dir`) cannot be used.
     #[error("cache {op} {}: {source}", path.display())]
     Cache {
@@ -132,6 +135,7 @@ impl StoreError {
                 | StoreError::InvalidLocation { .. }
                 | StoreError::InvalidReference { .. }
                 | StoreError::InvalidTag { .. }
+                | StoreError::BadSetting { .. }
         ) || matches!(self, StoreError::Registry(e) if e.is_usage_error())
     }
 

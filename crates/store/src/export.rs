@@ -13,8 +13,10 @@ use crate::reader::ImageReader;
 use crate::source::ChunkSource;
 
 const BS: usize = BLOCK_SIZE as usize;
-/// Bytes read through [`ImageReader::read_at`] at a time.
-const READ_STEP: u64 = 1 << 20;
+/// Bytes read through [`ImageReader::read_at`] at a time, and the most bytes of contiguous
+/// chunk runs joined into one piece: one read then needs several chunks, which a remote source
+/// fetches in one request (near ranges of a pack are coalesced).
+const READ_STEP: u64 = 4 << 20;
 /// Prefix runs are split into pieces of this size for parallelism.
 const PREFIX_PIECE: u64 = 4 << 20;
 /// Bytes of pieces handed to the thread pool between two progress reports.
@@ -43,6 +45,8 @@ pub struct ExportStats {
 struct Piece {
     offset: u64,
     len: u64,
+    /// Made of chunk runs (not prefix runs).
+    chunks: bool,
 }
 
 /// Write the whole device of `reader` to `path` as a sparse file.
@@ -51,7 +55,8 @@ struct Piece {
 /// not all zeros are written; everything else stays a hole. Every byte goes through
 /// [`ImageReader::read_at`], so an export proves the read path, chunk verification included.
 /// Runs are processed in parallel on the rayon pool (a chunk run stays on one thread, so the
-/// chunk is decompressed once). `progress` is called on the calling thread after each batch.
+/// chunk is decompressed once; contiguous chunk runs are joined into pieces of up to 4 MiB, so
+/// a remote store fetches their chunks in one request). `progress` is called on the calling thread after each batch.
 /// The file is fsynced before returning; on error it is removed.
 pub fn export_raw<S: ChunkSource>(
     reader: &ImageReader<S>,
@@ -82,16 +87,23 @@ fn export_inner<S: ChunkSource>(
     file.set_len(device_bytes).map_err(|e| StoreError::write("size export file", path, e))?;
 
     let bs = u64::from(BLOCK_SIZE);
-    let mut pieces = Vec::new();
+    let mut pieces: Vec<Piece> = Vec::new();
     for run in reader.image().record().block_map.runs() {
         let (start, len) = (run.start * bs, run.blocks * bs);
         match run.source {
-            RunSource::Chunk { .. } => pieces.push(Piece { offset: start, len }),
+            RunSource::Chunk { .. } => match pieces.last_mut() {
+                Some(last)
+                    if last.chunks && last.offset + last.len == start && last.len + len <= READ_STEP =>
+                {
+                    last.len += len;
+                }
+                _ => pieces.push(Piece { offset: start, len, chunks: true }),
+            },
             RunSource::Prefix { .. } => {
                 let mut at = 0;
                 while at < len {
                     let n = PREFIX_PIECE.min(len - at);
-                    pieces.push(Piece { offset: start + at, len: n });
+                    pieces.push(Piece { offset: start + at, len: n, chunks: false });
                     at += n;
                 }
             }

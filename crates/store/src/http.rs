@@ -3,18 +3,25 @@
 //! The server holds the store layout of `docs/formats/store.md` under PREFIX: `images/<id>.json`,
 //! `refs/<tag>`, `blobs/sha256/<hex>`. Whole blobs (records, prefixes, pack indexes) are fetched
 //! with GET and checked against their sha256; chunk bytes are fetched with `Range` GETs
-//! ([`ChunkSource`]). One connection-pooled client (ureq, rustls) per store; connect and
-//! whole-request timeouts; bounded retries with exponential backoff and jitter on 5xx, 429 and
-//! transport failures. Every error names the URL.
+//! ([`ChunkSource`]), several near ranges of one pack in one request
+//! ([`HttpStore::read_blob_ranges`]). One connection-pooled client (ureq, rustls) per store, at
+//! most [`HttpConfig::max_concurrency`] requests in flight; connect, first-byte, stall and
+//! whole-request timeouts; bounded retries with exponential backoff and jitter
+//! ([`RetryPolicy`], shared with the registry client) on 5xx, 408, 429, transport failures and
+//! bodies that break, come up short or fail their digest. Every error names the URL. Design and
+//! settings: `docs/store.md`.
 //!
-//! The URL building, the Range header, the validation of a ranged answer and the retry policy are
-//! pure functions, tested without a server.
+//! The URL building, the Range header, the validation of a ranged answer, coalescing and the
+//! settings are pure functions, tested without a server.
 
 use std::io::Read;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use tessera_image::{validate_tag, ImageEntry, ImageId, Sha256Digest};
+pub use tessera_registry::RetryPolicy;
+use tessera_registry::{retryable_error, retryable_status};
 use tracing::{debug, trace, warn};
 use ureq::http::Response;
 use ureq::Body;
@@ -45,74 +52,204 @@ pub enum HttpError {
     BadLength(&'static str),
 }
 
-/// Bounded retries with exponential backoff and "equal jitter".
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RetryPolicy {
-    /// Attempts in all, the first included (default 4). 1 disables retries.
-    pub attempts: u32,
-    /// Backoff before the first retry (default 100 ms); doubles every retry.
-    pub base: Duration,
-    /// Cap on one backoff (default 2 s).
-    pub max: Duration,
-}
-
-impl Default for RetryPolicy {
-    fn default() -> Self {
-        Self { attempts: 4, base: Duration::from_millis(100), max: Duration::from_secs(2) }
-    }
-}
-
-impl RetryPolicy {
-    /// The wait before retry number `retry` (0-based): half of `min(max, base·2^retry)` plus
-    /// `random` modulo the other half — never zero, never synchronized across a fleet.
-    pub fn backoff(&self, retry: u32, random: u64) -> Duration {
-        let factor = 1u32.checked_shl(retry.min(31)).unwrap_or(u32::MAX);
-        let exp = self.base.saturating_mul(factor).min(self.max);
-        let half = exp / 2;
-        let span = u64::try_from(half.as_nanos()).unwrap_or(u64::MAX);
-        let jitter = if span == 0 { 0 } else { random % span.saturating_add(1) };
-        half + Duration::from_nanos(jitter)
-    }
-}
-
-/// HTTP statuses worth retrying: the server may answer differently next time.
-pub fn retryable_status(status: u16) -> bool {
-    matches!(status, 408 | 429 | 500 | 502 | 503 | 504)
-}
-
-/// Transport failures worth retrying (refused, reset, timed out, broken answer).
-fn retryable_transport(e: &ureq::Error) -> bool {
-    matches!(
-        e,
-        ureq::Error::Io(_)
-            | ureq::Error::Timeout(_)
-            | ureq::Error::ConnectionFailed
-            | ureq::Error::Protocol(_)
-    )
-}
-
-/// Client settings of an [`HttpStore`].
+/// Client settings of an [`HttpStore`]. Every field documents its default; [`Self::from_env`]
+/// reads overrides from `TESSERA_HTTP_*` variables (`docs/store.md`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HttpConfig {
     /// TCP (and TLS) connect timeout (default 5 s).
     pub connect_timeout: Duration,
-    /// Timeout of one whole request, body included (default 60 s).
+    /// From the request sent to the response head received (default 10 s): a server that
+    /// accepts and then says nothing is given up on (and retried) long before
+    /// `request_timeout`.
+    pub first_byte_timeout: Duration,
+    /// Longest wait for the next bytes of a body in progress (default 30 s).
+    pub stall_timeout: Duration,
+    /// Timeout of one whole request, body included (default 120 s).
     pub request_timeout: Duration,
-    /// Retries on 5xx, 429 and transport failures.
+    /// Retries on 5xx, 408, 429 and transport failures, body failures included (the one policy
+    /// of `tessera_registry`).
     pub retry: RetryPolicy,
-    /// Idle connections kept per host (default 16).
-    pub idle_per_host: usize,
+    /// Requests in flight to this origin at most (default 32); also the idle connections
+    /// kept for reuse. Enough for the cold reads of a booting guest to proceed in parallel,
+    /// few enough not to flood one server.
+    pub max_concurrency: usize,
+    /// Ranges of one blob read together ([`HttpStore::read_blob_ranges`]) share one request
+    /// when at most this many bytes separate them (default 64 KiB: fetching the gap costs less
+    /// than another request).
+    pub coalesce_gap: u64,
+    /// Largest span one coalesced request covers (default 16 MiB).
+    pub coalesce_max: u64,
 }
 
 impl Default for HttpConfig {
     fn default() -> Self {
         Self {
             connect_timeout: Duration::from_secs(5),
-            request_timeout: Duration::from_secs(60),
+            first_byte_timeout: Duration::from_secs(10),
+            stall_timeout: Duration::from_secs(30),
+            request_timeout: Duration::from_secs(120),
             retry: RetryPolicy::default(),
-            idle_per_host: 16,
+            max_concurrency: 32,
+            coalesce_gap: 64 << 10,
+            coalesce_max: 16 << 20,
         }
     }
+}
+
+/// The environment variables [`HttpConfig::from_env`] reads, with the field each sets.
+pub const HTTP_ENV: [&str; 8] = [
+    "TESSERA_HTTP_CONNECT_TIMEOUT",
+    "TESSERA_HTTP_FIRST_BYTE_TIMEOUT",
+    "TESSERA_HTTP_STALL_TIMEOUT",
+    "TESSERA_HTTP_TIMEOUT",
+    "TESSERA_HTTP_RETRIES",
+    "TESSERA_HTTP_CONCURRENCY",
+    "TESSERA_HTTP_COALESCE_GAP",
+    "TESSERA_HTTP_COALESCE_MAX",
+];
+
+impl HttpConfig {
+    /// The defaults, overridden by the `TESSERA_HTTP_*` variables that are set: timeouts as
+    /// `250ms` or `5s`; `TESSERA_HTTP_RETRIES` the attempts in all (≥ 1);
+    /// `TESSERA_HTTP_CONCURRENCY` ≥ 1; the coalescing sizes in bytes. A malformed value is an
+    /// error naming the variable.
+    pub fn from_env() -> Result<Self, StoreError> {
+        Self::from_vars(|name| std::env::var(name).ok())
+    }
+
+    /// [`Self::from_env`] over any variable lookup (pure; for tests).
+    pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Self, StoreError> {
+        let mut c = Self::default();
+        let bad = |name: &str, value: &str, expected: &'static str| StoreError::BadSetting {
+            name: name.to_owned(),
+            value: value.to_owned(),
+            expected,
+        };
+        let duration = |name: &str, slot: &mut Duration| -> Result<(), StoreError> {
+            if let Some(v) = get(name) {
+                *slot = parse_duration(&v).ok_or_else(|| bad(name, &v, "a duration like 250ms or 5s"))?;
+            }
+            Ok(())
+        };
+        duration(HTTP_ENV[0], &mut c.connect_timeout)?;
+        duration(HTTP_ENV[1], &mut c.first_byte_timeout)?;
+        duration(HTTP_ENV[2], &mut c.stall_timeout)?;
+        duration(HTTP_ENV[3], &mut c.request_timeout)?;
+        let number = |name: &str| -> Result<Option<u64>, StoreError> {
+            get(name)
+                .map(|v| {
+                    v.trim()
+                        .parse::<u64>()
+                        .ok()
+                        .filter(|&n| n >= 1)
+                        .ok_or_else(|| bad(name, &v, "an integer ≥ 1"))
+                })
+                .transpose()
+        };
+        if let Some(n) = number(HTTP_ENV[4])? {
+            c.retry.attempts = u32::try_from(n).unwrap_or(u32::MAX);
+        }
+        if let Some(n) = number(HTTP_ENV[5])? {
+            c.max_concurrency = usize::try_from(n).unwrap_or(usize::MAX);
+        }
+        if let Some(v) = get(HTTP_ENV[6]) {
+            c.coalesce_gap = v.trim().parse().map_err(|_| bad(HTTP_ENV[6], &v, "a number of bytes"))?;
+        }
+        if let Some(n) = number(HTTP_ENV[7])? {
+            c.coalesce_max = n;
+        }
+        Ok(c)
+    }
+}
+
+/// `250ms`, `5s` (whole numbers only).
+fn parse_duration(s: &str) -> Option<Duration> {
+    let s = s.trim();
+    if let Some(ms) = s.strip_suffix("ms") {
+        return ms.parse().ok().map(Duration::from_millis);
+    }
+    s.strip_suffix('s')?.parse().ok().map(Duration::from_secs)
+}
+
+/// Counts requests in flight to one origin and makes callers wait above the limit.
+#[derive(Debug)]
+struct Limiter {
+    max: usize,
+    in_flight: Mutex<usize>,
+    freed: Condvar,
+}
+
+/// One request slot; freed on drop.
+struct Permit<'a>(&'a Limiter);
+
+impl Limiter {
+    fn new(max: usize) -> Self {
+        Self { max: max.max(1), in_flight: Mutex::new(0), freed: Condvar::new() }
+    }
+
+    fn acquire(&self) -> Permit<'_> {
+        let mut n = self.in_flight.lock().unwrap_or_else(|p| p.into_inner());
+        while *n >= self.max {
+            n = self.freed.wait(n).unwrap_or_else(|p| p.into_inner());
+        }
+        *n += 1;
+        Permit(self)
+    }
+}
+
+impl Drop for Permit<'_> {
+    fn drop(&mut self) {
+        let mut n = self.0.in_flight.lock().unwrap_or_else(|p| p.into_inner());
+        *n = n.saturating_sub(1);
+        self.0.freed.notify_one();
+    }
+}
+
+/// Requests of one [`HttpStore`] so far (for tests and, later, metrics).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct HttpStats {
+    /// Attempts sent (retries included).
+    pub requests: u64,
+    /// Retries.
+    pub retries: u64,
+    /// Body bytes received.
+    pub bytes: u64,
+}
+
+/// One span of a blob fetched by one request, covering some of the ranges asked for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CoalescedSpan {
+    /// Blob offset of the span.
+    pub offset: u64,
+    /// Length of the span.
+    pub len: u64,
+    /// Indexes (into the ranges asked for) of the ranges inside the span.
+    pub members: Vec<usize>,
+}
+
+/// Group `ranges` (`(offset, len)`, any order, overlaps allowed) into spans, one request each:
+/// sorted by offset, a range joins the current span when it starts at most `max_gap` bytes
+/// after the span's end and the span stays within `max_span` bytes (a single range longer than
+/// `max_span` is a span of its own). Empty ranges belong to no span. Pure.
+pub fn coalesce(ranges: &[(u64, u32)], max_gap: u64, max_span: u64) -> Vec<CoalescedSpan> {
+    let mut order: Vec<usize> = (0..ranges.len()).filter(|&i| ranges[i].1 > 0).collect();
+    order.sort_by_key(|&i| (ranges[i].0, ranges[i].1));
+    let mut spans: Vec<CoalescedSpan> = Vec::new();
+    for i in order {
+        let (offset, len) = ranges[i];
+        let end = offset.saturating_add(u64::from(len));
+        if let Some(span) = spans.last_mut() {
+            let span_end = span.offset.saturating_add(span.len);
+            let new_end = span_end.max(end);
+            if offset <= span_end.saturating_add(max_gap) && new_end - span.offset <= max_span {
+                span.len = new_end - span.offset;
+                span.members.push(i);
+                continue;
+            }
+        }
+        spans.push(CoalescedSpan { offset, len: end - offset, members: vec![i] });
+    }
+    spans
 }
 
 /// Normalize a base URL: no trailing slashes (the prefix may be empty).
@@ -182,7 +319,8 @@ pub fn check_range_answer(
     }
 }
 
-/// A read-only store served over HTTP(S). Cheap to clone (the connection pool is shared).
+/// A read-only store served over HTTP(S). Cheap to clone (the connection pool, the concurrency
+/// limit and the counters are shared).
 #[derive(Clone)]
 pub struct HttpStore {
     inner: Arc<Inner>,
@@ -192,6 +330,10 @@ struct Inner {
     base: String,
     agent: ureq::Agent,
     config: HttpConfig,
+    limiter: Limiter,
+    requests: AtomicU64,
+    retries: AtomicU64,
+    bytes: AtomicU64,
     /// Tags resolved through this store (an HTTP server cannot list `refs/`).
     seen_refs: Mutex<Vec<(String, ImageId)>>,
 }
@@ -205,21 +347,31 @@ impl std::fmt::Debug for HttpStore {
     }
 }
 
-/// What a request expects, to map a 404.
-#[derive(Clone, Copy)]
-enum Missing {
-    Error,
-    None,
+/// How one attempt failed.
+enum AttemptError {
+    /// Another attempt may succeed (5xx, 429, 408, transport or body failure, bytes that do not
+    /// match their digest); the server's `Retry-After`, if any.
+    Retry(StoreError, Option<String>),
+    /// Final (404, 403, a range the server cannot satisfy, a body over the limit).
+    Fatal(StoreError),
+}
+
+fn retry_body(url: &str, e: impl Into<ureq::Error>) -> AttemptError {
+    AttemptError::Retry(http_err(url, HttpError::Transport(Box::new(e.into()))), None)
 }
 
 impl HttpStore {
     /// A store at `base` (`http(s)://HOST[:PORT][/PREFIX]`). Nothing is fetched yet.
     pub fn new(base: &str, config: HttpConfig) -> Self {
+        let slots = config.max_concurrency.max(1);
         let agent = ureq::Agent::config_builder()
             .http_status_as_error(false)
             .timeout_connect(Some(config.connect_timeout))
+            .timeout_recv_response(Some(config.first_byte_timeout))
+            .timeout_per_read(Some(config.stall_timeout))
             .timeout_global(Some(config.request_timeout))
-            .max_idle_connections_per_host(config.idle_per_host.max(1))
+            .max_idle_connections(slots)
+            .max_idle_connections_per_host(slots)
             .user_agent(concat!("tessera/", env!("CARGO_PKG_VERSION")))
             .build()
             .new_agent();
@@ -228,6 +380,10 @@ impl HttpStore {
                 base: normalize_base(base),
                 agent,
                 config,
+                limiter: Limiter::new(slots),
+                requests: AtomicU64::new(0),
+                retries: AtomicU64::new(0),
+                bytes: AtomicU64::new(0),
                 seen_refs: Mutex::new(Vec::new()),
             }),
         }
@@ -236,6 +392,20 @@ impl HttpStore {
     /// The base URL, without a trailing slash.
     pub fn base(&self) -> &str {
         &self.inner.base
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &HttpConfig {
+        &self.inner.config
+    }
+
+    /// Requests, retries and body bytes so far.
+    pub fn stats(&self) -> HttpStats {
+        HttpStats {
+            requests: self.inner.requests.load(Ordering::Relaxed),
+            retries: self.inner.retries.load(Ordering::Relaxed),
+            bytes: self.inner.bytes.load(Ordering::Relaxed),
+        }
     }
 
     /// The URL of blob `digest`.
@@ -253,57 +423,83 @@ impl HttpStore {
         join_url(&self.inner.base, &format!("refs/{tag}"))
     }
 
-    /// GET `url` with retries; `range` adds a Range header. `Ok(None)` for a 404 when `missing`
-    /// allows it. Returns the response with its status not yet judged (except 404 and retryables).
-    fn get(
+    /// GET `url` (with `range` as its Range header) and hand the response to `on_response`,
+    /// retrying per the policy whatever part failed: the request, the status, or reading and
+    /// checking the body in `on_response`. Each attempt holds one slot of the concurrency
+    /// limit from the request until the body is read; backoff waits hold none.
+    fn fetch<T>(
         &self,
         url: &str,
         range: Option<&str>,
-        missing: Missing,
-    ) -> Result<Option<Response<Body>>, StoreError> {
+        mut on_response: impl FnMut(&mut Response<Body>) -> Result<T, AttemptError>,
+    ) -> Result<T, StoreError> {
         let policy = self.inner.config.retry;
         let attempts = policy.attempts.max(1);
         let mut retry = 0u32;
         loop {
-            let mut req = self.inner.agent.get(url);
-            if let Some(r) = range {
-                req = req.header("Range", r);
-            }
-            let err = match req.call() {
-                Ok(resp) => {
-                    let status = resp.status().as_u16();
-                    if status == 404 {
-                        return match missing {
-                            Missing::None => Ok(None),
-                            Missing::Error => Err(http_err(url, HttpError::Status(404))),
-                        };
-                    }
-                    if !retryable_status(status) {
-                        return Ok(Some(resp));
-                    }
-                    HttpError::Status(status)
-                }
-                Err(e) if retryable_transport(&e) => HttpError::Transport(Box::new(e)),
-                Err(e) => return Err(http_err(url, HttpError::Transport(Box::new(e)))),
+            let outcome = {
+                let _slot = self.inner.limiter.acquire();
+                self.attempt(url, range, &mut on_response)
             };
-            retry += 1;
-            if retry >= attempts {
-                return Err(http_err(url, err));
+            let (err, retry_after) = match outcome {
+                Ok(v) => return Ok(v),
+                Err(AttemptError::Fatal(e)) => return Err(e),
+                Err(AttemptError::Retry(e, after)) => (e, after),
+            };
+            if retry + 1 >= attempts {
+                return Err(err);
             }
-            let wait = policy.backoff(retry - 1, random_u64());
+            let wait = policy.retry_after(retry, retry_after.as_deref());
+            retry += 1;
+            self.inner.retries.fetch_add(1, Ordering::Relaxed);
             debug!(url, error = %err, retry, wait_ms = wait.as_millis() as u64, "retrying HTTP GET");
             std::thread::sleep(wait);
         }
     }
 
+    fn attempt<T>(
+        &self,
+        url: &str,
+        range: Option<&str>,
+        on_response: &mut impl FnMut(&mut Response<Body>) -> Result<T, AttemptError>,
+    ) -> Result<T, AttemptError> {
+        let mut req = self.inner.agent.get(url);
+        if let Some(r) = range {
+            req = req.header("Range", r);
+        }
+        self.inner.requests.fetch_add(1, Ordering::Relaxed);
+        let mut resp = match req.call() {
+            Ok(resp) => resp,
+            Err(e) if retryable_error(&e) => return Err(retry_body(url, e)),
+            Err(e) => return Err(AttemptError::Fatal(http_err(url, HttpError::Transport(Box::new(e))))),
+        };
+        let status = resp.status().as_u16();
+        if retryable_status(status) {
+            let after = resp.headers().get("retry-after").and_then(|v| v.to_str().ok()).map(str::to_owned);
+            return Err(AttemptError::Retry(http_err(url, HttpError::Status(status)), after));
+        }
+        on_response(&mut resp)
+    }
+
+    /// Read a whole body of at most `limit` bytes (a failure mid-body is retryable).
+    fn body(&self, url: &str, resp: &mut Response<Body>, limit: u64) -> Result<Vec<u8>, AttemptError> {
+        let bytes = resp.body_mut().with_config().limit(limit).read_to_vec().map_err(|e| match e {
+            ureq::Error::BodyExceedsLimit(_) => {
+                AttemptError::Fatal(http_err(url, HttpError::BadLength("the body exceeds the limit")))
+            }
+            e => retry_body(url, e),
+        })?;
+        self.inner.bytes.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        Ok(bytes)
+    }
+
     /// GET a small document (entry, ref); `None` on 404.
     fn get_small(&self, url: &str) -> Result<Option<Vec<u8>>, StoreError> {
-        let Some(mut resp) = self.get(url, None, Missing::None)? else { return Ok(None) };
-        let status = resp.status().as_u16();
-        if status != 200 {
-            return Err(http_err(url, HttpError::Status(status)));
-        }
-        read_body(url, &mut resp, MAX_SMALL_DOC).map(Some)
+        self.fetch(url, None, |resp| match resp.status().as_u16() {
+            404 => Ok(None),
+            200 => self.body(url, resp, MAX_SMALL_DOC).map(Some),
+            s => Err(AttemptError::Fatal(http_err(url, HttpError::Status(s)))),
+        })
     }
 
     /// The entry of image `id` ([`StoreError::UnknownImage`] on 404).
@@ -343,31 +539,35 @@ impl HttpStore {
         self.inner.seen_refs.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    /// The whole blob `digest`, checked against its sha256.
+    /// The whole blob `digest`, checked against its sha256 (bytes that do not match are
+    /// fetched again, within the retry policy, then reported as [`StoreError::Corrupt`]).
     pub fn read_blob(&self, digest: &Sha256Digest) -> Result<Vec<u8>, StoreError> {
         let url = self.blob_url(digest);
-        let mut resp =
-            self.get(&url, None, Missing::Error)?.ok_or_else(|| http_err(&url, HttpError::Status(404)))?;
-        let status = resp.status().as_u16();
-        if status != 200 {
-            return Err(http_err(&url, HttpError::Status(status)));
-        }
-        let bytes = read_body(&url, &mut resp, MAX_HTTP_BLOB)?;
-        let actual = Sha256Digest::of(&bytes);
-        if actual != *digest {
-            return Err(StoreError::Corrupt {
-                what: "blob",
-                digest: *digest,
-                path: url.into(),
-                reason: format!("its content hashes to {actual}"),
-            });
-        }
+        let bytes = self.fetch(&url, None, |resp| {
+            let status = resp.status().as_u16();
+            if status != 200 {
+                return Err(AttemptError::Fatal(http_err(&url, HttpError::Status(status))));
+            }
+            let bytes = self.body(&url, resp, MAX_HTTP_BLOB)?;
+            let actual = Sha256Digest::of(&bytes);
+            if actual != *digest {
+                let e = StoreError::Corrupt {
+                    what: "blob",
+                    digest: *digest,
+                    path: url.clone().into(),
+                    reason: format!("its content hashes to {actual}"),
+                };
+                return Err(AttemptError::Retry(e, None));
+            }
+            Ok(bytes)
+        })?;
         trace!(%digest, len = bytes.len(), "fetched blob");
         Ok(bytes)
     }
 
-    /// `len` bytes at `offset` of blob `digest`, with a Range GET. A server that ignores Range
-    /// (200) is tolerated: the body is skipped to `offset` and cut at `len`.
+    /// `len` bytes at `offset` of blob `digest`, with a Range GET (retried whole if the body
+    /// breaks or comes up short). A server that ignores Range (200) is tolerated: the body is
+    /// skipped to `offset` and cut at `len`.
     pub fn read_blob_range(
         &self,
         digest: &Sha256Digest,
@@ -384,31 +584,80 @@ impl HttpStore {
             len,
             blob_len: u64::MAX,
         })?;
-        let mut resp = self
-            .get(&url, Some(&range), Missing::Error)?
-            .ok_or_else(|| http_err(&url, HttpError::Status(404)))?;
-        let status = resp.status().as_u16();
-        let cr = resp.headers().get("content-range").and_then(|v| v.to_str().ok());
-        let answer = check_range_answer(status, cr, offset, len).map_err(|e| http_err(&url, e))?;
-        let mut reader = resp.body_mut().with_config().limit(u64::MAX).reader();
-        if answer == RangeAnswer::Whole {
-            warn!(url, "the server ignored Range; reading past {offset} bytes");
-            let skipped = std::io::copy(&mut (&mut reader).take(offset), &mut std::io::sink())
-                .map_err(|e| http_err(&url, HttpError::Transport(Box::new(ureq::Error::Io(e)))))?;
-            if skipped != offset {
-                return Err(http_err(&url, HttpError::BadLength("the blob ends before the range")));
+        let out = self.fetch(&url, Some(&range), |resp| {
+            let status = resp.status().as_u16();
+            let cr = resp.headers().get("content-range").and_then(|v| v.to_str().ok());
+            let answer = check_range_answer(status, cr, offset, len)
+                .map_err(|e| AttemptError::Fatal(http_err(&url, e)))?;
+            let mut reader = resp.body_mut().with_config().limit(u64::MAX).reader();
+            if answer == RangeAnswer::Whole {
+                warn!(url, "the server ignored Range; reading past {offset} bytes");
+                let skipped = std::io::copy(&mut (&mut reader).take(offset), &mut std::io::sink())
+                    .map_err(|e| retry_body(&url, e))?;
+                if skipped != offset {
+                    let e = HttpError::BadLength("the blob ends before the range");
+                    return Err(AttemptError::Fatal(http_err(&url, e)));
+                }
+            }
+            let cap = usize::try_from(len).unwrap_or(usize::MAX);
+            let mut out = Vec::with_capacity(cap.min(64 << 20));
+            (&mut reader).take(len).read_to_end(&mut out).map_err(|e| retry_body(&url, e))?;
+            self.inner.bytes.fetch_add(out.len() as u64, Ordering::Relaxed);
+            if out.len() as u64 != len {
+                let e = http_err(&url, HttpError::BadLength("the body is shorter than the range"));
+                return Err(AttemptError::Retry(e, None));
+            }
+            Ok(out)
+        })?;
+        trace!(%digest, offset, len, "fetched range");
+        Ok(out)
+    }
+
+    /// Several ranges (`(offset, len)`) of blob `digest`, returned in the order asked. Ranges
+    /// closer than [`HttpConfig::coalesce_gap`] share one Range GET (see [`coalesce`]); the
+    /// requests of separate spans run in parallel (within the concurrency limit).
+    pub fn read_blob_ranges(
+        &self,
+        digest: &Sha256Digest,
+        ranges: &[(u64, u32)],
+    ) -> Result<Vec<Vec<u8>>, StoreError> {
+        let cfg = &self.inner.config;
+        let spans = coalesce(ranges, cfg.coalesce_gap, cfg.coalesce_max.max(1));
+        let fetched: Vec<Result<Vec<u8>, StoreError>> = if spans.len() <= 1 {
+            spans.iter().map(|s| self.read_blob_range(digest, s.offset, s.len)).collect()
+        } else {
+            std::thread::scope(|scope| {
+                let handles: Vec<_> = spans
+                    .iter()
+                    .map(|s| scope.spawn(move || self.read_blob_range(digest, s.offset, s.len)))
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+                    .collect()
+            })
+        };
+        let mut out: Vec<Vec<u8>> = vec![Vec::new(); ranges.len()];
+        for (span, bytes) in spans.iter().zip(fetched) {
+            let bytes = bytes?;
+            for &i in &span.members {
+                let (offset, len) = ranges[i];
+                // Members lie inside their span by construction.
+                let start = usize::try_from(offset - span.offset).unwrap_or(usize::MAX);
+                let piece = start.checked_add(len as usize).and_then(|end| bytes.get(start..end)).ok_or(
+                    StoreError::RangeOutOfBounds {
+                        digest: *digest,
+                        offset,
+                        len: u64::from(len),
+                        blob_len: span.offset + bytes.len() as u64,
+                    },
+                )?;
+                out[i] = piece.to_vec();
             }
         }
-        let cap = usize::try_from(len).unwrap_or(usize::MAX);
-        let mut out = Vec::with_capacity(cap.min(64 << 20));
-        (&mut reader)
-            .take(len)
-            .read_to_end(&mut out)
-            .map_err(|e| http_err(&url, HttpError::Transport(Box::new(ureq::Error::Io(e)))))?;
-        if out.len() as u64 != len {
-            return Err(http_err(&url, HttpError::BadLength("the body is shorter than the range")));
+        if spans.len() > 1 || ranges.len() > 1 {
+            debug!(%digest, ranges = ranges.len(), requests = spans.len(), "coalesced ranged reads");
         }
-        trace!(%digest, offset, len, "fetched range");
         Ok(out)
     }
 }
@@ -417,17 +666,18 @@ impl ChunkSource for HttpStore {
     fn read_stored(&self, pack: &Sha256Digest, offset: u64, len: u32) -> Result<Vec<u8>, StoreError> {
         self.read_blob_range(pack, offset, u64::from(len))
     }
+
+    fn read_stored_many(
+        &self,
+        pack: &Sha256Digest,
+        ranges: &[(u64, u32)],
+    ) -> Result<Vec<Vec<u8>>, StoreError> {
+        self.read_blob_ranges(pack, ranges)
+    }
 }
 
 fn http_err(url: &str, source: HttpError) -> StoreError {
     StoreError::Http { url: url.to_owned(), source }
-}
-
-fn read_body(url: &str, resp: &mut Response<Body>, limit: u64) -> Result<Vec<u8>, StoreError> {
-    resp.body_mut().with_config().limit(limit).read_to_vec().map_err(|e| match e {
-        ureq::Error::BodyExceedsLimit(_) => http_err(url, HttpError::BadLength("the body exceeds the limit")),
-        e => http_err(url, HttpError::Transport(Box::new(e))),
-    })
 }
 
 /// Parse the content of a ref: `sha256:<64 hex>` and a newline.
@@ -460,16 +710,6 @@ pub(crate) fn resolve_with(
         }
         other => other.map(|()| id),
     }
-}
-
-/// Jitter without an RNG dependency: std's per-process random hash keys over the clock.
-fn random_u64() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    let nanos =
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
-    h.write_u128(nanos);
-    h.finish()
 }
 
 #[cfg(test)]
@@ -521,27 +761,92 @@ mod tests {
     }
 
     #[test]
-    fn retry_policy() {
-        let p = RetryPolicy { attempts: 4, base: Duration::from_millis(100), max: Duration::from_secs(1) };
-        // Equal jitter: within [half, full] of the exponential step, capped.
-        for (retry, full) in [(0, 100), (1, 200), (2, 400), (3, 800), (4, 1000), (40, 1000)] {
-            for r in [0, 1, 12_345_678, u64::MAX] {
-                let d = p.backoff(retry, r);
-                assert!(
-                    d >= Duration::from_millis(full / 2) && d <= Duration::from_millis(full),
-                    "{retry} {r} {d:?}"
-                );
+    fn coalescing_groups_near_ranges_only() {
+        // Out of order, adjacent, a small gap, a large gap, an overlap, an empty range.
+        let ranges = [(1000, 100), (0, 1000), (1200, 50), (10_000, 10), (10_005, 10), (5, 0)];
+        let spans = coalesce(&ranges, 100, 1 << 20);
+        assert_eq!(
+            spans,
+            [
+                CoalescedSpan { offset: 0, len: 1250, members: vec![1, 0, 2] },
+                CoalescedSpan { offset: 10_000, len: 15, members: vec![3, 4] },
+            ]
+        );
+        // No gap allowed: only touching ranges join.
+        let spans = coalesce(&ranges, 0, 1 << 20);
+        assert_eq!(
+            spans.iter().map(|s| (s.offset, s.len)).collect::<Vec<_>>(),
+            [(0, 1100), (1200, 50), (10_000, 15)]
+        );
+        // The span cap splits a long run; a range longer than the cap stands alone.
+        let run: Vec<(u64, u32)> = (0..10).map(|i| (i * 100, 100)).collect();
+        let spans = coalesce(&run, 0, 300);
+        assert_eq!(spans.iter().map(|s| s.len).collect::<Vec<_>>(), [300, 300, 300, 100]);
+        assert_eq!(coalesce(&[(0, 1000)], 0, 10)[0].len, 1000);
+        assert!(coalesce(&[], 10, 10).is_empty());
+        // Every non-empty range is in exactly one span, inside it.
+        for s in coalesce(&ranges, 100, 1 << 20) {
+            for &m in &s.members {
+                let (o, l) = ranges[m];
+                assert!(o >= s.offset && o + u64::from(l) <= s.offset + s.len);
             }
         }
-        assert_eq!(p.backoff(0, 0), Duration::from_millis(50));
-        for s in [500, 502, 503, 504, 429, 408] {
-            assert!(retryable_status(s));
+        assert_eq!(coalesce(&[(u64::MAX - 1, 10)], 0, 100)[0].len, 1, "no overflow at the top");
+    }
+
+    #[test]
+    fn settings_from_the_environment() {
+        let vars = |pairs: &'static [(&'static str, &'static str)]| {
+            move |name: &str| pairs.iter().find(|(n, _)| *n == name).map(|(_, v)| (*v).to_owned())
+        };
+        assert_eq!(HttpConfig::from_vars(vars(&[])).unwrap(), HttpConfig::default());
+        let c = HttpConfig::from_vars(vars(&[
+            ("TESSERA_HTTP_CONNECT_TIMEOUT", "2s"),
+            ("TESSERA_HTTP_FIRST_BYTE_TIMEOUT", "250ms"),
+            ("TESSERA_HTTP_STALL_TIMEOUT", "3s"),
+            ("TESSERA_HTTP_TIMEOUT", "9s"),
+            ("TESSERA_HTTP_RETRIES", "1"),
+            ("TESSERA_HTTP_CONCURRENCY", "4"),
+            ("TESSERA_HTTP_COALESCE_GAP", "0"),
+            ("TESSERA_HTTP_COALESCE_MAX", "1048576"),
+        ]))
+        .unwrap();
+        assert_eq!(c.connect_timeout, Duration::from_secs(2));
+        assert_eq!(c.first_byte_timeout, Duration::from_millis(250));
+        assert_eq!(c.stall_timeout, Duration::from_secs(3));
+        assert_eq!(c.request_timeout, Duration::from_secs(9));
+        assert_eq!((c.retry.attempts, c.max_concurrency), (1, 4));
+        assert_eq!((c.coalesce_gap, c.coalesce_max), (0, 1 << 20));
+        for bad in [
+            &[("TESSERA_HTTP_FIRST_BYTE_TIMEOUT", "10")][..],
+            &[("TESSERA_HTTP_TIMEOUT", "1.5s")],
+            &[("TESSERA_HTTP_CONCURRENCY", "0")],
+            &[("TESSERA_HTTP_RETRIES", "many")],
+            &[("TESSERA_HTTP_COALESCE_GAP", "-1")],
+        ] {
+            let e = HttpConfig::from_vars(vars(bad)).unwrap_err();
+            assert!(matches!(e, StoreError::BadSetting { ref name, .. } if name == bad[0].0), "{e}");
         }
-        for s in [200, 206, 400, 403, 404, 416, 501] {
-            assert!(!retryable_status(s));
-        }
-        assert!(retryable_transport(&ureq::Error::ConnectionFailed));
-        assert!(!retryable_transport(&ureq::Error::HostNotFound));
+    }
+
+    #[test]
+    fn the_limiter_bounds_requests_in_flight() {
+        let limiter = Arc::new(Limiter::new(3));
+        let peak = Arc::new(AtomicU64::new(0));
+        let now = Arc::new(AtomicU64::new(0));
+        std::thread::scope(|s| {
+            for _ in 0..12 {
+                s.spawn(|| {
+                    let _slot = limiter.acquire();
+                    let n = now.fetch_add(1, Ordering::SeqCst) + 1;
+                    peak.fetch_max(n, Ordering::SeqCst);
+                    std::thread::sleep(Duration::from_millis(20));
+                    now.fetch_sub(1, Ordering::SeqCst);
+                });
+            }
+        });
+        assert_eq!(peak.load(Ordering::SeqCst), 3);
+        assert_eq!(*limiter.in_flight.lock().unwrap(), 0);
     }
 
     #[test]

@@ -44,7 +44,10 @@ mod source;
 pub use cache::{CacheConfig, CacheStats, CachedSource, CachedStore, DiskCache, Leftovers};
 pub use error::StoreError;
 pub use export::{export_raw, ExportProgress, ExportStats};
-pub use http::{HttpConfig, HttpError, HttpStore, RetryPolicy, MAX_HTTP_BLOB};
+pub use http::{
+    coalesce, CoalescedSpan, HttpConfig, HttpError, HttpStats, HttpStore, RetryPolicy, HTTP_ENV,
+    MAX_HTTP_BLOB,
+};
 pub use local::{BlobWriter, KnownChunks, LocalStore};
 pub use location::StoreLocation;
 pub use read_store::ReadStore;

@@ -95,7 +95,7 @@ impl StoreLocation {
                 Ok(Arc::new(LocalStore::open(p)?))
             }
             StoreLocation::Http(url) => {
-                let origin = HttpStore::new(url, HttpConfig::default());
+                let origin = HttpStore::new(url, HttpConfig::from_env()?);
                 match cache {
                     Some(config) => Ok(Arc::new(CachedStore::new(origin, DiskCache::open(config)?))),
                     None => Ok(Arc::new(origin)),

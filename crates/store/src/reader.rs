@@ -12,7 +12,7 @@ use tessera_image::{
     ChunkRef, Compression, ImageEntry, ImageId, ImageRecord, PackIndex, PackLocation, SegmentSource,
     Sha256Digest, BLOCK_SIZE,
 };
-use tracing::{debug, trace};
+use tracing::{debug, trace, warn};
 
 use crate::error::StoreError;
 use crate::local::LocalStore;
@@ -290,9 +290,44 @@ impl<S: ChunkSource> ImageReader<S> {
 
     /// Fill `buf` with the device bytes at `offset`. Fails without partial results' meaning: on
     /// error the content of `buf` is unspecified.
+    ///
+    /// When the range needs several chunks that are not in the reader's cache, they are
+    /// fetched together first ([`Self::fetch_chunks`]): a remote source reads near chunks of
+    /// one pack in one request.
     pub fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), StoreError> {
         let map = &self.image.record.block_map;
         let plan = map.plan(offset, buf.len() as u64).map_err(StoreError::OutOfRange)?;
+        let mut wanted: Vec<u32> = plan
+            .clone()
+            .filter_map(|seg| match seg.source {
+                SegmentSource::Chunk { chunk, .. } => Some(chunk),
+                _ => None,
+            })
+            .collect();
+        wanted.dedup();
+        let prefetched = if wanted.len() > 1 {
+            let missing: Vec<u32> = {
+                let cache = self.lock_cache();
+                wanted.into_iter().filter(|&i| !cache.contains(i)).collect()
+            };
+            if missing.len() > 1 {
+                let chunks = self.fetch_chunks(&missing)?;
+                let mut cache = self.lock_cache();
+                missing
+                    .into_iter()
+                    .zip(chunks)
+                    .map(|(i, data)| {
+                        let data = Arc::new(data);
+                        cache.insert(i, Arc::clone(&data));
+                        (i, data)
+                    })
+                    .collect()
+            } else {
+                Vec::new()
+            }
+        } else {
+            Vec::new()
+        };
         let mut pos = 0usize;
         for seg in plan {
             // Segments add up to buf.len(), so each fits in usize.
@@ -310,7 +345,10 @@ impl<S: ChunkSource> ImageReader<S> {
                     out.copy_from_slice(src);
                 }
                 SegmentSource::Chunk { chunk, offset } => {
-                    let data = self.chunk(chunk)?;
+                    let data = match prefetched.iter().find(|(i, _)| *i == chunk) {
+                        Some((_, d)) => Arc::clone(d),
+                        None => self.chunk(chunk)?,
+                    };
                     let start = usize::try_from(offset).unwrap_or(usize::MAX).min(data.len());
                     let avail = (data.len() - start).min(len);
                     out[..avail].copy_from_slice(&data[start..start + avail]);
@@ -332,15 +370,62 @@ impl<S: ChunkSource> ImageReader<S> {
         Ok(data)
     }
 
-    /// Fetch, decompress and verify chunk `index`, bypassing the cache.
+    /// Fetch, decompress and verify chunk `index`, bypassing the cache. Bytes that fail
+    /// verification are fetched once more (a bit flipped in transit); if they fail again the
+    /// first [`StoreError::CorruptChunk`] is returned — never wrong bytes.
     pub fn fetch_chunk(&self, index: u32) -> Result<Vec<u8>, StoreError> {
-        let (chunk, pack, loc) = self
-            .image
-            .chunk_location(index)
-            .ok_or_else(|| inconsistent(&self.image.id, format!("chunk #{index} is not in the block map")))?;
+        let (chunk, pack, loc) = self.locate(index)?;
         trace!(index, chunk = %chunk.id, %pack, offset = loc.offset, len = loc.stored_len, "fetch chunk");
         let stored = self.source.read_stored(&pack, loc.offset, loc.stored_len)?;
-        decode_stored_chunk(&chunk, &pack, &loc, &stored)
+        self.decode_or_refetch(index, stored)
+    }
+
+    /// Fetch, decompress and verify the chunks `indexes` (bypassing the cache), asking the
+    /// source for the chunks of each pack in one call ([`ChunkSource::read_stored_many`]).
+    /// Returned in the order asked; verification as in [`Self::fetch_chunk`].
+    pub fn fetch_chunks(&self, indexes: &[u32]) -> Result<Vec<Vec<u8>>, StoreError> {
+        let located: Vec<_> = indexes.iter().map(|&i| self.locate(i)).collect::<Result<_, _>>()?;
+        let mut out: Vec<Option<Vec<u8>>> = vec![None; indexes.len()];
+        let mut packs: Vec<Sha256Digest> = located.iter().map(|(_, p, _)| *p).collect();
+        packs.sort_unstable();
+        packs.dedup();
+        for pack in packs {
+            let members: Vec<usize> = (0..indexes.len()).filter(|&k| located[k].1 == pack).collect();
+            let ranges: Vec<(u64, u32)> =
+                members.iter().map(|&k| (located[k].2.offset, located[k].2.stored_len)).collect();
+            trace!(%pack, chunks = ranges.len(), "fetch chunks");
+            let stored = self.source.read_stored_many(&pack, &ranges)?;
+            if stored.len() != members.len() {
+                return Err(inconsistent(
+                    &self.image.id,
+                    "the source returned the wrong number of ranges".into(),
+                ));
+            }
+            for (k, bytes) in members.into_iter().zip(stored) {
+                out[k] = Some(self.decode_or_refetch(indexes[k], bytes)?);
+            }
+        }
+        out.into_iter()
+            .map(|c| c.ok_or_else(|| inconsistent(&self.image.id, "a chunk was not fetched".into())))
+            .collect()
+    }
+
+    fn locate(&self, index: u32) -> Result<(ChunkRef, Sha256Digest, PackLocation), StoreError> {
+        self.image
+            .chunk_location(index)
+            .ok_or_else(|| inconsistent(&self.image.id, format!("chunk #{index} is not in the block map")))
+    }
+
+    /// Verify stored bytes of chunk `index`; on failure fetch them once more.
+    fn decode_or_refetch(&self, index: u32, stored: Vec<u8>) -> Result<Vec<u8>, StoreError> {
+        let (chunk, pack, loc) = self.locate(index)?;
+        let first = match decode_stored_chunk(&chunk, &pack, &loc, &stored) {
+            Ok(data) => return Ok(data),
+            Err(e) => e,
+        };
+        warn!(index, chunk = %chunk.id, %pack, offset = loc.offset, error = %first, "refetching a chunk that failed verification");
+        let again = self.source.read_stored(&pack, loc.offset, loc.stored_len)?;
+        decode_stored_chunk(&chunk, &pack, &loc, &again).map_err(|_| first)
     }
 
     fn lock_cache(&self) -> std::sync::MutexGuard<'_, ChunkCache> {
@@ -359,6 +444,10 @@ struct ChunkCache {
 impl ChunkCache {
     fn new(capacity: usize) -> Self {
         Self { capacity, entries: Vec::with_capacity(capacity) }
+    }
+
+    fn contains(&self, index: u32) -> bool {
+        self.entries.iter().any(|e| e.0 == index)
     }
 
     fn get(&mut self, index: u32) -> Option<Arc<Vec<u8>>> {

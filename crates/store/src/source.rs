@@ -15,11 +15,30 @@ use crate::error::StoreError;
 pub trait ChunkSource: Send + Sync {
     /// Read `len` bytes at `offset` of pack `pack`.
     fn read_stored(&self, pack: &Sha256Digest, offset: u64, len: u32) -> Result<Vec<u8>, StoreError>;
+
+    /// Read several ranges `(offset, len)` of pack `pack`, returned in the order asked. A remote
+    /// source overrides it to fetch near ranges in one request; the default reads them one by
+    /// one.
+    fn read_stored_many(
+        &self,
+        pack: &Sha256Digest,
+        ranges: &[(u64, u32)],
+    ) -> Result<Vec<Vec<u8>>, StoreError> {
+        ranges.iter().map(|&(offset, len)| self.read_stored(pack, offset, len)).collect()
+    }
 }
 
 impl<T: ChunkSource + ?Sized> ChunkSource for &T {
     fn read_stored(&self, pack: &Sha256Digest, offset: u64, len: u32) -> Result<Vec<u8>, StoreError> {
         (**self).read_stored(pack, offset, len)
+    }
+
+    fn read_stored_many(
+        &self,
+        pack: &Sha256Digest,
+        ranges: &[(u64, u32)],
+    ) -> Result<Vec<Vec<u8>>, StoreError> {
+        (**self).read_stored_many(pack, ranges)
     }
 }
 
@@ -27,10 +46,26 @@ impl<T: ChunkSource + ?Sized> ChunkSource for Arc<T> {
     fn read_stored(&self, pack: &Sha256Digest, offset: u64, len: u32) -> Result<Vec<u8>, StoreError> {
         (**self).read_stored(pack, offset, len)
     }
+
+    fn read_stored_many(
+        &self,
+        pack: &Sha256Digest,
+        ranges: &[(u64, u32)],
+    ) -> Result<Vec<Vec<u8>>, StoreError> {
+        (**self).read_stored_many(pack, ranges)
+    }
 }
 
 impl<T: ChunkSource + ?Sized> ChunkSource for Box<T> {
     fn read_stored(&self, pack: &Sha256Digest, offset: u64, len: u32) -> Result<Vec<u8>, StoreError> {
         (**self).read_stored(pack, offset, len)
+    }
+
+    fn read_stored_many(
+        &self,
+        pack: &Sha256Digest,
+        ranges: &[(u64, u32)],
+    ) -> Result<Vec<Vec<u8>>, StoreError> {
+        (**self).read_stored_many(pack, ranges)
     }
 }
