@@ -360,29 +360,38 @@ impl<S: ChunkSource> ImageReader<S> {
         Ok(())
     }
 
-    /// The verified, uncompressed bytes of BlockMap chunk `index` (through the cache).
+    /// The verified, uncompressed bytes of BlockMap chunk `index` (through the cache). Bytes
+    /// that fail verification are fetched once more (a bit flipped in transit); if they fail
+    /// again the read fails — never wrong bytes.
     pub fn chunk(&self, index: u32) -> Result<Arc<Vec<u8>>, StoreError> {
         if let Some(hit) = self.lock_cache().get(index) {
             return Ok(hit);
         }
-        let data = Arc::new(self.fetch_chunk(index)?);
+        let data = match self.fetch_chunk(index) {
+            Err(e @ StoreError::CorruptChunk { .. }) => {
+                warn!(index, error = %e, "refetching a chunk that failed verification");
+                self.fetch_chunk(index)?
+            }
+            other => other?,
+        };
+        let data = Arc::new(data);
         self.lock_cache().insert(index, Arc::clone(&data));
         Ok(data)
     }
 
-    /// Fetch, decompress and verify chunk `index`, bypassing the cache. Bytes that fail
-    /// verification are fetched once more (a bit flipped in transit); if they fail again the
-    /// first [`StoreError::CorruptChunk`] is returned — never wrong bytes.
+    /// Fetch, decompress and verify chunk `index` once, bypassing the cache (a
+    /// [`StoreError::CorruptChunk`] may be worth one more fetch: see [`Self::chunk`]).
     pub fn fetch_chunk(&self, index: u32) -> Result<Vec<u8>, StoreError> {
         let (chunk, pack, loc) = self.locate(index)?;
         trace!(index, chunk = %chunk.id, %pack, offset = loc.offset, len = loc.stored_len, "fetch chunk");
         let stored = self.source.read_stored(&pack, loc.offset, loc.stored_len)?;
-        self.decode_or_refetch(index, stored)
+        decode_stored_chunk(&chunk, &pack, &loc, &stored)
     }
 
     /// Fetch, decompress and verify the chunks `indexes` (bypassing the cache), asking the
     /// source for the chunks of each pack in one call ([`ChunkSource::read_stored_many`]).
-    /// Returned in the order asked; verification as in [`Self::fetch_chunk`].
+    /// Returned in the order asked; a chunk failing verification is fetched once more, as in
+    /// [`Self::chunk`].
     pub fn fetch_chunks(&self, indexes: &[u32]) -> Result<Vec<Vec<u8>>, StoreError> {
         let located: Vec<_> = indexes.iter().map(|&i| self.locate(i)).collect::<Result<_, _>>()?;
         let mut out: Vec<Option<Vec<u8>>> = vec![None; indexes.len()];
@@ -419,13 +428,13 @@ impl<S: ChunkSource> ImageReader<S> {
     /// Verify stored bytes of chunk `index`; on failure fetch them once more.
     fn decode_or_refetch(&self, index: u32, stored: Vec<u8>) -> Result<Vec<u8>, StoreError> {
         let (chunk, pack, loc) = self.locate(index)?;
-        let first = match decode_stored_chunk(&chunk, &pack, &loc, &stored) {
-            Ok(data) => return Ok(data),
-            Err(e) => e,
-        };
-        warn!(index, chunk = %chunk.id, %pack, offset = loc.offset, error = %first, "refetching a chunk that failed verification");
-        let again = self.source.read_stored(&pack, loc.offset, loc.stored_len)?;
-        decode_stored_chunk(&chunk, &pack, &loc, &again).map_err(|_| first)
+        match decode_stored_chunk(&chunk, &pack, &loc, &stored) {
+            Err(e @ StoreError::CorruptChunk { .. }) => {
+                warn!(index, error = %e, "refetching a chunk that failed verification");
+                self.fetch_chunk(index)
+            }
+            other => other,
+        }
     }
 
     fn lock_cache(&self) -> std::sync::MutexGuard<'_, ChunkCache> {
