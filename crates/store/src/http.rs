@@ -347,17 +347,27 @@ impl std::fmt::Debug for HttpStore {
     }
 }
 
-/// How one attempt failed.
+/// How one attempt failed (boxed: attempts fail rarely, and results stay small).
 enum AttemptError {
     /// Another attempt may succeed (5xx, 429, 408, transport or body failure, bytes that do not
     /// match their digest); the server's `Retry-After`, if any.
-    Retry(StoreError, Option<String>),
+    Retry(Box<StoreError>, Option<String>),
     /// Final (404, 403, a range the server cannot satisfy, a body over the limit).
-    Fatal(StoreError),
+    Fatal(Box<StoreError>),
+}
+
+impl AttemptError {
+    fn retry(e: StoreError) -> Self {
+        Self::Retry(Box::new(e), None)
+    }
+
+    fn fatal(e: StoreError) -> Self {
+        Self::Fatal(Box::new(e))
+    }
 }
 
 fn retry_body(url: &str, e: impl Into<ureq::Error>) -> AttemptError {
-    AttemptError::Retry(http_err(url, HttpError::Transport(Box::new(e.into()))), None)
+    AttemptError::retry(http_err(url, HttpError::Transport(Box::new(e.into()))))
 }
 
 impl HttpStore {
@@ -443,8 +453,8 @@ impl HttpStore {
             };
             let (err, retry_after) = match outcome {
                 Ok(v) => return Ok(v),
-                Err(AttemptError::Fatal(e)) => return Err(e),
-                Err(AttemptError::Retry(e, after)) => (e, after),
+                Err(AttemptError::Fatal(e)) => return Err(*e),
+                Err(AttemptError::Retry(e, after)) => (*e, after),
             };
             if retry + 1 >= attempts {
                 return Err(err);
@@ -471,12 +481,12 @@ impl HttpStore {
         let mut resp = match req.call() {
             Ok(resp) => resp,
             Err(e) if retryable_error(&e) => return Err(retry_body(url, e)),
-            Err(e) => return Err(AttemptError::Fatal(http_err(url, HttpError::Transport(Box::new(e))))),
+            Err(e) => return Err(AttemptError::fatal(http_err(url, HttpError::Transport(Box::new(e))))),
         };
         let status = resp.status().as_u16();
         if retryable_status(status) {
             let after = resp.headers().get("retry-after").and_then(|v| v.to_str().ok()).map(str::to_owned);
-            return Err(AttemptError::Retry(http_err(url, HttpError::Status(status)), after));
+            return Err(AttemptError::Retry(Box::new(http_err(url, HttpError::Status(status))), after));
         }
         on_response(&mut resp)
     }
@@ -485,7 +495,7 @@ impl HttpStore {
     fn body(&self, url: &str, resp: &mut Response<Body>, limit: u64) -> Result<Vec<u8>, AttemptError> {
         let bytes = resp.body_mut().with_config().limit(limit).read_to_vec().map_err(|e| match e {
             ureq::Error::BodyExceedsLimit(_) => {
-                AttemptError::Fatal(http_err(url, HttpError::BadLength("the body exceeds the limit")))
+                AttemptError::fatal(http_err(url, HttpError::BadLength("the body exceeds the limit")))
             }
             e => retry_body(url, e),
         })?;
@@ -498,7 +508,7 @@ impl HttpStore {
         self.fetch(url, None, |resp| match resp.status().as_u16() {
             404 => Ok(None),
             200 => self.body(url, resp, MAX_SMALL_DOC).map(Some),
-            s => Err(AttemptError::Fatal(http_err(url, HttpError::Status(s)))),
+            s => Err(AttemptError::fatal(http_err(url, HttpError::Status(s)))),
         })
     }
 
@@ -546,7 +556,7 @@ impl HttpStore {
         let bytes = self.fetch(&url, None, |resp| {
             let status = resp.status().as_u16();
             if status != 200 {
-                return Err(AttemptError::Fatal(http_err(&url, HttpError::Status(status))));
+                return Err(AttemptError::fatal(http_err(&url, HttpError::Status(status))));
             }
             let bytes = self.body(&url, resp, MAX_HTTP_BLOB)?;
             let actual = Sha256Digest::of(&bytes);
@@ -557,7 +567,7 @@ impl HttpStore {
                     path: url.clone().into(),
                     reason: format!("its content hashes to {actual}"),
                 };
-                return Err(AttemptError::Retry(e, None));
+                return Err(AttemptError::retry(e));
             }
             Ok(bytes)
         })?;
@@ -588,7 +598,7 @@ impl HttpStore {
             let status = resp.status().as_u16();
             let cr = resp.headers().get("content-range").and_then(|v| v.to_str().ok());
             let answer = check_range_answer(status, cr, offset, len)
-                .map_err(|e| AttemptError::Fatal(http_err(&url, e)))?;
+                .map_err(|e| AttemptError::fatal(http_err(&url, e)))?;
             let mut reader = resp.body_mut().with_config().limit(u64::MAX).reader();
             if answer == RangeAnswer::Whole {
                 warn!(url, "the server ignored Range; reading past {offset} bytes");
@@ -596,7 +606,7 @@ impl HttpStore {
                     .map_err(|e| retry_body(&url, e))?;
                 if skipped != offset {
                     let e = HttpError::BadLength("the blob ends before the range");
-                    return Err(AttemptError::Fatal(http_err(&url, e)));
+                    return Err(AttemptError::fatal(http_err(&url, e)));
                 }
             }
             let cap = usize::try_from(len).unwrap_or(usize::MAX);
@@ -605,7 +615,7 @@ impl HttpStore {
             self.inner.bytes.fetch_add(out.len() as u64, Ordering::Relaxed);
             if out.len() as u64 != len {
                 let e = http_err(&url, HttpError::BadLength("the body is shorter than the range"));
-                return Err(AttemptError::Retry(e, None));
+                return Err(AttemptError::retry(e));
             }
             Ok(out)
         })?;
