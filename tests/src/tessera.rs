@@ -276,40 +276,42 @@ pub fn check_store(store: &Path) -> Result<()> {
 }
 
 /// Run `tessera build` and measure its peak RSS (`ru_maxrss` from `wait4`, which is the child's
-/// VmHWM) → (image ID, peak bytes). stdout/stderr go to files so pipes never block the child.
+/// VmHWM) → (image ID, peak bytes).
 pub fn build_peak_rss(dir: &Path, store: &Path, args: &[&str]) -> Result<(ImageId, u64)> {
+    let mut all: Vec<&std::ffi::OsStr> =
+        vec!["build".as_ref(), dir.as_os_str(), "--store".as_ref(), store.as_os_str()];
+    all.extend(args.iter().map(std::ffi::OsStr::new));
+    let (stdout, peak) = run_peak_rss(&all)?;
+    Ok((parse_build_stdout(&stdout)?, peak))
+}
+
+/// Run `tessera ARGS…`, which must succeed, under GNU time (`/usr/bin/time -f %M`, Debian
+/// package `time`) and return (stdout, peak RSS in bytes). Not `wait4` from this process: Linux
+/// carries the high-water RSS of the memory a process replaces at `exec` into its `ru_maxrss`, and
+/// a child spawned with `posix_spawn` (vfork) replaces *this* process's memory — so a test that
+/// has held big buffers would be charged for them. GNU time forks from its own small image.
+/// stdout/stderr go to files so pipes never block the child.
+pub fn run_peak_rss(args: &[&std::ffi::OsStr]) -> Result<(Vec<u8>, u64)> {
     let tmp = tempfile::tempdir()?;
-    let (so, se) = (tmp.path().join("stdout"), tmp.path().join("stderr"));
-    let mut c = command(["build".as_ref(), dir.as_os_str(), "--store".as_ref(), store.as_os_str()]);
-    c.args(args).stdout(fs::File::create(&so)?).stderr(fs::File::create(&se)?);
-    let child = c.spawn().with_context(|| format!("spawn {c:?}"))?;
-    let pid = child.id() as libc::pid_t;
-    let mut status: libc::c_int = 0;
-    // SAFETY: `rusage` is plain old data, valid when zeroed.
-    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-    let r = loop {
-        // SAFETY: `pid` is our own child that nothing else waits for (the `Child` handle is
-        // dropped without waiting); `status` and `ru` are valid, writable locals.
-        let r = unsafe { libc::wait4(pid, &mut status, 0, &mut ru) };
-        if r == -1 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
-            continue;
-        }
-        break r;
-    };
-    drop(child);
-    ensure!(r == pid, "wait4: {}", std::io::Error::last_os_error());
+    let (so, se, rss) = (tmp.path().join("stdout"), tmp.path().join("stderr"), tmp.path().join("rss"));
+    let mut c = Command::new("/usr/bin/time");
+    c.args(["-f", "%M", "-o"]).arg(&rss).arg(tessera_bin()).args(args);
+    c.stdin(Stdio::null()).stdout(fs::File::create(&so)?).stderr(fs::File::create(&se)?);
+    let status = c.status().with_context(|| format!("spawn {c:?} (Debian package time)"))?;
     let stdout = fs::read(&so)?;
     let stderr = fs::read(&se)?;
-    let ok = libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0;
-    if !ok {
+    if !status.success() {
         bail!(
-            "tessera build {} failed (wait status {status:#x}):\n--- stdout ---\n{}\n--- stderr ---\n{}",
-            dir.display(),
+            "tessera {args:?} failed ({status}):\n--- stdout ---\n{}\n--- stderr ---\n{}",
             String::from_utf8_lossy(&stdout),
             String::from_utf8_lossy(&stderr)
         );
     }
-    let id = parse_build_stdout(&stdout)?;
-    // ru_maxrss is in KiB on Linux.
-    Ok((id, (ru.ru_maxrss as u64) * 1024))
+    let text = fs::read_to_string(&rss)?;
+    let kib: u64 = text
+        .lines()
+        .last()
+        .and_then(|l| l.trim().parse().ok())
+        .with_context(|| format!("/usr/bin/time wrote {text:?}"))?;
+    Ok((stdout, kib * 1024))
 }

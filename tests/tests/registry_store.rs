@@ -273,3 +273,50 @@ fn basic_auth_push_and_read() -> Result<()> {
     same_file(&f.local_raw, &out, "behind basic auth")?;
     Ok(())
 }
+
+/// Memory is bounded by one 16 MiB upload piece, not by the blob: a 64 MiB incompressible pack is
+/// pushed from a local store (streamed from the file) and then from that registry to "another"
+/// one (`localhost:PORT` is a different registry name for the same server, so nothing can be
+/// mounted: the pack streams from one registry's blob GET into the other's PATCHes). Both stay
+/// under 48 MiB of peak RSS, and the copy reads back to the same device.
+#[test]
+fn push_memory_is_bounded_by_one_piece() -> Result<()> {
+    require_registry()?;
+    let t = tmp("reg-mem")?;
+    let (src, store) = (t.path().join("src"), t.path().join("store"));
+    fs::create_dir_all(&src)?;
+    fs::write(src.join("incompressible"), Prng::from_label("reg-mem").bytes(64 << 20))?;
+    let id = tessera::build(&src, &store, &["--tag", "big"])?;
+    let reg = Registry::start()?;
+    let port = reg.addr().port();
+    let limit = 48u64 << 20;
+    let dest = format!("docker://127.0.0.1:{port}/mem:big");
+    let (out, peak) = tessera::run_peak_rss(&[
+        "push".as_ref(),
+        "big".as_ref(),
+        "--store".as_ref(),
+        store.as_os_str(),
+        dest.as_ref(),
+    ])?;
+    eprintln!("push of a 64 MiB pack from a local store: peak RSS {:.1} MiB", peak as f64 / (1 << 20) as f64);
+    ensure!(peak < limit, "push peaked at {} MiB: {}", peak >> 20, String::from_utf8_lossy(&out));
+    let from = format!("docker://127.0.0.1:{port}/mem");
+    let copy = format!("docker://localhost:{port}/copy:big");
+    let (out, peak) = tessera::run_peak_rss(&[
+        "push".as_ref(),
+        id.as_str().as_ref(),
+        "--store".as_ref(),
+        from.as_ref(),
+        copy.as_ref(),
+        "--json".as_ref(),
+    ])?;
+    eprintln!("push registry to registry: peak RSS {:.1} MiB", peak as f64 / (1 << 20) as f64);
+    ensure!(peak < limit, "registry-to-registry push peaked at {} MiB", peak >> 20);
+    let report: serde_json::Value = serde_json::from_slice(&out)?;
+    ensure!(report["mounted"] == 0 && report["uploaded"] == report["blobs"], "{report}");
+    let (a, b) = (t.path().join("local.raw"), t.path().join("copy.raw"));
+    tessera::export("big", &store, &a)?;
+    ok(export("big", &format!("docker://localhost:{port}/copy"), &b, None)?, "export the copy")?;
+    same_file(&fs::read(&a)?, &b, "the registry-to-registry copy")?;
+    Ok(())
+}

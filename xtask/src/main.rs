@@ -173,6 +173,7 @@ const PACKAGES: &[&str] = &[
     "docker-registry",
     "apache2-utils",
     "nginx",
+    "time",
 ];
 
 fn installed(pkg: &str) -> bool {
