@@ -11,7 +11,7 @@ use tessera_build::Progress;
 use tessera_build::{BuildConfig, BuildError};
 use tessera_ext4::SizePolicy;
 use tessera_image::{ImageId, ImageRecord, PackIndex, RuntimeConfig};
-use tessera_store::{export_raw, ImageReader, ReadStore, StoreError, StoreLocation};
+use tessera_store::{export_raw, read_profile, ImageReader, ReadStore, StoreError, StoreLocation};
 
 use crate::cache_args::CacheArgs;
 use crate::progress::Bar;
@@ -130,7 +130,19 @@ struct Inspect {
     prefix_stored_bytes: u64,
     chunk_size: u32,
     has_profile: bool,
+    profile: Option<InspectProfile>,
     config: InspectConfig,
+}
+
+/// The prefetch profile and how much of the image it covers.
+#[derive(Debug, Serialize)]
+struct InspectProfile {
+    digest: String,
+    traces: u32,
+    min_runs: u32,
+    chunks: u64,
+    bytes: u64,
+    percent_of_data: f64,
 }
 
 /// The normalized runtime config (empty for a directory source).
@@ -204,6 +216,17 @@ pub fn inspect(args: InspectArgs) -> Result<()> {
         Some(local) => local.blob_len(&entry.prefix)?,
         None => store.read_blob(&entry.prefix)?.len() as u64,
     };
+    let profile = read_profile(store.as_ref(), &id, &entry, &record.block_map)?.map(|(digest, p)| {
+        let c = p.coverage(&record.block_map);
+        InspectProfile {
+            digest: digest.to_string(),
+            traces: p.traces(),
+            min_runs: p.min_runs(),
+            chunks: c.chunks,
+            bytes: c.bytes,
+            percent_of_data: c.percent_of_data(),
+        }
+    });
     let doc = Inspect {
         id: id.to_string(),
         tags,
@@ -238,6 +261,7 @@ pub fn inspect(args: InspectArgs) -> Result<()> {
         prefix_stored_bytes,
         chunk_size: record.options.chunk_size,
         has_profile: entry.profile.is_some(),
+        profile,
         config: InspectConfig::from(&record.config),
     };
     if args.json {
@@ -279,6 +303,17 @@ pub fn inspect(args: InspectArgs) -> Result<()> {
         HumanBytes(doc.prefix_stored_bytes),
         HumanBytes(doc.prefix_bytes)
     );
+    match &doc.profile {
+        Some(p) => println!(
+            "Profile    {} chunks, {} ({:.1}% of the data) from {} traces (kept if in >= {})",
+            p.chunks,
+            HumanBytes(p.bytes),
+            p.percent_of_data,
+            p.traces,
+            p.min_runs
+        ),
+        None => println!("Profile    none"),
+    }
     let c = &doc.config;
     let list = |v: &Option<Vec<String>>| match v {
         Some(v) => serde_json::to_string(v).unwrap_or_default(),

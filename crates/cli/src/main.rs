@@ -5,6 +5,7 @@
 
 mod cache_args;
 mod cmd;
+mod profile;
 mod progress;
 mod push;
 mod serve;
@@ -55,6 +56,7 @@ enum Command {
     Inspect(InspectArgs),
     Serve(serve::ServeArgs),
     Push(push::PushArgs),
+    Profile(profile::ProfileArgs),
 }
 
 /// Build an image from a directory into a store; prints the image ID.
@@ -210,6 +212,7 @@ fn main() -> ExitCode {
         Command::Inspect(a) => cmd::inspect(a),
         Command::Serve(a) => serve::serve(a),
         Command::Push(a) => push::push(a),
+        Command::Profile(a) => profile::profile(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -66,6 +66,11 @@ impl Trace {
         &self.entries
     }
 
+    /// Check that the trace was recorded on `image` and names only chunks of `map` (its block map).
+    pub fn check_against(&self, image: ImageId, map: &BlockMap) -> Result<(), ProfileError> {
+        check_chunks(image, self.image, self.entries.iter().map(|e| e.chunk), map)
+    }
+
     /// The header line (with its newline) a trace file for `image` starts with.
     pub fn header_line(image: ImageId) -> String {
         format!("{TRACE_HEADER}{image}\n")
@@ -125,6 +130,23 @@ impl Trace {
             entries.push(TraceEntry { chunk, at_us });
         }
         Ok(Self { image, entries })
+    }
+}
+
+/// `found` must be `image`, and every chunk one of `map`'s.
+fn check_chunks(
+    image: ImageId,
+    found: ImageId,
+    mut chunks: impl Iterator<Item = ChunkId>,
+    map: &BlockMap,
+) -> Result<(), ProfileError> {
+    if found != image {
+        return Err(ProfileError::WrongImage { expected: image, found });
+    }
+    let known: HashSet<ChunkId> = map.chunks().iter().map(|c| c.id).collect();
+    match chunks.find(|c| !known.contains(c)) {
+        Some(chunk) => Err(ProfileError::UnknownChunk { chunk, image }),
+        None => Ok(()),
     }
 }
 
@@ -257,14 +279,7 @@ impl Profile {
 
     /// Check that the profile belongs to `image` and names only chunks of `map` (its block map).
     pub fn check_against(&self, image: ImageId, map: &BlockMap) -> Result<(), ProfileError> {
-        if self.image != image {
-            return Err(ProfileError::WrongImage { expected: image, found: self.image });
-        }
-        let known: HashSet<ChunkId> = map.chunks().iter().map(|c| c.id).collect();
-        match self.entries.iter().find(|e| !known.contains(&e.chunk)) {
-            Some(e) => Err(ProfileError::UnknownChunk { chunk: e.chunk, image }),
-            None => Ok(()),
-        }
+        check_chunks(image, self.image, self.entries.iter().map(|e| e.chunk), map)
     }
 
     /// How much of the image described by `map` the profile covers. Chunks `map` does not have
@@ -484,7 +499,11 @@ mod tests {
         assert!((c.percent_of_data() - 75.0).abs() < 1e-9);
 
         assert!(matches!(p.check_against(image(2), &map), Err(ProfileError::WrongImage { .. })));
-        let stray = Profile::merge(img, &[trace(img, &[(1, 0), (7, 1)])], 1).unwrap();
+        let stray_trace = trace(img, &[(1, 0), (7, 1)]);
+        assert!(matches!(stray_trace.check_against(img, &map), Err(ProfileError::UnknownChunk { .. })));
+        assert!(matches!(stray_trace.check_against(image(2), &map), Err(ProfileError::WrongImage { .. })));
+        trace(img, &[(3, 0)]).check_against(img, &map).unwrap();
+        let stray = Profile::merge(img, &[stray_trace], 1).unwrap();
         let err = stray.check_against(img, &map).unwrap_err();
         assert!(matches!(err, ProfileError::UnknownChunk { chunk: c, .. } if c == chunk(7)), "{err}");
         assert!(err.to_string().contains(&chunk(7).to_hex()));

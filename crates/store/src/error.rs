@@ -88,6 +88,14 @@ pub enum StoreError {
     /// The image's parts do not agree with each other (entry, record, prefix, pack index).
     #[error("image {image} is inconsistent: {reason}")]
     Inconsistent { image: ImageId, reason: String },
+    /// A trace or profile that does not fit the image (made for another image, or naming chunks
+    /// the image does not have).
+    #[error("image {image}: {source}")]
+    Profile {
+        image: ImageId,
+        #[source]
+        source: tessera_image::ProfileError,
+    },
     /// A stored chunk does not decompress to the bytes its id names. No bytes are returned.
     #[error("chunk {chunk} in pack {pack} at offset {offset} is corrupt: {reason}")]
     CorruptChunk { chunk: ChunkId, pack: Sha256Digest, offset: u64, reason: &'static str },

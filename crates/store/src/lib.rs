@@ -14,6 +14,7 @@
 //! - [`OpenImage`] + [`ImageReader`]: the verified read path used by `tessera export` and the
 //!   daemon: BlockMap plan → zeros / prefix bytes / chunk bytes (decompressed and checked against
 //!   their blake3 id).
+//! - [`attach_profile`] / [`read_profile`]: an image's prefetch profile (`docs/formats/profile.md`).
 //! - [`export_raw`]: the full device as a sparse raw file.
 //!
 //! ```no_run
@@ -36,6 +37,7 @@ mod export;
 mod http;
 mod local;
 mod location;
+mod profile;
 mod read_store;
 mod reader;
 mod registry;
@@ -50,6 +52,7 @@ pub use http::{
 };
 pub use local::{BlobWriter, KnownChunks, LocalStore};
 pub use location::StoreLocation;
+pub use profile::{attach_profile, read_profile};
 pub use read_store::ReadStore;
 pub use reader::{decode_stored_chunk, ImageReader, OpenImage, DEFAULT_CHUNK_CACHE, MAX_CHUNK_LEN};
 pub use registry::{push_image, PushProgress, PushReport, PushTarget, RegistryStore, MAX_REGISTRY_BLOB};

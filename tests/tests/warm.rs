@@ -1,0 +1,210 @@
+//! Boot traces, prefetch profiles and cache warming, end to end with the real parts: `tessera serve
+//! --record-trace` read by a libblkio client, `tessera profile`, `tessera inspect`, and (below)
+//! `tessera warm` against nginx.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Output;
+
+use anyhow::{ensure, Context, Result};
+use tessera_e2e::daemon::{BlkClient, Daemon};
+use tessera_e2e::prng::Prng;
+use tessera_e2e::tessera::{self, ImageId};
+use tessera_e2e::testutil::tmp;
+
+const CHUNK: u64 = 64 << 10;
+
+/// An image whose data spans many 64 KiB chunks, tagged `demo`, and its exported bytes.
+struct Fixture {
+    t: tempfile::TempDir,
+    store: PathBuf,
+    id: ImageId,
+    raw: Vec<u8>,
+    /// Device byte range of the file data.
+    data: (u64, u64),
+    chunks: u64,
+}
+
+fn fixture(name: &str, label: &str) -> Result<Fixture> {
+    let t = tmp(name)?;
+    let (src, store) = (t.path().join("src"), t.path().join("store"));
+    let mut rng = Prng::from_label(label);
+    fs::create_dir_all(src.join("etc"))?;
+    fs::write(src.join("random.bin"), rng.bytes(1_200_000))?;
+    fs::write(src.join("text.txt"), rng.text(300_000))?;
+    for i in 0..8 {
+        fs::write(src.join(format!("etc/conf{i}")), rng.text(500 + i * 300))?;
+    }
+    let id = tessera::build(&src, &store, &["--tag", "demo", "--chunk-size", "64K"])?;
+    let raw_path = t.path().join("demo.raw");
+    tessera::export("demo", &store, &raw_path)?;
+    let raw = fs::read(&raw_path)?;
+    let v = tessera::inspect_json("demo", &store)?;
+    let block = |k: &str| v["geometry"][k].as_u64().with_context(|| format!("geometry.{k}: {v}"));
+    let data = (block("data_start_block")? * 4096, block("data_end_block")? * 4096);
+    let chunks = v["chunks"].as_u64().context("chunks")?;
+    ensure!(chunks >= 20, "the fixture should span many chunks, has {chunks}");
+    Ok(Fixture { t, store, id, raw, data, chunks })
+}
+
+fn s(p: &Path) -> Result<&str> {
+    p.to_str().context("non-UTF-8 path")
+}
+
+fn ok(o: Output, what: &str) -> Result<Output> {
+    ensure!(o.status.success(), "{what}: {}\n{}", o.status, String::from_utf8_lossy(&o.stderr));
+    Ok(o)
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Serve `image` from `store` with `--record-trace trace`, read `ranges` with libblkio (checking
+/// the bytes against `raw`), stop with SIGTERM.
+fn record(
+    store: &str,
+    image: &str,
+    trace: &Path,
+    ranges: &[(u64, u64)],
+    raw: &[u8],
+    extra: &[&str],
+) -> Result<()> {
+    let socket = trace.with_extension("sock");
+    let mut args = vec!["--read-only", "--record-trace", s(trace)?];
+    args.extend_from_slice(extra);
+    let d = Daemon::start(image, store, &socket, &args)?;
+    let mut c = BlkClient::connect(d.socket(), 1, true)?;
+    for &(start, end) in ranges {
+        let mut at = start;
+        while at < end {
+            let len = (end - at).min(1 << 20);
+            let got = c.read(at, len as usize)?.map_err(|e| anyhow::anyhow!("read at {at}: errno {e}"))?;
+            ensure!(got == raw[at as usize..(at + len) as usize], "wrong bytes at {at}");
+            at += len;
+        }
+    }
+    drop(c);
+    d.stop()
+}
+
+/// The trace's chunk lines (after the header), checked for shape.
+fn trace_lines(path: &Path, id: &ImageId) -> Result<Vec<(u64, String)>> {
+    let text = fs::read_to_string(path)?;
+    let mut lines = text.lines();
+    ensure!(lines.next() == Some(&format!("tessera-trace 1 {id}")), "trace header: {text}");
+    let entries: Vec<(u64, String)> = lines
+        .map(|l| {
+            let (t, c) = l.split_once(' ').context("line shape")?;
+            Ok((t.parse()?, c.to_owned()))
+        })
+        .collect::<Result<_>>()?;
+    ensure!(entries.windows(2).all(|w| w[0].0 <= w[1].0), "times go backwards: {text}");
+    Ok(entries)
+}
+
+fn entry_bytes(f: &Fixture) -> Result<Vec<u8>> {
+    Ok(fs::read(f.store.join("images").join(format!("{}.json", f.id.hex())))?)
+}
+
+#[test]
+fn record_then_profile_then_inspect() -> Result<()> {
+    let f = fixture("warm-profile", "warm-profile")?;
+    let store = s(&f.store)?.to_owned();
+    let (t1, t2) = (f.t.path().join("boot1.trace"), f.t.path().join("boot2.trace"));
+    // Run 1 reads the superblock and all the data; run 2 the superblock and the first chunk's worth.
+    record(&store, "demo", &t1, &[(0, 4096), f.data], &f.raw, &[])?;
+    record(
+        &store,
+        f.id.as_str(),
+        &t2,
+        &[(0, 4096), (f.data.0, f.data.0 + CHUNK)],
+        &f.raw,
+        &["--mem-cache", "0"],
+    )?;
+    let run1 = trace_lines(&t1, &f.id)?;
+    let run2 = trace_lines(&t2, &f.id)?;
+    ensure!(run1.len() as u64 == f.chunks, "run 1 touched {} chunks of {}", run1.len(), f.chunks);
+    ensure!((1..=2).contains(&run2.len()), "run 2 read one chunk's worth, touched {}", run2.len());
+    ensure!(run1[0].0 == 0 && run2[0].0 == 0, "times start at 0");
+
+    let before = tessera::inspect_json("demo", &f.store)?;
+    ensure!(before["has_profile"] == false && before["profile"].is_null(), "{before}");
+    let profile = |extra: &[&str]| {
+        let mut a = vec!["profile", "demo", "--store", &store, "--trace", s(&t1)?, s(&t2)?];
+        a.extend_from_slice(extra);
+        tessera::run(&a)
+    };
+    // Default threshold with two traces: 1 — every chunk either run touched.
+    let o = ok(profile(&[])?, "profile")?;
+    let digest = String::from_utf8(o.stdout)?;
+    let v = tessera::inspect_json("demo", &f.store)?;
+    tessera::check_inspect(&v, &f.id)?;
+    let p = &v["profile"];
+    ensure!(v["has_profile"] == true && p["digest"].as_str() == Some(digest.trim()), "{v}");
+    ensure!(p["chunks"].as_u64() == Some(f.chunks) && p["traces"] == 2 && p["min_runs"] == 1, "{v}");
+    ensure!(p["bytes"] == v["unique_chunk_bytes"] && p["percent_of_data"].as_f64() == Some(100.0), "{v}");
+    // Both runs: only what run 2 read too. The image ID and the tag stay.
+    ok(profile(&["--min-runs", "2"])?, "profile --min-runs 2")?;
+    let v = tessera::inspect_json("demo", &f.store)?;
+    ensure!(v["profile"]["chunks"].as_u64() == Some(run2.len() as u64), "{v}");
+    let pct = v["profile"]["percent_of_data"].as_f64().context("percent")?;
+    ensure!(pct > 0.0 && pct < 20.0, "{v}");
+    ensure!(v["id"].as_str() == Some(f.id.as_str()) && v["tags"] == serde_json::json!(["demo"]), "{v}");
+    let text = ok(tessera::run(["inspect", "demo", "--store", &store])?, "inspect")?;
+    let text = String::from_utf8(text.stdout)?;
+    ensure!(text.contains(&format!("Profile    {} chunks", run2.len())), "{text}");
+    tessera::check_store(&f.store)?;
+
+    // Usage errors (exit 2): a threshold above the number of traces, an http store.
+    let o = profile(&["--min-runs", "3"])?;
+    ensure!(o.status.code() == Some(2) && stderr(&o).contains("--min-runs"), "{}", stderr(&o));
+    let o = tessera::run(["profile", "demo", "--store", "http://127.0.0.1:9/store", "--trace", s(&t1)?])?;
+    ensure!(o.status.code() == Some(2) && stderr(&o).contains("local store"), "{}", stderr(&o));
+    Ok(())
+}
+
+#[test]
+fn traces_for_another_image_or_its_chunks_are_refused() -> Result<()> {
+    let f = fixture("warm-refuse", "warm-refuse")?;
+    let store = s(&f.store)?.to_owned();
+    // A second image in the same store (other content, so other chunks).
+    let other_src = f.t.path().join("other");
+    fs::create_dir_all(&other_src)?;
+    fs::write(other_src.join("data.bin"), Prng::from_label("another image").bytes(400_000))?;
+    let other = tessera::build(&other_src, &f.store, &["--tag", "other", "--chunk-size", "64K"])?;
+    let other_raw = f.t.path().join("other.raw");
+    tessera::export("other", &f.store, &other_raw)?;
+    let v = tessera::inspect_json("other", &f.store)?;
+    let start = v["geometry"]["data_start_block"].as_u64().context("data_start_block")? * 4096;
+    let foreign = f.t.path().join("other.trace");
+    record(&store, "other", &foreign, &[(start, start + 3 * CHUNK)], &fs::read(&other_raw)?, &[])?;
+    ensure!(!trace_lines(&foreign, &other)?.is_empty());
+    let entry = entry_bytes(&f)?;
+
+    let o = tessera::run(["profile", "demo", "--store", &store, "--trace", s(&foreign)?])?;
+    let e = stderr(&o);
+    ensure!(o.status.code() == Some(1), "{}: {e}", o.status);
+    ensure!(e.contains(other.as_str()) && e.contains(f.id.as_str()) && e.contains("other.trace"), "{e}");
+
+    // The same chunks under this image's header: chunks the image does not have.
+    let text = fs::read_to_string(&foreign)?;
+    let (_, body) = text.split_once('\n').context("header")?;
+    let first_chunk = body.lines().next().and_then(|l| l.split_once(' ')).context("a line")?.1.to_owned();
+    let forged = f.t.path().join("forged.trace");
+    fs::write(&forged, format!("tessera-trace 1 {}\n{body}", f.id))?;
+    let o = tessera::run(["profile", "demo", "--store", &store, "--trace", s(&forged)?])?;
+    let e = stderr(&o);
+    ensure!(o.status.code() == Some(1), "{}: {e}", o.status);
+    ensure!(e.contains("not part of image") && e.contains(&first_chunk), "{e}");
+
+    // A cut-short trace names its line.
+    let cut = f.t.path().join("cut.trace");
+    fs::write(&cut, &text[..text.len() - 5])?;
+    let o = tessera::run(["profile", "other", "--store", &store, "--trace", s(&cut)?])?;
+    ensure!(o.status.code() == Some(1) && stderr(&o).contains("final newline"), "{}", stderr(&o));
+
+    ensure!(entry_bytes(&f)? == entry, "a refused profile must leave the image entry alone");
+    ensure!(tessera::inspect_json("demo", &f.store)?["profile"].is_null());
+    Ok(())
+}
