@@ -9,7 +9,8 @@ use tessera_store::{attach_profile, read_profile, LocalStore, OpenImage};
 
 fn profile_of(image: ImageId, chunks: &[ChunkId]) -> Profile {
     let entries = chunks.iter().enumerate().map(|(i, &chunk)| TraceEntry { chunk, at_us: i as u64 * 10 });
-    Profile::merge(image, &[Trace::new(image, entries.collect()).unwrap()], 1).unwrap()
+    let trace = Trace::new(image, entries.collect()).expect("a well-formed trace");
+    Profile::merge(image, &[trace], 1).expect("one trace, threshold 1")
 }
 
 #[test]
