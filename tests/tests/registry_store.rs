@@ -126,14 +126,25 @@ fn push_then_read_back_by_tag_and_id_and_push_again_uploads_nothing() -> Result<
 
     // Read back: by tag and by ID, export equals the local export byte for byte.
     let store = format!("docker://{addr}/team/images");
-    for image in ["v1", f.id.as_str()] {
-        let out = f.t.path().join("reg.raw");
-        ok(export(image, &store, &out, None)?, &format!("export {image} from {store}"))?;
-        same_file(&f.local_raw, &out, &format!("export {image} from the registry"))?;
-    }
     let o = ok(run(&["inspect", "v1", "--store", &store, "--json"])?, "inspect")?;
     let v: serde_json::Value = serde_json::from_slice(&o.stdout)?;
     ensure!(v["id"] == f.id.as_str() && v["tags"] == serde_json::json!(["v1"]), "inspect: {v}");
+    let chunks = v["chunks"].as_u64().context("chunks")?;
+    for image in ["v1", f.id.as_str()] {
+        let out = f.t.path().join("reg.raw");
+        let before = reg.requests().len();
+        ok(export(image, &store, &out, None)?, &format!("export {image} from {store}"))?;
+        same_file(&f.local_raw, &out, &format!("export {image} from the registry"))?;
+        // Near chunks of a pack share one Range GET: fewer blob GETs than chunks (the entry,
+        // record, prefix and pack index are 4 of them).
+        let gets = reg
+            .requests()
+            .split_off(before)
+            .iter()
+            .filter(|(m, p)| m == "GET" && p.contains("/blobs/"))
+            .count();
+        ensure!(gets > 4 && (gets as u64) < chunks, "export {image}: {gets} blob GETs for {chunks} chunks");
+    }
 
     // Again: only existence checks; no upload request, no manifest written.
     let before = reg.requests().len();

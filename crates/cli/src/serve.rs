@@ -36,7 +36,9 @@ make the range read as zeros. `tessera export IMAGE --overlay FILE` writes base 
 --read-only refuses writes (VIRTIO_BLK_F_RO); with --overlay it serves base plus overlay.\n\
 \n\
 Stores: a local directory is read directly. An http(s):// store (any static server or CDN holding \
-the store layout) is read with Range GETs; with --cache-dir DIR the chunks, blobs and image entries \
+the store layout) is read with Range GETs, and so is a docker://HOST[:PORT]/REPO store (a registry \
+repository an image was pushed to with `tessera push`; credentials from REGISTRY_AUTH_FILE or \
+~/.docker/config.json); with --cache-dir DIR the chunks, blobs and image entries \
 go through the host disk cache (shared by every image and daemon on the host), so a warmed cache \
 serves with the origin down; without it chunks are kept in memory only.\n\
 \n\
@@ -54,11 +56,13 @@ tessera serve web --store ./store --socket /run/web.sock --overlay /var/lib/vm1/
 tessera serve sha256:3f1c... --store ./store --socket /tmp/vm.sock --queues 2 --socket-mode 0660\n  \
 tessera serve web --store ./store --socket /tmp/vm.sock --ready-fd 3 3>ready.txt\n  \
 tessera serve web --store https://cdn.example/tessera --cache-dir /var/cache/tessera --socket /run/web.sock\n  \
+tessera serve web --store docker://registry.example.com/team/images --cache-dir /var/cache/tessera --socket /run/web.sock\n  \
 tessera serve web --store ./store --socket /tmp/vm.sock --read-only --record-trace boot1.trace")]
 pub struct ServeArgs {
     /// The image: sha256:<64 hex> or a tag.
     image: String,
-    /// The store holding it: PATH, file://PATH or http(s)://HOST[:PORT][/PREFIX] (read-only).
+    /// The store holding it: PATH, file://PATH, http(s)://HOST[:PORT][/PREFIX] (read-only) or
+    /// docker://HOST[:PORT]/REPO (a registry).
     #[arg(long)]
     store: String,
     // --cache-dir DIR, --cache-size SIZE (the temporary overlay also goes into DIR).

@@ -242,9 +242,51 @@ impl ReadStore for RegistryStore {
     }
 }
 
+/// Ranges of one pack closer than this share one Range GET (as for HTTP origins).
+const COALESCE_GAP: u64 = 64 << 10;
+/// Largest span fetched by one coalesced Range GET.
+const COALESCE_MAX: u64 = 16 << 20;
+
 impl ChunkSource for RegistryStore {
     fn read_stored(&self, pack: &Sha256Digest, offset: u64, len: u32) -> Result<Vec<u8>, StoreError> {
         Ok(self.inner.client.get_blob_range(&self.inner.repo, &reg_digest(pack), offset, u64::from(len))?)
+    }
+
+    /// Near ranges share one Range GET ([`crate::coalesce`]); separate spans are fetched in
+    /// parallel.
+    fn read_stored_many(
+        &self,
+        pack: &Sha256Digest,
+        ranges: &[(u64, u32)],
+    ) -> Result<Vec<Vec<u8>>, StoreError> {
+        let spans = crate::coalesce(ranges, COALESCE_GAP, COALESCE_MAX);
+        let (client, repo, digest) = (&self.inner.client, self.inner.repo.as_str(), reg_digest(pack));
+        let fetch = |offset: u64, len: u64| client.get_blob_range(repo, &digest, offset, len);
+        let fetched: Vec<Result<Vec<u8>, RegistryError>> = std::thread::scope(|scope| {
+            let handles: Vec<_> =
+                spans.iter().map(|sp| scope.spawn(move || fetch(sp.offset, sp.len))).collect();
+            handles.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
+        });
+        let mut out = vec![Vec::new(); ranges.len()];
+        for (span, bytes) in spans.iter().zip(fetched) {
+            let bytes = bytes?;
+            for &i in &span.members {
+                // get_blob_range returned exactly span.len bytes, and members lie inside the span.
+                let (offset, len) = ranges[i];
+                let start = usize::try_from(offset - span.offset).unwrap_or(usize::MAX);
+                let piece = bytes.get(start..start.saturating_add(len as usize));
+                out[i] = piece
+                    .ok_or(StoreError::RangeOutOfBounds {
+                        digest: *pack,
+                        offset,
+                        len: u64::from(len),
+                        blob_len: span.offset + bytes.len() as u64,
+                    })?
+                    .to_vec();
+            }
+        }
+        debug!(%pack, ranges = ranges.len(), requests = spans.len(), "registry: coalesced ranged reads");
+        Ok(out)
     }
 }
 
