@@ -244,3 +244,154 @@ fn corrupt_chunks_are_refetched_and_bad_origin_bytes_fail_with_eio() -> Result<(
     d.stop()?;
     Ok(())
 }
+
+/// Ranged GETs (status 206) in the access log from line `mark` on, as `(uri, start, end)`.
+fn ranged_gets(origin: &Nginx, mark: usize) -> Vec<(String, u64, u64)> {
+    let log = origin.access_log();
+    let lines: Vec<&str> = log.lines().skip(mark).filter(|l| l.contains(" 206 ")).collect();
+    let mut out = Vec::new();
+    for l in &lines {
+        let uri = l.split(' ').nth(1).unwrap_or_default().to_owned();
+        if let Some(&(a, b)) = ranges_of(&[l], &uri).first() {
+            out.push((uri, a, b));
+        }
+    }
+    out
+}
+
+/// Poll until at least `n` ranged GETs were logged from line `mark` on (at most 20 s).
+fn wait_for_ranged(origin: &Nginx, mark: usize, n: usize) -> Vec<(String, u64, u64)> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let got = ranged_gets(origin, mark);
+        if got.len() >= n || Instant::now() > deadline {
+            return got;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Attach a prefetch profile to image `id` in the local store: merge `trace`, store it as a
+/// blob, name it in the image entry (what `tessera profile` does).
+fn attach_profile(store: &Path, id: &ImageId, trace: &[u8]) -> Result<usize> {
+    use tessera_image::{ImageEntry, Profile, Sha256Digest, Trace};
+    let trace = Trace::decode(trace)?;
+    let image = trace.image();
+    ensure!(image.to_string() == id.as_str(), "the trace is of {image}, not {id}");
+    let profile = Profile::merge(image, &[trace], 1)?;
+    let bytes = profile.encode();
+    let digest = Sha256Digest::of(&bytes);
+    fs::write(store.join("blobs/sha256").join(digest.hex()), &bytes)?;
+    let entry_path = store.join("images").join(format!("{}.json", id.hex()));
+    let mut entry = ImageEntry::from_json(&fs::read(&entry_path)?)?;
+    entry.profile = Some(digest);
+    fs::write(&entry_path, entry.to_json())?;
+    Ok(profile.entries().len())
+}
+
+#[test]
+fn a_prefetch_profile_is_fetched_before_the_guest_reads() -> Result<()> {
+    let f = fixture("serve-prefetch")?;
+    let socket = f.t.path().join("vm.sock");
+    // Record a trace of a whole-device read (from the local store), make it the profile.
+    let trace = f.t.path().join("boot.trace");
+    let d = Daemon::start("demo", &f.store, &socket, &["--read-only", "--record-trace", path_str(&trace)?])?;
+    device_equals_export(&d, &f, "recording a trace")?;
+    d.stop()?;
+    let chunks = attach_profile(&f.store, &f.id, &fs::read(&trace)?)?;
+    ensure!(chunks > 20, "the profile has only {chunks} chunks");
+
+    // A cold daemon over nginx fetches the whole profile before any client connects, each chunk
+    // once.
+    let origin = Nginx::serve(&f.store, "store")?;
+    let url = origin.url();
+    let cache = f.t.path().join("cache");
+    let mark = origin.access_log().lines().count();
+    let d = Daemon::start("demo", &url, &socket, &["--read-only", "--cache-dir", path_str(&cache)?])?;
+    let gets = wait_for_ranged(&origin, mark, chunks);
+    ensure!(
+        gets.len() == chunks,
+        "{} ranged GETs before any read, the profile has {chunks} chunks",
+        gets.len()
+    );
+    let distinct: std::collections::HashSet<_> = gets.iter().collect();
+    ensure!(distinct.len() == gets.len(), "a chunk was prefetched twice");
+    // The guest's reads then need nothing from the origin, and get the right bytes.
+    let before = origin.access_log().lines().count();
+    device_equals_export(&d, &f, "after prefetch")?;
+    d.stop()?;
+    let after = ranged_gets(&origin, before);
+    ensure!(after.is_empty(), "reads after the prefetch still fetched {after:?}");
+    Ok(())
+}
+
+/// The device offset of `path`'s first data block, from the exported image (debugfs `bmap`).
+fn first_block_offset(raw: &Path, path: &str) -> Result<u64> {
+    let out = std::process::Command::new("debugfs")
+        .arg("-R")
+        .arg(format!("bmap {path} 0"))
+        .arg(raw)
+        .output()
+        .context("running debugfs (e2fsprogs)")?;
+    ensure!(out.status.success(), "debugfs: {}", String::from_utf8_lossy(&out.stderr));
+    let block: u64 = String::from_utf8_lossy(&out.stdout).trim().parse().context("debugfs bmap output")?;
+    ensure!(block > 0, "{path} has no first block");
+    Ok(block * 4096)
+}
+
+#[test]
+fn sequential_reads_fetch_the_next_chunks_ahead() -> Result<()> {
+    let f = fixture("serve-readahead")?;
+    let start = first_block_offset(&f.t.path().join("local.raw"), "/random.bin")?;
+    let origin = Nginx::serve(&f.store, "store")?;
+    let url = origin.url();
+    let socket = f.t.path().join("vm.sock");
+    // (readahead window, ranged GETs after two sequential 64 KiB reads at random.bin's start):
+    // the two demand chunks, plus the next four chunks of the file with a 256 KiB window.
+    for (window, expect) in [("0", 2usize), ("256K", 6)] {
+        let cache = f.t.path().join(format!("cache-{window}"));
+        let d = Daemon::start(
+            "demo",
+            &url,
+            &socket,
+            &["--read-only", "--readahead", window, "--cache-dir", path_str(&cache)?],
+        )?;
+        let mut c = BlkClient::connect(d.socket(), 1, true)?;
+        let mark = origin.access_log().lines().count();
+        for k in 0..2u64 {
+            let at = start + k * (64 << 10);
+            let bytes = c.read(at, 64 << 10)?.map_err(|e| anyhow::anyhow!("read at {at}: errno {e}"))?;
+            let a = at as usize;
+            ensure!(bytes == f.raw[a..a + (64 << 10)], "read at {at}: wrong bytes");
+        }
+        let gets = wait_for_ranged(&origin, mark, expect);
+        ensure!(
+            gets.len() == expect,
+            "readahead {window}: {} ranged GETs, expected {expect}: {gets:?}",
+            gets.len()
+        );
+        // random.bin is stored raw in one pack, in order: the GETs are consecutive ranges.
+        let mut ranges: Vec<(u64, u64)> = gets.iter().map(|g| (g.1, g.2)).collect();
+        ranges.sort();
+        ensure!(gets.iter().all(|g| g.0 == gets[0].0), "readahead {window}: GETs of several packs");
+        ensure!(
+            ranges.windows(2).all(|w| w[1].0 == w[0].1 + 1),
+            "readahead {window}: not the file's next chunks: {ranges:?}"
+        );
+        // The chunks read ahead are then served from memory: reading them fetches nothing.
+        let before = origin.access_log().lines().count();
+        let reads = (expect as u64).saturating_sub(2);
+        for k in 2..2 + reads {
+            let at = start + k * (64 << 10);
+            let bytes = c.read(at, 64 << 10)?.map_err(|e| anyhow::anyhow!("read at {at}: errno {e}"))?;
+            let a = at as usize;
+            ensure!(bytes == f.raw[a..a + (64 << 10)], "read at {at}: wrong bytes");
+        }
+        drop(c);
+        d.stop()?;
+        let demand: Vec<_> =
+            ranged_gets(&origin, before).into_iter().filter(|g| ranges.iter().any(|r| r.0 == g.1)).collect();
+        ensure!(demand.is_empty(), "readahead {window}: chunks read ahead were fetched again: {demand:?}");
+    }
+    Ok(())
+}
