@@ -15,9 +15,9 @@ use crate::judge::run;
 
 /// Fail with a clear message when a tool is missing (`cargo xtask test` installs them).
 pub fn require_tools() -> Result<()> {
-    for tool in ["umoci", "skopeo"] {
+    for (tool, package) in [("umoci", "umoci"), ("skopeo", "skopeo"), ("bsdtar", "libarchive-tools")] {
         let ok = Command::new(tool).arg("--version").output().is_ok_and(|o| o.status.success());
-        ensure!(ok, "{tool} not found: install the Debian packages umoci and skopeo (cargo xtask test does)");
+        ensure!(ok, "{tool} not found: install the Debian package {package} (cargo xtask test does)");
     }
     Ok(())
 }
@@ -122,14 +122,54 @@ impl UmociImage {
     /// Append a hand-written layer (an uncompressed tar, stored gzip-compressed) to the tagged
     /// image: new blob, config (diff_ids, history), manifest and index entry.
     pub fn append_tar_layer(&self, tar: &[u8]) -> Result<()> {
+        let diff_id = format!("sha256:{}", hex::encode(Sha256::digest(tar)));
+        let (layer_digest, layer_size) = self.put_blob(&gzip(tar)?)?;
+        self.append_layer(&layer_digest, layer_size, &diff_id)
+    }
+
+    /// Append the tar that `tar --format=posix -C DIR -cf - .` writes (PAX: times with
+    /// nanoseconds), gzip-compressed with stored deflate
+    /// blocks (fast for large incompressible trees: nothing to search, only CRCs and hashes),
+    /// streamed — the layer is never held in memory.
+    pub fn append_dir_layer_stored_gzip(&self, dir: &Path) -> Result<()> {
+        let tmp_blob = self.layout.join("blobs/sha256/.incoming");
+        let mut child = Command::new("tar")
+            .args(["--format=posix", "--numeric-owner", "--sort=name", "-C"])
+            .arg(dir)
+            .args(["-cf", "-", "."])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .context("spawn tar")?;
+        let mut tar_out = child.stdout.take().context("tar stdout")?;
+        let mut compressed =
+            HashingWriter { inner: fs::File::create(&tmp_blob)?, hasher: Sha256::new(), count: 0 };
+        let mut diff = Sha256::new();
+        {
+            let mut gz = flate2::write::GzEncoder::new(&mut compressed, flate2::Compression::none());
+            let mut buf = vec![0u8; 1 << 20];
+            loop {
+                let n = std::io::Read::read(&mut tar_out, &mut buf)?;
+                if n == 0 {
+                    break;
+                }
+                diff.update(&buf[..n]);
+                std::io::Write::write_all(&mut gz, &buf[..n])?;
+            }
+            gz.finish()?;
+        }
+        ensure!(child.wait()?.success(), "tar -C {} failed", dir.display());
+        let digest = format!("sha256:{}", hex::encode(compressed.hasher.finalize()));
+        fs::rename(&tmp_blob, self.blob_path(&digest)?)?;
+        self.append_layer(&digest, compressed.count, &format!("sha256:{}", hex::encode(diff.finalize())))
+    }
+
+    /// Add a layer blob already in `blobs/` to the config (diff_ids, history), manifest and index.
+    fn append_layer(&self, layer_digest: &str, layer_size: u64, diff_id: &str) -> Result<()> {
         let (mut index, i) = self.tagged()?;
         let mut manifest = self.manifest()?;
         let config_digest =
             manifest["config"]["digest"].as_str().context("manifest without config")?.to_owned();
         let mut config: Value = serde_json::from_slice(&fs::read(self.blob_path(&config_digest)?)?)?;
-        let diff_id = format!("sha256:{}", hex::encode(Sha256::digest(tar)));
-        let gz = gzip(tar)?;
-        let (layer_digest, layer_size) = self.put_blob(&gz)?;
         config["rootfs"]["diff_ids"].as_array_mut().context("config without diff_ids")?.push(diff_id.into());
         if let Some(h) = config["history"].as_array_mut() {
             h.push(serde_json::json!({"created_by": "tessera e2e: hand-written layer"}));
@@ -147,6 +187,39 @@ impl UmociImage {
         index["manifests"][i]["size"] = ms.into();
         fs::write(self.layout.join("index.json"), serde_json::to_vec(&index)?)?;
         Ok(())
+    }
+
+    /// Append a layer written by `bsdtar --format pax --xattrs -C DIR -cf - .` (libarchive: PAX
+    /// `LIBARCHIVE.xattr.*` records next to `SCHILY.xattr.*` ones).
+    pub fn append_bsdtar_layer(&self, dir: &Path) -> Result<()> {
+        let out = Command::new("bsdtar")
+            .args(["--format", "pax", "--xattrs", "--numeric-owner", "-C"])
+            .arg(dir)
+            .args(["-cf", "-", "."])
+            .output()
+            .context("bsdtar (Debian package libarchive-tools)")?;
+        ensure!(out.status.success(), "bsdtar failed: {}", String::from_utf8_lossy(&out.stderr));
+        self.append_tar_layer(&out.stdout)
+    }
+}
+
+/// Counts and hashes what passes through to a file.
+struct HashingWriter {
+    inner: fs::File,
+    hasher: Sha256,
+    count: u64,
+}
+
+impl std::io::Write for HashingWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.hasher.update(&buf[..n]);
+        self.count += n as u64;
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
     }
 }
 

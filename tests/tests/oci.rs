@@ -11,6 +11,7 @@ use std::path::Path;
 
 use anyhow::{ensure, Context, Result};
 use tessera_e2e::compare::{Field, Kind};
+use tessera_e2e::judge::run;
 use tessera_e2e::oci::{build_ok, build_source, require_tools, skopeo_copy, TarWriter, UmociImage};
 use tessera_e2e::pipeline::judge_image;
 use tessera_e2e::testutil::tmp;
@@ -219,5 +220,200 @@ fn hostile_layouts_fail_cleanly() -> Result<()> {
     expect_fail(&img.source(), &[], 1, "is missing")?;
     fs::write(&blob, &good)?;
     build_ok(&img.source(), &store, &["--max-size", "16M"])?;
+    Ok(())
+}
+
+/// A lower image for the small tests below: files, a directory and xattrs, made by umoci.
+fn small_image(work: &Path) -> Result<UmociImage> {
+    let img = UmociImage::new(work, "t")?;
+    img.layer(|root| {
+        fs::write(root.join("a"), b"lower a\n")?;
+        fs::create_dir(root.join("d"))?;
+        fs::write(root.join("d/f"), b"lower d/f\n")?;
+        fs::write(root.join("d/g"), b"lower d/g\n")?;
+        fs::write(root.join("keep"), b"keep\n")?;
+        Ok(())
+    })?;
+    Ok(img)
+}
+
+/// A hard link whose target is a lower-layer file that the same layer whites out: the link
+/// keeps the file under its new name. In tar order link-then-whiteout `umoci unpack` agrees
+/// (zero differences); in the order whiteout-then-link umoci fails ("link: no such file"), but
+/// the spec makes the order of whiteouts irrelevant, so tessera gives the same image ID.
+#[test]
+fn hard_link_to_a_whited_out_lower_file() -> Result<()> {
+    fixtures::require_root()?;
+    require_tools()?;
+    let t = tmp("oci-hl-wh")?;
+    let link_first = small_image(&t.path().join("link-first"))?;
+    link_first.append_tar_layer(
+        &TarWriter::default()
+            .hardlink("renamed-a", "a")
+            .file(".wh.a", 0o644, b"")
+            .hardlink("f-from-d", "d/f")
+            .file(".wh.d", 0o644, b"")
+            .finish(),
+    )?;
+    let whiteout_first = small_image(&t.path().join("whiteout-first"))?;
+    whiteout_first.append_tar_layer(
+        &TarWriter::default()
+            .file(".wh.a", 0o644, b"")
+            .file(".wh.d", 0o644, b"")
+            .hardlink("renamed-a", "a")
+            .hardlink("f-from-d", "d/f")
+            .finish(),
+    )?;
+    let reference = link_first.unpack(&t.path().join("unpacked"))?;
+    ensure!(fs::read(reference.join("renamed-a"))? == b"lower a\n", "umoci: link lost its file");
+    ensure!(!reference.join("a").exists() && !reference.join("d").exists(), "umoci: whiteouts not applied");
+    let umoci_other_order = std::process::Command::new("umoci")
+        .args(["unpack", "--image"])
+        .arg(whiteout_first.image_ref())
+        .arg(t.path().join("unpacked2"))
+        .output()?;
+    eprintln!(
+        "umoci unpack, whiteouts before the links: {} {}",
+        umoci_other_order.status,
+        String::from_utf8_lossy(&umoci_other_order.stderr).trim()
+    );
+
+    let store = t.path().join("store");
+    let id = build_ok(&link_first.source(), &store, &[])?;
+    let raw = t.path().join("image.raw");
+    tessera::export(id.as_str(), &store, &raw)?;
+    judge_image(&reference, &raw, |d| only_dir_mtimes(d, &reference))?;
+    let other = build_ok(&whiteout_first.source(), &store, &[])?;
+    ensure!(other == id, "whiteouts before the links gave {other}, after {id}");
+    Ok(())
+}
+
+/// xattrs in libarchive's form: a layer written by `bsdtar --xattrs` (PAX `LIBARCHIVE.xattr.*`
+/// next to `SCHILY.xattr.*`) matches `umoci unpack` with zero differences; a hand-written layer
+/// with only `LIBARCHIVE.xattr.*` records (which umoci ignores) and a name that needs libarchive's
+/// %-encoding keeps its xattrs exactly.
+#[test]
+fn libarchive_xattrs() -> Result<()> {
+    fixtures::require_root()?;
+    require_tools()?;
+    let t = tmp("oci-libarchive")?;
+    let img = small_image(t.path())?;
+    let dir = t.path().join("bsdtar-src");
+    fs::create_dir_all(dir.join("bin"))?;
+    fs::write(dir.join("bin/tool"), b"#!/bin/sh\n")?;
+    fs::write(dir.join("notes"), b"notes\n")?;
+    let cap = "0x0100000200200000000000000000000000000000";
+    for (file, name, value) in [
+        ("bin/tool", "security.capability", cap),
+        ("bin/tool", "user.binary", "0x00ff7f0a"),
+        ("notes", "user.text", "hello"),
+        ("notes", "trusted.t", "trusted value"),
+    ] {
+        run(std::process::Command::new("setfattr").args(["-n", name, "-v", value]).arg(dir.join(file)))?;
+    }
+    img.append_bsdtar_layer(&dir)?;
+    let reference = img.unpack(&t.path().join("unpacked"))?;
+    let tool = compare::entry(&reference.join("bin/tool"))?;
+    ensure!(tool.xattrs.len() == 2, "umoci did not apply the SCHILY records: {tool:?}");
+
+    let store = t.path().join("store");
+    let id = build_ok(&img.source(), &store, &[])?;
+    let raw = t.path().join("image.raw");
+    tessera::export(id.as_str(), &store, &raw)?;
+    judge_image(&reference, &raw, |d| only_dir_mtimes(d, &reference))?;
+
+    // LIBARCHIVE records only (libarchive's unpadded base64), one name %-encoded.
+    let img2 = small_image(&t.path().join("only-libarchive"))?;
+    img2.append_tar_layer(
+        &TarWriter::default()
+            .pax(&[
+                ("LIBARCHIVE.xattr.user.sp%20ace%3D%25", b"AAEC/w"),
+                ("LIBARCHIVE.xattr.user.plain", b"aGVsbG8"),
+            ])
+            .file("x", 0o644, b"x\n")
+            .finish(),
+    )?;
+    let id2 = build_ok(&img2.source(), &store, &[])?;
+    let raw2 = t.path().join("image2.raw");
+    tessera::export(id2.as_str(), &store, &raw2)?;
+    tessera_e2e::judge::e2fsck(&raw2)?;
+    let mnt = tessera_e2e::judge::LoopMount::ro(&raw2)?;
+    let x = compare::entry(&mnt.path().join("x"))?;
+    mnt.unmount()?;
+    let got: Vec<(&[u8], &[u8])> = x.xattrs.iter().map(|(k, v)| (k.as_slice(), v.as_slice())).collect();
+    ensure!(
+        got == vec![(&b"user.plain"[..], &b"hello"[..]), (b"user.sp ace=%", b"\x00\x01\x02\xff")],
+        "xattrs of x: {got:?}"
+    );
+    Ok(())
+}
+
+/// A docker archive holding two images (two skopeo-written archives merged into one
+/// manifest.json, as `docker save IMG1 IMG2` writes): without a reference the build fails and
+/// lists the choices; `docker-archive:PATH:REPO:TAG` (short or fully qualified) and `:@INDEX`
+/// pick one, with the image ID of the same image from the OCI layout.
+#[test]
+fn docker_archive_with_several_images() -> Result<()> {
+    fixtures::require_root()?;
+    require_tools()?;
+    let t = tmp("oci-multi-archive")?;
+    let img = small_image(t.path())?;
+    let store = t.path().join("store");
+    img.config(&["--config.entrypoint", "/one"])?;
+    let one = build_ok(&img.source(), &store, &[])?;
+    let a1 = t.path().join("one.tar");
+    skopeo_copy(
+        &format!("oci:{}", img.image_ref()),
+        &format!("docker-archive:{}:example.com/app:v1", a1.display()),
+        &[],
+    )?;
+    img.config(&["--config.entrypoint", "/two"])?;
+    let two = build_ok(&img.source(), &store, &[])?;
+    ensure!(one != two, "the two images must differ");
+    let a2 = t.path().join("two.tar");
+    skopeo_copy(
+        &format!("oci:{}", img.image_ref()),
+        &format!("docker-archive:{}:app:v2", a2.display()),
+        &[],
+    )?;
+
+    // Merge: both archives' members in one directory (shared layers have the same names and
+    // bytes), manifest.json = both lists.
+    let merged_dir = t.path().join("merged");
+    fs::create_dir_all(&merged_dir)?;
+    let mut manifests = Vec::new();
+    for a in [&a1, &a2] {
+        run(std::process::Command::new("tar").arg("-xf").arg(a).arg("-C").arg(&merged_dir))?;
+        let m: serde_json::Value = serde_json::from_slice(&fs::read(merged_dir.join("manifest.json"))?)?;
+        manifests.extend(m.as_array().context("manifest.json is not a list")?.iter().cloned());
+    }
+    fs::write(merged_dir.join("manifest.json"), serde_json::to_vec(&manifests)?)?;
+    let merged = t.path().join("merged.tar");
+    run(std::process::Command::new("tar").arg("-cf").arg(&merged).arg("-C").arg(&merged_dir).arg("."))?;
+    let src = format!("docker-archive:{}", merged.display());
+
+    let out = build_source(&src, &store, &[])?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    ensure!(out.status.code() == Some(1) && out.stdout.is_empty(), "no reference must fail: {stderr}");
+    ensure!(
+        stderr.contains("2 images")
+            && stderr.contains("example.com/app:v1")
+            && stderr.contains("docker.io/library/app:v2"),
+        "the error must list the choices: {stderr}"
+    );
+    for (reference, want) in [
+        ("example.com/app:v1", &one),
+        ("app:v2", &two),
+        ("docker.io/library/app:v2", &two),
+        ("@0", &one),
+        ("@1", &two),
+    ] {
+        let got = build_ok(&format!("{src}:{reference}"), &store, &[])?;
+        ensure!(got == *want, "{reference}: got {got}, want {want}");
+    }
+    let out = build_source(&format!("{src}:app:v3"), &store, &[])?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    ensure!(out.status.code() == Some(1), "unknown tag must fail: {stderr}");
+    ensure!(stderr.contains("\"app:v3\"") && stderr.contains("example.com/app:v1"), "{stderr}");
     Ok(())
 }

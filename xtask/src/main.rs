@@ -168,10 +168,14 @@ const PACKAGES: &[&str] = &[
     "coreutils",
     "umoci",
     "skopeo",
+    // bsdtar: layers with libarchive's LIBARCHIVE.xattr.* records.
+    "libarchive-tools",
     "gzip",
     "debootstrap",
     "docker-registry",
     "apache2-utils",
+    // The test token server's signing key and certificate.
+    "openssl",
     "nginx",
     "time",
 ];

@@ -273,7 +273,7 @@ pub fn build_source(
     let image = match spec {
         SourceSpec::Dir(path) => return build_dir(path, store, config, progress),
         SourceSpec::Oci { path, reference } => open_oci_layout(path, reference.as_deref(), platform)?,
-        SourceSpec::DockerArchive(path) => open_docker_archive(path)?,
+        SourceSpec::DockerArchive { path, reference } => open_docker_archive(path, reference.as_deref())?,
         SourceSpec::Registry(r) => open_registry(r, platform)?,
     };
     crate::image::build_image(&image, store, config, progress)

@@ -76,6 +76,7 @@ tessera build ./rootfs --store file:///var/lib/tessera --size 4G --inodes 200000
 tessera build oci:./layout:v1 --store ./store --tag app\n  \
 tessera build oci:./multiarch --platform linux/arm64/v8 --store ./store --max-size 8G\n  \
 tessera build docker-archive:./app.tar --store ./store\n  \
+tessera build docker-archive:./images.tar:example.com/app:v1 --store ./store\n  \
 tessera build docker://registry.example.com/team/app:v1 --store ./store --creds bot:s3cret\n  \
 tessera build docker://127.0.0.1:5000/app@sha256:4f2a... --store ./store\n\
 \n\
@@ -88,8 +89,9 @@ ctime when present (else mtime), xattrs; missing parent directories and the root
 WorkingDir, User, Labels) is normalized into the image record (see docs/formats/record.md).")]
 pub struct BuildArgs {
     /// The source: DIR, oci:PATH[:REF] (an OCI image layout; REF is an
-    /// org.opencontainers.image.ref.name or a manifest digest), docker-archive:PATH (docker save /
-    /// skopeo docker-archive) or docker://HOST[:PORT]/REPO[:TAG|@DIGEST] (a registry; TAG defaults
+    /// org.opencontainers.image.ref.name or a manifest digest), docker-archive:PATH[:REF] (docker
+    /// save / skopeo docker-archive; REF is REPO[:TAG] from the archive's RepoTags or @INDEX, needed
+    /// when it holds several images) or docker://HOST[:PORT]/REPO[:TAG|@DIGEST] (a registry; TAG defaults
     /// to latest).
     source: String,
     /// The store to write into: PATH or file://PATH (created if missing).

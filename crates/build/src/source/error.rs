@@ -50,7 +50,7 @@ pub enum SourceError {
     UnsupportedMediaType { what: String, media_type: String },
     #[error("{path}: no image named {reference:?} (available: {available})")]
     NoSuchRef { path: PathBuf, reference: String, available: String },
-    #[error("{path}: {count} images and no reference given: use {hint}")]
+    #[error("{path}: {count} images to choose from: use {hint}")]
     AmbiguousRef { path: PathBuf, count: usize, hint: String },
     #[error("{what}: no image for platform {platform} (available: {available})")]
     NoMatchingPlatform { what: String, platform: String, available: String },

@@ -17,9 +17,12 @@
 //! - Missing parents are created with fixed defaults (0755, 0:0, time T); the `./` entry gives the
 //!   root its attributes.
 //! - A hard link names the node at its target path in the flattened state so far (this layer's
-//!   earlier entries and lower layers); the target must exist and must not be a directory.
+//!   earlier entries and lower layers); the target must exist and must not be a directory. Since
+//!   the order of whiteouts inside a layer does not matter, a hard link may name a lower-layer file
+//!   that the same layer whites out, before or after the link in the tar: the link keeps that file
+//!   alive under its new name (what `umoci unpack` does when the link comes first).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use tessera_ext4::{DataRange, DirEntry, Meta, Node, NodeId, NodeKind, Timestamp, Tree, Xattr};
 
@@ -96,6 +99,9 @@ struct FNode {
 pub struct Flattener {
     nodes: Vec<FNode>,
     default_meta: Meta,
+    /// What the current layer's whiteouts removed: (directory, name) → node. Hard links of the
+    /// same layer may still name these (see [`Self::link_target`]); cleared per layer.
+    hidden: HashMap<(usize, Vec<u8>), usize>,
 }
 
 const WHITEOUT: &[u8] = b".wh.";
@@ -129,7 +135,7 @@ impl Flattener {
         let t = Timestamp { sec: fs_time, nsec: 0 };
         let default_meta = Meta { mode: 0o755, uid: 0, gid: 0, atime: t, mtime: t, ctime: t };
         let root = FNode { meta: default_meta, xattrs: Vec::new(), kind: FKind::Dir(BTreeMap::new()) };
-        Self { nodes: vec![root], default_meta }
+        Self { nodes: vec![root], default_meta, hidden: HashMap::new() }
     }
 
     fn children(&mut self, dir: usize) -> Option<&mut BTreeMap<Vec<u8>, usize>> {
@@ -248,25 +254,80 @@ impl Flattener {
             if base == OPAQUE {
                 if let Some(dir) = self.lookup(layer, &e.path, dir_parts)? {
                     if let Some(children) = self.children(dir) {
-                        children.clear();
+                        let removed = std::mem::take(children);
+                        for (name, child) in removed {
+                            self.hidden.entry((dir, name)).or_insert(child);
+                        }
                     }
                 }
             } else if base.starts_with(META_PREFIX) {
                 // aufs metadata (.wh..wh.plnk, .wh..wh.aufs): not part of the filesystem.
             } else if let Some(name) = base.strip_prefix(WHITEOUT) {
                 if let Some(dir) = self.lookup(layer, &e.path, dir_parts)? {
-                    if let Some(children) = self.children(dir) {
-                        children.remove(name);
+                    if let Some(child) = self.children(dir).and_then(|c| c.remove(name)) {
+                        self.hidden.entry((dir, name.to_vec())).or_insert(child);
                     }
                 }
             } else {
                 regular.push((e, parts));
             }
         }
-        for (e, parts) in regular {
-            self.apply_entry(index, layer, e, &parts)?;
+        let applied =
+            regular.into_iter().try_for_each(|(e, parts)| self.apply_entry(index, layer, e, &parts));
+        self.hidden.clear();
+        applied
+    }
+
+    /// The node a hard link of the current layer names: the node at `parts` in the state "lower
+    /// layers, then this layer's earlier entries" — the state before this layer's whiteouts when
+    /// they removed the path (or a parent of it) and no earlier entry of the layer replaced it.
+    ///
+    /// The walk follows two views at once: `cur`, the state after the whiteouts, and `low`, the
+    /// lower state as the whiteouts found it (a whited-out name resolves through `hidden`). A
+    /// name present in `cur` wins, except that a directory the layer recreated over a whited-out
+    /// one is merged with it (as a directory entry over a directory would be).
+    fn link_target(&self, layer: &str, target: &[u8], parts: &[&[u8]]) -> Result<Option<usize>, SourceError> {
+        let mut cur = Some(0usize);
+        let mut low = Some(0usize);
+        for (i, name) in parts.iter().enumerate() {
+            for view in [cur, low].into_iter().flatten() {
+                if matches!(self.nodes[view].kind, FKind::Symlink(_)) {
+                    return Err(SourceError::UnderSymlink {
+                        layer: layer.to_owned(),
+                        path: show(target),
+                        symlink: join(&parts[..i]),
+                    });
+                }
+            }
+            let next_cur = cur.and_then(|c| self.child(c, name));
+            let next_low = low
+                .and_then(|l| self.hidden.get(&(l, name.to_vec())).copied().or_else(|| self.child(l, name)));
+            if i + 1 == parts.len() {
+                return Ok(next_cur.or(next_low));
+            }
+            let is_dir = |n: usize| matches!(self.nodes[n].kind, FKind::Dir(_));
+            let is_symlink = |n: usize| matches!(self.nodes[n].kind, FKind::Symlink(_));
+            // Views that cannot hold children end; a symlink stays, to be refused at the next step.
+            let walkable = |n: &usize| is_dir(*n) || is_symlink(*n);
+            match next_cur {
+                // Replaced by a file, device, … in this layer: nothing exists below it.
+                Some(n) if !walkable(&n) => return Ok(None),
+                // The lower view continues only where a directory of this layer merges with a
+                // lower directory.
+                Some(n) => {
+                    cur = Some(n);
+                    low = next_low.filter(|&l| is_dir(n) && is_dir(l));
+                }
+                None => {
+                    cur = None;
+                    low = next_low.filter(walkable);
+                }
+            }
+            if cur.is_none() && low.is_none() {
+                return Ok(None);
+            }
         }
-        Ok(())
+        Ok(None)
     }
 
     fn apply_entry(
@@ -308,7 +369,7 @@ impl Flattener {
             EntryKind::Fifo => FKind::Fifo,
             EntryKind::HardLink(target) => {
                 let tparts = components(layer, target)?;
-                let found = self.lookup(layer, target, &tparts)?.filter(|_| !tparts.is_empty());
+                let found = self.link_target(layer, target, &tparts)?;
                 let Some(t) = found else {
                     return Err(SourceError::HardLinkMissing {
                         layer: layer.to_owned(),
@@ -531,6 +592,85 @@ mod tests {
         assert_ne!(id(b"a"), id(b"b"));
         assert_eq!(flat.content[id(b"a").0 as usize].unwrap().offset, 9);
         assert_eq!(flat.content[id(b"b").0 as usize].unwrap().offset, 1);
+    }
+
+    /// A hard link may name a lower file that its own layer whites out, whatever the order of
+    /// the two in the tar (umoci unpack agrees when the link comes first, and fails otherwise).
+    #[test]
+    fn hard_link_to_a_lower_file_the_same_layer_whites_out() {
+        let wh = |p: &str| entry(p, EntryKind::File { size: 0, offset: 0 });
+        let link = |p: &str, t: &str| entry(p, EntryKind::HardLink(t.as_bytes().to_vec()));
+        let lower = [file("a", 1), dir("d"), file("d/f", 2), file("d/g", 3), dir("e"), file("e/h", 4)];
+        let d_fg = [("/d", "d"), ("/d/f", "f@2"), ("/d/g", "f@3")];
+        let with = |extra: &[(&'static str, &'static str)], rest: &[(&'static str, &'static str)]| {
+            let mut v: Vec<(&str, &str)> = extra.iter().chain(rest).copied().collect();
+            v.sort();
+            v
+        };
+        type Listing<'a> = Vec<(&'a str, &'a str)>;
+        let cases: Vec<(Vec<LayerEntry>, Listing)> = vec![
+            // link first, whiteout after (umoci's order) and the other way round.
+            (vec![link("b", "a"), wh(".wh.a")], with(&[("/b", "f@1")], &d_fg)),
+            (vec![wh(".wh.a"), link("b", "a")], with(&[("/b", "f@1")], &d_fg)),
+            // A whited-out parent directory, an opaque directory, a whited-out file.
+            (vec![wh(".wh.d"), link("x", "d/f")], with(&[("/a", "f@1"), ("/x", "f@2")], &[])),
+            (
+                vec![wh("d/.wh..wh..opq"), link("x", "d/f")],
+                with(&[("/a", "f@1"), ("/d", "d"), ("/x", "f@2")], &[]),
+            ),
+            (
+                vec![wh("d/.wh.f"), link("x", "d/f")],
+                with(&[("/a", "f@1"), ("/d", "d"), ("/d/g", "f@3"), ("/x", "f@2")], &[]),
+            ),
+            // The directory recreated by the layer merges with the whited-out one for the link.
+            (
+                vec![wh(".wh.d"), dir("d"), file("d/new", 9), link("x", "d/f")],
+                with(&[("/a", "f@1"), ("/d", "d"), ("/d/new", "f@9"), ("/x", "f@2")], &[]),
+            ),
+            // The layer's own replacement wins over the whited-out lower file.
+            (vec![wh(".wh.a"), file("a", 7), link("b", "a")], with(&[("/a", "f@7"), ("/b", "f@7")], &d_fg)),
+        ];
+        for (i, (top, want)) in cases.into_iter().enumerate() {
+            let mut f = Flattener::new(0);
+            f.apply_layer(0, "l0", &lower).unwrap();
+            f.apply_layer(1, "l1", &top).unwrap_or_else(|e| panic!("case {i}: {e}"));
+            let got = listing(f);
+            let got: Vec<(String, String)> = got
+                .into_iter()
+                .filter(|(p, _)| !p.starts_with("/e"))
+                .map(|(p, d)| (p, d.split('#').next().unwrap_or("").to_owned()))
+                .collect();
+            let want: Vec<(String, String)> =
+                want.iter().map(|(p, d)| (p.to_string(), d.to_string())).collect();
+            assert_eq!(got, want, "case {i}");
+        }
+        // Still refused: a file replaced by a file (nothing below it), a link through a symlink
+        // that replaced a whited-out directory, a target that never existed.
+        let refused: Vec<Vec<LayerEntry>> = vec![
+            vec![wh(".wh.d"), file("d", 5), link("x", "d/f")],
+            vec![wh(".wh.zz"), link("x", "zz")],
+            vec![file("e", 5), link("x", "e/h")],
+        ];
+        for (i, top) in refused.into_iter().enumerate() {
+            let mut f = Flattener::new(0);
+            f.apply_layer(0, "l0", &lower).unwrap();
+            assert!(
+                matches!(f.apply_layer(1, "l1", &top), Err(SourceError::HardLinkMissing { .. })),
+                "refused case {i}"
+            );
+        }
+        let mut f = Flattener::new(0);
+        f.apply_layer(0, "l0", &lower).unwrap();
+        let top = [wh(".wh.d"), entry("d", EntryKind::Symlink(b"e".to_vec())), link("x", "d/h")];
+        assert!(matches!(f.apply_layer(1, "l1", &top), Err(SourceError::UnderSymlink { .. })));
+        // The whited-out names of one layer are forgotten by the next.
+        let mut f = Flattener::new(0);
+        f.apply_layer(0, "l0", &lower).unwrap();
+        f.apply_layer(1, "l1", &[wh(".wh.a")]).unwrap();
+        assert!(matches!(
+            f.apply_layer(2, "l2", &[link("b", "a")]),
+            Err(SourceError::HardLinkMissing { .. })
+        ));
     }
 
     #[test]

@@ -4,15 +4,18 @@
 //! data; pass 2 ([`LayerStream`] with [`LayerStream::skip_to`]) re-streams the blob and hands out
 //! the bytes of the files that survived flattening.
 
+use std::cell::RefCell;
 use std::io::{self, BufRead, BufReader, Read};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use base64::Engine as _;
 use sha2::{Digest as _, Sha256};
 use tessera_ext4::{Meta, Timestamp, Xattr};
 
 use super::error::{from_stream_error, show, SourceError, StreamFault};
 use super::flatten::{EntryKind, LayerEntry};
+use super::tar_ext::{Capture, Extensions, Tap};
 
 /// A content digest (only sha256 is accepted).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -291,17 +294,80 @@ fn parse_pax_time(v: &[u8]) -> Option<Timestamp> {
     }
 }
 
+/// libarchive writes xattr values in base64 without padding (and reads them either way).
+const LIBARCHIVE_BASE64: base64::engine::GeneralPurpose = base64::engine::GeneralPurpose::new(
+    &base64::alphabet::STANDARD,
+    base64::engine::GeneralPurposeConfig::new()
+        .with_decode_padding_mode(base64::engine::DecodePaddingMode::Indifferent),
+);
+
+/// Undo libarchive's name encoding: `%XX` (two hex digits) is that byte; anything else,
+/// including a `%` not followed by two hex digits, stands for itself.
+fn percent_decode(s: &[u8]) -> Vec<u8> {
+    let hex = |b: u8| char::from(b).to_digit(16).and_then(|d| u8::try_from(d).ok());
+    let mut out = Vec::with_capacity(s.len());
+    let mut i = 0;
+    while i < s.len() {
+        if s[i] == b'%' {
+            if let (Some(hi), Some(lo)) =
+                (s.get(i + 1).and_then(|&b| hex(b)), s.get(i + 2).and_then(|&b| hex(b)))
+            {
+                out.push(hi << 4 | lo);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(s[i]);
+        i += 1;
+    }
+    out
+}
+
+/// Combine `SCHILY.xattr.*` and `LIBARCHIVE.xattr.*` records of one entry. bsdtar writes both
+/// for every xattr, the SCHILY one under the *encoded* name (a PAX key cannot hold `=` or a
+/// newline, and libarchive uses the same encoded name for both). The LIBARCHIVE record is the
+/// exact one: it wins over a SCHILY record of the same decoded name, and a SCHILY record whose
+/// name is a LIBARCHIVE record's encoded name is that record's duplicate and is dropped. (umoci
+/// and Go's archive/tar read only SCHILY records, so for names that need encoding they create
+/// the encoded name; bsdtar creates both.)
+fn merge_libarchive_xattrs(xattrs: &mut Vec<Xattr>, libarchive: Vec<(Vec<u8>, Xattr)>) {
+    xattrs.retain(|x| !libarchive.iter().any(|(encoded, l)| x.name == *encoded || x.name == l.name));
+    xattrs.extend(libarchive.into_iter().map(|(_, x)| x));
+}
+
 /// Parse every header of a layer (pass 1). Data is skipped, not kept; the stream is then drained
-/// and verified.
+/// and verified. The `tar` crate frames the stream; extension headers are read from a copy of
+/// the bytes between entries (see `tar_ext`).
 pub fn scan_layer(mut stream: LayerStream) -> Result<Vec<LayerEntry>, SourceError> {
     let name = stream.name.clone();
     let mut out = Vec::new();
     {
-        let mut archive = tar::Archive::new(&mut stream);
+        let capture = RefCell::new(Capture::default());
+        let mut archive = tar::Archive::new(Tap { inner: &mut stream, capture: &capture });
         let entries = archive.entries().map_err(|e| from_stream_error(&name, e))?;
         for entry in entries {
             let mut entry = entry.map_err(|e| from_stream_error(&name, e))?;
-            if let Some(e) = parse_entry(&name, &mut entry)? {
+            let header_at = entry.raw_header_position();
+            let data_end = (entry.size().div_ceil(512))
+                .checked_mul(512)
+                .and_then(|padded| entry.raw_file_position().checked_add(padded))
+                .ok_or_else(|| from_stream_error(&name, io::Error::other("entry size overflows")))?;
+            let parsed = {
+                let c = capture.borrow();
+                let (region, raw_header) = c.region(header_at).ok_or_else(|| {
+                    from_stream_error(&name, io::Error::other("lost track of the tar headers"))
+                })?;
+                let ext = Extensions::parse(region).map_err(|reason| SourceError::BadHeader {
+                    layer: name.clone(),
+                    path: show(&entry.header().path_bytes()),
+                    field: "extension header",
+                    reason,
+                })?;
+                let raw_header = tar::Header::from_byte_slice(raw_header);
+                parse_entry(&name, &mut entry, &ext, raw_header)?
+            };
+            capture.borrow_mut().restart_at(data_end);
+            if let Some(e) = parsed {
                 out.push(e);
             }
         }
@@ -310,52 +376,85 @@ pub fn scan_layer(mut stream: LayerStream) -> Result<Vec<LayerEntry>, SourceErro
     Ok(out)
 }
 
+/// One entry from its raw header (as written, before the `tar` crate applied PAX values to it)
+/// and its extension headers.
 fn parse_entry<R: Read>(
     layer: &str,
     entry: &mut tar::Entry<'_, R>,
+    ext: &Extensions,
+    h: &tar::Header,
 ) -> Result<Option<LayerEntry>, SourceError> {
-    let path = entry.path_bytes().into_owned();
+    let path = match (ext.get(b"path"), &ext.long_name) {
+        (Some(p), _) => p.to_vec(),
+        (None, Some(long)) => long.clone(),
+        (None, None) => h.path_bytes().into_owned(),
+    };
+    let link = match (ext.get(b"linkpath"), &ext.long_link) {
+        (Some(l), _) => Some(l.to_vec()),
+        (None, Some(long)) => Some(long.clone()),
+        (None, None) => h.link_name_bytes().map(|l| l.into_owned()),
+    }
+    .filter(|l| !l.is_empty());
     let bad = |field: &'static str, reason: String| SourceError::BadHeader {
         layer: layer.to_owned(),
         path: show(&path),
         field,
         reason,
     };
+    // The data the `tar` crate framed must be the data every other reader frames.
+    let size = match ext.get(b"size") {
+        Some(v) => std::str::from_utf8(v)
+            .ok()
+            .and_then(|s| s.parse::<u64>().ok())
+            .ok_or_else(|| bad("size", show(v)))?,
+        None => h.entry_size().map_err(|e| bad("size", e.to_string()))?,
+    };
+    if size != entry.size() {
+        return Err(bad("size", format!("{size} bytes, but the tar reader framed {}", entry.size())));
+    }
     let mut uid = None;
     let mut gid = None;
     let mut times: [Option<Timestamp>; 3] = [None; 3];
     let mut xattrs: Vec<Xattr> = Vec::new();
-    if let Some(pax) = entry.pax_extensions().map_err(|e| from_stream_error(layer, e))? {
-        for ext in pax {
-            let ext = ext.map_err(|e| from_stream_error(layer, e))?;
-            let key = ext.key_bytes();
-            let value = ext.value_bytes();
-            let num = |v: &[u8]| std::str::from_utf8(v).ok().and_then(|s| s.parse::<u32>().ok());
-            match key {
-                b"uid" => uid = Some(num(value).ok_or_else(|| bad("uid", show(value)))?),
-                b"gid" => gid = Some(num(value).ok_or_else(|| bad("gid", show(value)))?),
-                b"atime" | b"mtime" | b"ctime" => {
-                    let t = parse_pax_time(value).ok_or_else(|| bad("time", show(value)))?;
-                    let slot = match key {
-                        b"atime" => 0,
-                        b"mtime" => 1,
-                        _ => 2,
-                    };
-                    times[slot] = Some(t);
-                }
-                _ => {
-                    if let Some(name) = key.strip_prefix(b"SCHILY.xattr.") {
-                        if !name.is_empty() {
-                            xattrs.retain(|x| x.name != name);
-                            xattrs.push(Xattr { name: name.to_vec(), value: value.to_vec() });
-                        }
+    // libarchive's records (`LIBARCHIVE.xattr.<%-encoded name>=<base64 value>`): (encoded name, xattr).
+    let mut libarchive: Vec<(Vec<u8>, Xattr)> = Vec::new();
+    for (key, value) in &ext.pax {
+        let (key, value) = (key.as_slice(), value.as_slice());
+        let num = |v: &[u8]| std::str::from_utf8(v).ok().and_then(|s| s.parse::<u32>().ok());
+        match key {
+            b"uid" => uid = Some(num(value).ok_or_else(|| bad("uid", show(value)))?),
+            b"gid" => gid = Some(num(value).ok_or_else(|| bad("gid", show(value)))?),
+            b"atime" | b"mtime" | b"ctime" => {
+                let t = parse_pax_time(value).ok_or_else(|| bad("time", show(value)))?;
+                let slot = match key {
+                    b"atime" => 0,
+                    b"mtime" => 1,
+                    _ => 2,
+                };
+                times[slot] = Some(t);
+            }
+            _ => {
+                if let Some(name) = key.strip_prefix(b"SCHILY.xattr.") {
+                    if !name.is_empty() {
+                        xattrs.retain(|x| x.name != name);
+                        xattrs.push(Xattr { name: name.to_vec(), value: value.to_vec() });
+                    }
+                } else if let Some(encoded) = key.strip_prefix(b"LIBARCHIVE.xattr.") {
+                    let name = percent_decode(encoded);
+                    if !name.is_empty() {
+                        let value = LIBARCHIVE_BASE64
+                            .decode(value)
+                            .map_err(|e| bad("LIBARCHIVE.xattr", format!("{}: {e}", show(key))))?;
+                        libarchive.retain(|(e, _)| e != encoded);
+                        libarchive.push((encoded.to_vec(), Xattr { name, value }));
                     }
                 }
             }
         }
     }
+
+    merge_libarchive_xattrs(&mut xattrs, libarchive);
     xattrs.sort_by(|a, b| a.name.cmp(&b.name));
-    let h = entry.header();
     let mode = h.mode().map_err(|e| bad("mode", e.to_string()))?;
     let uid = match uid {
         Some(u) => u,
@@ -395,7 +494,7 @@ fn parse_entry<R: Read>(
         let minor = h.device_minor().map_err(|e| bad("devminor", e.to_string()))?.unwrap_or(0);
         Ok((major, minor))
     };
-    let link = || entry.link_name_bytes().map(|l| l.into_owned()).filter(|l| !l.is_empty());
+    let link = || link.clone();
     let et = h.entry_type();
     let kind = match et {
         tar::EntryType::Regular | tar::EntryType::Continuous if path.ends_with(b"/") => EntryKind::Dir,
@@ -430,6 +529,28 @@ fn parse_entry<R: Read>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn libarchive_xattr_names_and_values() {
+        assert_eq!(percent_decode(b"user.sp%20ace%3D%25x"), b"user.sp ace=%x");
+        assert_eq!(percent_decode(b"a%2"), b"a%2");
+        assert_eq!(percent_decode(b"a%zz%41"), b"a%zzA");
+        assert_eq!(percent_decode(b"%ff"), b"\xff");
+        assert_eq!(LIBARCHIVE_BASE64.decode("AAEC/w").unwrap(), b"\x00\x01\x02\xff");
+        assert_eq!(LIBARCHIVE_BASE64.decode("AAEC/w==").unwrap(), b"\x00\x01\x02\xff");
+        let x = |n: &[u8], v: &[u8]| Xattr { name: n.to_vec(), value: v.to_vec() };
+        // bsdtar's pair for a name that needs encoding, one that does not, and a SCHILY-only one.
+        let mut xattrs = vec![x(b"user.sp%20ace", b"lossy"), x(b"user.plain", b"old"), x(b"user.only", b"1")];
+        merge_libarchive_xattrs(
+            &mut xattrs,
+            vec![
+                (b"user.sp%20ace".to_vec(), x(b"user.sp ace", b"\0")),
+                (b"user.plain".to_vec(), x(b"user.plain", b"new")),
+            ],
+        );
+        xattrs.sort_by(|a, b| a.name.cmp(&b.name));
+        assert_eq!(xattrs, vec![x(b"user.only", b"1"), x(b"user.plain", b"new"), x(b"user.sp ace", b"\0")]);
+    }
 
     #[test]
     fn pax_times() {

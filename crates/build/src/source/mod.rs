@@ -10,6 +10,7 @@ mod flatten;
 mod layer;
 mod oci;
 mod registry;
+mod tar_ext;
 #[cfg(test)]
 mod tests;
 

@@ -22,17 +22,26 @@ const MAX_NESTING: usize = 8;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SourceSpec {
     Dir(PathBuf),
-    Oci { path: PathBuf, reference: Option<String> },
-    DockerArchive(PathBuf),
+    Oci {
+        path: PathBuf,
+        reference: Option<String>,
+    },
+    /// `reference`: `REPO[:TAG]` matched against `RepoTags`, or `@INDEX` in `manifest.json`.
+    DockerArchive {
+        path: PathBuf,
+        reference: Option<String>,
+    },
     Registry(super::registry::RegistrySpec),
 }
 
 impl SourceSpec {
-    /// Parse `DIR | oci:PATH[:REF] | docker-archive:PATH | docker://HOST[:PORT]/REPO[:TAG|@DIGEST]`
+    /// Parse `DIR | oci:PATH[:REF] | docker-archive:PATH[:REF] | docker://HOST[:PORT]/REPO[:TAG|@DIGEST]`
     /// (a registry source gets no credentials and secure transport; set them on the
     /// [`RegistrySpec`](super::RegistrySpec) after parsing). For `oci:`, a path that
     /// exists as a directory with the whole text is taken as is; otherwise the text after the last
-    /// `:` is the reference.
+    /// `:` is the reference. For `docker-archive:`, the reference (`REPO[:TAG]` or `@INDEX`, which
+    /// may hold `:` itself) follows the first `:` after which the text names an existing file, or
+    /// else the first `:`, as skopeo parses it.
     pub fn parse(s: &str) -> Result<Self, SourceError> {
         if let Some(rest) = s.strip_prefix("oci:") {
             if rest.is_empty() {
@@ -54,13 +63,46 @@ impl SourceSpec {
             if rest.is_empty() {
                 return Err(SourceError::BadSource(s.to_owned()));
             }
-            return Ok(Self::DockerArchive(rest.into()));
+            return Ok(parse_docker_archive(rest));
         }
         if let Some(rest) = s.strip_prefix("docker://") {
             return Ok(Self::Registry(super::registry::RegistrySpec::parse(rest)?));
         }
         Ok(Self::Dir(s.into()))
     }
+}
+
+fn parse_docker_archive(rest: &str) -> SourceSpec {
+    let split = |i: usize| SourceSpec::DockerArchive {
+        path: rest[..i].into(),
+        reference: Some(rest[i + 1..].to_owned()).filter(|r| !r.is_empty()),
+    };
+    if Path::new(rest).is_file() {
+        return SourceSpec::DockerArchive { path: rest.into(), reference: None };
+    }
+    let colons: Vec<usize> = rest.match_indices(':').map(|(i, _)| i).filter(|&i| i > 0).collect();
+    match colons.iter().find(|&&i| Path::new(&rest[..i]).is_file()).or(colons.first()) {
+        Some(&i) => split(i),
+        None => SourceSpec::DockerArchive { path: rest.into(), reference: None },
+    }
+}
+
+/// A docker reference in the form `RepoTags` compare on: `docker.io/library/` added to
+/// one-component names and `docker.io/` to names without a registry host (as docker does), and
+/// `:latest` when there is no tag. docker writes the short form, skopeo the long one.
+fn normalize_docker_reference(r: &str) -> String {
+    let (name, tag) = match r.rsplit_once(':') {
+        Some((n, t)) if !t.contains('/') => (n, t),
+        _ => (r, "latest"),
+    };
+    let name = match name.split_once('/') {
+        None => format!("docker.io/library/{name}"),
+        Some((first, _)) if first.contains('.') || first.contains(':') || first == "localhost" => {
+            name.to_owned()
+        }
+        Some(_) => format!("docker.io/{name}"),
+    };
+    format!("{name}:{tag}")
 }
 
 /// A platform: `OS/ARCH[/VARIANT]`.
@@ -500,8 +542,69 @@ struct ArchiveManifest {
     repo_tags: Option<Vec<String>>,
 }
 
-/// Open the image of a `docker save` / `skopeo copy … docker-archive:` tarball.
-pub fn open_docker_archive(path: &Path) -> Result<ImageSource, SourceError> {
+/// Pick the image of a docker archive: by `@INDEX` into `manifest.json`, by `REPO[:TAG]` among
+/// the `RepoTags` (compared normalized: `app` is `docker.io/library/app:latest`), or the only one.
+fn select_archive_image<'a>(
+    path: &Path,
+    manifests: &'a [ArchiveManifest],
+    reference: Option<&str>,
+) -> Result<&'a ArchiveManifest, SourceError> {
+    let choices = || {
+        let mut list = Vec::new();
+        for (i, m) in manifests.iter().enumerate() {
+            let tags = m.repo_tags.as_deref().unwrap_or_default();
+            if tags.is_empty() {
+                list.push(format!("@{i}"));
+            } else {
+                list.push(format!("@{i} ({})", tags.join(", ")));
+            }
+        }
+        list.join("; ")
+    };
+    let Some(reference) = reference else {
+        return match manifests {
+            [one] => Ok(one),
+            _ => Err(SourceError::AmbiguousRef {
+                path: path.to_owned(),
+                count: manifests.len(),
+                hint: format!(
+                    "docker-archive:{p}:REPO[:TAG] or docker-archive:{p}:@INDEX with one of: {}",
+                    choices(),
+                    p = path.display()
+                ),
+            }),
+        };
+    };
+    let no_such = || SourceError::NoSuchRef {
+        path: path.to_owned(),
+        reference: reference.to_owned(),
+        available: if manifests.is_empty() { "none".to_owned() } else { choices() },
+    };
+    if let Some(index) = reference.strip_prefix('@') {
+        let i: usize = index.parse().map_err(|_| no_such())?;
+        return manifests.get(i).ok_or_else(no_such);
+    }
+    let want = normalize_docker_reference(reference);
+    let matching: Vec<&ArchiveManifest> = manifests
+        .iter()
+        .filter(|m| {
+            m.repo_tags.as_deref().unwrap_or_default().iter().any(|t| normalize_docker_reference(t) == want)
+        })
+        .collect();
+    match matching.as_slice() {
+        [one] => Ok(one),
+        [] => Err(no_such()),
+        more => Err(SourceError::AmbiguousRef {
+            path: path.to_owned(),
+            count: more.len(),
+            hint: format!("docker-archive:{}:@INDEX with one of: {}", path.display(), choices()),
+        }),
+    }
+}
+
+/// Open an image of a `docker save` / `skopeo copy … docker-archive:` tarball (`reference`: see
+/// [`SourceSpec::DockerArchive`]).
+pub fn open_docker_archive(path: &Path, reference: Option<&str>) -> Result<ImageSource, SourceError> {
     let file = File::open(path).map_err(SourceError::io(path, "open"))?;
     let mut members: HashMap<String, Member> = HashMap::new();
     {
@@ -561,16 +664,7 @@ pub fn open_docker_archive(path: &Path) -> Result<ImageSource, SourceError> {
         Ok(buf)
     };
     let manifests: Vec<ArchiveManifest> = json("manifest.json", &read_member("manifest.json")?)?;
-    let manifest = match manifests.as_slice() {
-        [one] => one,
-        _ => {
-            return Err(SourceError::AmbiguousRef {
-                path: path.to_owned(),
-                count: manifests.len(),
-                hint: "an archive holding exactly one image".into(),
-            })
-        }
-    };
+    let manifest = select_archive_image(path, &manifests, reference)?;
     let config_bytes = read_member(&manifest.config)?;
     // skopeo and docker name the config by its digest: check it when the name says so.
     let stem = manifest.config.rsplit('/').next().unwrap_or("").trim_end_matches(".json");
@@ -637,13 +731,69 @@ mod tests {
         );
         assert_eq!(
             SourceSpec::parse("docker-archive:x.tar").unwrap(),
-            SourceSpec::DockerArchive("x.tar".into())
+            SourceSpec::DockerArchive { path: "x.tar".into(), reference: None }
+        );
+        assert_eq!(
+            SourceSpec::parse("docker-archive:/no/such.tar:example.com:5000/app:v1").unwrap(),
+            SourceSpec::DockerArchive {
+                path: "/no/such.tar".into(),
+                reference: Some("example.com:5000/app:v1".into())
+            }
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let odd = dir.path().join("a:b.tar");
+        std::fs::write(&odd, b"").unwrap();
+        assert_eq!(
+            SourceSpec::parse(&format!("docker-archive:{}:app:v1", odd.display())).unwrap(),
+            SourceSpec::DockerArchive { path: odd.clone(), reference: Some("app:v1".into()) }
+        );
+        assert_eq!(
+            SourceSpec::parse(&format!("docker-archive:{}", odd.display())).unwrap(),
+            SourceSpec::DockerArchive { path: odd, reference: None }
         );
         assert!(SourceSpec::parse("oci:").is_err());
         let p: Platform = "linux/arm64/v8".parse().unwrap();
         assert_eq!(p.variant.as_deref(), Some("v8"));
         assert!("linux".parse::<Platform>().is_err());
         assert!("linux/amd64/v1/x".parse::<Platform>().is_err());
+    }
+
+    #[test]
+    fn docker_archive_image_selection() {
+        assert_eq!(normalize_docker_reference("app"), "docker.io/library/app:latest");
+        assert_eq!(normalize_docker_reference("app:v1"), "docker.io/library/app:v1");
+        assert_eq!(normalize_docker_reference("me/app:v1"), "docker.io/me/app:v1");
+        assert_eq!(normalize_docker_reference("localhost:5000/app"), "localhost:5000/app:latest");
+        assert_eq!(normalize_docker_reference("example.com/a/b:2"), "example.com/a/b:2");
+        let m = |config: &str, tags: &[&str]| ArchiveManifest {
+            config: config.into(),
+            layers: Vec::new(),
+            repo_tags: Some(tags.iter().map(|t| t.to_string()).collect()),
+        };
+        let list = vec![
+            m("one", &["docker.io/library/app:latest", "example.com/app:v1"]),
+            m("two", &["app:v2"]),
+            m("three", &[]),
+        ];
+        let p = Path::new("x.tar");
+        let pick = |r: Option<&str>| select_archive_image(p, &list, r).map(|m| m.config.clone());
+        assert_eq!(pick(Some("app")).unwrap(), "one");
+        assert_eq!(pick(Some("docker.io/library/app:latest")).unwrap(), "one");
+        assert_eq!(pick(Some("example.com/app:v1")).unwrap(), "one");
+        assert_eq!(pick(Some("docker.io/library/app:v2")).unwrap(), "two");
+        assert_eq!(pick(Some("@2")).unwrap(), "three");
+        let err = pick(None).unwrap_err().to_string();
+        assert!(err.contains("3 images") && err.contains("@1 (app:v2)") && err.contains("@2"), "{err}");
+        let err = pick(Some("app:v3")).unwrap_err().to_string();
+        assert!(err.contains("\"app:v3\"") && err.contains("example.com/app:v1"), "{err}");
+        assert!(matches!(pick(Some("@3")), Err(SourceError::NoSuchRef { .. })));
+        assert!(matches!(pick(Some("@x")), Err(SourceError::NoSuchRef { .. })));
+        let dup = vec![m("a", &["app:v1"]), m("b", &["app:v1"])];
+        assert!(matches!(
+            select_archive_image(p, &dup, Some("app:v1")),
+            Err(SourceError::AmbiguousRef { .. })
+        ));
+        assert_eq!(select_archive_image(p, &dup[..1], None).unwrap().config, "a");
     }
 
     #[test]

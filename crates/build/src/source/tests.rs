@@ -273,3 +273,80 @@ fn hostile_entries_in_real_tar_streams() {
     // Duplicates: the last one wins; non-UTF-8 names are kept as bytes.
     flatten(raw_tar(&[(b"a", Regular, ""), (b"a", Symlink, "b"), (b"caf\xe9\xff", Regular, "")])).unwrap();
 }
+
+/// `LIBARCHIVE.xattr.*` records as bsdtar writes them (next to SCHILY duplicates under the
+/// encoded name), and alone; a value that is not base64 is a clear header error.
+#[test]
+fn libarchive_xattr_records() {
+    let mut b = tar::Builder::new(Vec::new());
+    b.append_pax_extensions([
+        ("LIBARCHIVE.xattr.user.sp%20ace%3D%25x", &b"AAEC/w"[..]),
+        ("SCHILY.xattr.user.sp%20ace%3D%25x", b"\x00\x01\x02\xff"),
+        ("LIBARCHIVE.xattr.security.capability", b"AQAAAgAgAAAAAAAAAAAAAAAAAAA="),
+        (
+            "SCHILY.xattr.security.capability",
+            b"\x01\x00\x00\x02\x00\x20\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00",
+        ),
+        ("LIBARCHIVE.xattr.user.only-libarchive", b"aGVsbG8"),
+    ])
+    .unwrap();
+    b.append(&header("f", tar::EntryType::Regular, 2, 0o644), &b"hi"[..]).unwrap();
+    let tar = b.into_inner().unwrap();
+    let entries = scan(&verified(tar.clone(), &tar), None).unwrap();
+    let xattrs: Vec<(&[u8], &[u8])> =
+        entries[0].xattrs.iter().map(|x| (x.name.as_slice(), x.value.as_slice())).collect();
+    assert_eq!(
+        xattrs,
+        vec![
+            (
+                &b"security.capability"[..],
+                &b"\x01\x00\x00\x02\x00\x20\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00"[..]
+            ),
+            (b"user.only-libarchive", b"hello"),
+            (b"user.sp ace=%x", b"\x00\x01\x02\xff"),
+        ]
+    );
+
+    let mut b = tar::Builder::new(Vec::new());
+    b.append_pax_extensions([("LIBARCHIVE.xattr.user.bad", &b"not base64!"[..])]).unwrap();
+    b.append(&header("f", tar::EntryType::Regular, 0, 0o644), &[][..]).unwrap();
+    let tar = b.into_inner().unwrap();
+    let err = scan(&verified(tar.clone(), &tar), None).unwrap_err();
+    assert!(matches!(err, SourceError::BadHeader { field: "LIBARCHIVE.xattr", .. }), "{err}");
+}
+
+/// PAX values holding newline bytes (binary xattrs such as this `security.capability`, which
+/// tar 0.4's own record parser cannot read), a value that looks like a `linkpath` record, and a
+/// PAX `size` the `tar` crate would not apply (so its framing and every other reader's differ).
+#[test]
+fn pax_values_with_newlines() {
+    let cap = b"\x01\x00\x00\x02\x02\x00\x0a\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00\x00";
+    let mut b = tar::Builder::new(Vec::new());
+    b.append_pax_extensions([
+        ("SCHILY.xattr.security.capability", &cap[..]),
+        ("SCHILY.xattr.user.trick", b"\n22 linkpath=/etc/evil\n"),
+        ("mtime", b"1700000000.5"),
+    ])
+    .unwrap();
+    b.append(&header("bin/tool", tar::EntryType::Regular, 3, 0o755), &b"abc"[..]).unwrap();
+    b.append_pax_extensions([("SCHILY.xattr.user.trick", &b"\n22 linkpath=/etc/evil\n"[..])]).unwrap();
+    let mut h = header("lnk", tar::EntryType::Symlink, 0, 0o777);
+    b.append_link(&mut h, "lnk", "harmless").unwrap();
+    let tar = b.into_inner().unwrap();
+    let entries = scan(&verified(tar.clone(), &tar), None).unwrap();
+    assert_eq!(entries.len(), 2);
+    assert_eq!(entries[0].path, b"bin/tool");
+    assert_eq!(entries[0].xattrs[0].name, b"security.capability");
+    assert_eq!(entries[0].xattrs[0].value, cap);
+    assert_eq!(entries[0].xattrs[1].value, b"\n22 linkpath=/etc/evil\n");
+    assert_eq!(entries[0].meta.mtime.nsec, 500_000_000);
+    assert_eq!(entries[1].kind, EntryKind::Symlink(b"harmless".to_vec()));
+
+    // A PAX size after a value with a newline: tar 0.4 frames the data by the header's size.
+    let mut b = tar::Builder::new(Vec::new());
+    b.append_pax_extensions([("SCHILY.xattr.user.x", &b"a\nb"[..]), ("size", b"1024")]).unwrap();
+    b.append(&header("f", tar::EntryType::Regular, 3, 0o644), &b"abc"[..]).unwrap();
+    let tar = b.into_inner().unwrap();
+    let err = scan(&verified(tar.clone(), &tar), None).unwrap_err();
+    assert!(matches!(err, SourceError::BadHeader { field: "size", .. }), "{err}");
+}
