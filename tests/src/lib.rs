@@ -39,3 +39,4 @@ pub mod reference;
 pub mod registry;
 pub mod tessera;
 pub mod testutil;
+pub mod token_server;

@@ -61,20 +61,32 @@ fn ping(addr: SocketAddr) -> Option<u16> {
 impl Registry {
     /// An anonymous registry.
     pub fn start() -> Result<Self> {
-        Self::launch(false)
+        Self::launch(false, None)
     }
 
     /// A registry that wants basic auth ([`USER`]:[`PASSWORD`], bcrypt htpasswd).
     pub fn start_with_htpasswd() -> Result<Self> {
-        Self::launch(true)
+        Self::launch(true, None)
     }
 
-    fn launch(htpasswd: bool) -> Result<Self> {
+    /// A registry that wants bearer tokens from `tokens` (`auth: token`).
+    pub fn start_with_token_server(tokens: &crate::token_server::TokenServer) -> Result<Self> {
+        let auth = format!(
+            "auth:\n  token:\n    realm: {}\n    service: {}\n    issuer: {}\n    rootcertbundle: {}\n",
+            tokens.realm(),
+            crate::token_server::SERVICE,
+            crate::token_server::ISSUER,
+            tokens.cert().display()
+        );
+        Self::launch(false, Some(auth))
+    }
+
+    fn launch(htpasswd: bool, auth_config: Option<String>) -> Result<Self> {
         require_registry()?;
         let dir = crate::testutil::tmp("registry")?;
         let storage = dir.path().join("storage");
         std::fs::create_dir_all(&storage)?;
-        let mut auth = String::new();
+        let mut auth = auth_config.unwrap_or_default();
         if htpasswd {
             let out = run(Command::new("htpasswd").args(["-Bbn", USER, PASSWORD]))
                 .context("htpasswd (Debian package apache2-utils)")?;
@@ -185,6 +197,8 @@ pub enum Fault {
     /// Forward the response but cut the connection after this many bytes of it (headers
     /// included).
     CutAfter(usize),
+    /// Hold the request this long, then forward it (a slow network, or a pause mid-pull).
+    Delay(Duration),
 }
 
 /// An HTTP/1.1 proxy on loopback in front of `upstream`: one request per connection
@@ -226,6 +240,7 @@ fn handle(mut client: TcpStream, upstream: SocketAddr, fault: Option<Fault>) -> 
             )?;
             return Ok(());
         }
+        Some(Fault::Delay(d)) => std::thread::sleep(d),
         Some(Fault::CutAfter(_)) | None => {}
     }
     let mut rewritten = String::new();

@@ -2,10 +2,11 @@
 //! `skopeo copy`): `tessera build docker://…` gives the same image ID as `tessera build oci:…` of
 //! the same image — by tag, by digest, recompressed to zstd, through a multi-platform index,
 //! behind htpasswd basic auth (with `--creds` and with `REGISTRY_AUTH_FILE`), and through a proxy
-//! that answers 503 and cuts blob bodies mid-way (retries and Range resumption). Unknown tags and
-//! bad references fail cleanly.
+//! that answers 503 and cuts blob bodies mid-way (retries and Range resumption), and behind bearer
+//! tokens from a real token flow (the registry's `auth: token`, the harness's token server; a
+//! token expiring mid-pull is refreshed). Unknown tags and bad references fail cleanly.
 //!
-//! Needs root, umoci, skopeo, docker-registry and htpasswd (`cargo xtask test` provides them);
+//! Needs root, umoci, skopeo, docker-registry, htpasswd and openssl (`cargo xtask test` provides them);
 //! run with `--test-threads=1`.
 
 use std::fs;
@@ -15,6 +16,7 @@ use anyhow::{ensure, Result};
 use tessera_e2e::oci::{build_ok, build_source, require_tools, TarWriter, UmociImage};
 use tessera_e2e::registry::{Fault, FaultProxy, Registry, PASSWORD, USER};
 use tessera_e2e::testutil::tmp;
+use tessera_e2e::token_server::TokenServer;
 use tessera_e2e::{fixtures, tessera};
 
 /// Two umoci layers (the `kinds` fixture, then deletions and replacements → whiteouts) and a
@@ -279,5 +281,69 @@ fn registry_faults_are_retried_and_resumed() -> Result<()> {
     let stderr =
         expect_fail(&format!("docker://{}/app:v1", proxy.addr()), &t.path().join("s3"), &[], 1, "HTTP 503")?;
     ensure!(stderr.contains(&format!("http://{}/v2/app/", proxy.addr())), "{stderr}");
+    Ok(())
+}
+
+/// Bearer tokens through the real token flow: the registry in `auth: token` mode trusting the
+/// certificate of the test's token server, which signs ES256 JWTs for the scopes asked for.
+/// A pull with `--creds` works (same ID as the layout); wrong and missing credentials fail with
+/// a clear error; a token that the registry stops accepting mid-pull (its `exp` passes while
+/// the first blob request is held by a proxy, though `expires_in` promised 300 s) is refreshed
+/// after the registry's 401 and the pull completes with the same ID.
+#[test]
+fn registry_bearer_token_auth() -> Result<()> {
+    setup()?;
+    let t = tmp("reg-token")?;
+    let img = make_image(t.path())?;
+    let id = build_ok(&img.source(), &t.path().join("store0"), &[])?;
+    let tokens = TokenServer::start()?;
+    let reg = Registry::start_with_token_server(&tokens)?;
+    let creds = format!("{USER}:{PASSWORD}");
+    reg.load(&format!("oci:{}", img.image_ref()), "private/app:v1", &["--dest-creds", &creds])?;
+    let src = format!("docker://{}/private/app:v1", reg.addr());
+
+    let before = tokens.requests().len();
+    let got = build_ok(&src, &t.path().join("s1"), &["--creds", &creds])?;
+    ensure!(got == id, "through the token server: {got}, the layout {id}\n{}", reg.logs());
+    let asked = tokens.requests()[before..].to_vec();
+    ensure!(
+        asked.iter().any(|r| r.granted && r.scopes.iter().any(|s| s == "repository:private/app:pull")),
+        "no pull token was issued: {asked:?}"
+    );
+
+    // Wrong and missing credentials: the token server's 401, reported as such.
+    let home = t.path().join("home");
+    fs::create_dir_all(&home)?;
+    let stderr =
+        expect_fail(&src, &t.path().join("s2"), &["--creds", &format!("{USER}:wrong")], 1, "/token")?;
+    ensure!(stderr.contains("credentials were rejected"), "{stderr}");
+    let mut c = tessera::command(["build", &src, "--store"]);
+    c.arg(t.path().join("s3"))
+        .env("HOME", &home)
+        .env_remove("REGISTRY_AUTH_FILE")
+        .env_remove("DOCKER_CONFIG");
+    let out = c.output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    ensure!(out.status.code() == Some(1) && stderr.contains("--creds"), "anonymous: {stderr}");
+
+    // Expiry mid-pull: the first token dies about a second after it is issued; the proxy holds
+    // the first blob request (the config, right after the manifest) for 2.5 s.
+    tokens.expire_next(1);
+    let proxy = FaultProxy::start(reg.addr(), Fault::Delay(std::time::Duration::from_millis(2500)), 1)?;
+    let before = tokens.requests().len();
+    let got = build_ok(
+        &format!("docker://{}/private/app:v1", proxy.addr()),
+        &t.path().join("s4"),
+        &["--creds", &creds],
+    )?;
+    ensure!(got == id, "after a refresh: {got}\n{}", reg.logs());
+    ensure!(proxy.faults_left() == 0, "the delay was not applied");
+    let asked = tokens.requests()[before..].to_vec();
+    ensure!(
+        asked.len() >= 2 && asked[0].short && asked[1..].iter().any(|r| r.granted && !r.short),
+        "expected a short-lived token, then a refresh: {asked:?}"
+    );
+    let rejected = reg.logs().lines().filter(|l| l.contains("/blobs/") && l.contains("\" 401 ")).count();
+    ensure!(rejected >= 1, "the registry never refused the expired token:\n{}", reg.logs());
     Ok(())
 }

@@ -469,6 +469,10 @@ impl Client {
         let resp = self.call(Method::Get, &url, &[], auth.as_deref(), &[], self.retry().attempts.max(1))?;
         if resp.status() != StatusCode::OK {
             let status = resp.status().as_u16();
+            if matches!(status, 401 | 403) {
+                // The token server refused the credentials (or their absence): say so.
+                return Err(status_error(&url, resp, creds.is_some()));
+            }
             return Err(RegistryError::Token { url, reason: format!("HTTP {status}{}", error_detail(resp)) });
         }
         let body = read_limited(&url, resp, "token response", 1 << 20)?;
