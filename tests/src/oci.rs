@@ -40,6 +40,14 @@ impl UmociImage {
         Ok(me)
     }
 
+    /// A copy of this layout under `work` (same blobs, so layers made once stay byte-identical).
+    pub fn copy_to(&self, work: &Path) -> Result<Self> {
+        fs::create_dir_all(work)?;
+        let layout = work.join("layout");
+        run(Command::new("cp").arg("-a").arg(&self.layout).arg(&layout))?;
+        Ok(Self { layout, tag: self.tag.clone(), work: work.to_owned() })
+    }
+
     /// `layout:tag`.
     pub fn image_ref(&self) -> String {
         format!("{}:{}", self.layout.display(), self.tag)

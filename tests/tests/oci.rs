@@ -247,6 +247,8 @@ fn hard_link_to_a_whited_out_lower_file() -> Result<()> {
     require_tools()?;
     let t = tmp("oci-hl-wh")?;
     let link_first = small_image(&t.path().join("link-first"))?;
+    // One lower layer for both (its file times are those of its making).
+    let whiteout_first = link_first.copy_to(&t.path().join("whiteout-first"))?;
     link_first.append_tar_layer(
         &TarWriter::default()
             .hardlink("renamed-a", "a")
@@ -255,7 +257,6 @@ fn hard_link_to_a_whited_out_lower_file() -> Result<()> {
             .file(".wh.d", 0o644, b"")
             .finish(),
     )?;
-    let whiteout_first = small_image(&t.path().join("whiteout-first"))?;
     whiteout_first.append_tar_layer(
         &TarWriter::default()
             .file(".wh.a", 0o644, b"")
