@@ -313,7 +313,7 @@ impl<S: ChunkSource> MemTier<S> {
     /// next chunks of the file for readahead.
     fn note_read(&self, offset: u64, len: u64) {
         let Some(f) = &self.fetcher else { return };
-        if self.readahead == 0 || len == 0 {
+        if self.readahead == 0 || len == 0 || self.core.capacity == 0 {
             return;
         }
         let end = offset.saturating_add(len);
@@ -397,7 +397,9 @@ impl<S: ChunkSource> BlockSource for MemTier<S> {
     }
 
     fn fetch_ahead(&self, offset: u64, len: u64, done: FetchDone) {
-        let Some(f) = &self.fetcher else { return done(Ok(())) };
+        // Without memory to keep them in, chunks fetched ahead would be gone before the read
+        // copies them: the read fetches inline instead.
+        let Some(f) = self.fetcher.as_ref().filter(|_| self.core.capacity > 0) else { return done(Ok(())) };
         match self.core.missing(offset, len) {
             Ok(chunks) => f.fetch(&chunks, Priority::Demand, Some(done)),
             Err(e) => done(Err(Arc::new(e))),

@@ -68,8 +68,18 @@ impl ChunkSource for Counting {
 }
 
 fn tier(f: &Fixture, source: &Arc<Counting>, jobs: usize, readahead: u64) -> Arc<MemTier<Arc<Counting>>> {
+    tier_with_memory(f, source, jobs, readahead, 64 << 20)
+}
+
+fn tier_with_memory(
+    f: &Fixture,
+    source: &Arc<Counting>,
+    jobs: usize,
+    readahead: u64,
+    memory: u64,
+) -> Arc<MemTier<Arc<Counting>>> {
     let image = OpenImage::open(&f.store, &f.id).unwrap();
-    let t = MemTier::new(ImageReader::new(image, Arc::clone(source)), 64 << 20)
+    let t = MemTier::new(ImageReader::new(image, Arc::clone(source)), memory)
         .with_fetcher(FetchLimits::new(jobs))
         .unwrap()
         .with_readahead(readahead);
@@ -246,6 +256,26 @@ fn a_prefetch_list_is_fetched_in_the_background() {
     assert_eq!(source.total_reads(), fetched, "prefetched chunks are not fetched again");
     // Chunks already in memory are not queued again.
     assert_eq!(t.prefetch(wanted.iter().map(|&i| chunks[i as usize].id)), 0);
+    drop(c);
+    server.finish();
+}
+
+#[test]
+fn without_memory_each_read_fetches_its_chunk_once() {
+    let f = fixture();
+    let (off, _) = chunk_starts(&f)[3];
+    let source = Counting::new(f.store.clone(), 0);
+    // --mem-cache 0: nothing is kept, so nothing may be fetched ahead of the copy (it would be
+    // gone) and readahead is off.
+    let t = tier_with_memory(&f, &source, 8, 2 << 20, 0);
+    let server = serve(&f, &t, "nomem.sock");
+    let mut c = Client::connect(&server.socket, 1);
+    for round in 1..=3 {
+        assert_eq!(c.read(off + (round - 1) * 4096, 0, 4096), 0);
+        check(&c, &f, 0, off + (round - 1) * 4096, 4096);
+        assert_eq!(source.total_reads(), round as usize, "one fetch per read");
+    }
+    assert_eq!(t.stats().readahead_chunks.load(Ordering::Relaxed), 0);
     drop(c);
     server.finish();
 }
