@@ -258,6 +258,7 @@ pub(crate) fn get_range(
     })?;
     let cap = usize::try_from(len).unwrap_or(usize::MAX).min(64 << 20);
     let policy = client.retry();
+    let _slot = client.range_slot();
     let mut attempt = 0u32;
     loop {
         let (url, body) = request_from(client, repo, digest, start, Some(end))?;

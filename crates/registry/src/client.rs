@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 use std::io::Read;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use tracing::{debug, warn};
@@ -48,7 +48,7 @@ impl Default for Timeouts {
 }
 
 /// How a [`Client`] connects and authenticates. Every field documents its default.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct ClientOptions {
     /// Allow plain HTTP and unverified TLS (default false). Loopback registries (`localhost`,
     /// 127.0.0.0/8, `::1`) are always treated as insecure, as docker does.
@@ -59,6 +59,54 @@ pub struct ClientOptions {
     pub retry: RetryPolicy,
     /// Timeouts (default: connect 15 s, first byte 60 s, read stall 60 s).
     pub timeouts: Timeouts,
+    /// Range reads ([`Client::get_blob_range`]) in flight at once, across all threads sharing
+    /// the client (default [`DEFAULT_MAX_RANGES`]); more wait. Also the idle connections kept.
+    pub max_ranges: usize,
+}
+
+/// Default [`ClientOptions::max_ranges`]: 32.
+pub const DEFAULT_MAX_RANGES: usize = 32;
+
+impl Default for ClientOptions {
+    fn default() -> Self {
+        Self {
+            insecure: false,
+            credentials: CredentialSource::default(),
+            retry: RetryPolicy::default(),
+            timeouts: Timeouts::default(),
+            max_ranges: DEFAULT_MAX_RANGES,
+        }
+    }
+}
+
+/// A counting semaphore bounding the range reads in flight.
+#[derive(Debug)]
+struct Slots {
+    max: usize,
+    used: Mutex<usize>,
+    freed: Condvar,
+}
+
+/// One slot of [`Slots`], given back on drop.
+pub(crate) struct Slot<'a>(&'a Slots);
+
+impl Slots {
+    fn take(&self) -> Slot<'_> {
+        let mut used = self.used.lock().unwrap_or_else(|p| p.into_inner());
+        while *used >= self.max {
+            used = self.freed.wait(used).unwrap_or_else(|p| p.into_inner());
+        }
+        *used += 1;
+        Slot(self)
+    }
+}
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        let mut used = self.0.used.lock().unwrap_or_else(|p| p.into_inner());
+        *used = used.saturating_sub(1);
+        self.0.freed.notify_one();
+    }
 }
 
 /// A fetched manifest or index, its digest verified (by-digest fetches) or computed (by tag).
@@ -129,6 +177,7 @@ struct Inner {
     unverified: ureq::Agent,
     options: ClientOptions,
     state: Mutex<State>,
+    ranges: Slots,
 }
 
 /// A client for one registry host.
@@ -146,7 +195,9 @@ impl std::fmt::Debug for Client {
     }
 }
 
-fn agent(timeouts: &Timeouts, verify: bool) -> ureq::Agent {
+/// An agent keeping up to `idle_per_host` idle connections to a host (one per concurrent range
+/// read, so a daemon's parallel fetches reuse connections instead of reconnecting).
+fn agent(timeouts: &Timeouts, idle_per_host: usize, verify: bool) -> ureq::Agent {
     let tls = ureq::tls::TlsConfig::builder().disable_verification(!verify).build();
     ureq::Agent::config_builder()
         .http_status_as_error(false)
@@ -154,6 +205,8 @@ fn agent(timeouts: &Timeouts, verify: bool) -> ureq::Agent {
         .timeout_connect(Some(timeouts.connect))
         .timeout_recv_response(Some(timeouts.first_byte))
         .timeout_per_read(Some(timeouts.read))
+        .max_idle_connections_per_host(idle_per_host)
+        .max_idle_connections(idle_per_host.saturating_mul(2))
         .user_agent(concat!("tessera/", env!("CARGO_PKG_VERSION")))
         .build()
         .new_agent()
@@ -276,14 +329,16 @@ impl Client {
 
     fn new_unchecked(registry: &str, options: ClientOptions) -> Self {
         let insecure = options.insecure || is_loopback_host(registry);
+        let max_ranges = options.max_ranges.max(1);
         Self {
             inner: Arc::new(Inner {
                 registry: registry.to_owned(),
                 insecure,
-                verified: agent(&options.timeouts, true),
-                unverified: agent(&options.timeouts, false),
+                verified: agent(&options.timeouts, max_ranges, true),
+                unverified: agent(&options.timeouts, max_ranges, false),
                 options,
                 state: Mutex::new(State::default()),
+                ranges: Slots { max: max_ranges, used: Mutex::new(0), freed: Condvar::new() },
             }),
         }
     }
@@ -291,6 +346,11 @@ impl Client {
     /// `HOST[:PORT]`.
     pub fn registry(&self) -> &str {
         &self.inner.registry
+    }
+
+    /// Wait for a free range-read slot ([`ClientOptions::max_ranges`]).
+    pub(crate) fn range_slot(&self) -> Slot<'_> {
+        self.inner.ranges.take()
     }
 
     pub(crate) fn retry(&self) -> RetryPolicy {

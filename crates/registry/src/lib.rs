@@ -39,7 +39,7 @@ pub use auth::{
     auth_file_paths, lookup_auth_file, repository_scope, Challenge, CredentialSource, Credentials,
 };
 pub use blob::{unwrap_io, BlobReader};
-pub use client::{Client, ClientOptions, Manifest, Timeouts, MAX_MANIFEST};
+pub use client::{Client, ClientOptions, Manifest, Timeouts, DEFAULT_MAX_RANGES, MAX_MANIFEST};
 pub use error::RegistryError;
 pub use media::ManifestKind;
 pub use push::{BlobPush, PushOptions, UploadSession, DEFAULT_UPLOAD_PIECE};

@@ -576,3 +576,57 @@ fn push_mounts_uploads_in_pieces_and_settles_ambiguous_answers() {
     let s = state.lock().unwrap();
     assert_eq!(s.manifests, vec![("/v2/app/manifests/v1".to_owned(), media.to_owned(), MANIFEST.to_vec())]);
 }
+
+/// Range reads from many threads sharing one client: at most `max_ranges` are in flight at once,
+/// and every one gets its bytes.
+#[test]
+fn range_reads_are_limited_per_client() {
+    let blob = blob_bytes();
+    let d = digest_of(&blob);
+    let in_flight = Arc::new(Mutex::new((0usize, 0usize))); // (now, most)
+    let (f2, b2) = (in_flight.clone(), blob.clone());
+    let fake = Fake::start(move |r| {
+        if r.path == "/v2/" {
+            return resp(200, b"{}");
+        }
+        {
+            let mut f = f2.lock().unwrap();
+            f.0 += 1;
+            f.1 = f.1.max(f.0);
+        }
+        std::thread::sleep(Duration::from_millis(60));
+        let range = r.headers.get("range").cloned().unwrap_or_default();
+        let (a, b) = range.trim_start_matches("bytes=").split_once('-').unwrap();
+        let (a, b): (usize, usize) = (a.parse().unwrap(), b.parse().unwrap());
+        f2.lock().unwrap().0 -= 1;
+        Resp {
+            status: 206,
+            headers: vec![("Content-Range".into(), format!("bytes {a}-{b}/{}", b2.len()))],
+            body: b2[a..=b].to_vec(),
+            cut: None,
+        }
+    });
+    let retry = RetryPolicy { attempts: 1, base: Duration::from_millis(1), max: Duration::from_millis(1) };
+    let c = Client::new(
+        &fake.addr.to_string(),
+        ClientOptions {
+            credentials: CredentialSource::Anonymous,
+            retry,
+            max_ranges: 3,
+            ..ClientOptions::default()
+        },
+    )
+    .unwrap();
+    c.ping().unwrap();
+    std::thread::scope(|s| {
+        for i in 0..12u64 {
+            let (c, d, blob) = (&c, &d, &blob);
+            s.spawn(move || {
+                let got = c.get_blob_range("app", d, i * 1000, 500).unwrap();
+                assert_eq!(got, blob[(i * 1000) as usize..(i * 1000 + 500) as usize]);
+            });
+        }
+    });
+    let most = in_flight.lock().unwrap().1;
+    assert!((1..=3).contains(&most), "{most} range reads were in flight at once (limit 3)");
+}
