@@ -208,3 +208,190 @@ fn traces_for_another_image_or_its_chunks_are_refused() -> Result<()> {
     ensure!(tessera::inspect_json("demo", &f.store)?["profile"].is_null());
     Ok(())
 }
+
+/// `tessera warm IMAGE --store URL --cache-dir CACHE EXTRA... --json`.
+fn warm(image: &str, url: &str, cache: &Path, extra: &[&str]) -> Result<Output> {
+    let mut a = vec!["warm", image, "--store", url, "--cache-dir", s(cache)?, "--json"];
+    a.extend_from_slice(extra);
+    tessera::run(&a)
+}
+
+fn warm_json(o: Output, what: &str) -> Result<serde_json::Value> {
+    let o = ok(o, what)?;
+    serde_json::from_slice(&o.stdout).with_context(|| format!("{what}: stdout is not JSON"))
+}
+
+/// Requests for blob data (records, prefixes, indexes, profiles, packs) in an nginx access log.
+fn data_requests(log: &str) -> Vec<&str> {
+    log.lines().filter(|l| l.contains("/blobs/")).collect()
+}
+
+/// Chunk entries in a cache directory.
+fn cached_chunks(cache: &Path) -> Result<usize> {
+    let mut n = 0;
+    let root = cache.join("v1/chunks");
+    if !root.is_dir() {
+        return Ok(0);
+    }
+    for d in fs::read_dir(root)? {
+        n += fs::read_dir(d?.path())?.count();
+    }
+    Ok(n)
+}
+
+fn field(v: &serde_json::Value, k: &str) -> Result<u64> {
+    v[k].as_u64().with_context(|| format!("{k} missing: {v}"))
+}
+
+#[test]
+fn record_profile_warm_round_trip_then_serve_with_the_origin_stopped() -> Result<()> {
+    let f = fixture("warm-round-trip", "warm-round-trip")?;
+    let store = s(&f.store)?.to_owned();
+    // A boot that reads the superblock and three chunks' worth of data, recorded and profiled.
+    let trace = f.t.path().join("boot.trace");
+    let boot = [(0, 4096), (f.data.0, f.data.0 + 3 * CHUNK)];
+    record(&store, "demo", &trace, &boot, &f.raw, &[])?;
+    ok(tessera::run(["profile", "demo", "--store", &store, "--trace", s(&trace)?])?, "profile")?;
+    let profiled = trace_lines(&trace, &f.id)?.len() as u64;
+    ensure!((3..=5).contains(&profiled), "a 3-chunk read touched {profiled} chunks");
+
+    let mut origin = tessera_e2e::nginx::Nginx::serve(&f.store, "store")?;
+    let url = origin.url();
+    let cache = f.t.path().join("cache");
+    // --profile-only: exactly the profile's chunks, each fetched once.
+    let v = warm_json(warm("demo", &url, &cache, &["--profile-only"])?, "warm --profile-only")?;
+    ensure!(v["image"].as_str() == Some(f.id.as_str()) && v["profile_only"] == true, "{v}");
+    ensure!(field(&v, "chunks")? == profiled && field(&v, "fetched_chunks")? == profiled, "{v}");
+    ensure!(field(&v, "present_chunks")? == 0 && field(&v, "failed_chunks")? == 0, "{v}");
+    ensure!(field(&v, "bytes")? == field(&v, "fetched_bytes")? && field(&v, "bytes")? > 0, "{v}");
+    ensure!(cached_chunks(&cache)? as u64 == profiled, "cache holds {} chunks", cached_chunks(&cache)?);
+    let log = origin.access_log();
+    let ranged = data_requests(&log).iter().filter(|l| l.contains("bytes=")).count() as u64;
+    ensure!(ranged == profiled, "{ranged} ranged GETs for {profiled} chunks:\n{log}");
+
+    // Again: everything present, no data asked of the origin (only the tag and the entry).
+    let before = origin.access_log().lines().count();
+    let v = warm_json(warm("demo", &url, &cache, &["--profile-only"])?, "second warm --profile-only")?;
+    ensure!(field(&v, "present_chunks")? == profiled && field(&v, "fetched_chunks")? == 0, "{v}");
+    let log = origin.access_log();
+    let new: Vec<&str> = log.lines().skip(before).collect();
+    ensure!(data_requests(&new.join("\n")).is_empty(), "second run asked for data: {new:?}");
+    ensure!(
+        !new.is_empty() && new.iter().all(|l| l.contains("/refs/demo ") || l.contains("/images/")),
+        "second run: only the tag and the entry (which may change) are asked for: {new:?}"
+    );
+
+    // The whole image: the rest is fetched, with 4 jobs; then a whole second run fetches nothing.
+    let v = warm_json(warm(f.id.as_str(), &url, &cache, &["--jobs", "4"])?, "warm")?;
+    ensure!(field(&v, "chunks")? == f.chunks && field(&v, "present_chunks")? == profiled, "{v}");
+    ensure!(field(&v, "fetched_chunks")? == f.chunks - profiled, "{v}");
+    let before = origin.access_log().lines().count();
+    let v = warm_json(warm("demo", &url, &cache, &[])?, "second warm")?;
+    ensure!(field(&v, "fetched_chunks")? == 0 && field(&v, "present_chunks")? == f.chunks, "{v}");
+    let log = origin.access_log();
+    let new: Vec<&str> = log.lines().skip(before).collect();
+    ensure!(data_requests(&new.join("\n")).is_empty(), "second full run asked for data: {new:?}");
+    // The text summary too.
+    let o = ok(tessera::run(["warm", "demo", "--store", &url, "--cache-dir", s(&cache)?])?, "warm (text)")?;
+    let line = String::from_utf8(o.stdout)?;
+    ensure!(line.contains(&format!("{} chunks", f.chunks)) && line.contains("0 failed"), "{line}");
+
+    // Origin down: the cache alone serves every block, by tag, to export and to the daemon.
+    origin.stop();
+    let out = f.t.path().join("from-cache.raw");
+    ok(
+        tessera::run(["export", "demo", "--store", &url, "--cache-dir", s(&cache)?, "-o", s(&out)?])?,
+        "export from the warmed cache with nginx stopped",
+    )?;
+    ensure!(fs::read(&out)? == f.raw, "export from the cache differs from the local export");
+    let socket = f.t.path().join("cached.sock");
+    let d = Daemon::start("demo", &url, &socket, &["--read-only", "--cache-dir", s(&cache)?])?;
+    let mut c = BlkClient::connect(d.socket(), 1, true)?;
+    let (device, failed) = c.read_device(1 << 20, 8)?;
+    ensure!(failed.is_empty(), "reads failed with the origin stopped: {failed:?}");
+    ensure!(device == f.raw, "the daemon served other bytes from the cache");
+    drop(c);
+    d.stop()?;
+    Ok(())
+}
+
+#[test]
+fn warm_resumes_after_kill_9_and_fails_on_bad_chunks() -> Result<()> {
+    use tessera_e2e::proxy::{Proxy, ProxyConfig};
+    let f = fixture("warm-resume", "warm-resume")?;
+    let origin = tessera_e2e::nginx::Nginx::serve(&f.store, "store")?;
+    // A 1 MB/s link and one job: slow enough to kill mid-way. No RTT: the proxy then reads each
+    // request head as it arrives, so the killed run's last request is logged before the kill.
+    let link = ProxyConfig { rtt: std::time::Duration::ZERO, bandwidth: Some(1_000_000) };
+    let proxy = Proxy::start(origin.addr(), link)?;
+    let url = proxy.url("store");
+    let cache = f.t.path().join("cache");
+
+    let o = warm("demo", &url, &cache, &["--profile-only"])?;
+    ensure!(o.status.code() == Some(1) && stderr(&o).contains("no prefetch profile"), "{}", stderr(&o));
+    let o = tessera::run(["warm", "demo", "--store", &url])?;
+    ensure!(o.status.code() == Some(2) && stderr(&o).contains("--cache-dir"), "{}", stderr(&o));
+    let o = tessera::run(["warm", "demo", "--store", s(&f.store)?, "--cache-dir", s(&cache)?])?;
+    ensure!(o.status.code() == Some(2) && stderr(&o).contains("local store"), "{}", stderr(&o));
+
+    let mut child =
+        tessera::command(["warm", "demo", "--store", &url, "--cache-dir", s(&cache)?, "--jobs", "1"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()?;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while cached_chunks(&cache)? < 4 {
+        ensure!(child.try_wait()?.is_none(), "warm finished before it could be killed");
+        ensure!(std::time::Instant::now() < deadline, "warm cached no chunks within 60 s");
+        std::thread::sleep(std::time::Duration::from_millis(10)); // polling interval
+    }
+    child.kill()?; // SIGKILL
+    child.wait()?;
+    let kept = cached_chunks(&cache)? as u64;
+    ensure!(kept < f.chunks, "warm was not killed mid-way ({kept} of {} chunks)", f.chunks);
+
+    // Requests are counted by when the proxy received them: the killed run's last request may
+    // still reach nginx after the kill.
+    let resumed_at = std::time::Instant::now();
+    let v = warm_json(warm("demo", &url, &cache, &["--jobs", "4"])?, "resumed warm")?;
+    ensure!(field(&v, "present_chunks")? >= kept, "{v}");
+    let fetched = field(&v, "fetched_chunks")?;
+    ensure!(fetched + field(&v, "present_chunks")? == f.chunks && fetched > 0, "{v}");
+    let chunk_gets = proxy
+        .log()
+        .iter()
+        .filter(|r| r.at >= resumed_at && r.path.contains("/blobs/") && r.range.is_some())
+        .count() as u64;
+    ensure!(
+        chunk_gets == fetched,
+        "{chunk_gets} ranged GETs for {fetched} fetched chunks: {:#?}",
+        proxy.log().iter().filter(|r| r.at >= resumed_at).collect::<Vec<_>>()
+    );
+    ensure!(cached_chunks(&cache)? as u64 == f.chunks);
+    let leftovers = fs::read_dir(cache.join("v1/tmp"))?.count();
+    ensure!(leftovers == 0, "{leftovers} temp files left after the resumed run");
+
+    // A corrupt pack on the origin: those chunks fail (exit 1, listed), the others are cached.
+    let cache2 = f.t.path().join("cache2");
+    let v = tessera::inspect_json("demo", &f.store)?;
+    ensure!(v["packs"] == 1, "{v}");
+    let pack = fs::read_dir(f.store.join("blobs/sha256"))?
+        .map(|e| e.map(|e| e.path()))
+        .collect::<std::io::Result<Vec<_>>>()?
+        .into_iter()
+        .max_by_key(|p| fs::metadata(p).map(|m| m.len()).unwrap_or(0))
+        .context("no blobs")?;
+    let mut bytes = fs::read(&pack)?;
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x5a;
+    fs::write(&pack, &bytes)?;
+    let o = warm("demo", &url, &cache2, &[])?;
+    ensure!(o.status.code() == Some(1), "warm with a corrupt pack: {}", o.status);
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout)?;
+    let failed = field(&v, "failed_chunks")?;
+    ensure!(failed >= 1 && v["failed"].as_array().map(Vec::len) == Some(failed as usize), "{v}");
+    ensure!(field(&v, "fetched_chunks")? + failed == f.chunks, "{v}");
+    ensure!(stderr(&o).contains("could not be warmed"), "{}", stderr(&o));
+    ensure!(cached_chunks(&cache2)? as u64 == f.chunks - failed, "bad chunks must not be cached");
+    Ok(())
+}

@@ -10,6 +10,7 @@ mod progress;
 mod push;
 mod serve;
 mod trace;
+mod warm;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -57,6 +58,7 @@ enum Command {
     Serve(serve::ServeArgs),
     Push(push::PushArgs),
     Profile(profile::ProfileArgs),
+    Warm(warm::WarmArgs),
 }
 
 /// Build an image from a directory into a store; prints the image ID.
@@ -215,6 +217,7 @@ fn main() -> ExitCode {
         Command::Serve(a) => serve::serve(a),
         Command::Push(a) => push::push(a),
         Command::Profile(a) => profile::profile(a),
+        Command::Warm(a) => warm::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -96,6 +96,9 @@ pub enum StoreError {
         #[source]
         source: tessera_image::ProfileError,
     },
+    /// An operation that needs the image's prefetch profile, on an image without one.
+    #[error("image {image} has no prefetch profile (record traces and run `tessera profile` first)")]
+    NoProfile { image: ImageId },
     /// A stored chunk does not decompress to the bytes its id names. No bytes are returned.
     #[error("chunk {chunk} in pack {pack} at offset {offset} is corrupt: {reason}")]
     CorruptChunk { chunk: ChunkId, pack: Sha256Digest, offset: u64, reason: &'static str },

@@ -15,6 +15,7 @@
 //!   daemon: BlockMap plan → zeros / prefix bytes / chunk bytes (decompressed and checked against
 //!   their blake3 id).
 //! - [`attach_profile`] / [`read_profile`]: an image's prefetch profile (`docs/formats/profile.md`).
+//! - [`warm`]: fill the host disk cache with an image (all of it, or its profile's chunks).
 //! - [`export_raw`]: the full device as a sparse raw file.
 //!
 //! ```no_run
@@ -42,8 +43,9 @@ mod read_store;
 mod reader;
 mod registry;
 mod source;
+mod warm;
 
-pub use cache::{CacheConfig, CacheStats, CachedSource, CachedStore, DiskCache, Leftovers};
+pub use cache::{CacheConfig, CacheStats, CachedSource, CachedStore, DiskCache, Leftovers, Origin};
 pub use error::StoreError;
 pub use export::{export_raw, ExportProgress, ExportStats};
 pub use http::{
@@ -58,3 +60,4 @@ pub use reader::{decode_stored_chunk, ImageReader, OpenImage, DEFAULT_CHUNK_CACH
 pub use registry::{push_image, PushProgress, PushReport, PushTarget, RegistryStore, MAX_REGISTRY_BLOB};
 pub use source::ChunkSource;
 pub use tessera_registry::PushOptions;
+pub use warm::{warm, WarmFailure, WarmOptions, WarmReport, DEFAULT_WARM_JOBS};

@@ -1,0 +1,193 @@
+//! `tessera warm`: fill the host disk cache with an image before VMs need it — its metadata
+//! (tag lookup, entry, record, prefix, pack index, profile) and its chunks (all, or only the
+//! profile's), so the cache serves the image with the origin unreachable.
+//!
+//! Each chunk is first looked up in the cache (present and verified: nothing is fetched), else
+//! fetched through the cache's fetch-once path and published atomically. So a second run asks the
+//! origin for no data, and a run killed at any point resumes where it stopped.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use tessera_image::{ChunkId, ChunkRef, ImageId, PackLocation, Sha256Digest};
+use tracing::{debug, warn};
+
+use crate::cache::{CachedStore, Origin};
+use crate::error::StoreError;
+use crate::profile::read_profile;
+use crate::read_store::ReadStore;
+use crate::reader::decode_stored_chunk;
+
+/// `--jobs` unless told otherwise: chunk fetches in flight at once.
+pub const DEFAULT_WARM_JOBS: usize = 8;
+
+/// What to warm.
+#[derive(Debug, Clone, Copy)]
+pub struct WarmOptions {
+    /// Only the chunks of the image's prefetch profile (the image must have one).
+    pub profile_only: bool,
+    /// Chunk fetches in flight at once (at least 1).
+    pub jobs: usize,
+}
+
+impl Default for WarmOptions {
+    fn default() -> Self {
+        Self { profile_only: false, jobs: DEFAULT_WARM_JOBS }
+    }
+}
+
+/// A chunk that could not be warmed.
+#[derive(Debug)]
+pub struct WarmFailure {
+    pub chunk: ChunkId,
+    pub error: StoreError,
+}
+
+/// The outcome of [`warm`].
+#[derive(Debug)]
+pub struct WarmReport {
+    pub image: ImageId,
+    /// Chunks the run covered (all of the image's, or the profile's).
+    pub chunks: u64,
+    /// Their stored (compressed) bytes.
+    pub bytes: u64,
+    /// Chunks that were already in the cache (verified), and their stored bytes.
+    pub present_chunks: u64,
+    pub present_bytes: u64,
+    /// Chunks fetched from the origin (or from a concurrent fetch of another process) and cached.
+    pub fetched_chunks: u64,
+    pub fetched_bytes: u64,
+    /// Chunks that could not be fetched or did not verify.
+    pub failed: Vec<WarmFailure>,
+    /// Whether the image has a prefetch profile.
+    pub has_profile: bool,
+    pub elapsed: Duration,
+}
+
+/// One chunk to warm.
+#[derive(Debug, Clone, Copy)]
+struct Target {
+    chunk: ChunkRef,
+    pack: Sha256Digest,
+    loc: PackLocation,
+}
+
+enum Outcome {
+    Present,
+    Fetched,
+}
+
+/// Warm the cache of `store` with image `reference` (a tag or `sha256:…`): metadata first, then
+/// chunks with `options.jobs` workers, in profile order first. `progress` is called with the
+/// stored bytes of each chunk done (present, fetched or failed). Metadata failures are errors;
+/// chunk failures are collected in the report.
+pub fn warm<O: Origin>(
+    store: &CachedStore<O>,
+    reference: &str,
+    options: WarmOptions,
+    start: &(dyn Fn(u64) + Sync),
+    progress: &(dyn Fn(u64) + Sync),
+) -> Result<WarmReport, StoreError> {
+    let began = Instant::now();
+    // Each of these goes through the cache: the tag lookup and the entry are cached as the
+    // origin answers them, the blobs are fetched once and kept.
+    let id = store.resolve(reference)?;
+    let image = store.open_image(&id)?;
+    let map = &image.record().block_map;
+    let profile = read_profile(store, &id, image.entry(), map)?.map(|(_, p)| p);
+    if options.profile_only && profile.is_none() {
+        return Err(StoreError::NoProfile { image: id });
+    }
+
+    let index_of: HashMap<ChunkId, u32> =
+        map.chunks().iter().enumerate().filter_map(|(i, c)| Some((c.id, u32::try_from(i).ok()?))).collect();
+    let mut order: Vec<u32> =
+        profile.iter().flat_map(|p| p.entries()).filter_map(|e| index_of.get(&e.chunk).copied()).collect();
+    if !options.profile_only {
+        order.extend(0..u32::try_from(map.chunks().len()).unwrap_or(u32::MAX));
+    }
+    let mut seen = HashSet::new();
+    let mut targets = Vec::with_capacity(order.len());
+    for index in order {
+        if !seen.insert(index) {
+            continue;
+        }
+        let (chunk, pack, loc) = image.chunk_location(index).ok_or_else(|| StoreError::Inconsistent {
+            image: id,
+            reason: format!("chunk #{index} has no pack location"),
+        })?;
+        targets.push(Target { chunk, pack, loc });
+    }
+    let bytes: u64 = targets.iter().map(|t| u64::from(t.loc.stored_len)).sum();
+    start(bytes);
+    debug!(image = %id, chunks = targets.len(), bytes, "warming");
+
+    let next = AtomicUsize::new(0);
+    let results: Mutex<Vec<(usize, Result<Outcome, StoreError>)>> =
+        Mutex::new(Vec::with_capacity(targets.len()));
+    let worker = || loop {
+        let i = next.fetch_add(1, Ordering::Relaxed);
+        let Some(t) = targets.get(i) else { break };
+        let outcome = warm_chunk(store, t);
+        progress(u64::from(t.loc.stored_len));
+        results.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push((i, outcome));
+    };
+    std::thread::scope(|s| {
+        for _ in 0..options.jobs.clamp(1, targets.len().max(1)) {
+            s.spawn(worker);
+        }
+    });
+
+    let mut report = WarmReport {
+        image: id,
+        chunks: targets.len() as u64,
+        bytes,
+        present_chunks: 0,
+        present_bytes: 0,
+        fetched_chunks: 0,
+        fetched_bytes: 0,
+        failed: Vec::new(),
+        has_profile: profile.is_some(),
+        elapsed: Duration::ZERO,
+    };
+    let mut results = results.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner);
+    results.sort_by_key(|r| r.0);
+    for (i, outcome) in results {
+        let t = &targets[i];
+        let len = u64::from(t.loc.stored_len);
+        match outcome {
+            Ok(Outcome::Present) => {
+                report.present_chunks += 1;
+                report.present_bytes += len;
+            }
+            Ok(Outcome::Fetched) => {
+                report.fetched_chunks += 1;
+                report.fetched_bytes += len;
+            }
+            Err(error) => {
+                warn!(chunk = %t.chunk.id, error = %error, "cannot warm a chunk");
+                report.failed.push(WarmFailure { chunk: t.chunk.id, error });
+            }
+        }
+    }
+    report.elapsed = began.elapsed();
+    Ok(report)
+}
+
+/// One chunk: already cached (verified) or fetched, verified and cached.
+fn warm_chunk<O: Origin>(store: &CachedStore<O>, t: &Target) -> Result<Outcome, StoreError> {
+    let cache = store.cache();
+    if cache.get_chunk(&t.chunk, &t.pack, &t.loc).is_some() {
+        return Ok(Outcome::Present);
+    }
+    let origin = store.origin();
+    let stored = cache.fetch_chunk(&t.chunk, &t.pack, &t.loc, || {
+        origin.read_stored(&t.pack, t.loc.offset, t.loc.stored_len)
+    })?;
+    // The cache keeps only bytes that check out, but hands back what the origin sent: a chunk
+    // that does not decode to its id is a failure, not a warmed chunk.
+    decode_stored_chunk(&t.chunk, &t.pack, &t.loc, &stored)?;
+    Ok(Outcome::Fetched)
+}
