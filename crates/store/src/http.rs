@@ -74,11 +74,16 @@ pub struct HttpConfig {
     /// few enough not to flood one server.
     pub max_concurrency: usize,
     /// Ranges of one blob read together ([`HttpStore::read_blob_ranges`]) share one request
-    /// when at most this many bytes separate them (default 64 KiB: fetching the gap costs less
-    /// than another request).
+    /// when at most this many bytes separate them (default 0: only adjacent ranges). A gap is
+    /// fetched and dropped; when several processes share one disk cache, the gap's chunks are
+    /// fetched again by whoever needs them, and no byte should cross the network twice.
     pub coalesce_gap: u64,
     /// Largest span one coalesced request covers (default 16 MiB).
     pub coalesce_max: u64,
+    /// How long a single chunk read waits for concurrent reads of the same pack to join it in
+    /// one request, when requests to the origin are already in flight (default 2 ms; zero
+    /// turns joining off). A read with nothing else in flight goes at once.
+    pub coalesce_wait: Duration,
 }
 
 impl Default for HttpConfig {
@@ -90,14 +95,15 @@ impl Default for HttpConfig {
             request_timeout: Duration::from_secs(120),
             retry: RetryPolicy::default(),
             max_concurrency: 32,
-            coalesce_gap: 64 << 10,
+            coalesce_gap: 0,
             coalesce_max: 16 << 20,
+            coalesce_wait: Duration::from_millis(2),
         }
     }
 }
 
 /// The environment variables [`HttpConfig::from_env`] reads, with the field each sets.
-pub const HTTP_ENV: [&str; 8] = [
+pub const HTTP_ENV: [&str; 9] = [
     "TESSERA_HTTP_CONNECT_TIMEOUT",
     "TESSERA_HTTP_FIRST_BYTE_TIMEOUT",
     "TESSERA_HTTP_STALL_TIMEOUT",
@@ -106,6 +112,7 @@ pub const HTTP_ENV: [&str; 8] = [
     "TESSERA_HTTP_CONCURRENCY",
     "TESSERA_HTTP_COALESCE_GAP",
     "TESSERA_HTTP_COALESCE_MAX",
+    "TESSERA_HTTP_COALESCE_WAIT",
 ];
 
 impl HttpConfig {
@@ -158,6 +165,7 @@ impl HttpConfig {
         if let Some(n) = number(HTTP_ENV[7])? {
             c.coalesce_max = n;
         }
+        duration(HTTP_ENV[8], &mut c.coalesce_wait)?;
         Ok(c)
     }
 }
@@ -195,6 +203,29 @@ impl Limiter {
         *n += 1;
         Permit(self)
     }
+}
+
+impl Limiter {
+    /// Whether any request is in flight.
+    fn busy(&self) -> bool {
+        *self.in_flight.lock().unwrap_or_else(|p| p.into_inner()) > 0
+    }
+}
+
+/// Single chunk reads of one pack that arrive together, gathered into one
+/// [`HttpStore::read_blob_ranges`] call by the first of them (the leader).
+#[derive(Default)]
+struct Batch {
+    state: Mutex<BatchState>,
+    done: Condvar,
+}
+
+#[derive(Default)]
+struct BatchState {
+    ranges: Vec<(u64, u32)>,
+    /// Set by the leader: the bytes of every range, or `None` if the fetch failed (each
+    /// follower then reads its range alone, to get its own error or a lucky retry).
+    result: Option<Option<Arc<Vec<Vec<u8>>>>>,
 }
 
 impl Drop for Permit<'_> {
@@ -334,6 +365,9 @@ struct Inner {
     requests: AtomicU64,
     retries: AtomicU64,
     bytes: AtomicU64,
+    /// Open batches of single chunk reads, by pack; a batch leaves the map when its leader
+    /// sends it.
+    batches: Mutex<std::collections::HashMap<Sha256Digest, Arc<Batch>>>,
     /// Tags resolved through this store (an HTTP server cannot list `refs/`).
     seen_refs: Mutex<Vec<(String, ImageId)>>,
 }
@@ -394,6 +428,7 @@ impl HttpStore {
                 requests: AtomicU64::new(0),
                 retries: AtomicU64::new(0),
                 bytes: AtomicU64::new(0),
+                batches: Mutex::new(Default::default()),
                 seen_refs: Mutex::new(Vec::new()),
             }),
         }
@@ -611,11 +646,18 @@ impl HttpStore {
             }
             let cap = usize::try_from(len).unwrap_or(usize::MAX);
             let mut out = Vec::with_capacity(cap.min(64 << 20));
-            (&mut reader).take(len).read_to_end(&mut out).map_err(|e| retry_body(&url, e))?;
+            // A 206 body is read to its end (one byte more is asked for): only a body read to
+            // the end gives its connection back to the pool for the next request.
+            let want = if answer == RangeAnswer::Partial { len.saturating_add(1) } else { len };
+            (&mut reader).take(want).read_to_end(&mut out).map_err(|e| retry_body(&url, e))?;
             self.inner.bytes.fetch_add(out.len() as u64, Ordering::Relaxed);
-            if out.len() as u64 != len {
+            if (out.len() as u64) < len {
                 let e = http_err(&url, HttpError::BadLength("the body is shorter than the range"));
                 return Err(AttemptError::retry(e));
+            }
+            if out.len() as u64 > len {
+                let e = http_err(&url, HttpError::BadLength("the body is longer than the range"));
+                return Err(AttemptError::fatal(e));
             }
             Ok(out)
         })?;
@@ -672,9 +714,76 @@ impl HttpStore {
     }
 }
 
+impl HttpStore {
+    /// One chunk range of pack `pack`, joined with the concurrent reads of the same pack: when
+    /// requests to the origin are in flight, the first read of a pack waits
+    /// [`HttpConfig::coalesce_wait`] for others to join, then fetches them all with
+    /// [`Self::read_blob_ranges`] (near ranges in one request, far ones in parallel). A burst of
+    /// cold reads thus costs a few requests, not one each. With nothing in flight the read goes
+    /// at once.
+    pub fn read_chunk_range(
+        &self,
+        pack: &Sha256Digest,
+        offset: u64,
+        len: u32,
+    ) -> Result<Vec<u8>, StoreError> {
+        let wait = self.inner.config.coalesce_wait;
+        if wait.is_zero() || len == 0 || !self.inner.limiter.busy() {
+            return self.read_blob_range(pack, offset, u64::from(len));
+        }
+        let (batch, index, leader) = {
+            let mut open = self.inner.batches.lock().unwrap_or_else(|p| p.into_inner());
+            let batch = open.entry(*pack).or_default();
+            let mut st = batch.state.lock().unwrap_or_else(|p| p.into_inner());
+            st.ranges.push((offset, len));
+            let index = st.ranges.len() - 1;
+            drop(st);
+            (Arc::clone(batch), index, index == 0)
+        };
+        if leader {
+            std::thread::sleep(wait);
+            // Out of the map first: from now on nobody can join.
+            {
+                let mut open = self.inner.batches.lock().unwrap_or_else(|p| p.into_inner());
+                if open.get(pack).is_some_and(|b| Arc::ptr_eq(b, &batch)) {
+                    open.remove(pack);
+                }
+            }
+            let ranges = batch.state.lock().unwrap_or_else(|p| p.into_inner()).ranges.clone();
+            let result = self.read_blob_ranges(pack, &ranges);
+            let shared = result.as_ref().ok().map(|r| Arc::new(r.clone()));
+            batch.state.lock().unwrap_or_else(|p| p.into_inner()).result = Some(shared);
+            batch.done.notify_all();
+            if ranges.len() > 1 {
+                trace!(%pack, reads = ranges.len(), "joined concurrent chunk reads");
+            }
+            // The leader's range is the first.
+            return result.and_then(|r| {
+                r.into_iter().next().ok_or(StoreError::RangeOutOfBounds {
+                    digest: *pack,
+                    offset,
+                    len: u64::from(len),
+                    blob_len: 0,
+                })
+            });
+        }
+        let outcome = {
+            let mut st = batch.state.lock().unwrap_or_else(|p| p.into_inner());
+            while st.result.is_none() {
+                st = batch.done.wait(st).unwrap_or_else(|p| p.into_inner());
+            }
+            st.result.clone().flatten()
+        };
+        match outcome.and_then(|r| r.get(index).cloned()) {
+            Some(bytes) => Ok(bytes),
+            None => self.read_blob_range(pack, offset, u64::from(len)),
+        }
+    }
+}
+
 impl ChunkSource for HttpStore {
     fn read_stored(&self, pack: &Sha256Digest, offset: u64, len: u32) -> Result<Vec<u8>, StoreError> {
-        self.read_blob_range(pack, offset, u64::from(len))
+        self.read_chunk_range(pack, offset, len)
     }
 
     fn read_stored_many(
@@ -817,8 +926,9 @@ mod tests {
             ("TESSERA_HTTP_TIMEOUT", "9s"),
             ("TESSERA_HTTP_RETRIES", "1"),
             ("TESSERA_HTTP_CONCURRENCY", "4"),
-            ("TESSERA_HTTP_COALESCE_GAP", "0"),
+            ("TESSERA_HTTP_COALESCE_GAP", "65536"),
             ("TESSERA_HTTP_COALESCE_MAX", "1048576"),
+            ("TESSERA_HTTP_COALESCE_WAIT", "0ms"),
         ]))
         .unwrap();
         assert_eq!(c.connect_timeout, Duration::from_secs(2));
@@ -826,7 +936,7 @@ mod tests {
         assert_eq!(c.stall_timeout, Duration::from_secs(3));
         assert_eq!(c.request_timeout, Duration::from_secs(9));
         assert_eq!((c.retry.attempts, c.max_concurrency), (1, 4));
-        assert_eq!((c.coalesce_gap, c.coalesce_max), (0, 1 << 20));
+        assert_eq!((c.coalesce_gap, c.coalesce_max, c.coalesce_wait), (64 << 10, 1 << 20, Duration::ZERO));
         for bad in [
             &[("TESSERA_HTTP_FIRST_BYTE_TIMEOUT", "10")][..],
             &[("TESSERA_HTTP_TIMEOUT", "1.5s")],
