@@ -331,3 +331,52 @@ fn push_memory_is_bounded_by_one_piece() -> Result<()> {
     same_file(&fs::read(&a)?, &b, "the registry-to-registry copy")?;
     Ok(())
 }
+
+/// Bearer tokens from the registry's `auth: token` flow (the harness's token server): a push asks
+/// for `pull,push` on the repository (the registry refuses uploads without it); a push to a second
+/// repository also asks for `pull` on the first, and the registry then mounts every blob; reading
+/// back with credentials from `REGISTRY_AUTH_FILE` gives the local export's bytes.
+#[test]
+fn bearer_token_push_asks_for_push_and_mount_scopes() -> Result<()> {
+    let f = fixture("reg-token")?;
+    let tokens = tessera_e2e::token_server::TokenServer::start()?;
+    let reg = Registry::start_with_token_server(&tokens)?;
+    let addr = reg.addr();
+    let creds = format!("{USER}:{PASSWORD}");
+    let r = push("v1", s(&f.store)?, &format!("docker://{addr}/tok/a:v1"), &["--creds", &creds])?;
+    ensure!(r["uploaded"] == r["blobs"], "{r}");
+    let asked: Vec<String> =
+        tokens.requests().iter().filter(|t| t.granted).flat_map(|t| t.scopes.clone()).collect();
+    ensure!(asked.iter().any(|s| s == "repository:tok/a:pull,push"), "{asked:?}");
+
+    let before = tokens.requests().len();
+    let r = push(
+        "v1",
+        &format!("docker://{addr}/tok/a"),
+        &format!("docker://{addr}/tok/b:v1"),
+        &["--creds", &creds],
+    )?;
+    ensure!(r["mounted"] == r["blobs"] && r["uploaded"] == 0, "{r}");
+    let asked: Vec<Vec<String>> = tokens.requests()[before..].iter().map(|t| t.scopes.clone()).collect();
+    ensure!(
+        asked.iter().any(|s| s.contains(&"repository:tok/b:pull,push".to_owned())
+            && s.contains(&"repository:tok/a:pull".to_owned())),
+        "no token for the mount: {asked:?}"
+    );
+
+    let auth_file = f.t.path().join("auth.json");
+    let auths = serde_json::json!({"auths": {addr.to_string(): {"username": USER, "password": PASSWORD}}});
+    fs::write(&auth_file, auths.to_string())?;
+    let out = f.t.path().join("token.raw");
+    let mut c = tessera::command([
+        "export",
+        f.id.as_str(),
+        "--store",
+        &format!("docker://{addr}/tok/b"),
+        "-o",
+        s(&out)?,
+    ]);
+    ok(c.env("REGISTRY_AUTH_FILE", &auth_file).output()?, "export with a bearer token")?;
+    same_file(&f.local_raw, &out, "behind bearer tokens")?;
+    Ok(())
+}
