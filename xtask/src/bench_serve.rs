@@ -34,6 +34,11 @@ pub struct ServeBench {
     /// `--mem-cache` for tessera serve (`none`: do not pass the option).
     #[arg(long, default_value = "1G")]
     mem_cache: String,
+    /// Another `tessera` binary (e.g. built from an older commit) run the same way in every
+    /// round, right after this one: its figures and the ratios to it are reported (the cost of a
+    /// change, such as the metrics, measured under the same load).
+    #[arg(long, value_name = "BIN")]
+    baseline: Option<PathBuf>,
 }
 
 type Results = BTreeMap<String, BTreeMap<String, f64>>;
@@ -105,25 +110,38 @@ pub fn run(opts: &ServeBench) -> Result<()> {
         for round in 1..=opts.rounds.max(1) {
             println!("==> layout {}, round {round}", l.name);
             let mut results = Results::new();
-            // tessera serve, durable overlay (a temporary overlay is never synced).
+            // tessera serve (and the baseline binary), durable overlay (a temporary overlay is
+            // never synced). This one serves its metrics endpoint, as in production.
             let sock = dir.join("tessera.sock");
-            let overlay = dir.join("bench.overlay");
-            let _ = std::fs::remove_file(&overlay);
-            let mut cmd = Command::new("nice");
-            cmd.args(["-n", "-20", "taskset", "-c", &l.daemon.to_string()])
-                .arg(&bin)
-                .args(["serve", &id, "--store"])
-                .arg(&store)
-                .arg("--socket")
-                .arg(&sock)
-                .arg("--overlay")
-                .arg(&overlay);
-            if opts.mem_cache != "none" {
-                cmd.args(["--mem-cache", &opts.mem_cache]);
-            }
-            let daemon = Daemon::spawn(cmd, &sock, &dir.join("tessera.log"))?;
+            let serve = |bin: &Path, metrics: bool| {
+                let overlay = dir.join("bench.overlay");
+                let _ = std::fs::remove_file(&overlay);
+                let mut cmd = Command::new("nice");
+                cmd.args(["-n", "-20", "taskset", "-c", &l.daemon.to_string()])
+                    .arg(bin)
+                    .args(["serve", &id, "--store"])
+                    .arg(&store)
+                    .arg("--socket")
+                    .arg(&sock)
+                    .arg("--overlay")
+                    .arg(&overlay);
+                if opts.mem_cache != "none" {
+                    cmd.args(["--mem-cache", &opts.mem_cache]);
+                }
+                if metrics {
+                    cmd.args(["--metrics", "127.0.0.1:0"]);
+                }
+                cmd
+            };
+            let daemon = Daemon::spawn(serve(&bin, true), &sock, &dir.join("tessera.log"))?;
             results.insert("tessera".into(), drive(&client, &sock, l.client, opts.secs, &range, &tests)?);
             daemon.stop()?;
+            if let Some(base) = &opts.baseline {
+                let daemon = Daemon::spawn(serve(base, false), &sock, &dir.join("baseline.log"))?;
+                results
+                    .insert("baseline".into(), drive(&client, &sock, l.client, opts.secs, &range, &tests)?);
+                daemon.stop()?;
+            }
 
             // qemu-storage-daemon on the raw export (page cache warmed by the same first pass).
             let raw = dir.join("image.raw");
@@ -327,5 +345,21 @@ fn report(layout: &str, r: &Results, fio_p99: f64) -> Result<()> {
         "| 4 KiB write + FLUSH p99 vs fio fdatasync p99 ({fio_p99:.0} µs) | {w:.0} µs | | **{:.2}×** | ≤ 2× |",
         w / fio_p99
     );
+    if let Some(b) = r.get("baseline") {
+        println!("\nlayout {layout}, this build vs --baseline:");
+        println!("| | this build | baseline | ratio |");
+        println!("|---|---|---|---|");
+        for (what, key) in [
+            ("4 KiB random read QD1, IOPS", "randread4k_qd1.iops"),
+            ("4 KiB random read QD32, IOPS", "randread4k_qd32.iops"),
+            ("1 MiB sequential read QD1, MB/s", "seqread1m_qd1.mbps"),
+            ("4 KiB random read QD1, p50 µs", "randread4k_qd1.p50_us"),
+            ("4 KiB random read QD1, p99 µs", "randread4k_qd1.p99_us"),
+            ("4 KiB write + FLUSH, p99 µs", "write4k_flush.p99_us"),
+        ] {
+            let (a, z) = (get(t, key)?, get(b, key)?);
+            println!("| {what} | {a:.1} | {z:.1} | **{:.3}×** |", a / z);
+        }
+    }
     Ok(())
 }

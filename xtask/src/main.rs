@@ -177,6 +177,8 @@ const PACKAGES: &[&str] = &[
     // The test token server's signing key and certificate.
     "openssl",
     "nginx",
+    // The Prometheus project's exposition parser judges `tessera serve --metrics` (serve_metrics.rs).
+    "python3-prometheus-client",
     "time",
 ];
 

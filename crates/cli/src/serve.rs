@@ -12,7 +12,9 @@ use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 use tessera_image::Profile;
 use tessera_image::{ImageId, BLOCK_SIZE};
-use tessera_store::{ChunkSource, ImageReader, LocalStore, OpenImage, ReadStore, StoreLocation};
+use tessera_metrics::{Exporter, Metrics, Tier};
+use tessera_store::{ChunkSource, ImageReader, LocalStore, Metered, OpenImage, ReadStore, StoreLocation};
+use tessera_vhost::metrics::{describe_image, watch_mem_tier, watch_overlay};
 use tessera_vhost::{
     DeviceConfig, Disk, FetchLimits, MemTier, Overlay, OverlayMode, OverlayParams, Server,
     DEFAULT_LOCAL_FETCH_JOBS, DEFAULT_REMOTE_FETCH_JOBS, DEFAULT_SOCKET_MODE, MAX_QUEUES,
@@ -51,13 +53,20 @@ by --prefetch-rate; --no-prefetch turns it off). Every chunk is checked against 
 whatever tier it comes from; one that fails is dropped and fetched once more from the origin, and \
 if that fails too the read fails with an I/O error (VIRTIO_BLK_S_IOERR) — never wrong bytes.\n\
 \n\
+--metrics ADDR serves Prometheus text at http://ADDR/metrics from its own thread: requests, bytes \
+and latency by type, chunk reads per tier, fetches, memory tier and overlay sizes (every metric is \
+described in docs/metrics.md). Port 0 picks a free port; the URL is printed on stderr (and on \
+--ready-fd). RUST_LOG=tessera_vhost=debug logs a span per request (type, sector, length, queue).\n\
+\n\
 Examples:\n  tessera serve web --store ./store --socket /run/web.sock --read-only\n  \
 tessera serve web --store ./store --socket /run/web.sock --overlay /var/lib/vm1/web.overlay\n  \
 tessera serve sha256:3f1c... --store ./store --socket /tmp/vm.sock --queues 2 --socket-mode 0660\n  \
 tessera serve web --store ./store --socket /tmp/vm.sock --ready-fd 3 3>ready.txt\n  \
 tessera serve web --store https://cdn.example/tessera --cache-dir /var/cache/tessera --socket /run/web.sock\n  \
 tessera serve web --store docker://registry.example.com/team/images --cache-dir /var/cache/tessera --socket /run/web.sock\n  \
-tessera serve web --store ./store --socket /tmp/vm.sock --read-only --record-trace boot1.trace")]
+tessera serve web --store ./store --socket /tmp/vm.sock --read-only --record-trace boot1.trace\n  \
+tessera serve web --store ./store --socket /tmp/vm.sock --metrics 127.0.0.1:9100 &\n  \
+curl -s http://127.0.0.1:9100/metrics | grep tessera_requests_total")]
 pub struct ServeArgs {
     /// The image: sha256:<64 hex> or a tag.
     image: String,
@@ -105,14 +114,26 @@ pub struct ServeArgs {
     #[arg(long, value_parser = parse_mode)]
     socket_mode: Option<u32>,
     /// Once the socket accepts, write "ready <socket>\n" to this inherited file descriptor and
-    /// close it.
+    /// close it (with --metrics, then also "metrics <url>\n").
     #[arg(long)]
     ready_fd: Option<i32>,
+    /// Serve Prometheus metrics at http://ADDR/metrics, ADDR being HOST:PORT (e.g.
+    /// 127.0.0.1:9100; port 0 picks a free one).
+    #[arg(long, value_name = "ADDR", value_parser = parse_metrics_addr)]
+    metrics: Option<String>,
     /// Write the chunks the guest touches, in first-touch order with the time since its first
     /// read, to FILE (created or truncated; flushed every second and on exit). Feed it to
     /// `tessera profile`.
     #[arg(long, value_name = "FILE")]
     record_trace: Option<PathBuf>,
+}
+
+/// HOST:PORT (a name, an IPv4 address or a bracketed IPv6 address, and a port number).
+fn parse_metrics_addr(s: &str) -> Result<String, String> {
+    match s.rsplit_once(':') {
+        Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => Ok(s.to_owned()),
+        _ => Err(format!("{s}: expected HOST:PORT, e.g. 127.0.0.1:9100")),
+    }
 }
 
 fn parse_mode(s: &str) -> Result<u32, String> {
@@ -138,7 +159,16 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     let store = location.open_read_store(args.cache.config().as_ref())?;
     let id = store.resolve(&args.image).with_context(|| format!("store {}", store.describe()))?;
     let image = Arc::new(store.open_image(&id).with_context(|| format!("store {}", store.describe()))?);
-    let source: Arc<dyn ChunkSource> = store.chunk_source(&image);
+    let metrics = Metrics::new();
+    describe_image(&metrics, &image);
+    let mut source: Arc<dyn ChunkSource> = store.chunk_source(&image);
+    // Count the chunk reads of the tier below memory. A remote store's chunk source is its
+    // disk cache and origin together: those count themselves (docs/metrics.md).
+    if location.local_path().is_some() {
+        source = Arc::new(Metered::new(source, Tier::Local, &metrics));
+    } else if args.cache.cache_dir.is_none() {
+        source = Arc::new(Metered::new(source, Tier::Origin, &metrics));
+    }
     let trace = args.record_trace.as_deref().map(|p| TraceSession::start(p, id, &image.record().block_map));
     let trace = trace.transpose()?;
     let default_jobs =
@@ -158,6 +188,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
         start_prefetch(&*store, &image, &tier);
     }
     let reader = Arc::new(tier);
+    watch_mem_tier(&metrics, &reader);
     let device = DeviceConfig::new(&id, reader.device_bytes(), args.queues, args.read_only);
     let params = OverlayParams { image_id: id, block_size: BLOCK_SIZE, device_bytes: reader.device_bytes() };
     let disk = match (&args.overlay, args.read_only) {
@@ -174,12 +205,20 @@ pub fn serve(args: ServeArgs) -> Result<()> {
             Disk::Overlay(Arc::new(overlay))
         }
     };
+    if let Disk::Overlay(o) = &disk {
+        watch_overlay(&metrics, o);
+    }
+    let exporter = args.metrics.as_deref().map(|a| Exporter::start(a, Arc::clone(&metrics))).transpose()?;
+    if let Some(e) = &exporter {
+        eprintln!("metrics: {}", e.url());
+    }
 
     // Signals are handled on their own thread from before the socket exists on, so a SIGTERM
     // right after readiness still removes the socket.
     let mut signals = Signals::new([SIGTERM, SIGINT]).context("installing signal handlers")?;
     let server = Server::bind(&args.socket, args.socket_mode.unwrap_or(DEFAULT_SOCKET_MODE), device, disk)
-        .with_context(|| format!("serving {id}"))?;
+        .with_context(|| format!("serving {id}"))?
+        .with_metrics(metrics);
     let stop = server.stop_handle();
     let handle = signals.handle();
     let signal_thread = std::thread::spawn(move || {
@@ -190,10 +229,14 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     });
     if let Some(mut f) = ready {
         writeln!(f, "ready {}", args.socket.display()).context("writing to --ready-fd")?;
+        if let Some(e) = &exporter {
+            writeln!(f, "metrics {}", e.url()).context("writing to --ready-fd")?;
+        }
     }
     let result = server.run();
     handle.close();
     let _ = signal_thread.join();
+    drop(exporter);
     let traced = trace.map(TraceSession::finish).transpose();
     result.with_context(|| format!("serving {id}"))?;
     traced?;

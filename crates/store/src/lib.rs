@@ -10,7 +10,8 @@
 //!   (`docs/formats/cache.md`).
 //! - [`RegistryStore`]: a store in an OCI registry (`docker://HOST[:PORT]/REPO`), read through
 //!   the registry API; [`push_image`] publishes an image there (`docs/formats/registry.md`).
-//! - [`ChunkSource`]: where stored chunk bytes come from (one method); tiers slot in behind it.
+//! - [`ChunkSource`]: where stored chunk bytes come from (one method); tiers slot in behind it;
+//!   [`Metered`] counts one tier's reads (`tessera-metrics`).
 //! - [`OpenImage`] + [`ImageReader`]: the verified read path used by `tessera export` and the
 //!   daemon: BlockMap plan → zeros / prefix bytes / chunk bytes (decompressed and checked against
 //!   their blake3 id).
@@ -38,6 +39,7 @@ mod export;
 mod http;
 mod local;
 mod location;
+mod metered;
 mod profile;
 mod read_store;
 mod reader;
@@ -54,6 +56,7 @@ pub use http::{
 };
 pub use local::{BlobWriter, KnownChunks, LocalStore};
 pub use location::StoreLocation;
+pub use metered::Metered;
 pub use profile::{attach_profile, read_profile};
 pub use read_store::ReadStore;
 pub use reader::{decode_stored_chunk, ImageReader, OpenImage, DEFAULT_CHUNK_CACHE, MAX_CHUNK_LEN};

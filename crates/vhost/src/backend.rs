@@ -6,7 +6,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use tracing::{debug, trace, warn};
+use tessera_metrics::Metrics;
+use tracing::{debug, debug_span, trace, warn};
 use vhost::vhost_user::message::VhostUserProtocolFeatures;
 use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
 use virtio_queue::QueueT;
@@ -43,6 +44,7 @@ struct Inner {
     /// connection reach that connection's backend, never this one).
     connection: u64,
     queues: Vec<QueueState>,
+    metrics: Arc<Metrics>,
 }
 
 /// Per queue: bounce buffer and the out-of-order completions.
@@ -83,16 +85,18 @@ impl BlkBackend {
     /// A backend for `device` served from `disk`; reads missing the memory tier are fetched
     /// inline on the queue thread.
     pub fn new(device: DeviceConfig, disk: Disk) -> io::Result<Self> {
-        Self::with_fetch(device, disk, None, 0)
+        Self::with_fetch(device, disk, None, 0, Metrics::unregistered())
     }
 
     /// A backend whose reads missing the memory tier are finished by the fetch pool behind
-    /// `fetch` and complete out of order; `connection` numbers the client.
+    /// `fetch` and complete out of order; `connection` numbers the client. Requests are counted
+    /// in `metrics`.
     pub fn with_fetch(
         device: DeviceConfig,
         disk: Disk,
         fetch: Option<FetchHandle>,
         connection: u64,
+        metrics: Arc<Metrics>,
     ) -> io::Result<Self> {
         let queues = (0..device.queues)
             .map(|_| {
@@ -114,6 +118,7 @@ impl BlkBackend {
                 fetch,
                 connection,
                 queues,
+                metrics,
             }),
         })
     }
@@ -167,6 +172,8 @@ impl BlkBackend {
         let mut bounce = lock(&qs.bounce);
         let event_idx = self.inner.event_idx.load(Ordering::Relaxed);
         let inline = self.inner.fetch.is_none();
+        let requests = &self.inner.metrics.requests;
+        let _span = debug_span!("queue", queue).entered();
         let mut state = vring.get_mut();
         let result = (|| -> Result<(), virtio_queue::Error> {
             loop {
@@ -181,13 +188,17 @@ impl BlkBackend {
                     let mem = atomic.memory();
                     let Some(chain) = state.get_queue_mut().pop_descriptor_chain(&*mem) else { break };
                     let head = chain.head_index();
+                    let taken = Instant::now();
+                    requests.in_flight.inc();
                     match start_chain(chain, &*mem, &self.inner.disk, &self.inner.device, &mut bounce, inline)
                     {
                         Started::Done(done) => {
+                            requests.in_flight.dec();
+                            requests.of(done.kind).record(done.metric_status(), done.bytes, taken.elapsed());
                             state.get_queue_mut().add_used(&*mem, head, done.used_len)?;
                             served += 1;
                         }
-                        Started::Deferred(d) => self.defer(queue, head, d, mem.into_inner()),
+                        Started::Deferred(d) => self.defer(queue, head, d, mem.into_inner(), taken),
                     }
                 }
                 let mem = atomic.memory();
@@ -211,7 +222,15 @@ impl BlkBackend {
 
     /// Hand a read missing the memory tier to the fetch pool; it completes through the queue's
     /// completion eventfd.
-    fn defer(&self, queue: usize, head: u16, read: DeferredRead, mem: Arc<GuestMemoryMmap<()>>) {
+    /// `taken`: when the chain came off the ring.
+    fn defer(
+        &self,
+        queue: usize,
+        head: u16,
+        read: DeferredRead,
+        mem: Arc<GuestMemoryMmap<()>>,
+        taken: Instant,
+    ) {
         let Some(qs) = self.inner.queues.get(queue) else { return };
         let generation = {
             let mut c = lock(&qs.completions);
@@ -219,6 +238,7 @@ impl BlkBackend {
             c.generation
         };
         trace!(queue, head, "deferred read");
+        self.inner.metrics.fetch.deferred_reads.inc();
         let inner = Arc::clone(&self.inner);
         let (offset, len) = read.range();
         // The chunks the read needs are fetched in the background (in parallel, once each,
@@ -229,11 +249,14 @@ impl BlkBackend {
             Box::new(move |fetched| {
                 let fetch = inner.fetch.clone();
                 let job: crate::fetch::Job = Box::new(move || {
-                    let done = match fetched {
+                    let done = debug_span!("queue", queue).in_scope(|| match fetched {
                         Ok(()) => read.finish(&*mem, &inner.disk),
                         Err(e) => read.fail(&*mem, e),
-                    };
+                    });
                     drop(mem);
+                    let requests = &inner.metrics.requests;
+                    requests.in_flight.dec();
+                    requests.of(done.kind).record(done.metric_status(), done.bytes, taken.elapsed());
                     inner.complete(queue, generation, head, done.used_len);
                 });
                 match fetch {

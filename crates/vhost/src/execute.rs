@@ -3,6 +3,7 @@
 
 use std::sync::Arc;
 
+use tessera_metrics::{RequestStatus, RequestType};
 use tracing::{debug, debug_span, warn};
 use virtio_queue::desc::split::Descriptor;
 use vm_memory::{Bytes, GuestAddress, GuestMemory};
@@ -248,6 +249,23 @@ pub struct Completion {
     pub used_len: u32,
     /// The status written, or `None` for a dropped chain.
     pub status: Option<Status>,
+    /// What the request was, for the metrics.
+    pub kind: RequestType,
+    /// Bytes the request moved if it succeeded: data read or written, the range discarded or
+    /// zeroed, the serial's bytes; 0 for a flush.
+    pub bytes: u64,
+}
+
+impl Completion {
+    /// The status as a metrics label.
+    pub fn metric_status(&self) -> RequestStatus {
+        match self.status {
+            Some(Status::Ok) => RequestStatus::Ok,
+            Some(Status::IoErr) => RequestStatus::IoErr,
+            Some(Status::Unsupp) => RequestStatus::Unsupp,
+            None => RequestStatus::Dropped,
+        }
+    }
 }
 
 /// Parse, plan and execute one descriptor chain and write its status byte (a read that needs
@@ -291,20 +309,27 @@ impl DeferredRead {
 
     /// Fail the read with `error` (its chunks could not be fetched): write the status byte.
     pub fn fail<M: GuestMemory + ?Sized>(self, mem: &M, error: Arc<tessera_store::StoreError>) -> Completion {
-        complete(mem, self.status, Err(RequestError::Read { offset: self.offset, source: error }))
+        complete(
+            mem,
+            self.status,
+            Err(RequestError::Read { offset: self.offset, source: error }),
+            RequestType::Read,
+            self.len,
+        )
     }
 
     /// Fetch what is missing (blocking), copy the bytes into the guest's buffers, write the
     /// status byte.
     pub fn finish<M: GuestMemory + ?Sized>(self, mem: &M, disk: &Disk) -> Completion {
-        let span = debug_span!("request", kind = "in", offset = self.offset, len = self.len, deferred = true);
+        let span =
+            debug_span!("request", kind = "read", offset = self.offset, len = self.len, deferred = true);
         let _enter = span.enter();
         let mut sink = GuestSink { mem, cursor: Cursor { segs: &self.data, index: 0, within: 0 } };
         let result = disk.visit(self.offset, self.len, true, &mut sink).map(|v| match v {
             Visit::Done => Executed::Done(u32::try_from(self.len).unwrap_or(u32::MAX)),
             Visit::Missing => Executed::Missing,
         });
-        complete(mem, self.status, result)
+        complete(mem, self.status, result, RequestType::Read, self.len)
     }
 }
 
@@ -322,13 +347,22 @@ pub fn start_chain<M: GuestMemory + ?Sized>(
     let (status_addr, request) = match parse(descs, mem) {
         Parsed::Drop(reason) => {
             warn!(%reason, "dropping a malformed descriptor chain");
-            return Started::Done(Completion { used_len: 0, status: None });
+            return Started::Done(Completion {
+                used_len: 0,
+                status: None,
+                kind: RequestType::Invalid,
+                bytes: 0,
+            });
         }
         Parsed::Reply { status, request } => (status, request),
     };
+    let (kind, bytes) = match &request {
+        Ok(req) => (request_type(&req.kind), moved_bytes(req)),
+        Err(RequestError::Unsupported { .. }) => (RequestType::Unsupported, 0),
+        Err(_) => (RequestType::Invalid, 0),
+    };
     let result = request.and_then(|req| {
-        let span =
-            debug_span!("request", kind = kind_name(&req.kind), sector = req.sector, len = req.data_len);
+        let span = debug_span!("request", kind = kind.label(), sector = req.sector, len = req.data_len);
         let _enter = span.enter();
         let p = plan(req, device)?;
         match execute(&p, mem, disk, device, bounce, fetch)? {
@@ -345,7 +379,7 @@ pub fn start_chain<M: GuestMemory + ?Sized>(
         Ok(Ok(n)) => Ok(Executed::Done(n)),
         Err(e) => Err(e),
     };
-    Started::Done(complete(mem, status_addr, result))
+    Started::Done(complete(mem, status_addr, result, kind, bytes))
 }
 
 /// Write the status byte of a finished request.
@@ -353,6 +387,8 @@ fn complete<M: GuestMemory + ?Sized>(
     mem: &M,
     status_addr: GuestAddress,
     result: Result<Executed, RequestError>,
+    kind: RequestType,
+    bytes: u64,
 ) -> Completion {
     let (status, written) = match result {
         Ok(Executed::Done(n)) => (Status::Ok, n),
@@ -372,18 +408,31 @@ fn complete<M: GuestMemory + ?Sized>(
     };
     if mem.write_obj(status.byte(), status_addr).is_err() {
         // parse() checked the address; memory cannot shrink under a held guard.
-        return Completion { used_len: 0, status: None };
+        return Completion { used_len: 0, status: None, kind, bytes: 0 };
     }
-    Completion { used_len: written.saturating_add(1), status: Some(status) }
+    // GET_ID moves what fits of the serial.
+    let bytes = if kind == RequestType::GetId { u64::from(written) } else { bytes };
+    Completion { used_len: written.saturating_add(1), status: Some(status), kind, bytes }
 }
 
-fn kind_name(kind: &RequestKind) -> &'static str {
+fn request_type(kind: &RequestKind) -> RequestType {
     match kind {
-        RequestKind::In => "in",
-        RequestKind::Out => "out",
-        RequestKind::Flush => "flush",
-        RequestKind::GetId => "get_id",
-        RequestKind::Discard(_) => "discard",
-        RequestKind::WriteZeroes(_) => "write_zeroes",
+        RequestKind::In => RequestType::Read,
+        RequestKind::Out => RequestType::Write,
+        RequestKind::Flush => RequestType::Flush,
+        RequestKind::GetId => RequestType::GetId,
+        RequestKind::Discard(_) => RequestType::Discard,
+        RequestKind::WriteZeroes(_) => RequestType::WriteZeroes,
+    }
+}
+
+/// The bytes a request moves if it succeeds (GET_ID: decided when it completes).
+fn moved_bytes(req: &crate::request::Request) -> u64 {
+    match &req.kind {
+        RequestKind::In | RequestKind::Out => req.data_len,
+        RequestKind::Discard(ranges) | RequestKind::WriteZeroes(ranges) => {
+            ranges.iter().map(|r| u64::from(r.sectors) * crate::request::SECTOR_SIZE).sum()
+        }
+        RequestKind::Flush | RequestKind::GetId => 0,
     }
 }

@@ -22,6 +22,7 @@ use crate::error::ServeError;
 use crate::execute::Disk;
 use crate::fetch::{FetchPool, DEFAULT_FETCH_THREADS};
 use crate::request::SECTOR_SIZE;
+use tessera_metrics::Metrics;
 
 /// Socket permissions unless told otherwise.
 pub const DEFAULT_SOCKET_MODE: u32 = 0o600;
@@ -39,6 +40,7 @@ pub struct Server {
     connections: Arc<AtomicU64>,
     /// Finishes reads that miss the memory tier (shared by the connections).
     fetch: FetchPool,
+    metrics: Arc<Metrics>,
 }
 
 impl std::fmt::Debug for Server {
@@ -162,7 +164,14 @@ impl Server {
             connections: Arc::new(AtomicU64::new(0)),
             fetch: FetchPool::new(DEFAULT_FETCH_THREADS)
                 .map_err(|source| ServeError::Io { what: "starting the fetch threads", source })?,
+            metrics: Metrics::unregistered(),
         })
+    }
+
+    /// Count requests (and connections) in `metrics` instead of handles nobody reads.
+    pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
+        self.metrics = metrics;
+        self
     }
 
     /// The socket path.
@@ -220,8 +229,14 @@ impl Server {
 
     fn serve_connection(&mut self) -> Result<(), ServeError> {
         let n = self.connections.load(Ordering::SeqCst) + 1;
-        let backend = BlkBackend::with_fetch(self.device.clone(), self.disk.clone(), self.fetch.handle(), n)
-            .map_err(|source| ServeError::Io { what: "creating the completion events", source })?;
+        let backend = BlkBackend::with_fetch(
+            self.device.clone(),
+            self.disk.clone(),
+            self.fetch.handle(),
+            n,
+            Arc::clone(&self.metrics),
+        )
+        .map_err(|source| ServeError::Io { what: "creating the completion events", source })?;
         let mem = GuestMemoryAtomic::new(GuestMemoryMmap::new());
         let daemon_err = |what| move |e: DaemonError| ServeError::Daemon { what, message: e.to_string() };
         let mut daemon = VhostUserDaemon::new("tessera-vhost".to_owned(), backend.clone(), mem)
@@ -236,6 +251,7 @@ impl Server {
         }
         daemon.start(&mut self.listener).map_err(daemon_err("accepting"))?;
         self.connections.fetch_add(1, Ordering::SeqCst);
+        self.metrics.device.connections.inc();
         info!(connection = n, "client connected");
         *self.stop.current() = daemon.shutdown_handle().map(ShutdownHandleDebug);
         if self.stop.is_stopped() {

@@ -257,6 +257,16 @@ impl<S: ChunkSource> MemTier<S> {
         self.fetcher.as_ref().map_or(0, ChunkFetcher::pending)
     }
 
+    /// Chunks held.
+    pub fn chunks(&self) -> u64 {
+        self.core.cache.entry_count()
+    }
+
+    /// The budget in bytes.
+    pub fn capacity(&self) -> u64 {
+        self.core.capacity
+    }
+
     /// Bytes of decoded chunks held.
     pub fn weighted_size(&self) -> u64 {
         self.core.cache.run_pending_tasks();

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use tessera_image::{ImageId, Sha256Digest};
 use tessera_store::StoreError;
 
-use tessera_vhost::{serve_chain, BlockSource, Completion, DeviceConfig, Disk, Status};
+use tessera_vhost::{serve_chain, BlockSource, Completion, DeviceConfig, Disk, RequestType, Status};
 use virtio_queue::desc::split::Descriptor;
 use virtio_queue::desc::RawDescriptor;
 use virtio_queue::mock::MockSplitQueue;
@@ -208,21 +208,21 @@ fn chains_without_a_usable_status_are_dropped() {
     let c = run(&m, &[d(HDR, 16, 0), d(DATA, 512, W), d(STATUS, 1, 0)]);
     assert_eq!(c.status, Some(Status::IoErr), "the readable-after-writable chain still has a status byte");
     let c = run(&m, &[d(HDR, 16, 0), d(STATUS, 1, 0)]);
-    assert_eq!(c, Completion { used_len: 0, status: None });
+    assert_eq!(c, Completion { used_len: 0, status: None, kind: RequestType::Invalid, bytes: 0 });
     untouched(&m);
     // Status outside guest memory.
     let c = run(&m, &[d(HDR, 16, 0), d(DATA, 512, W), d(MEM_LEN, 1, W)]);
-    assert_eq!(c, Completion { used_len: 0, status: None });
+    assert_eq!(c, Completion { used_len: 0, status: None, kind: RequestType::Invalid, bytes: 0 });
     // A zero-length writable descriptor is no status byte.
     let c = run(&m, &[d(HDR, 16, 0), d(STATUS, 0, W)]);
-    assert_eq!(c, Completion { used_len: 0, status: None });
+    assert_eq!(c, Completion { used_len: 0, status: None, kind: RequestType::Invalid, bytes: 0 });
     untouched(&m);
     // A `next` pointing outside the descriptor table ends the chain after the header.
     let q = MockSplitQueue::new(&m, 16);
     let broken = [RawDescriptor::from(Descriptor::new(HDR, 16, 1, 1000))];
     let chain = q.build_multiple_desc_chains(&broken).unwrap();
     let c = serve_chain(chain, &m, &Disk::ReadOnly(Arc::new(Pattern)), &device(), &mut Vec::new());
-    assert_eq!(c, Completion { used_len: 0, status: None });
+    assert_eq!(c, Completion { used_len: 0, status: None, kind: RequestType::Invalid, bytes: 0 });
     untouched(&m);
 }
 
@@ -264,4 +264,35 @@ fn random_chains_never_panic() {
         let c = serve_chain(chain, &m, &Disk::ReadOnly(Arc::new(Pattern)), &device(), &mut Vec::new());
         assert!(u64::from(c.used_len) <= writable);
     }
+}
+
+/// What a completion reports for the metrics: the request type and the bytes it moved.
+#[test]
+fn completions_carry_type_and_bytes() {
+    let m = mem();
+    let kind_bytes = |c: Completion| (c.kind, c.bytes);
+    header(&m, HDR, 0, 8);
+    let c = run(&m, &[d(HDR, 16, 0), d(DATA, 4096, W), d(STATUS, 1, W)]);
+    assert_eq!(kind_bytes(c), (RequestType::Read, 4096));
+    header(&m, HDR, 8, 0);
+    let c = run(&m, &[d(HDR, 16, 0), d(DATA, 12, W), d(STATUS, 1, W)]);
+    assert_eq!(kind_bytes(c), (RequestType::GetId, 12), "what fits of the serial");
+    header(&m, HDR, 4, 0);
+    assert_eq!(kind_bytes(run(&m, &[d(HDR, 16, 0), d(STATUS, 1, W)])), (RequestType::Flush, 0));
+    // Refused requests keep their type (bytes count only for successes).
+    header(&m, HDR, 1, 0);
+    let c = run(&m, &[d(HDR, 16, 0), d(DATA, 4096, 0), d(STATUS, 1, W)]);
+    assert_eq!((c.status, c.kind), (Some(Status::IoErr), RequestType::Write));
+    let mut seg = [0u8; 16];
+    seg[8..12].copy_from_slice(&8u32.to_le_bytes());
+    m.write_slice(&seg, GuestAddress(DATA)).unwrap();
+    header(&m, HDR, 13, 0);
+    let c = run(&m, &[d(HDR, 16, 0), d(DATA, 16, 0), d(STATUS, 1, W)]);
+    assert_eq!(kind_bytes(c), (RequestType::WriteZeroes, 8 * 512));
+    header(&m, HDR, 99, 0);
+    let c = run(&m, &[d(HDR, 16, 0), d(DATA, 512, W), d(STATUS, 1, W)]);
+    assert_eq!((c.status, c.kind), (Some(Status::Unsupp), RequestType::Unsupported));
+    // Refused before the type was accepted: a short header.
+    let c = run(&m, &[d(HDR, 8, 0), d(DATA, 512, W), d(STATUS, 1, W)]);
+    assert_eq!((c.status, c.kind), (Some(Status::IoErr), RequestType::Invalid));
 }

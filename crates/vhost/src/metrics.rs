@@ -1,0 +1,67 @@
+//! Ties the daemon's parts to [`Metrics`]: values they already keep (the memory tier's counters,
+//! the overlay's block map) are copied in at each scrape, so their hot paths pay nothing more.
+//! Requests are counted by the backend itself ([`crate::Server::with_metrics`]).
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use tessera_metrics::{mirror, Metrics, Tier};
+use tessera_store::{ChunkSource, OpenImage};
+
+use crate::overlay::Overlay;
+use crate::tier::MemTier;
+
+/// Publish `tier`'s hits, misses, fills and size (as `tier="memory"`).
+pub fn watch_mem_tier<S: ChunkSource + 'static>(metrics: &Arc<Metrics>, tier: &Arc<MemTier<S>>) {
+    metrics.memory_tier.capacity_bytes.set(gauge_value(tier.capacity()));
+    let m = Arc::clone(metrics);
+    let tier = Arc::downgrade(tier);
+    metrics.on_scrape(move || {
+        let Some(tier) = tier.upgrade() else { return };
+        let stats = tier.stats();
+        let memory = m.tiers.of(Tier::Memory);
+        mirror(&memory.hits, stats.hits.load(Ordering::Relaxed));
+        mirror(&memory.misses, stats.misses.load(Ordering::Relaxed));
+        mirror(&m.memory_tier.fills, stats.fetches.load(Ordering::Relaxed));
+        mirror(&m.memory_tier.fill_bytes, stats.fetched_bytes.load(Ordering::Relaxed));
+        mirror(&m.memory_tier.refetches, stats.refetches.load(Ordering::Relaxed));
+        mirror(&m.prefetch.readahead_queued, stats.readahead_chunks.load(Ordering::Relaxed));
+        mirror(&m.prefetch.profile_queued, stats.prefetch_chunks.load(Ordering::Relaxed));
+        m.memory_tier.bytes.set(gauge_value(tier.weighted_size()));
+        m.memory_tier.chunks.set(gauge_value(tier.chunks()));
+        m.fetch.queue_depth.set(gauge_value(tier.pending_fetches() as u64));
+        if let Some(f) = tier.fetcher_stats() {
+            mirror(&m.fetch.demand_fetches, f.demand.load(Ordering::Relaxed));
+            mirror(&m.fetch.background_fetches, f.background.load(Ordering::Relaxed));
+            mirror(&m.fetch.joined, f.joined.load(Ordering::Relaxed));
+        }
+    });
+}
+
+/// Publish `overlay`'s written and zeroed blocks, file size and syncs.
+pub fn watch_overlay(metrics: &Arc<Metrics>, overlay: &Arc<Overlay>) {
+    let m = Arc::clone(metrics);
+    let overlay = Arc::downgrade(overlay);
+    metrics.on_scrape(move || {
+        let Some(overlay) = overlay.upgrade() else { return };
+        let stats = overlay.stats();
+        let block = u64::from(overlay.params().block_size);
+        m.overlay.written_blocks.set(gauge_value(stats.written_blocks));
+        m.overlay.zero_blocks.set(gauge_value(stats.zero_blocks));
+        m.overlay.file_bytes.set(gauge_value(stats.file_slots.saturating_mul(block)));
+        mirror(&m.overlay.syncs, stats.syncs);
+    });
+}
+
+/// Publish the device size and the image's chunk count, chunk bytes and prefix size.
+pub fn describe_image(metrics: &Metrics, image: &OpenImage) {
+    let chunks = image.record().block_map.chunks();
+    metrics.device.device_bytes.set(gauge_value(image.device_bytes()));
+    metrics.device.image_chunks.set(gauge_value(chunks.len() as u64));
+    metrics.device.image_chunk_bytes.set(gauge_value(chunks.iter().map(|c| u64::from(c.len)).sum()));
+    metrics.device.image_prefix_bytes.set(gauge_value(image.prefix().len() as u64));
+}
+
+fn gauge_value(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
