@@ -148,6 +148,9 @@ impl Client {
     }
 }
 
+/// A sample's labels but `le`, in order: one histogram series.
+type Labels = Vec<(String, String)>;
+
 /// One sample line: its metric name, its labels, its value.
 #[derive(Debug)]
 struct Sample {
@@ -245,7 +248,7 @@ fn parse_exposition(text: &str) -> (BTreeMap<String, String>, Vec<Sample>) {
         if ty != "histogram" {
             continue;
         }
-        let mut series: BTreeMap<Vec<(String, String)>, Vec<(f64, f64)>> = BTreeMap::new();
+        let mut series: BTreeMap<Labels, Vec<(f64, f64)>> = BTreeMap::new();
         for s in samples.iter().filter(|s| s.name == format!("{family}_bucket")) {
             let le = s.labels.get("le").unwrap_or_else(|| panic!("bucket without le: {s:?}"));
             let le = if le == "+Inf" { f64::INFINITY } else { le.parse().unwrap() };
