@@ -4,6 +4,7 @@
 //! or a write to a read-only store).
 
 mod cache_args;
+mod cache_cmd;
 mod cmd;
 mod profile;
 mod progress;
@@ -56,6 +57,7 @@ enum Command {
     Export(ExportArgs),
     Inspect(InspectArgs),
     Serve(serve::ServeArgs),
+    Cache(cache_cmd::CacheCmd),
     Push(push::PushArgs),
     Profile(profile::ProfileArgs),
     Warm(warm::WarmArgs),
@@ -215,6 +217,7 @@ fn main() -> ExitCode {
         Command::Export(a) => cmd::export(a),
         Command::Inspect(a) => cmd::inspect(a),
         Command::Serve(a) => serve::serve(a),
+        Command::Cache(a) => cache_cmd::run(a),
         Command::Push(a) => push::push(a),
         Command::Profile(a) => profile::profile(a),
         Command::Warm(a) => warm::run(a),

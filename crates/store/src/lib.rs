@@ -47,7 +47,9 @@ mod registry;
 mod source;
 mod warm;
 
-pub use cache::{CacheConfig, CacheStats, CachedSource, CachedStore, DiskCache, Leftovers, Origin};
+pub use cache::{
+    CacheConfig, CacheStats, CachedSource, CachedStore, DiskCache, Evicted, GcReport, Leftovers, Origin,
+};
 pub use error::StoreError;
 pub use export::{export_raw, ExportProgress, ExportStats};
 pub use http::{

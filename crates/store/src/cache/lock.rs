@@ -101,13 +101,22 @@ pub fn hold_temp(file: &File) -> std::io::Result<()> {
     flock_retrying(file, FlockOperation::LockShared).map_err(Into::into)
 }
 
-/// Whether the temp file at `path` was left by a dead writer: nobody holds its flock.
+/// A writer takes its temp file's flock right after creating it; a file younger than this may be
+/// in that gap, so it is never taken for abandoned.
+pub const TEMP_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Whether the temp file at `path` was left by a dead writer: older than [`TEMP_GRACE`] and
+/// nobody holds its flock.
 pub fn temp_is_abandoned(path: &Path) -> std::io::Result<bool> {
     let file = match File::open(path) {
         Ok(f) => f,
         Err(e) if e.kind() == ErrorKind::NotFound => return Ok(false),
         Err(e) => return Err(e),
     };
+    let age = file.metadata()?.modified()?.elapsed().unwrap_or_default();
+    if age < TEMP_GRACE {
+        return Ok(false);
+    }
     match flock_retrying(&file, FlockOperation::NonBlockingLockExclusive) {
         Ok(()) => Ok(true),
         Err(rustix::io::Errno::WOULDBLOCK) => Ok(false),

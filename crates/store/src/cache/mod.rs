@@ -14,16 +14,22 @@
 //! process or from many processes sharing the directory, fetch it from the origin once
 //! ([`DiskCache::get_or_fetch`], `lock.rs`).
 
+mod gc;
+mod index;
+mod journal;
 mod lock;
 
 use std::collections::HashMap;
-use std::fs::{self, OpenOptions};
+use std::fs;
 use std::io::{ErrorKind, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::SystemTime;
 
+pub use self::gc::GcReport;
+use self::index::{disk_bytes, ChunkForm, EntryKey};
+pub use self::journal::Evicted;
+use self::journal::Journal;
 use self::lock::{EntryLock, KeyedLocks};
 use tessera_image::{ChunkRef, Compression, ImageEntry, ImageId, PackLocation, Sha256Digest};
 use tracing::{debug, trace, warn};
@@ -77,6 +83,8 @@ struct Inner {
     flights: KeyedLocks,
     /// … and processes wait on the entry's lock file in `locks/` (one fetch per host).
     stats: Counters,
+    /// The persisted index (sizes and recency of every entry), shared through `DIR/v1/index`.
+    journal: Journal,
 }
 
 /// What [`DiskCache::remove_leftovers`] removed.
@@ -108,6 +116,10 @@ pub struct CacheStats {
     pub fill_bytes: u64,
     /// Entries that failed their check and were removed.
     pub corrupt: u64,
+    /// Entries evicted by this process to keep the cache within its bound.
+    pub evictions: u64,
+    /// Their bytes.
+    pub evicted_bytes: u64,
 }
 
 #[derive(Debug, Default)]
@@ -119,6 +131,8 @@ struct Counters {
     fills: AtomicU64,
     fill_bytes: AtomicU64,
     corrupt: AtomicU64,
+    evictions: AtomicU64,
+    evicted_bytes: AtomicU64,
 }
 
 fn bump(counter: &AtomicU64, n: u64) {
@@ -133,11 +147,9 @@ impl DiskCache {
             let p = root.join(sub);
             fs::create_dir_all(&p).map_err(|source| StoreError::Cache { op: "create", path: p, source })?;
         }
-        if config.max_bytes.is_some() {
-            warn!("--cache-size is not enforced yet (LRU eviction lands next); the cache is unbounded");
-        }
         let cache = Self {
             inner: Arc::new(Inner {
+                journal: Journal::new(&root),
                 root,
                 max_bytes: config.max_bytes,
                 flights: KeyedLocks::default(),
@@ -145,7 +157,51 @@ impl DiskCache {
             }),
         };
         cache.remove_leftovers();
+        // Read the index (rebuilding it by a scan only if it is missing or malformed), and trim
+        // to this process's bound if another process left the cache larger.
+        let (bytes, entries) = cache.inner.journal.totals().map_err(|source| StoreError::Cache {
+            op: "read the index of",
+            path: cache.inner.root.clone(),
+            source,
+        })?;
+        debug!(bytes, entries, "opened the disk cache");
+        if let Some(bound) = config.max_bytes {
+            if bytes > bound {
+                cache.trim(bound).map_err(|source| StoreError::Cache {
+                    op: "trim",
+                    path: cache.inner.root.clone(),
+                    source,
+                })?;
+            }
+        }
         Ok(cache)
+    }
+
+    /// Bytes and entries in the cache, per the shared index (after catching up with the other
+    /// processes).
+    pub fn size(&self) -> std::io::Result<(u64, usize)> {
+        self.inner.journal.totals()
+    }
+
+    /// Evict least recently used entries (chunks first, metadata last) until the cache holds at
+    /// most `bound` bytes.
+    pub fn trim(&self, bound: u64) -> std::io::Result<Evicted> {
+        let evicted = self.inner.journal.trim(bound, |k| self.unlink(k))?;
+        self.count_evicted(evicted);
+        Ok(evicted)
+    }
+
+    fn count_evicted(&self, e: Evicted) {
+        bump(&self.inner.stats.evictions, e.entries);
+        bump(&self.inner.stats.evicted_bytes, e.bytes);
+    }
+
+    fn unlink(&self, key: &EntryKey) -> std::io::Result<()> {
+        fs::remove_file(self.path_of(key))
+    }
+
+    fn path_of(&self, key: &EntryKey) -> PathBuf {
+        self.inner.root.join(key.rel_path())
     }
 
     /// Remove what killed processes left: temp files of writers that died before their rename
@@ -194,6 +250,8 @@ impl DiskCache {
             fills: get(&c.fills),
             fill_bytes: get(&c.fill_bytes),
             corrupt: get(&c.corrupt),
+            evictions: get(&c.evictions),
+            evicted_bytes: get(&c.evicted_bytes),
         }
     }
 
@@ -204,35 +262,30 @@ impl DiskCache {
 
     /// Where blob `digest` is cached.
     pub fn blob_path(&self, digest: &Sha256Digest) -> PathBuf {
-        self.inner.root.join("blobs/sha256").join(digest.hex())
+        self.path_of(&blob_key(digest))
     }
 
     /// Where the stored form of `chunk` described by `loc` is cached: `.raw` for an uncompressed
     /// chunk, `.zst.<stored_len>` for a zstd frame (one chunk may be compressed differently in
     /// different stores; each form is its own entry).
     pub fn chunk_path(&self, chunk: &ChunkRef, loc: &PackLocation) -> PathBuf {
-        let hex = chunk.id.to_hex();
-        let name = match loc.compression {
-            Compression::None => format!("{hex}.raw"),
-            Compression::Zstd => format!("{hex}.zst.{}", loc.stored_len),
-        };
-        self.inner.root.join("chunks").join(&hex[..2]).join(name)
+        self.path_of(&chunk_key(chunk, loc))
     }
 
     /// The directory of the mutable documents (entries, refs) of origin `base`.
     pub fn origin_dir(&self, base: &str) -> PathBuf {
-        self.inner.root.join("origins").join(Sha256Digest::of(base.as_bytes()).hex())
+        self.inner.root.join(origin_rel(base))
     }
 
     /// A cached blob, checked against its sha256 (a corrupt one is removed: `None`).
     pub fn get_blob(&self, digest: &Sha256Digest) -> Option<Vec<u8>> {
-        self.read_checked(&self.blob_path(digest), &|b| blob_ok(digest, b))
+        self.read_checked(&blob_key(digest), &|b| blob_ok(digest, b))
     }
 
     /// Cache a blob whose digest the caller has checked. Failures are logged, not returned: the
     /// cache is an optimization.
     pub fn put_blob(&self, digest: &Sha256Digest, bytes: &[u8]) {
-        self.write_atomic(&self.blob_path(digest), bytes);
+        self.write_atomic(&blob_key(digest), bytes);
     }
 
     /// Blob `digest` from the cache, else from `fetch` — called at most once per host for
@@ -242,20 +295,19 @@ impl DiskCache {
         digest: &Sha256Digest,
         fetch: impl FnOnce() -> Result<Vec<u8>, StoreError>,
     ) -> Result<Vec<u8>, StoreError> {
-        let lock = format!("blob-{}", digest.hex());
-        self.get_or_fetch(&self.blob_path(digest), &lock, &|b| blob_ok(digest, b), fetch)
+        self.get_or_fetch(&blob_key(digest), &|b| blob_ok(digest, b), fetch)
     }
 
     /// A cached chunk in the stored form `loc` describes, fully checked (decoded, length and
     /// blake3 against the ChunkId). A corrupt entry is removed: `None`.
     pub fn get_chunk(&self, chunk: &ChunkRef, pack: &Sha256Digest, loc: &PackLocation) -> Option<Vec<u8>> {
-        self.read_checked(&self.chunk_path(chunk, loc), &|b| decode_stored_chunk(chunk, pack, loc, b).is_ok())
+        self.read_checked(&chunk_key(chunk, loc), &|b| decode_stored_chunk(chunk, pack, loc, b).is_ok())
     }
 
     /// Cache stored chunk bytes, only if they check out (bad bytes from the origin never enter).
     pub fn put_chunk(&self, chunk: &ChunkRef, pack: &Sha256Digest, loc: &PackLocation, stored: &[u8]) {
         if decode_stored_chunk(chunk, pack, loc, stored).is_ok() {
-            self.write_atomic(&self.chunk_path(chunk, loc), stored);
+            self.write_atomic(&chunk_key(chunk, loc), stored);
         }
     }
 
@@ -269,71 +321,62 @@ impl DiskCache {
         loc: &PackLocation,
         fetch: impl FnOnce() -> Result<Vec<u8>, StoreError>,
     ) -> Result<Vec<u8>, StoreError> {
-        let path = self.chunk_path(chunk, loc);
-        let lock = format!("chunk-{}", path.file_name().and_then(|n| n.to_str()).unwrap_or_default());
-        self.get_or_fetch(&path, &lock, &|b| decode_stored_chunk(chunk, pack, loc, b).is_ok(), fetch)
+        self.get_or_fetch(
+            &chunk_key(chunk, loc),
+            &|b| decode_stored_chunk(chunk, pack, loc, b).is_ok(),
+            fetch,
+        )
     }
 
     /// A cached image entry of origin `base` for `id` (it must parse and name `id` as its
     /// record; otherwise it is removed: `None`).
     pub fn get_entry(&self, base: &str, id: &ImageId) -> Option<ImageEntry> {
-        let bytes = self.read_checked(
-            &self.entry_path(base, id),
-            &|b| matches!(ImageEntry::from_json(b), Ok(e) if e.record == id.digest()),
-        )?;
+        let bytes = self.read_checked(&entry_key(base, id), &|b| entry_ok(id, b))?;
         ImageEntry::from_json(&bytes).ok()
     }
 
     /// Cache an image entry of origin `base`.
     pub fn put_entry(&self, base: &str, id: &ImageId, entry: &ImageEntry) {
-        self.write_atomic(&self.entry_path(base, id), &entry.to_json());
+        self.write_atomic(&entry_key(base, id), &entry.to_json());
     }
 
     /// A cached tag lookup of origin `base` (a corrupt one is removed: `None`).
     pub fn get_ref(&self, base: &str, tag: &str) -> Option<ImageId> {
-        let bytes = self.read_checked(&self.ref_path(base, tag), &|b| parse_ref(b).is_some())?;
+        let bytes = self.read_checked(&ref_key(base, tag), &|b| parse_ref(b).is_some())?;
         parse_ref(&bytes)
     }
 
     /// Cache a tag lookup of origin `base` (the tag must be validated).
     pub fn put_ref(&self, base: &str, tag: &str, id: &ImageId) {
-        self.write_atomic(&self.ref_path(base, tag), format!("{id}\n").as_bytes());
+        self.write_atomic(&ref_key(base, tag), format!("{id}\n").as_bytes());
     }
 
-    fn entry_path(&self, base: &str, id: &ImageId) -> PathBuf {
-        self.origin_dir(base).join("images").join(format!("{}.json", id.digest().hex()))
-    }
-
-    fn ref_path(&self, base: &str, tag: &str) -> PathBuf {
-        self.origin_dir(base).join("refs").join(tag)
-    }
-
-    /// The entry at `path` from the cache, else from `fetch`, with single-flight: concurrent
+    /// The entry `key` from the cache, else from `fetch`, with single-flight: concurrent
     /// misses of one entry — from threads of this process and from other processes sharing the
     /// directory — call `fetch` once; the others wait and then read what it published.
     ///
-    /// Miss protocol: in-process key lock → `flock` on `locks/<lock>` → look again (another
+    /// Miss protocol: in-process key lock → `flock` on `locks/<name>` → look again (another
     /// process may have published while we waited) → fetch → publish (temp file + rename) if
     /// `check` passes → unlink the lock file → release. A holder that dies mid-fetch releases
     /// its flock with its last descriptor, so the next waiter takes over; nothing stays blocked.
     /// If the lock file cannot be used (permissions, full disk), the fetch goes ahead unlocked.
-    pub fn get_or_fetch(
+    fn get_or_fetch(
         &self,
-        path: &Path,
-        lock: &str,
+        key: &EntryKey,
         check: &dyn Fn(&[u8]) -> bool,
         fetch: impl FnOnce() -> Result<Vec<u8>, StoreError>,
     ) -> Result<Vec<u8>, StoreError> {
-        if let Some(bytes) = self.read_checked(path, check) {
+        if let Some(bytes) = self.read_checked(key, check) {
             return Ok(bytes);
         }
         bump(&self.inner.stats.misses, 1);
-        let _in_process = self.inner.flights.lock(lock);
-        if let Some(bytes) = self.read_checked_quiet(path, check) {
+        let lock = key.lock_name();
+        let _in_process = self.inner.flights.lock(&lock);
+        if let Some(bytes) = self.read_checked_quiet(key, check) {
             bump(&self.inner.stats.shared_fetches, 1);
             return Ok(bytes);
         }
-        let lock_path = self.inner.root.join("locks").join(lock);
+        let lock_path = self.inner.root.join("locks").join(&lock);
         let mut host_lock = match EntryLock::acquire(&lock_path) {
             Ok(l) => Some(l),
             Err(e) => {
@@ -345,34 +388,37 @@ impl DiskCache {
             // Whatever happens next, the lock file has served its purpose once we release it.
             l.remove_on_drop();
         }
-        if let Some(bytes) = self.read_checked_quiet(path, check) {
+        if let Some(bytes) = self.read_checked_quiet(key, check) {
             bump(&self.inner.stats.shared_fetches, 1);
             return Ok(bytes);
         }
         let bytes = fetch()?;
         if check(&bytes) {
-            if self.try_write_atomic(path, &bytes).is_ok() {
+            if self.try_write_atomic(key, &bytes).is_ok() {
                 bump(&self.inner.stats.fills, 1);
                 bump(&self.inner.stats.fill_bytes, bytes.len() as u64);
             }
         } else {
-            debug!(path = %path.display(), "fetched bytes fail their check; not cached");
+            debug!(entry = %key.rel_path(), "fetched bytes fail their check; not cached");
         }
         drop(host_lock);
         Ok(bytes)
     }
 
-    /// A valid entry at `path`, counted as a hit; an invalid one is removed (`None`).
-    fn read_checked(&self, path: &Path, check: &dyn Fn(&[u8]) -> bool) -> Option<Vec<u8>> {
-        let bytes = self.read_checked_quiet(path, check)?;
+    /// A valid entry, counted as a hit (and a use for the LRU order); an invalid one is removed
+    /// (`None`).
+    fn read_checked(&self, key: &EntryKey, check: &dyn Fn(&[u8]) -> bool) -> Option<Vec<u8>> {
+        let bytes = self.read_checked_quiet(key, check)?;
         bump(&self.inner.stats.hits, 1);
         bump(&self.inner.stats.hit_bytes, bytes.len() as u64);
-        trace!(path = %path.display(), "cache hit");
+        self.inner.journal.record_use(key.clone());
+        trace!(entry = %key.rel_path(), "cache hit");
         Some(bytes)
     }
 
-    fn read_checked_quiet(&self, path: &Path, check: &dyn Fn(&[u8]) -> bool) -> Option<Vec<u8>> {
-        let bytes = match fs::read(path) {
+    fn read_checked_quiet(&self, key: &EntryKey, check: &dyn Fn(&[u8]) -> bool) -> Option<Vec<u8>> {
+        let path = self.path_of(key);
+        let bytes = match fs::read(&path) {
             Ok(b) => b,
             Err(e) if e.kind() == ErrorKind::NotFound => return None,
             Err(e) => {
@@ -383,54 +429,91 @@ impl DiskCache {
         if check(&bytes) {
             Some(bytes)
         } else {
-            self.drop_corrupt(path);
+            self.drop_corrupt(key);
             None
         }
     }
 
-    fn drop_corrupt(&self, path: &Path) {
+    fn drop_corrupt(&self, key: &EntryKey) {
+        let path = self.path_of(key);
         warn!(path = %path.display(), "dropping a cache entry that fails its check");
         bump(&self.inner.stats.corrupt, 1);
-        if let Err(e) = fs::remove_file(path) {
-            if e.kind() != ErrorKind::NotFound {
-                warn!(path = %path.display(), error = %e, "cannot remove a corrupt cache entry");
+        let removed = self.inner.journal.remove(key, || match fs::remove_file(&path) {
+            Err(e) if e.kind() == ErrorKind::NotFound => Ok(()),
+            other => other,
+        });
+        if let Err(e) = removed {
+            warn!(path = %path.display(), error = %e, "cannot remove a corrupt cache entry");
+        }
+    }
+
+    /// Write `bytes` as entry `key`: a unique temp file in `tmp/`, then journal + rename (and
+    /// eviction down to the bound). Not fsynced: every entry is checked when read, so one torn
+    /// by a crash is dropped and refetched. Failures are logged: the cache is an optimization.
+    fn write_atomic(&self, key: &EntryKey, bytes: &[u8]) {
+        if let Err(e) = self.try_write_atomic(key, bytes) {
+            warn!(entry = %key.rel_path(), error = %e, "cannot write a cache entry");
+        }
+    }
+
+    fn try_write_atomic(&self, key: &EntryKey, bytes: &[u8]) -> std::io::Result<()> {
+        if let Some(bound) = self.inner.max_bytes {
+            if disk_bytes(bytes.len() as u64) > bound {
+                debug!(entry = %key.rel_path(), "larger than the whole cache bound; not cached");
+                return Ok(());
             }
         }
-    }
-
-    /// Write `bytes` to `dest`: a unique temp file in `tmp/`, then rename. Not fsynced: every
-    /// entry is checked when read, so one torn by a crash is dropped and refetched.
-    fn write_atomic(&self, dest: &Path, bytes: &[u8]) {
-        if let Err(e) = self.try_write_atomic(dest, bytes) {
-            warn!(path = %dest.display(), error = %e, "cannot write a cache entry");
-        }
-    }
-
-    fn try_write_atomic(&self, dest: &Path, bytes: &[u8]) -> std::io::Result<()> {
-        static COUNTER: AtomicU64 = AtomicU64::new(0);
+        let dest = self.path_of(key);
         if let Some(parent) = dest.parent() {
             fs::create_dir_all(parent)?;
         }
-        let nanos = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
-        let (tmp, file) = loop {
-            let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-            let tmp = self.inner.root.join("tmp").join(format!("{}-{nanos:x}-{n}.tmp", std::process::id()));
-            match OpenOptions::new().write(true).create_new(true).open(&tmp) {
-                Ok(f) => break (tmp, f),
-                Err(e) if e.kind() == ErrorKind::AlreadyExists => continue,
-                Err(e) => return Err(e),
-            }
-        };
-        // The writer holds a shared flock on its temp file until the rename, so `tessera cache
-        // gc` can tell a live writer's file (lock refused) from one left by a killed process.
-        let written = lock::hold_temp(&file).and_then(|()| (&file).write_all(bytes));
-        let result = written.and_then(|()| fs::rename(&tmp, dest));
+        // The temp file is flock'ed (shared) from its creation to the rename, so a cleaner can
+        // tell a live writer's file (lock refused) from one left by a killed process.
+        let (tmp, file) = journal::new_temp(&self.inner.root)?;
+        let written = (&file).write_all(bytes);
+        let result = written.and_then(|()| {
+            let rename = || fs::rename(&tmp, &dest);
+            let evicted =
+                self.inner
+                    .journal
+                    .publish(key, bytes.len() as u64, rename, self.inner.max_bytes, |k| self.unlink(k))?;
+            self.count_evicted(evicted);
+            Ok(())
+        });
         if result.is_err() {
             let _ = fs::remove_file(&tmp);
         }
         drop(file);
         result
     }
+}
+
+fn blob_key(digest: &Sha256Digest) -> EntryKey {
+    EntryKey::Blob(digest.0)
+}
+
+fn chunk_key(chunk: &ChunkRef, loc: &PackLocation) -> EntryKey {
+    let form = match loc.compression {
+        Compression::None => ChunkForm::Raw,
+        Compression::Zstd => ChunkForm::Zstd(loc.stored_len),
+    };
+    EntryKey::Chunk(chunk.id.0, form)
+}
+
+fn origin_rel(base: &str) -> String {
+    format!("origins/{}", Sha256Digest::of(base.as_bytes()).hex())
+}
+
+fn entry_key(base: &str, id: &ImageId) -> EntryKey {
+    EntryKey::Doc(format!("{}/images/{}.json", origin_rel(base), id.digest().hex()))
+}
+
+fn ref_key(base: &str, tag: &str) -> EntryKey {
+    EntryKey::Doc(format!("{}/refs/{tag}", origin_rel(base)))
+}
+
+fn entry_ok(id: &ImageId, bytes: &[u8]) -> bool {
+    matches!(ImageEntry::from_json(bytes), Ok(e) if e.record == id.digest())
 }
 
 fn blob_ok(digest: &Sha256Digest, bytes: &[u8]) -> bool {
@@ -715,6 +798,10 @@ mod tests {
         let f = fs::File::create(&path).unwrap();
         lock::hold_temp(&f).unwrap();
         fs::write(&path, b"partial").unwrap();
+        let young = cache.root().join("tmp/1-2-4.tmp");
+        fs::write(&young, b"just created, not yet locked").unwrap();
+        let old = std::time::SystemTime::now() - 2 * lock::TEMP_GRACE;
+        f.set_modified(old).unwrap();
         let held = cache.root().join("locks/blob-x");
         let lock = EntryLock::acquire(&held).unwrap();
         fs::write(cache.root().join("locks/blob-y"), b"").unwrap();
@@ -725,6 +812,149 @@ mod tests {
         drop(lock);
         assert_eq!(cache.remove_leftovers(), Leftovers { temp_files: 1, temp_bytes: 7, lock_files: 1 });
         assert!(!path.exists() && !held.exists());
+        assert!(young.exists(), "a young unlocked temp file may be a writer between create and flock");
+    }
+
+    /// A raw (incompressible) chunk of `len` bytes, distinct per `seed`.
+    fn raw_chunk(seed: u64, len: usize) -> (ChunkRef, PackLocation, Vec<u8>) {
+        let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        let data: Vec<u8> = (0..len)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect();
+        let c = ChunkRef { id: tessera_image::ChunkId::of(&data), len: len as u32 };
+        let loc = PackLocation {
+            pack: 0,
+            offset: 0,
+            stored_len: len as u32,
+            raw_len: len as u32,
+            compression: Compression::None,
+        };
+        (c, loc, data)
+    }
+
+    /// Bytes of the entry files on disk (whole blocks), measured, not taken from the index.
+    fn entry_bytes_on_disk(cache: &DiskCache) -> u64 {
+        journal::walk_entries(cache.root()).unwrap().iter().map(|(_, m)| disk_bytes(m.len())).sum()
+    }
+
+    #[test]
+    fn a_bounded_cache_stays_within_its_bound_evicting_least_recently_used_chunks() {
+        let dir = tempfile::tempdir().unwrap();
+        let bound = 5 * 8192;
+        let cache = DiskCache::open(&CacheConfig::new(dir.path()).with_max_bytes(Some(bound))).unwrap();
+        let pack = Sha256Digest::of(b"pack");
+        let blob = Sha256Digest::of(b"a record");
+        cache.put_blob(&blob, b"a record");
+        let chunks: Vec<_> = (0..12).map(|i| raw_chunk(i, 6000)).collect();
+        for (i, (c, loc, data)) in chunks.iter().enumerate() {
+            cache.put_chunk(c, &pack, loc, data);
+            // Chunk 0 stays hot.
+            assert!(cache.get_chunk(&chunks[0].0, &pack, &chunks[0].1).is_some(), "hot chunk evicted at {i}");
+            assert!(entry_bytes_on_disk(&cache) <= bound, "over the bound after chunk {i}");
+        }
+        let (indexed, _) = cache.size().unwrap();
+        assert_eq!(indexed, entry_bytes_on_disk(&cache), "the index agrees with the disk");
+        assert!(cache.get_blob(&blob).is_some(), "metadata is evicted last");
+        assert!(cache.get_chunk(&chunks[11].0, &pack, &chunks[11].1).is_some(), "the newest chunk stays");
+        assert!(cache.get_chunk(&chunks[1].0, &pack, &chunks[1].1).is_none(), "an old cold chunk went");
+        let s = cache.stats();
+        assert!(s.evictions >= 7, "{s:?}");
+        // An entry larger than the whole bound is not cached at all.
+        let (c, loc, data) = raw_chunk(99, bound as usize + 1);
+        cache.put_chunk(&c, &pack, &loc, &data);
+        assert!(!cache.chunk_path(&c, &loc).exists());
+    }
+
+    #[test]
+    fn the_index_persists_and_a_broken_one_is_rebuilt_by_a_scan() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = CacheConfig::new(dir.path());
+        let pack = Sha256Digest::of(b"pack");
+        let totals = {
+            let cache = DiskCache::open(&config).unwrap();
+            for i in 0..6 {
+                let (c, loc, data) = raw_chunk(i, 5000);
+                cache.put_chunk(&c, &pack, &loc, &data);
+            }
+            cache.size().unwrap()
+        };
+        assert_eq!(totals, (6 * 8192, 6));
+        let index = dir.path().join("v1/index");
+        let text = fs::read_to_string(&index).unwrap();
+        assert_eq!(text.lines().filter(|l| l.starts_with("+ ")).count(), 6, "{text}");
+        // A file dropped in behind the index's back is not seen without a scan (no rescan on
+        // open) …
+        let (c, loc, data) = raw_chunk(50, 5000);
+        let orphan = DiskCache::open(&config).unwrap().chunk_path(&c, &loc);
+        fs::create_dir_all(orphan.parent().unwrap()).unwrap();
+        fs::write(&orphan, &data).unwrap();
+        assert_eq!(DiskCache::open(&config).unwrap().size().unwrap(), totals);
+        // … a torn index is rebuilt by scanning, and then it is.
+        let mut torn = fs::read(&index).unwrap();
+        torn.extend_from_slice(b"+ 40\0\0\0\n");
+        fs::write(&index, torn).unwrap();
+        assert_eq!(DiskCache::open(&config).unwrap().size().unwrap(), (7 * 8192, 7));
+        fs::remove_file(&index).unwrap();
+        assert_eq!(DiskCache::open(&config).unwrap().size().unwrap(), (7 * 8192, 7));
+        // A bound smaller than what another process left: trimmed on open.
+        let small = DiskCache::open(&config.clone().with_max_bytes(Some(3 * 8192))).unwrap();
+        assert_eq!(small.size().unwrap().0, 3 * 8192);
+        assert_eq!(entry_bytes_on_disk(&small), 3 * 8192);
+    }
+
+    #[test]
+    fn the_index_is_compacted_and_other_processes_follow() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = CacheConfig::new(dir.path());
+        let a = DiskCache::open(&config).unwrap();
+        let b = DiskCache::open(&config).unwrap();
+        let pack = Sha256Digest::of(b"pack");
+        let (c, loc, data) = raw_chunk(1, 100);
+        a.put_chunk(&c, &pack, &loc, &data);
+        // Enough uses to pass the compaction threshold several times over.
+        for _ in 0..30_000 {
+            assert!(a.get_chunk(&c, &pack, &loc).is_some());
+        }
+        let (c2, loc2, data2) = raw_chunk(2, 100);
+        a.put_chunk(&c2, &pack, &loc2, &data2);
+        let len = fs::metadata(dir.path().join("v1/index")).unwrap().len();
+        assert!(len < 64 << 10, "the index was compacted: {len} bytes");
+        // `b` read the old file; it notices the replacement and agrees.
+        assert_eq!(b.size().unwrap(), (2 * 4096, 2));
+    }
+
+    #[test]
+    fn gc_removes_corrupt_and_foreign_files_and_trims() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = DiskCache::open(&CacheConfig::new(dir.path())).unwrap();
+        let pack = Sha256Digest::of(b"pack");
+        let chunks: Vec<_> = (0..6).map(|i| raw_chunk(i, 5000)).collect();
+        for (c, loc, data) in &chunks {
+            cache.put_chunk(c, &pack, loc, data);
+        }
+        let d = Sha256Digest::of(b"blob");
+        cache.put_blob(&d, b"blob");
+        fs::write(cache.chunk_path(&chunks[0].0, &chunks[0].1), b"rotten").unwrap();
+        fs::write(cache.root().join("blobs/sha256/not-a-digest"), b"junk").unwrap();
+        let dead = fs::File::create(cache.root().join("tmp/123-0-0.tmp")).unwrap();
+        (&dead).write_all(&[1u8; 100]).unwrap();
+        dead.set_modified(std::time::SystemTime::now() - 2 * lock::TEMP_GRACE).unwrap();
+        let r = cache.gc(Some(3 * 8192)).unwrap();
+        assert_eq!((r.corrupt_entries, r.unknown_files, r.temp_files), (1, 1, 1), "{r:?}");
+        assert_eq!(r.entries_before, 8);
+        assert_eq!(r.bytes_after, entry_bytes_on_disk(&cache));
+        assert!(r.bytes_after <= 3 * 8192);
+        assert!(cache.get_blob(&d).is_some(), "metadata kept while chunks can go");
+        assert_eq!(r.evicted_entries, 3, "{r:?}");
+        assert_eq!(r.freed_bytes(), r.temp_bytes + r.corrupt_bytes + r.unknown_bytes + r.evicted_bytes);
+        // Nothing left to do the second time.
+        let again = cache.gc(Some(3 * 8192)).unwrap();
+        assert_eq!(again.freed_bytes(), 0, "{again:?}");
     }
 
     #[test]
@@ -743,7 +973,8 @@ mod tests {
         assert_eq!(cache.get_entry("http://a", &id).unwrap(), entry);
         assert!(cache.get_entry("http://b", &id).is_none());
         let other = ImageId(Sha256Digest::of(b"other"));
-        fs::copy(cache.entry_path("http://a", &id), cache.entry_path("http://a", &other)).unwrap();
+        fs::copy(cache.path_of(&entry_key("http://a", &id)), cache.path_of(&entry_key("http://a", &other)))
+            .unwrap();
         assert!(cache.get_entry("http://a", &other).is_none(), "an entry for another record is refused");
         cache.put_ref("http://a", "latest", &id);
         assert_eq!(cache.get_ref("http://a", "latest"), Some(id));

@@ -1,0 +1,448 @@
+//! The persisted cache index: an append-only journal file `DIR/v1/index` shared by every process
+//! using the cache (format in `docs/formats/cache.md`; the pure part is `index.rs`).
+//!
+//! - Publishing, removing and evicting entries happen under an exclusive `flock` on
+//!   `DIR/v1/index.lock`, with the journal line written *before* a rename into place and *after*
+//!   an unlink: a crash in between can only make the index claim more bytes than the disk holds,
+//!   never fewer, so the bound holds across crashes.
+//! - Uses (hits) are buffered and appended without the lock (`O_APPEND` writes of whole lines do
+//!   not interleave); losing some to a crash or a concurrent compaction only blurs the LRU order.
+//! - Each process keeps its own view and catches up by reading the lines appended since its last
+//!   read. When the journal grows past a few times its compacted size, the process holding the
+//!   lock rewrites it as a snapshot (temp + rename); the others notice the new inode and replay it.
+//! - A missing or malformed journal (a torn write after a power loss, a foreign file) is rebuilt by
+//!   scanning the directory, under the lock; recency then follows the files' mtimes.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{ErrorKind, Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use tracing::{debug, warn};
+
+use super::index::{disk_bytes, EntryKey, LruIndex, Record, HEADER};
+use super::lock::{hold_temp, EntryLock};
+
+/// Uses buffered before an unlocked append.
+const USE_BATCH: usize = 64;
+/// The journal is compacted once it is larger than this …
+const COMPACT_MIN: u64 = 1 << 20;
+/// … and larger than this many times an estimate of its snapshot.
+const COMPACT_FACTOR: u64 = 4;
+
+/// What one trim evicted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Evicted {
+    /// Entries removed.
+    pub entries: u64,
+    /// Their bytes (on disk).
+    pub bytes: u64,
+}
+
+/// The shared journal as seen by this process.
+#[derive(Debug)]
+pub struct Journal {
+    root: PathBuf,
+    state: Mutex<State>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    /// The journal file this view was read from, with its (device, inode).
+    file: Option<(File, (u64, u64))>,
+    /// Bytes of it replayed (whole lines).
+    offset: u64,
+    /// Lines of it replayed.
+    lines: usize,
+    index: LruIndex,
+    pending_uses: Vec<EntryKey>,
+}
+
+fn file_id(m: &fs::Metadata) -> (u64, u64) {
+    (m.dev(), m.ino())
+}
+
+impl Journal {
+    /// The journal of the cache rooted at `root` (`DIR/v1`); nothing is read until needed.
+    pub fn new(root: &Path) -> Self {
+        Self { root: root.to_owned(), state: Mutex::new(State::default()) }
+    }
+
+    fn path(&self) -> PathBuf {
+        self.root.join("index")
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Take the cache-wide lock (writers of the journal and of entries serialize on it).
+    fn global_lock(&self) -> std::io::Result<EntryLock> {
+        EntryLock::acquire(&self.root.join("index.lock"))
+    }
+
+    /// Bytes and entries the index holds (after catching up with other processes).
+    pub fn totals(&self) -> std::io::Result<(u64, usize)> {
+        let _g = self.global_lock()?;
+        let mut st = self.state();
+        self.sync(&mut st)?;
+        Ok((st.index.total_bytes(), st.index.len()))
+    }
+
+    /// Note a read of `key` (buffered; appended in batches without the lock).
+    pub fn record_use(&self, key: EntryKey) {
+        let mut st = self.state();
+        st.pending_uses.push(key);
+        if st.pending_uses.len() >= USE_BATCH {
+            self.flush_uses_unlocked(&mut st);
+        }
+    }
+
+    fn flush_uses_unlocked(&self, st: &mut State) {
+        let lines: String = st.pending_uses.drain(..).map(|k| Record::Use(k).to_line()).collect();
+        let current = match (&st.file, fs::metadata(self.path())) {
+            (Some((_, id)), Ok(m)) => *id == file_id(&m),
+            _ => false,
+        };
+        if !current {
+            // Compacted or rebuilt since we last read it: re-read it at the next locked step; the
+            // uses are dropped (only recency precision is lost).
+            st.file = None;
+            return;
+        }
+        if let Some((f, _)) = st.file.as_mut() {
+            if let Err(e) = f.write_all(lines.as_bytes()) {
+                debug!(error = %e, "cannot append to the cache index");
+            }
+        }
+    }
+
+    /// Catch up with the journal (caller holds the global lock): reopen it if it was replaced,
+    /// rebuild it by scanning if it is missing or malformed, then read what was appended.
+    fn sync(&self, st: &mut State) -> std::io::Result<()> {
+        let path = self.path();
+        let on_disk = match fs::metadata(&path) {
+            Ok(m) => Some(file_id(&m)),
+            Err(e) if e.kind() == ErrorKind::NotFound => None,
+            Err(e) => return Err(e),
+        };
+        match (on_disk, &st.file) {
+            (None, _) => {
+                debug!("no cache index: rebuilding it by scanning the cache");
+                return self.rebuild(st, None);
+            }
+            (Some(id), Some((_, have))) if id == *have => {}
+            (Some(_), _) => {
+                let file = OpenOptions::new().read(true).append(true).open(&path)?;
+                let id = file_id(&file.metadata()?);
+                *st = State {
+                    file: Some((file, id)),
+                    pending_uses: std::mem::take(&mut st.pending_uses),
+                    ..State::default()
+                };
+            }
+        }
+        let Some((file, _)) = st.file.as_mut() else { return Ok(()) };
+        file.seek(SeekFrom::Start(st.offset))?;
+        let mut new = Vec::new();
+        file.read_to_end(&mut new)?;
+        let text = match std::str::from_utf8(&new) {
+            Ok(t) => t,
+            Err(_) => {
+                warn!("the cache index is not text; rebuilding it by scanning the cache");
+                return self.rebuild(st, None);
+            }
+        };
+        let before = st.index.len();
+        match st.index.replay(text, st.lines) {
+            Ok(partial) => {
+                st.offset += (text.len() - partial) as u64;
+                st.lines += text[..text.len() - partial].matches('\n').count();
+                if st.lines == 0 && partial == 0 {
+                    // An empty file (a creator died before writing the header): start it.
+                    st.file
+                        .as_mut()
+                        .map(|(f, _)| f.write_all(format!("{HEADER}\n").as_bytes()))
+                        .transpose()?;
+                    st.offset = (HEADER.len() + 1) as u64;
+                    st.lines = 1;
+                }
+                debug!(
+                    entries = st.index.len(),
+                    new = st.index.len().saturating_sub(before),
+                    "cache index read"
+                );
+                Ok(())
+            }
+            Err(e) => {
+                warn!(error = ?e, "the cache index is malformed; rebuilding it by scanning the cache");
+                self.rebuild(st, None)
+            }
+        }
+    }
+
+    /// Replace the journal with a snapshot of `index` (or of a scan of the directory when
+    /// `None`), atomically; the caller holds the global lock.
+    fn rebuild(&self, st: &mut State, index: Option<LruIndex>) -> std::io::Result<()> {
+        let index = match index {
+            Some(ix) => ix,
+            None => scan(&self.root)?,
+        };
+        let (tmp, mut file) = new_temp(&self.root)?;
+        let written =
+            file.write_all(index.snapshot().as_bytes()).and_then(|()| fs::rename(&tmp, self.path()));
+        drop(file);
+        written.inspect_err(|_| {
+            let _ = fs::remove_file(&tmp);
+        })?;
+        let mut file = OpenOptions::new().read(true).append(true).open(self.path())?;
+        let id = file_id(&file.metadata()?);
+        let offset = file.seek(SeekFrom::End(0))?;
+        let lines = index.len() + 1;
+        *st = State {
+            file: Some((file, id)),
+            offset,
+            lines,
+            index,
+            pending_uses: std::mem::take(&mut st.pending_uses),
+        };
+        Ok(())
+    }
+
+    fn append(&self, st: &mut State, records: &[Record]) -> std::io::Result<()> {
+        let mut text: String = st.pending_uses.drain(..).map(|k| Record::Use(k).to_line()).collect();
+        for r in records {
+            text.push_str(&r.to_line());
+        }
+        let Some((file, _)) = st.file.as_mut() else { return Ok(()) };
+        file.write_all(text.as_bytes())?;
+        // Our own lines are read back (and applied) by the next sync, like everyone else's.
+        Ok(())
+    }
+
+    /// Publish `key` of `len` bytes: evict down to `bound` minus the new entry (calling `unlink`
+    /// for each victim), journal it, then `rename` it into place — so the entries on disk never
+    /// exceed the bound, not even for a moment. Returns what was evicted.
+    pub fn publish(
+        &self,
+        key: &EntryKey,
+        len: u64,
+        rename: impl FnOnce() -> std::io::Result<()>,
+        bound: Option<u64>,
+        unlink: impl Fn(&EntryKey) -> std::io::Result<()>,
+    ) -> std::io::Result<Evicted> {
+        let _g = self.global_lock()?;
+        let mut st = self.state();
+        self.sync(&mut st)?;
+        let bytes = disk_bytes(len);
+        let evicted = match bound {
+            Some(bound) => {
+                // A replaced entry frees its old size.
+                let room = bound.saturating_add(st.index.get(key).unwrap_or(0)).saturating_sub(bytes);
+                self.evict_locked(&mut st, room, &unlink)?
+            }
+            None => Evicted::default(),
+        };
+        self.append(&mut st, &[Record::Add(key.clone(), bytes)])?;
+        if let Err(e) = rename() {
+            self.append(&mut st, &[Record::Remove(key.clone())])?;
+            return Err(e);
+        }
+        self.sync(&mut st)?;
+        self.maybe_compact(&mut st)?;
+        Ok(evicted)
+    }
+
+    /// Remove `key` (a corrupt or vanished entry): `unlink`, then journal it.
+    pub fn remove(
+        &self,
+        key: &EntryKey,
+        unlink: impl FnOnce() -> std::io::Result<()>,
+    ) -> std::io::Result<()> {
+        let _g = self.global_lock()?;
+        let mut st = self.state();
+        self.sync(&mut st)?;
+        let r = unlink();
+        self.append(&mut st, &[Record::Remove(key.clone())])?;
+        r
+    }
+
+    /// Evict least recently used entries until the index fits in `bound`.
+    pub fn trim(
+        &self,
+        bound: u64,
+        unlink: impl Fn(&EntryKey) -> std::io::Result<()>,
+    ) -> std::io::Result<Evicted> {
+        let _g = self.global_lock()?;
+        let mut st = self.state();
+        self.sync(&mut st)?;
+        let evicted = self.evict_locked(&mut st, bound, &unlink)?;
+        self.maybe_compact(&mut st)?;
+        Ok(evicted)
+    }
+
+    fn evict_locked(
+        &self,
+        st: &mut State,
+        bound: u64,
+        unlink: &dyn Fn(&EntryKey) -> std::io::Result<()>,
+    ) -> std::io::Result<Evicted> {
+        let victims = st.index.victims(bound);
+        if victims.is_empty() {
+            return Ok(Evicted::default());
+        }
+        let mut out = Evicted::default();
+        let mut records = Vec::with_capacity(victims.len());
+        for (key, bytes) in victims {
+            match unlink(&key) {
+                Ok(()) => {}
+                Err(e) if e.kind() == ErrorKind::NotFound => {}
+                Err(e) => {
+                    warn!(entry = %key.rel_path(), error = %e, "cannot evict a cache entry");
+                    continue;
+                }
+            }
+            out.entries += 1;
+            out.bytes += bytes;
+            records.push(Record::Remove(key));
+        }
+        self.append(st, &records)?;
+        self.sync(st)?;
+        debug!(entries = out.entries, bytes = out.bytes, "evicted from the cache");
+        Ok(out)
+    }
+
+    fn maybe_compact(&self, st: &mut State) -> std::io::Result<()> {
+        let estimate = (st.index.len() as u64 + 1) * 100;
+        if st.offset > COMPACT_MIN && st.offset > COMPACT_FACTOR * estimate {
+            let index = st.index.clone();
+            debug!(bytes = st.offset, entries = index.len(), "compacting the cache index");
+            self.rebuild(st, Some(index))?;
+        }
+        Ok(())
+    }
+
+    /// Rebuild the journal from a scan of the directory, keeping the recency order this process
+    /// knows for entries still present (`tessera cache gc`). Returns the new index totals.
+    pub fn rescan(&self) -> std::io::Result<(u64, usize)> {
+        let _g = self.global_lock()?;
+        let mut st = self.state();
+        // A malformed journal is rebuilt by sync itself; a readable one gives the recency order.
+        let known = match self.sync(&mut st) {
+            Ok(()) => st.index.clone(),
+            Err(_) => LruIndex::default(),
+        };
+        let scanned = scan(&self.root)?;
+        let mut merged = LruIndex::default();
+        // Entries the journal did not know (orphans) count as the least recently used …
+        for (key, bytes) in scanned.keys() {
+            if known.get(key).is_none() {
+                merged.apply(&Record::Add(key.clone(), bytes));
+            }
+        }
+        // … then the known ones in their recency order, with the sizes found on disk.
+        let snapshot = known.snapshot();
+        for line in snapshot.lines().skip(1) {
+            if let Some(Record::Add(key, _)) = Record::parse(line) {
+                if let Some(bytes) = scanned.get(&key) {
+                    merged.apply(&Record::Add(key, bytes));
+                }
+            }
+        }
+        let totals = (merged.total_bytes(), merged.len());
+        self.rebuild(&mut st, Some(merged))?;
+        Ok(totals)
+    }
+}
+
+impl Drop for Journal {
+    fn drop(&mut self) {
+        let mut st = self.state();
+        if !st.pending_uses.is_empty() {
+            self.flush_uses_unlocked(&mut st);
+        }
+    }
+}
+
+/// A new, unique temp file in `root/tmp`, flock'ed (shared) until dropped so that cleaners
+/// (`remove_leftovers`) leave it alone while it is written.
+pub fn new_temp(root: &Path) -> std::io::Result<(PathBuf, File)> {
+    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    loop {
+        let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tmp = root.join("tmp").join(format!("{}-{nanos:x}-{n}.tmp", std::process::id()));
+        match OpenOptions::new().write(true).create_new(true).open(&tmp) {
+            Ok(f) => {
+                if let Err(e) = hold_temp(&f) {
+                    let _ = fs::remove_file(&tmp);
+                    return Err(e);
+                }
+                return Ok((tmp, f));
+            }
+            Err(e) if e.kind() == ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Index every entry file under `root` (`DIR/v1`), recency by mtime (oldest first). Files that
+/// are not entries are skipped (`tessera cache gc` reports and removes them).
+pub fn scan(root: &Path) -> std::io::Result<LruIndex> {
+    let mut found: Vec<(i64, i64, EntryKey, u64)> = Vec::new();
+    for (rel, meta) in walk_entries(root)? {
+        if let Some(key) = EntryKey::parse(&rel) {
+            found.push((meta.mtime(), meta.mtime_nsec(), key, disk_bytes(meta.len())));
+        }
+    }
+    found.sort_unstable_by(|a, b| (a.0, a.1).cmp(&(b.0, b.1)).then_with(|| a.2.cmp(&b.2)));
+    let mut index = LruIndex::default();
+    for (_, _, key, bytes) in found {
+        index.apply(&Record::Add(key, bytes));
+    }
+    Ok(index)
+}
+
+/// Every regular file in the entry directories (`blobs/sha256`, `chunks/*`, `origins/*/images`,
+/// `origins/*/refs`), as (path relative to `root`, metadata).
+pub fn walk_entries(root: &Path) -> std::io::Result<Vec<(String, fs::Metadata)>> {
+    let mut out = Vec::new();
+    let mut dirs = vec!["blobs/sha256".to_owned()];
+    for parent in ["chunks", "origins"] {
+        for e in read_dir_or_empty(&root.join(parent))? {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if e.file_type()?.is_dir() {
+                if parent == "chunks" {
+                    dirs.push(format!("chunks/{name}"));
+                } else {
+                    dirs.push(format!("origins/{name}/images"));
+                    dirs.push(format!("origins/{name}/refs"));
+                }
+            }
+        }
+    }
+    for dir in dirs {
+        for e in read_dir_or_empty(&root.join(&dir))? {
+            let meta = match e.metadata() {
+                Ok(m) => m,
+                Err(err) if err.kind() == ErrorKind::NotFound => continue,
+                Err(err) => return Err(err),
+            };
+            if meta.is_file() {
+                out.push((format!("{dir}/{}", e.file_name().to_string_lossy()), meta));
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn read_dir_or_empty(dir: &Path) -> std::io::Result<Vec<fs::DirEntry>> {
+    match fs::read_dir(dir) {
+        Ok(rd) => rd.collect(),
+        Err(e) if e.kind() == ErrorKind::NotFound => Ok(Vec::new()),
+        Err(e) => Err(e),
+    }
+}
