@@ -380,3 +380,24 @@ fn bearer_token_push_asks_for_push_and_mount_scopes() -> Result<()> {
     same_file(&f.local_raw, &out, "behind bearer tokens")?;
     Ok(())
 }
+
+/// Connections are reused: an export through a counting proxy in front of the registry makes
+/// many requests (manifest, blobs, Range GETs) over a handful of connections — every ranged
+/// answer is read to its end, so its connection goes back to the pool.
+#[test]
+fn reads_reuse_connections() -> Result<()> {
+    let f = fixture("reg-conns")?;
+    let reg = Registry::start()?;
+    push("v1", s(&f.store)?, &format!("docker://{}/conns:v1", reg.addr()), &[])?;
+    let proxy = tessera_e2e::proxy::Proxy::start(reg.addr(), tessera_e2e::proxy::ProxyConfig::default())?;
+    let out = f.t.path().join("conns.raw");
+    ok(export("v1", &format!("docker://{}/conns", proxy.addr()), &out, None)?, "export through the proxy")?;
+    same_file(&f.local_raw, &out, "through the proxy")?;
+    let stats = proxy.stats();
+    eprintln!("export through the proxy: {stats:?}");
+    ensure!(stats.requests >= 8, "{stats:?}");
+    // The scheme probe (TLS first, then plain HTTP) costs one connection; parallel span fetches
+    // may each open one.
+    ensure!(stats.connections * 2 <= stats.requests, "connections are not reused: {stats:?}");
+    Ok(())
+}

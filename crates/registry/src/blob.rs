@@ -3,7 +3,7 @@
 use std::io::{self, Read};
 
 use sha2::{Digest as _, Sha256};
-use tracing::warn;
+use tracing::{debug, warn};
 use ureq::http::{Response, StatusCode};
 use ureq::Body;
 
@@ -261,10 +261,19 @@ pub(crate) fn get_range(
     let _slot = client.range_slot();
     let mut attempt = 0u32;
     loop {
-        let (url, body) = request_from(client, repo, digest, start, Some(end))?;
+        let (url, mut body) = request_from(client, repo, digest, start, Some(end))?;
         let mut out = Vec::with_capacity(cap);
-        match body.take(len).read_to_end(&mut out) {
-            Ok(_) if out.len() as u64 == len => return Ok(out),
+        match (&mut body).take(len).read_to_end(&mut out) {
+            Ok(_) if out.len() as u64 == len => {
+                // Reach the end of a 206 body so that its connection goes back to the pool (a
+                // body never read to its end closes the connection). A server that ignored Range
+                // sent more: that connection is dropped.
+                let mut probe = [0u8; 1];
+                if !matches!(body.read(&mut probe), Ok(0)) {
+                    debug!(url, "range answer longer than asked; not reusing the connection");
+                }
+                return Ok(out);
+            }
             Ok(_) => {
                 return Err(RegistryError::Read {
                     url,
