@@ -76,7 +76,7 @@ fn read_layer(
     chunk_size: u64,
     tx: &mpsc::SyncSender<Msg>,
 ) -> Result<(), BuildError> {
-    let mut stream = LayerStream::open(blob, None)?;
+    let mut stream = LayerStream::reopen(blob)?;
     for &(offset, size, node) in extents {
         stream.skip_to(offset)?;
         let mut done = 0u64;

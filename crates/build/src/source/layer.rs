@@ -185,6 +185,23 @@ impl LayerStream {
     /// Open `blob`, checking its raw digest and size and its diff_id; uncompressed bytes count
     /// against `budget` (`(used, limit)`).
     pub fn open(blob: &LayerBlob, budget: Option<(Arc<AtomicU64>, u64)>) -> Result<Self, SourceError> {
+        Self::open_checked(blob, budget, true)
+    }
+
+    /// Open `blob` again (pass 2), after [`Self::open`] and [`scan_layer`] read and verified it
+    /// whole: when the source gives the raw blob's digest, that digest fixes every uncompressed
+    /// byte, so the diff_id is not hashed a second time (it still is when the raw digest is
+    /// unknown, as in docker archives). A blob that changed between the passes fails its raw
+    /// digest at the end, like any other corruption.
+    pub fn reopen(blob: &LayerBlob) -> Result<Self, SourceError> {
+        Self::open_checked(blob, None, blob.digest.is_none())
+    }
+
+    fn open_checked(
+        blob: &LayerBlob,
+        budget: Option<(Arc<AtomicU64>, u64)>,
+        check_diff_id: bool,
+    ) -> Result<Self, SourceError> {
         let err = |e| from_stream_error(&blob.name, e);
         let raw = (blob.open)().map_err(err)?;
         let mut raw =
@@ -199,7 +216,7 @@ impl LayerStream {
         };
         Ok(Self {
             name: blob.name.clone(),
-            inner: Verify::new(decoded, blob.diff_id.clone(), None, budget),
+            inner: Verify::new(decoded, blob.diff_id.clone().filter(|_| check_diff_id), None, budget),
             pos: 0,
         })
     }

@@ -350,3 +350,22 @@ fn pax_values_with_newlines() {
     let err = scan(&verified(tar.clone(), &tar), None).unwrap_err();
     assert!(matches!(err, SourceError::BadHeader { field: "size", .. }), "{err}");
 }
+
+/// Pass 2 (`reopen`) still checks the raw digest; the diff_id only when there is no raw digest.
+#[test]
+fn reopen_checks_the_raw_digest_or_else_the_diff_id() {
+    let drain = |s: LayerStream| s.finish();
+    let tar = rich_layer();
+    let gz = gzip(&tar);
+    let wrong = sha(b"something else");
+    // Raw digest right, diff_id wrong: pass 1 refuses, pass 2 trusts the raw digest.
+    let b = blob(gz.clone(), Some(sha(&gz)), Some(wrong.clone()));
+    assert!(matches!(drain(LayerStream::open(&b, None).unwrap()), Err(SourceError::DigestMismatch { .. })));
+    assert!(drain(LayerStream::reopen(&b).unwrap()).is_ok());
+    // A raw digest that no longer matches (the blob changed between the passes).
+    let b = blob(gz.clone(), Some(wrong.clone()), Some(sha(&tar)));
+    assert!(matches!(drain(LayerStream::reopen(&b).unwrap()), Err(SourceError::DigestMismatch { .. })));
+    // No raw digest (docker archives): the diff_id is checked again.
+    let b = blob(gz, None, Some(wrong));
+    assert!(matches!(drain(LayerStream::reopen(&b).unwrap()), Err(SourceError::DigestMismatch { .. })));
+}
