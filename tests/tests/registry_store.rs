@@ -2,8 +2,10 @@
 //! push` publishes an image as a Tessera artifact; `export` and `inspect` read it back by tag and
 //! by ID, byte for byte equal to the local export; a second push uploads nothing (the registry's
 //! access log is the judge); a second image sharing a pack skips it; a push to another repository
-//! mounts every blob; `--cache-dir` serves with the registry stopped; basic auth; clear errors for
-//! a missing tag, a manifest that is not ours and a destination without a tag.
+//! mounts every blob; `--cache-dir` (filled by an export or by `tessera warm`) serves with the
+//! registry stopped; basic auth and bearer tokens; push memory bounded by one upload piece;
+//! connection reuse; clear errors for a missing tag, a manifest that is not ours and a destination
+//! without a tag.
 //!
 //! Needs root (for the store paths only, not mounts), docker-registry and htpasswd (`cargo xtask
 //! test` installs them).
@@ -215,11 +217,19 @@ fn cached_registry_store_serves_with_the_registry_stopped() -> Result<()> {
     let out = f.t.path().join("warm.raw");
     ok(export("v1", &store, &out, Some(&cache))?, "export through the cache")?;
     same_file(&f.local_raw, &out, "through the cache")?;
+    // A second cache filled by `tessera warm` from the registry.
+    let warmed = f.t.path().join("warmed");
+    ok(run(&["warm", "v1", "--store", &store, "--cache-dir", s(&warmed)?])?, "warm from the registry")?;
     drop(reg);
-    for image in ["v1", f.id.as_str()] {
-        let out = f.t.path().join("cold.raw");
-        ok(export(image, &store, &out, Some(&cache))?, &format!("export {image} with the registry stopped"))?;
-        same_file(&f.local_raw, &out, "from the cache alone")?;
+    for (cache, what) in [(&cache, "exported through"), (&warmed, "warmed")] {
+        for image in ["v1", f.id.as_str()] {
+            let out = f.t.path().join("cold.raw");
+            ok(
+                export(image, &store, &out, Some(cache))?,
+                &format!("export {image} with the registry stopped"),
+            )?;
+            same_file(&f.local_raw, &out, &format!("from the {what} cache alone"))?;
+        }
     }
     // Without the cache, the stopped registry is a clear failure (exit 1).
     let o = export("v1", &store, &f.t.path().join("x.raw"), None)?;
