@@ -375,12 +375,7 @@ fn warm_resumes_after_kill_9_and_fails_on_bad_chunks() -> Result<()> {
     let cache2 = f.t.path().join("cache2");
     let v = tessera::inspect_json("demo", &f.store)?;
     ensure!(v["packs"] == 1, "{v}");
-    let pack = fs::read_dir(f.store.join("blobs/sha256"))?
-        .map(|e| e.map(|e| e.path()))
-        .collect::<std::io::Result<Vec<_>>>()?
-        .into_iter()
-        .max_by_key(|p| fs::metadata(p).map(|m| m.len()).unwrap_or(0))
-        .context("no blobs")?;
+    let pack = largest_blob(&f.store)?;
     let mut bytes = fs::read(&pack)?;
     let mid = bytes.len() / 2;
     bytes[mid] ^= 0x5a;
@@ -393,5 +388,112 @@ fn warm_resumes_after_kill_9_and_fails_on_bad_chunks() -> Result<()> {
     ensure!(field(&v, "fetched_chunks")? + failed == f.chunks, "{v}");
     ensure!(stderr(&o).contains("could not be warmed"), "{}", stderr(&o));
     ensure!(cached_chunks(&cache2)? as u64 == f.chunks - failed, "bad chunks must not be cached");
+    Ok(())
+}
+
+/// The keys of `copy --json`, for a copy run.
+fn copy(image: &str, from: &str, to: &str, extra: &[&str]) -> Result<serde_json::Value> {
+    let mut a = vec!["copy", image, "--store", from, "--to", to, "--json"];
+    a.extend_from_slice(extra);
+    let o = ok(tessera::run(&a)?, &format!("copy {image} from {from} to {to}"))?;
+    serde_json::from_slice(&o.stdout).context("copy --json")
+}
+
+/// The destination must hold an image indistinguishable from the source's: same inspect output
+/// (profile and tags included), same device bytes, a valid store layout.
+fn same_image(f: &Fixture, dest: &Path, want_tags: serde_json::Value) -> Result<()> {
+    tessera::check_store(dest)?;
+    let mut want = tessera::inspect_json(f.id.as_str(), &f.store)?;
+    let got = tessera::inspect_json(f.id.as_str(), dest)?;
+    want["tags"] = want_tags;
+    ensure!(got == want, "inspect differs after copy:\n{got}\n{want}");
+    let out = dest.join("copy.raw");
+    tessera::export(f.id.as_str(), dest, &out)?;
+    ensure!(fs::read(&out)? == f.raw, "the copy exports other bytes");
+    fs::remove_file(out)?;
+    Ok(())
+}
+
+/// Record a boot reading two chunks' worth of data and attach its profile; returns the store path.
+fn with_profile(f: &Fixture) -> Result<String> {
+    let store = s(&f.store)?.to_owned();
+    let trace = f.t.path().join("boot.trace");
+    record(&store, "demo", &trace, &[(f.data.0, f.data.0 + 2 * CHUNK)], &f.raw, &[])?;
+    ok(tessera::run(["profile", "demo", "--store", &store, "--trace", s(&trace)?])?, "profile")?;
+    Ok(store)
+}
+
+#[test]
+fn copy_between_stores_with_profile_and_tag() -> Result<()> {
+    let f = fixture("warm-copy", "warm-copy")?;
+    let store = with_profile(&f)?;
+    let blobs = fs::read_dir(f.store.join("blobs/sha256"))?.count();
+
+    // local → local, by tag: every blob, the entry (with its profile), the tag.
+    let d1 = f.t.path().join("mirror");
+    let v = copy("demo", &store, s(&d1)?, &[])?;
+    ensure!(v["tag"] == "demo" && v["copied"] == blobs && v["present"] == 0, "{v}");
+    same_image(&f, &d1, serde_json::json!(["demo"]))?;
+    // Again: nothing to copy.
+    let v = copy("demo", &store, s(&d1)?, &[])?;
+    ensure!(v["copied"] == 0 && v["present"] == blobs, "{v}");
+    // An interrupted copy (a pack, the entry and the tag missing) is finished by a rerun.
+    let pack = largest_blob(&d1)?;
+    fs::remove_file(&pack)?;
+    fs::remove_file(d1.join("images").join(format!("{}.json", f.id.hex())))?;
+    fs::remove_file(d1.join("refs/demo"))?;
+    let v = copy("demo", &store, s(&d1)?, &[])?;
+    ensure!(v["copied"] == 1 && v["present"] == blobs - 1, "{v}");
+    same_image(&f, &d1, serde_json::json!(["demo"]))?;
+
+    // http → local, by ID (no tag written), through nginx.
+    let origin = tessera_e2e::nginx::Nginx::serve(&f.store, "store")?;
+    let d2 = f.t.path().join("from-http");
+    let v = copy(f.id.as_str(), &origin.url(), s(&d2)?, &[])?;
+    ensure!(v["tag"].is_null() && v["copied"] == blobs, "{v}");
+    same_image(&f, &d2, serde_json::json!([]))?;
+
+    // An http(s) destination is read-only: a usage error.
+    let o = tessera::run(["copy", "demo", "--store", &store, "--to", &origin.url()])?;
+    ensure!(o.status.code() == Some(2) && stderr(&o).contains("read-only"), "{}", stderr(&o));
+    // A source whose pack does not hash to its name: refused, no entry written.
+    let d3 = f.t.path().join("from-corrupt");
+    let mut bytes = fs::read(largest_blob(&f.store)?)?;
+    bytes[100] ^= 1;
+    fs::write(largest_blob(&f.store)?, bytes)?;
+    let o = tessera::run(["copy", "demo", "--store", &store, "--to", s(&d3)?])?;
+    ensure!(o.status.code() == Some(1) && stderr(&o).contains("hash to"), "{}", stderr(&o));
+    ensure!(!d3.join("images").join(format!("{}.json", f.id.hex())).exists(), "entry written");
+    Ok(())
+}
+
+fn largest_blob(store: &Path) -> Result<PathBuf> {
+    fs::read_dir(store.join("blobs/sha256"))?
+        .map(|e| e.map(|e| e.path()))
+        .collect::<std::io::Result<Vec<_>>>()?
+        .into_iter()
+        .max_by_key(|p| fs::metadata(p).map(|m| m.len()).unwrap_or(0))
+        .context("no blobs")
+}
+
+#[test]
+fn copy_to_a_registry_keeps_the_profile() -> Result<()> {
+    tessera_e2e::registry::require_registry()?;
+    let f = fixture("warm-copy-registry", "warm-copy-registry")?;
+    let store = with_profile(&f)?;
+    let reg = tessera_e2e::registry::Registry::start()?;
+    let repo = format!("docker://{}/ci/web", reg.addr());
+    let v = copy("demo", &store, &repo, &[])?;
+    ensure!(v["tag"] == "demo" && v["copied"].as_u64() > Some(0), "{v}");
+    let v = copy("demo", &store, &repo, &[])?;
+    ensure!(v["copied"] == 0, "a second copy uploads nothing: {v}");
+    // Read back from the registry: the same device, the same profile.
+    let out = f.t.path().join("from-registry.raw");
+    ok(tessera::run(["export", "demo", "--store", &repo, "-o", s(&out)?])?, "export docker://")?;
+    ensure!(fs::read(&out)? == f.raw, "the registry copy exports other bytes");
+    let local = tessera::inspect_json("demo", &f.store)?;
+    let o = ok(tessera::run(["inspect", "demo", "--store", &repo, "--json"])?, "inspect docker://")?;
+    let remote: serde_json::Value = serde_json::from_slice(&o.stdout)?;
+    ensure!(remote["profile"] == local["profile"] && !remote["profile"].is_null(), "{remote}\n{local}");
     Ok(())
 }

@@ -6,6 +6,7 @@
 mod cache_args;
 mod cache_cmd;
 mod cmd;
+mod copy;
 mod profile;
 mod progress;
 mod push;
@@ -61,6 +62,7 @@ enum Command {
     Push(push::PushArgs),
     Profile(profile::ProfileArgs),
     Warm(warm::WarmArgs),
+    Copy(copy::CopyArgs),
 }
 
 /// Build an image from a directory into a store; prints the image ID.
@@ -194,7 +196,7 @@ fn parse_platform(s: &str) -> Result<tessera_build::source::Platform, String> {
     s.parse().map_err(|e: tessera_build::source::SourceError| e.to_string())
 }
 
-fn parse_creds(s: &str) -> Result<tessera_registry::Credentials, String> {
+pub(crate) fn parse_creds(s: &str) -> Result<tessera_registry::Credentials, String> {
     tessera_registry::Credentials::parse(s).map_err(|e| e.to_string())
 }
 
@@ -221,6 +223,7 @@ fn main() -> ExitCode {
         Command::Push(a) => push::push(a),
         Command::Profile(a) => profile::profile(a),
         Command::Warm(a) => warm::run(a),
+        Command::Copy(a) => copy::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

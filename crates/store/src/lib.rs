@@ -16,6 +16,7 @@
 //!   daemon: BlockMap plan → zeros / prefix bytes / chunk bytes (decompressed and checked against
 //!   their blake3 id).
 //! - [`attach_profile`] / [`read_profile`]: an image's prefetch profile (`docs/formats/profile.md`).
+//! - [`copy_image`]: replicate an image (blobs, entry, tag) into a local store.
 //! - [`warm`]: fill the host disk cache with an image (all of it, or its profile's chunks).
 //! - [`export_raw`]: the full device as a sparse raw file.
 //!
@@ -34,6 +35,7 @@
 
 pub mod artifact;
 mod cache;
+mod copy;
 mod error;
 mod export;
 mod http;
@@ -50,6 +52,7 @@ mod warm;
 pub use cache::{
     CacheConfig, CacheStats, CachedSource, CachedStore, DiskCache, Evicted, GcReport, Leftovers, Origin,
 };
+pub use copy::{copy_image, CopyReport};
 pub use error::StoreError;
 pub use export::{export_raw, ExportProgress, ExportStats};
 pub use http::{

@@ -1,0 +1,153 @@
+//! `tessera copy`: replicate an image between stores.
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use indicatif::HumanBytes;
+use serde::Serialize;
+use tessera_build::Progress;
+use tessera_image::validate_tag;
+use tessera_registry::{Client, ClientOptions, CredentialSource, Credentials, Reference};
+use tessera_store::{copy_image, push_image, PushOptions, PushTarget, StoreError, StoreLocation};
+
+use crate::cache_args::CacheArgs;
+use crate::progress::Bar;
+use crate::UsageError;
+
+/// Replicate an image (with its pack index, packs, profile and provenance) to another store.
+#[derive(Debug, Args)]
+#[command(after_help = "Copies the image's blobs (packs, pack index, metadata prefix, record, \
+provenance, profile), then its image entry, then — when IMAGE is a tag — the tag, in the store's \
+write order: an interrupted copy leaves only unreferenced blobs, and a rerun skips the blobs the \
+destination already has. Every blob is checked against its digest on the way.\n\
+\n\
+SRC is any readable store (PATH, file://, http(s)://, docker://). DST is a local store (created if \
+missing) or docker://HOST[:PORT]/REPO, where the image is pushed as `tessera push` does, tagged \
+with IMAGE's tag (or sha256-<id hex> when IMAGE is an ID). An http(s):// store is read-only: publish \
+a local copy with any static file server.\n\
+\n\
+stdout: one summary line, or with --json one object: id, destination, tag, blobs, total_bytes, \
+copied, copied_bytes, present.\n\
+\n\
+Examples:\n  tessera copy web --store ./build-store --to /srv/origin/store\n  \
+tessera copy web --store https://cdn.example/tessera --to ./mirror --cache-dir /var/cache/tessera\n  \
+tessera copy web --store ./build-store --to docker://127.0.0.1:5000/images")]
+pub struct CopyArgs {
+    /// The image: sha256:<64 hex> or a tag.
+    image: String,
+    /// The store holding it: PATH, file://PATH, http(s)://… or docker://HOST[:PORT]/REPO.
+    #[arg(long)]
+    store: String,
+    /// The destination: PATH, file://PATH or docker://HOST[:PORT]/REPO.
+    #[arg(long, value_name = "STORE")]
+    to: String,
+    #[command(flatten)]
+    cache: CacheArgs,
+    /// Registry credentials for a docker:// destination (default: REGISTRY_AUTH_FILE, then
+    /// ~/.docker/config.json, else anonymous).
+    #[arg(long, value_name = "USER:PASS", value_parser = crate::parse_creds)]
+    creds: Option<Credentials>,
+    /// Allow plain HTTP and unverified TLS for a docker:// destination (loopback always is).
+    #[arg(long)]
+    insecure: bool,
+    /// Print one JSON object instead of a line of text.
+    #[arg(long)]
+    json: bool,
+}
+
+/// The `copy --json` document.
+#[derive(Debug, Serialize)]
+struct CopyJson {
+    id: String,
+    destination: String,
+    tag: Option<String>,
+    blobs: usize,
+    total_bytes: u64,
+    copied: usize,
+    copied_bytes: u64,
+    present: usize,
+}
+
+pub fn run(args: CopyArgs) -> Result<()> {
+    let dest = StoreLocation::parse(&args.to)?;
+    if let StoreLocation::Http(url) = &dest {
+        bail!(StoreError::ReadOnlyStore { location: url.clone() });
+    }
+    let source = StoreLocation::parse(&args.store)?.open_read_store(args.cache.config().as_ref())?;
+    let id = source.resolve(&args.image).with_context(|| format!("store {}", source.describe()))?;
+    let tag = (!args.image.starts_with("sha256:") && validate_tag(&args.image)).then(|| args.image.clone());
+    let bar = Bar::new("copying");
+    let mut started = false;
+    let mut progress = |done: u64, total: u64| {
+        if !started {
+            bar.start(total);
+            started = true;
+        }
+        bar.set_position(done);
+    };
+    let doc = match &dest {
+        StoreLocation::Registry(repo) => {
+            let tag = tag.unwrap_or_else(|| format!("sha256-{}", id.digest().hex()));
+            let reference =
+                Reference::parse(&format!("{repo}:{tag}")).map_err(|e| UsageError(e.to_string()))?;
+            let options = ClientOptions {
+                insecure: args.insecure,
+                credentials: CredentialSource::from_option(args.creds.clone()),
+                ..ClientOptions::default()
+            };
+            let target = PushTarget {
+                client: Client::for_reference(&reference, options),
+                repo: reference.repository,
+                tag,
+            };
+            let report = push_image(source.as_ref(), &id, &target, &PushOptions::default(), &mut |p| {
+                progress(p.done_bytes, p.total_bytes)
+            })
+            .with_context(|| format!("copying {id} to {}", args.to))?;
+            CopyJson {
+                id: id.to_string(),
+                destination: args.to.clone(),
+                tag: Some(target.tag),
+                blobs: report.blobs,
+                total_bytes: report.total_bytes,
+                copied: report.uploaded,
+                copied_bytes: report.uploaded_bytes,
+                present: report.present + report.mounted,
+            }
+        }
+        _ => {
+            if args.creds.is_some() || args.insecure {
+                bail!(UsageError("--creds and --insecure apply to a docker:// destination only".into()));
+            }
+            let store = dest.open_for_write()?;
+            let report = copy_image(source.as_ref(), &id, &store, tag.as_deref(), &mut progress)
+                .with_context(|| format!("copying {id} to {}", args.to))?;
+            CopyJson {
+                id: id.to_string(),
+                destination: args.to.clone(),
+                tag: report.tag,
+                blobs: report.blobs,
+                total_bytes: report.total_bytes,
+                copied: report.copied,
+                copied_bytes: report.copied_bytes,
+                present: report.present,
+            }
+        }
+    };
+    bar.finish();
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&doc)?);
+    } else {
+        println!(
+            "copied {} to {}{}: {} blobs, {}: {} copied ({}), {} already there",
+            doc.id,
+            doc.destination,
+            doc.tag.as_deref().map(|t| format!(" as {t}")).unwrap_or_default(),
+            doc.blobs,
+            HumanBytes(doc.total_bytes),
+            doc.copied,
+            HumanBytes(doc.copied_bytes),
+            doc.present
+        );
+    }
+    Ok(())
+}

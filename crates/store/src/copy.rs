@@ -1,0 +1,137 @@
+//! `tessera copy`: replicate an image between stores — its packs, pack index, prefix, record,
+//! provenance and profile, then its entry, then its tag — into a local store. (A registry
+//! destination goes through [`crate::push_image`].)
+//!
+//! The store's write order holds: every blob is written (atomically) before the entry that names
+//! it, and the entry before the tag, so an interrupted copy leaves only unreferenced blobs, and a
+//! rerun skips the blobs already there.
+
+use std::io::Read;
+
+use tessera_image::{ImageId, PackIndex, Sha256Digest};
+use tracing::debug;
+
+use crate::error::StoreError;
+use crate::local::LocalStore;
+use crate::read_store::ReadStore;
+
+/// Bytes read from the source per write while streaming a pack.
+const PIECE: usize = 4 << 20;
+
+/// What [`copy_image`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CopyReport {
+    /// Blobs the image needs (packs, pack index, prefix, record, provenance, profile).
+    pub blobs: usize,
+    /// Their total bytes.
+    pub total_bytes: u64,
+    /// Blobs copied, and their bytes.
+    pub copied: usize,
+    pub copied_bytes: u64,
+    /// Blobs the destination already had.
+    pub present: usize,
+    /// The tag written, if any.
+    pub tag: Option<String>,
+}
+
+/// Copy image `id` from `source` into `dest`, then point `tag` (if any) at it. `progress` is
+/// called with (bytes done, total bytes) as blobs are copied or found present.
+pub fn copy_image(
+    source: &dyn ReadStore,
+    id: &ImageId,
+    dest: &LocalStore,
+    tag: Option<&str>,
+    progress: &mut dyn FnMut(u64, u64),
+) -> Result<CopyReport, StoreError> {
+    if let Some(t) = tag {
+        if !tessera_image::validate_tag(t) {
+            return Err(StoreError::InvalidTag { tag: t.to_owned() });
+        }
+    }
+    let entry = source.get_entry(id)?;
+    let index_bytes = source.read_blob(&entry.pack_index)?;
+    let index = PackIndex::decode(&index_bytes).map_err(|source| StoreError::Decode {
+        what: "pack index",
+        digest: entry.pack_index,
+        source,
+    })?;
+    // Packs first (the bulk), then the small blobs; the entry after all of them.
+    let mut blobs: Vec<(Sha256Digest, bool)> = index.packs().iter().map(|p| (*p, true)).collect();
+    let small =
+        [Some(entry.pack_index), Some(entry.prefix), Some(entry.record), entry.provenance, entry.profile];
+    blobs.extend(small.into_iter().flatten().map(|d| (d, false)));
+    blobs.dedup();
+    let mut sizes = Vec::with_capacity(blobs.len());
+    for (digest, _) in &blobs {
+        sizes.push(source.blob_len(digest)?);
+    }
+    let mut report =
+        CopyReport { blobs: blobs.len(), total_bytes: sizes.iter().sum(), ..CopyReport::default() };
+    let mut done = 0;
+    progress(0, report.total_bytes);
+    for (&(digest, stream), &size) in blobs.iter().zip(&sizes) {
+        if dest.has_blob(&digest)? && dest.blob_len(&digest)? == size {
+            report.present += 1;
+        } else {
+            if stream {
+                copy_streamed(source, dest, &digest)?;
+            } else {
+                let written = dest.put_blob(&source.read_blob(&digest)?)?;
+                check_digest(dest, &digest, &written)?;
+            }
+            report.copied += 1;
+            report.copied_bytes += size;
+            debug!(%digest, size, "copied blob");
+        }
+        done += size;
+        progress(done, report.total_bytes);
+    }
+    dest.put_entry(id, &entry)?;
+    if let Some(t) = tag {
+        dest.set_ref(t, id)?;
+        report.tag = Some(t.to_owned());
+    }
+    Ok(report)
+}
+
+/// Stream a (large) blob into `dest`, hashing as it goes; the result must be `digest`.
+fn copy_streamed(source: &dyn ReadStore, dest: &LocalStore, digest: &Sha256Digest) -> Result<(), StoreError> {
+    let mut reader = source.open_blob(digest)?;
+    let mut writer = dest.blob_writer()?;
+    let mut buf = vec![0u8; PIECE];
+    loop {
+        let n = match reader.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                return Err(StoreError::Io {
+                    op: "read blob from the source",
+                    path: digest.hex().into(),
+                    source: e,
+                })
+            }
+        };
+        writer.append(&buf[..n])?;
+    }
+    let written = writer.commit()?;
+    check_digest(dest, digest, &written)
+}
+
+/// The bytes written must hash to the name the source gave them; otherwise the source is corrupt
+/// (what was written sits under its own, unreferenced name).
+fn check_digest(
+    dest: &LocalStore,
+    expected: &Sha256Digest,
+    written: &Sha256Digest,
+) -> Result<(), StoreError> {
+    if written == expected {
+        return Ok(());
+    }
+    Err(StoreError::Corrupt {
+        what: "blob copied from the source",
+        digest: *expected,
+        path: dest.blob_path(written),
+        reason: format!("its bytes hash to {written}"),
+    })
+}
