@@ -226,6 +226,26 @@ fn data_requests(log: &str) -> Vec<&str> {
     log.lines().filter(|l| l.contains("/blobs/")).collect()
 }
 
+/// The `bytes=A-B` range in a request (log line or header), as `[A, B]`.
+fn range_of(text: &str) -> Option<Result<(u64, u64)>> {
+    let spec = text.split("bytes=").nth(1)?;
+    let spec: String = spec.chars().take_while(|c| c.is_ascii_digit() || *c == '-').collect();
+    Some((|| {
+        let (a, b) = spec.split_once('-').context("range without '-'")?;
+        Ok((a.parse()?, b.parse()?))
+    })())
+}
+
+/// No byte asked for twice, and exactly `total` bytes asked for (one pack in these fixtures).
+fn ensure_disjoint_totalling(ranges: &[(u64, u64)], total: u64) -> Result<()> {
+    let mut sorted = ranges.to_vec();
+    sorted.sort_unstable();
+    ensure!(sorted.windows(2).all(|w| w[0].1 < w[1].0), "a byte was asked for twice: {sorted:?}");
+    let asked: u64 = sorted.iter().map(|(a, b)| b - a + 1).sum();
+    ensure!(asked == total, "{asked} bytes asked for in ranged GETs, {total} fetched: {sorted:?}");
+    Ok(())
+}
+
 /// Chunk entries in a cache directory.
 fn cached_chunks(cache: &Path) -> Result<usize> {
     let mut n = 0;
@@ -266,8 +286,10 @@ fn record_profile_warm_round_trip_then_serve_with_the_origin_stopped() -> Result
     ensure!(field(&v, "bytes")? == field(&v, "fetched_bytes")? && field(&v, "bytes")? > 0, "{v}");
     ensure!(cached_chunks(&cache)? as u64 == profiled, "cache holds {} chunks", cached_chunks(&cache)?);
     let log = origin.access_log();
-    let ranged = data_requests(&log).iter().filter(|l| l.contains("bytes=")).count() as u64;
-    ensure!(ranged == profiled, "{ranged} ranged GETs for {profiled} chunks:\n{log}");
+    // Each chunk's bytes asked for exactly once (adjacent chunks may share one ranged GET).
+    let ranges = data_requests(&log).iter().filter_map(|l| range_of(l)).collect::<Result<Vec<_>>>()?;
+    ensure!(!ranges.is_empty() && ranges.len() as u64 <= profiled, "{log}");
+    ensure_disjoint_totalling(&ranges, field(&v, "fetched_bytes")?)?;
 
     // Again: everything present, no data asked of the origin (only the tag and the entry).
     let before = origin.access_log().lines().count();
@@ -357,16 +379,15 @@ fn warm_resumes_after_kill_9_and_fails_on_bad_chunks() -> Result<()> {
     ensure!(field(&v, "present_chunks")? >= kept, "{v}");
     let fetched = field(&v, "fetched_chunks")?;
     ensure!(fetched + field(&v, "present_chunks")? == f.chunks && fetched > 0, "{v}");
-    let chunk_gets = proxy
+    let ranges = proxy
         .log()
         .iter()
-        .filter(|r| r.at >= resumed_at && r.path.contains("/blobs/") && r.range.is_some())
-        .count() as u64;
-    ensure!(
-        chunk_gets == fetched,
-        "{chunk_gets} ranged GETs for {fetched} fetched chunks: {:#?}",
-        proxy.log().iter().filter(|r| r.at >= resumed_at).collect::<Vec<_>>()
-    );
+        .filter(|r| r.at >= resumed_at && r.path.contains("/blobs/"))
+        .filter_map(|r| r.range.as_deref().and_then(range_of))
+        .collect::<Result<Vec<_>>>()?;
+    ensure_disjoint_totalling(&ranges, field(&v, "fetched_bytes")?).with_context(|| {
+        format!("{:#?}", proxy.log().iter().filter(|r| r.at >= resumed_at).collect::<Vec<_>>())
+    })?;
     ensure!(cached_chunks(&cache)? as u64 == f.chunks);
     let leftovers = fs::read_dir(cache.join("v1/tmp"))?.count();
     ensure!(leftovers == 0, "{leftovers} temp files left after the resumed run");
