@@ -411,3 +411,27 @@ fn reads_reuse_connections() -> Result<()> {
     ensure!(stats.connections * 2 <= stats.requests, "connections are not reused: {stats:?}");
     Ok(())
 }
+
+/// A push through a proxy that answers 503 to the first upload request, to the next two requests
+/// on the upload session (PATCH/PUT, whose URLs carry distribution's `_state`) and to the first
+/// manifest request: every one is retried, and the image reads back byte for byte.
+#[test]
+fn push_retries_through_503s() -> Result<()> {
+    use tessera_e2e::proxy::{Fault, Proxy, ProxyConfig};
+    let f = fixture("reg-retry")?;
+    let reg = Registry::start()?;
+    let proxy = Proxy::start(reg.addr(), ProxyConfig::default())?;
+    proxy.inject("/blobs/uploads/", Fault::Status(503), 1);
+    proxy.inject("_state=", Fault::Status(503), 2);
+    proxy.inject("/manifests/", Fault::Status(503), 1);
+    let r = push("v1", s(&f.store)?, &format!("docker://{}/retry:v1", proxy.addr()), &[])?;
+    ensure!(r["uploaded"] == r["blobs"], "{r}");
+    ensure!(proxy.faults_left() == 0, "not every fault was met: {} left", proxy.faults_left());
+    let out = f.t.path().join("retry.raw");
+    ok(
+        export("v1", &format!("docker://{}/retry", reg.addr()), &out, None)?,
+        "export after a push with 503s",
+    )?;
+    same_file(&f.local_raw, &out, "pushed through 503s")?;
+    Ok(())
+}
