@@ -154,12 +154,10 @@ impl Waiter {
             lock(&self.error).get_or_insert_with(|| Arc::clone(e));
         }
         if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
-            let result = match lock(&self.error).take() {
-                Some(e) => Err(e),
-                None => Ok(()),
-            };
-            if let Some(done) = lock(&self.done).take() {
-                done(result);
+            let error = lock(&self.error).take();
+            let done = lock(&self.done).take();
+            if let Some(done) = done {
+                done(error.map_or(Ok(()), Err));
             }
         }
     }
