@@ -56,6 +56,12 @@ pub trait ReadStore: Send + Sync + std::fmt::Debug {
     fn as_local(&self) -> Option<&LocalStore> {
         None
     }
+
+    /// The host disk cache in front of this store, if any (for its counters and size:
+    /// [`crate::DiskCache::stats`], [`crate::DiskCache::size`]).
+    fn disk_cache(&self) -> Option<&crate::DiskCache> {
+        None
+    }
 }
 
 impl ReadStore for LocalStore {

@@ -644,6 +644,10 @@ impl<O: Origin> ReadStore for CachedStore<O> {
     fn chunk_source(&self, image: &OpenImage) -> Arc<dyn ChunkSource> {
         Arc::new(CachedSource::new(self.cache.clone(), self.origin.clone(), image))
     }
+
+    fn disk_cache(&self) -> Option<&DiskCache> {
+        Some(&self.cache)
+    }
 }
 
 /// The chunk source of one open image: the disk cache, then the origin (whose verified answers
@@ -837,8 +841,10 @@ mod tests {
         (c, loc, data)
     }
 
-    /// Bytes of the entry files on disk (whole blocks), measured, not taken from the index.
+    /// Bytes of the entry files on disk (whole blocks), measured, not taken from the index —
+    /// under the cache-wide lock, so that the walk sees a consistent state.
     fn entry_bytes_on_disk(cache: &DiskCache) -> u64 {
+        let _consistent = EntryLock::acquire(&cache.root().join("index.lock")).unwrap();
         journal::walk_entries(cache.root()).unwrap().iter().map(|(_, m)| disk_bytes(m.len())).sum()
     }
 
@@ -868,6 +874,38 @@ mod tests {
         let (c, loc, data) = raw_chunk(99, bound as usize + 1);
         cache.put_chunk(&c, &pack, &loc, &data);
         assert!(!cache.chunk_path(&c, &loc).exists());
+    }
+
+    #[test]
+    fn concurrent_bounded_writers_agree_with_the_disk() {
+        let dir = tempfile::tempdir().unwrap();
+        let bound = 6 * 8192;
+        let config = CacheConfig::new(dir.path()).with_max_bytes(Some(bound));
+        // Two instances (as two processes: only the flocks and the journal are shared), four
+        // threads each, all publishing distinct chunks and reading some back.
+        let caches = [DiskCache::open(&config).unwrap(), DiskCache::open(&config).unwrap()];
+        let pack = Sha256Digest::of(b"pack");
+        std::thread::scope(|s| {
+            for t in 0..8u64 {
+                let cache = &caches[(t % 2) as usize];
+                s.spawn(move || {
+                    for i in 0..10 {
+                        let (c, loc, data) = raw_chunk(t * 100 + i, 5000);
+                        cache.put_chunk(&c, &pack, &loc, &data);
+                        let _ = cache.get_chunk(&c, &pack, &loc);
+                        assert!(entry_bytes_on_disk(cache) <= bound);
+                    }
+                });
+            }
+        });
+        for cache in &caches {
+            let (indexed, _) = cache.size().unwrap();
+            assert_eq!(indexed, entry_bytes_on_disk(cache), "each view of the index agrees with the disk");
+        }
+        let evicted: u64 = caches.iter().map(|c| c.stats().evictions).sum();
+        assert_eq!(evicted, 80 - 6, "every entry beyond the six that fit was evicted once");
+        // A fresh open replays the journal to the same state.
+        assert_eq!(DiskCache::open(&config).unwrap().size().unwrap(), (bound, 6));
     }
 
     #[test]
