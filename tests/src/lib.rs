@@ -35,6 +35,7 @@ pub mod oci;
 pub mod pipeline;
 pub mod prng;
 pub mod proxy;
+pub mod record;
 pub mod reference;
 pub mod registry;
 pub mod tessera;

@@ -51,6 +51,27 @@ enum Cmd {
         #[arg(long, default_value = "kinds")]
         fixture: String,
     },
+    /// Boot IMAGE in the QEMU guest, run CMD in it (chroot into the image), record the chunks it
+    /// reads, and store the result as the image's prefetch profile (`tessera profile`). Needs
+    /// root, qemu-system-x86 and busybox-static (`cargo xtask test` installs them).
+    ///
+    /// Example: cargo xtask record-profile web --store ./store --runs 3 -- /usr/bin/python3 -c 'import django'
+    RecordProfile {
+        /// The image: a tag or sha256:<64 hex>.
+        image: String,
+        /// The local store holding it (the profile is written there).
+        #[arg(long)]
+        store: PathBuf,
+        /// Boots to record; a chunk is kept when at least half of them read it.
+        #[arg(long, default_value_t = 1)]
+        runs: usize,
+        /// Where traces and guest logs go (default: a directory under the target dir).
+        #[arg(long)]
+        work: Option<PathBuf>,
+        /// The command, run by the image's /bin/sh (or busybox sh in the image's root directory).
+        #[arg(last = true, required = true)]
+        command: Vec<String>,
+    },
     /// Benchmarks (never in CI).
     Bench {
         #[command(subcommand)]
@@ -84,6 +105,9 @@ fn main() -> ExitCode {
         Cmd::Fixtures { out, only } => cmd_fixtures(out, &only),
         Cmd::Test { no_install, e2e_args } => cmd_test(no_install, &e2e_args),
         Cmd::Demo { fixture } => cmd_demo(&fixture),
+        Cmd::RecordProfile { image, store, runs, work, command } => {
+            cmd_record_profile(&image, &store, runs, work, &command.join(" "))
+        }
         Cmd::Bench { what: Bench::Build { files, runs, cold } } => bench_build(files, runs, cold),
         Cmd::Bench { what: Bench::Serve(opts) } => bench_serve::run(&opts),
         Cmd::Bench { what: Bench::BuildOci(opts) } => bench_oci::run(&opts),
@@ -397,6 +421,29 @@ fn cmd_demo(fixture: &str) -> Result<()> {
 }
 
 /// Boot a microVM whose root filesystem is a Tessera image served by `tessera serve`.
+fn cmd_record_profile(
+    image: &str,
+    store: &Path,
+    runs: usize,
+    work: Option<PathBuf>,
+    command: &str,
+) -> Result<()> {
+    status(cargo().args(["build", "-p", "tessera-cli"]))?;
+    let work = match work {
+        Some(w) => w,
+        None => target_dir()?.join("record-profile"),
+    };
+    std::fs::create_dir_all(&work).with_context(|| format!("creating {}", work.display()))?;
+    println!("==> recording {runs} boot(s) of {image} running: {command}");
+    let (traces, digest) = tessera_e2e::record::record_profile(image, store, command, runs, &work)?;
+    for t in &traces {
+        println!("    trace {}", t.display());
+    }
+    println!("==> profile {digest} stored with {image}");
+    let bin = target_dir()?.join("debug").join("tessera");
+    status(Command::new(bin).args(["inspect", image, "--store"]).arg(store))
+}
+
 fn demo_boot(bin: &Path, work: &Path) -> Result<()> {
     let kit = tessera_e2e::guest::kit()?;
     let root = work.join("rootfs");
