@@ -360,11 +360,9 @@ impl<S: ChunkSource> BlockSource for MemTier<S> {
             .block_map
             .plan(offset, len)
             .map_err(|e| read_err(offset, StoreError::OutOfRange(e)))?;
-        if !fetch {
-            // The first visit of every guest read (the queue thread's); a deferred read's second
-            // visit (with `fetch`) must not count it twice.
-            self.note_read(offset, len);
-        }
+        // Readahead looks at reads of file data only, on their first visit (the queue thread's,
+        // without `fetch`; a deferred read's second visit must not count twice).
+        let mut noted = fetch;
         let mut at = offset;
         for seg in plan {
             match seg.source {
@@ -381,6 +379,10 @@ impl<S: ChunkSource> BlockSource for MemTier<S> {
                     sink.put(bytes)?;
                 }
                 SegmentSource::Chunk { chunk, offset: within } => {
+                    if !noted {
+                        noted = true;
+                        self.note_read(offset, len);
+                    }
                     if let Some(trace) = &self.trace {
                         trace.touch(chunk);
                     }
