@@ -4,7 +4,8 @@
 //! - [`compare`]: source tree vs mounted image, attribute by attribute.
 //! - [`judge`]: `e2fsck -fn`, loop mounts (serialized), an rw workload, ext4-view.
 //! - [`tessera`]: locating and running the `tessera` binary.
-//! - [`daemon`]: `tessera serve` as a child process and a libblkio client reading from it.
+//! - [`daemon`]: `tessera serve` as a child process and a libblkio client reading from it;
+//!   [`metrics`]: scraping its `/metrics`.
 //! - [`oci`]: OCI images made with umoci/skopeo and hand-written layers.
 //! - [`nginx`]: nginx as a real HTTP origin; [`proxy`]: the latency/bandwidth/fault proxy in
 //!   front of it (the network model).
@@ -30,6 +31,7 @@ pub mod debian;
 pub mod fixtures;
 pub mod guest;
 pub mod judge;
+pub mod metrics;
 pub mod nginx;
 pub mod oci;
 pub mod pipeline;

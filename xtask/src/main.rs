@@ -460,29 +460,23 @@ fn demo_boot(bin: &Path, work: &Path) -> Result<()> {
     let socket = work.join("demo.sock");
     let _ = std::fs::remove_file(&socket);
     println!("==> tessera serve {id} --socket {}", socket.display());
-    let mut serve = Command::new(bin)
-        .arg("serve")
-        .arg(&id)
-        .arg("--store")
-        .arg(&store)
-        .arg("--socket")
-        .arg(&socket)
-        .arg("--read-only")
-        .spawn()?;
-    let start = Instant::now();
-    while !socket.exists() {
-        if start.elapsed() > Duration::from_secs(30) || serve.try_wait()?.is_some() {
-            let _ = serve.kill();
-            bail!("tessera serve did not start");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let (mut serve, metrics_addr) = tessera_e2e::metrics::spawn_with_metrics(
+        Command::new(bin)
+            .arg("serve")
+            .arg(&id)
+            .arg("--store")
+            .arg(&store)
+            .arg("--socket")
+            .arg(&socket)
+            .arg("--read-only"),
+    )?;
     let initrd = work.join("demo-initramfs.cpio");
     tessera_e2e::guest::initramfs(&kit, tessera_e2e::guest::SWITCH_ROOT_SCRIPT, &initrd)?;
     println!("==> qemu-system-x86_64 -machine microvm (TCG), root=/dev/vda over vhost-user-blk");
     let t = Instant::now();
     let log = tessera_e2e::guest::boot(&kit, &initrd, &socket, work, Duration::from_secs(300));
     let elapsed = t.elapsed();
+    let figures = tessera_e2e::metrics::scrape(&metrics_addr);
     let _ = Command::new("kill").arg("-TERM").arg(serve.id().to_string()).status();
     let _ = serve.wait();
     let log = log?;
@@ -493,7 +487,55 @@ fn demo_boot(bin: &Path, work: &Path) -> Result<()> {
         println!("{line}");
     }
     println!("---- guest powered off after {:.1}s (wall, TCG) ----", elapsed.as_secs_f64());
+    println!("---- the daemon's figures (http://{metrics_addr}/metrics, scraped at power-off) ----");
+    print_daemon_figures(&figures?)?;
     status(Command::new(bin).args(["inspect", &id, "--store"]).arg(&store))?;
+    Ok(())
+}
+
+/// What the guest read from the daemon, and what that cost, from one scrape of its metrics.
+fn print_daemon_figures(m: &tessera_e2e::metrics::Scrape) -> Result<()> {
+    let mib = |b: f64| b / 1048576.0;
+    let read = [("type", "read"), ("status", "ok")];
+    let reads = m.value("tessera_requests_total", &read)?;
+    let read_bytes = m.value("tessera_request_bytes_total", &[("type", "read")])?;
+    let device = m.value("tessera_device_bytes", &[])?;
+    let data = m.value("tessera_image_chunk_bytes", &[])?;
+    let prefix = m.value("tessera_image_prefix_bytes", &[])?;
+    let chunks = m.value("tessera_image_chunks", &[])?;
+    let fills = m.value("tessera_memory_tier_fills_total", &[])?;
+    let fill_bytes = m.value("tessera_memory_tier_fill_bytes_total", &[])?;
+    let stored = m.value("tessera_tier_bytes_total", &[("tier", "local")])?;
+    let failed = m.sum("tessera_requests_total", &[]) - m.sum("tessera_requests_total", &[("status", "ok")]);
+    println!(
+        "guest read {:.1} MiB in {reads:.0} requests: {:.1}% of the {:.0} MiB device, {:.0}% of the image's \
+         {:.1} MiB of file data plus {:.1} MiB of metadata",
+        mib(read_bytes),
+        100.0 * read_bytes / device,
+        mib(device),
+        100.0 * read_bytes / (data + prefix),
+        mib(data),
+        mib(prefix),
+    );
+    println!(
+        "chunks fetched: {fills:.0} of {chunks:.0} ({:.1} MiB decoded, {:.1} MiB read from the store), \
+         {:.0} reads deferred until their chunks arrived",
+        mib(fill_bytes),
+        mib(stored),
+        m.value("tessera_deferred_reads_total", &[])?,
+    );
+    let (hits, misses) = (
+        m.value("tessera_tier_hits_total", &[("tier", "memory")])?,
+        m.value("tessera_tier_misses_total", &[("tier", "memory")])?,
+    );
+    let q = |p| m.histogram_quantile("tessera_request_duration_seconds", &[("type", "read")], p);
+    let us = |v: Option<f64>| v.map_or("-".to_owned(), |s| format!("≤ {:.0} µs", s * 1e6));
+    println!(
+        "memory tier: {hits:.0} hits, {misses:.0} misses; read latency p50 {}, p99 {}; other requests: {:.0}, failed: {failed:.0}",
+        us(q(0.5)),
+        us(q(0.99)),
+        m.sum("tessera_requests_total", &[]) - reads - failed,
+    );
     Ok(())
 }
 

@@ -14,7 +14,7 @@ use tessera_image::Profile;
 use tessera_image::{ImageId, BLOCK_SIZE};
 use tessera_metrics::{Exporter, Metrics, Tier};
 use tessera_store::{ChunkSource, ImageReader, LocalStore, Metered, OpenImage, ReadStore, StoreLocation};
-use tessera_vhost::metrics::{describe_image, watch_mem_tier, watch_overlay};
+use tessera_vhost::metrics::{describe_image, watch_mem_tier, watch_overlay, watch_store};
 use tessera_vhost::{
     DeviceConfig, Disk, FetchLimits, MemTier, Overlay, OverlayMode, OverlayParams, Server,
     DEFAULT_LOCAL_FETCH_JOBS, DEFAULT_REMOTE_FETCH_JOBS, DEFAULT_SOCKET_MODE, MAX_QUEUES,
@@ -189,6 +189,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     }
     let reader = Arc::new(tier);
     watch_mem_tier(&metrics, &reader);
+    watch_store(&metrics, &store);
     let device = DeviceConfig::new(&id, reader.device_bytes(), args.queues, args.read_only);
     let params = OverlayParams { image_id: id, block_size: BLOCK_SIZE, device_bytes: reader.device_bytes() };
     let disk = match (&args.overlay, args.read_only) {

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use tessera_image::{ImageEntry, ImageId, Sha256Digest};
 
 use crate::error::StoreError;
-use crate::http::HttpStore;
+use crate::http::{HttpStats, HttpStore};
 use crate::local::LocalStore;
 use crate::reader::OpenImage;
 use crate::source::ChunkSource;
@@ -60,6 +60,12 @@ pub trait ReadStore: Send + Sync + std::fmt::Debug {
     /// The host disk cache in front of this store, if any (for its counters and size:
     /// [`crate::DiskCache::stats`], [`crate::DiskCache::size`]).
     fn disk_cache(&self) -> Option<&crate::DiskCache> {
+        None
+    }
+
+    /// The HTTP origin's request counters, for a store read over HTTP (directly or behind the
+    /// disk cache).
+    fn http_stats(&self) -> Option<HttpStats> {
         None
     }
 }
@@ -117,6 +123,10 @@ impl ReadStore for LocalStore {
 impl ReadStore for HttpStore {
     fn describe(&self) -> String {
         self.base().to_owned()
+    }
+
+    fn http_stats(&self) -> Option<HttpStats> {
+        Some(self.stats())
     }
 
     fn resolve(&self, reference: &str) -> Result<ImageId, StoreError> {

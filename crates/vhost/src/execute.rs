@@ -361,9 +361,14 @@ pub fn start_chain<M: GuestMemory + ?Sized>(
         Err(RequestError::Unsupported { .. }) => (RequestType::Unsupported, 0),
         Err(_) => (RequestType::Invalid, 0),
     };
+    // One span from here to the status byte, so that a refusal logged on completion names the
+    // request; disabled (the default filter), it costs a check of the global max level.
+    let span = match &request {
+        Ok(req) => debug_span!("request", kind = kind.label(), sector = req.sector, len = req.data_len),
+        Err(_) => debug_span!("request", kind = kind.label()),
+    };
+    let _enter = span.enter();
     let result = request.and_then(|req| {
-        let span = debug_span!("request", kind = kind.label(), sector = req.sector, len = req.data_len);
-        let _enter = span.enter();
         let p = plan(req, device)?;
         match execute(&p, mem, disk, device, bounce, fetch)? {
             Executed::Done(n) => Ok(Ok(n)),

@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use tessera_metrics::{mirror, Metrics, Tier};
-use tessera_store::{ChunkSource, OpenImage};
+use tessera_store::{ChunkSource, OpenImage, ReadStore};
 
 use crate::overlay::Overlay;
 use crate::tier::MemTier;
@@ -34,6 +34,40 @@ pub fn watch_mem_tier<S: ChunkSource + 'static>(metrics: &Arc<Metrics>, tier: &A
             mirror(&m.fetch.demand_fetches, f.demand.load(Ordering::Relaxed));
             mirror(&m.fetch.background_fetches, f.background.load(Ordering::Relaxed));
             mirror(&m.fetch.joined, f.joined.load(Ordering::Relaxed));
+        }
+    });
+}
+
+/// Publish the counters of `store`'s tiers below memory: the host disk cache (hits, misses,
+/// bytes, corrupt entries; what it fetched from the origin counts as origin reads) and the HTTP
+/// origin (requests, retries, bytes).
+pub fn watch_store(metrics: &Arc<Metrics>, store: &Arc<dyn ReadStore>) {
+    let m = Arc::clone(metrics);
+    let store = Arc::downgrade(store);
+    metrics.on_scrape(move || {
+        let Some(store) = store.upgrade() else { return };
+        if let Some(cache) = store.disk_cache() {
+            let c = cache.stats();
+            let disk = m.tiers.of(Tier::DiskCache);
+            mirror(&disk.hits, c.hits);
+            mirror(&disk.bytes, c.hit_bytes);
+            mirror(&disk.misses, c.misses);
+            mirror(&m.disk_cache.corrupt, c.corrupt);
+            mirror(&m.disk_cache.evictions, c.evictions);
+            mirror(&m.disk_cache.evicted_bytes, c.evicted_bytes);
+            let origin = m.tiers.of(Tier::Origin);
+            mirror(&origin.hits, c.fills);
+            mirror(&origin.bytes, c.fill_bytes);
+            m.disk_cache.capacity_bytes.set(gauge_value(cache.max_bytes().unwrap_or(0)));
+            match cache.size() {
+                Ok((bytes, _entries)) => m.disk_cache.bytes.set(gauge_value(bytes)),
+                Err(e) => tracing::debug!(error = %e, "disk cache size"),
+            }
+        }
+        if let Some(h) = store.http_stats() {
+            mirror(&m.origin.requests, h.requests);
+            mirror(&m.origin.retries, h.retries);
+            mirror(&m.origin.bytes, h.bytes);
         }
     });
 }

@@ -611,6 +611,10 @@ impl<O: Origin> ReadStore for CachedStore<O> {
         format!("{} (cache {})", self.origin.describe(), self.cache.root().display())
     }
 
+    fn http_stats(&self) -> Option<crate::HttpStats> {
+        self.origin.http_stats()
+    }
+
     fn resolve(&self, reference: &str) -> Result<ImageId, StoreError> {
         resolve_with(reference, |tag| self.read_ref(tag), |id| self.get_entry(id).map(|_| ()))
     }

@@ -1,0 +1,103 @@
+//! `tessera serve --metrics` over an http:// store served by a real nginx, with a host disk
+//! cache: the origin request and byte counters equal nginx's access log, every chunk is fetched
+//! from the origin once into the cache (tier `origin`) and read from it by a second daemon
+//! (tier `disk_cache`) without a byte from the origin.
+
+use std::fs;
+use std::process::{Child, Stdio};
+
+use anyhow::{ensure, Context, Result};
+use tessera_e2e::daemon::BlkClient;
+use tessera_e2e::metrics::{scrape, spawn_with_metrics, Scrape};
+use tessera_e2e::nginx::Nginx;
+use tessera_e2e::prng::Prng;
+use tessera_e2e::tessera;
+use tessera_e2e::testutil::tmp;
+
+const MIB: usize = 1 << 20;
+
+/// A daemon killed (and reaped) on drop.
+struct Serving(Child);
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Serve `url` with `--cache-dir cache`, read the whole device through libblkio, scrape.
+fn serve_and_read(url: &str, cache: &std::path::Path, socket: &std::path::Path) -> Result<(Scrape, usize)> {
+    let _ = fs::remove_file(socket);
+    let mut cmd = tessera::command(["serve", "demo", "--read-only", "--store", url]);
+    cmd.arg("--cache-dir").arg(cache).arg("--socket").arg(socket).stdout(Stdio::null());
+    let (child, addr) = spawn_with_metrics(&mut cmd)?;
+    let _serving = Serving(child);
+    let mut c = BlkClient::connect(socket, 1, true)?;
+    let (bytes, failed) = c.read_device(MIB, 8)?;
+    ensure!(failed.is_empty(), "failed reads {failed:?}");
+    drop(c);
+    Ok((scrape(&addr)?, bytes.len()))
+}
+
+#[test]
+fn origin_and_disk_cache_metrics_match_nginx() -> Result<()> {
+    let t = tmp("metrics-origin")?;
+    let (src, store) = (t.path().join("src"), t.path().join("store"));
+    let mut rng = Prng::from_label("metrics-origin");
+    fs::create_dir_all(&src)?;
+    fs::write(src.join("random.bin"), rng.bytes(1_200_000))?;
+    fs::write(src.join("text.txt"), rng.text(400_000))?;
+    tessera::build(&src, &store, &["--tag", "demo", "--chunk-size", "64K", "--size", "64M"])?;
+    let origin = Nginx::serve(&store, "store")?;
+    let cache = t.path().join("cache");
+    let socket = t.path().join("vm.sock");
+
+    // Cold: everything comes from nginx once, through the cache.
+    let (m, device) = serve_and_read(&origin.url(), &cache, &socket)?;
+    let logged = origin.requests()?;
+    let sent: u64 = logged.iter().map(|r| r.body_bytes).sum();
+    let v = |name: &str, labels: &[(&str, &str)]| m.value(name, labels);
+    ensure!(v("tessera_origin_requests_total", &[])? == logged.len() as f64, "requests vs nginx: {logged:?}");
+    ensure!(v("tessera_origin_bytes_total", &[])? == sent as f64, "bytes vs nginx ({sent})");
+    ensure!(v("tessera_origin_retries_total", &[])? == 0.0);
+    let chunks = v("tessera_image_chunks", &[])?;
+    ensure!(chunks >= 20.0, "1.6 MB in 64 KiB chunks: {chunks}");
+    ensure!(v("tessera_memory_tier_fills_total", &[])? == chunks, "each chunk fetched into memory once");
+    // Every chunk (and the image's blobs) missed the disk cache and was filled from the origin.
+    let fills = v("tessera_tier_hits_total", &[("tier", "origin")])?;
+    ensure!(fills >= chunks, "origin fills {fills} vs {chunks} chunks");
+    ensure!(v("tessera_tier_misses_total", &[("tier", "disk_cache")])? >= chunks);
+    ensure!(v("tessera_tier_bytes_total", &[("tier", "origin")])? <= sent as f64);
+    ensure!(v("tessera_request_bytes_total", &[("type", "read")])? == device as f64);
+    // The cache holds what it filled (no bound: nothing evicted).
+    let held = v("tessera_disk_cache_bytes", &[])?;
+    ensure!(held >= v("tessera_tier_bytes_total", &[("tier", "origin")])?, "cache holds {held}");
+    ensure!(v("tessera_disk_cache_evictions_total", &[])? == 0.0);
+
+    // Warm: a second daemon on the same cache reads every chunk from it, none from nginx.
+    let before = origin.requests()?.len();
+    let (m, _) = serve_and_read(&origin.url(), &cache, &socket)?;
+    let v = |name: &str, labels: &[(&str, &str)]| m.value(name, labels);
+    ensure!(v("tessera_tier_hits_total", &[("tier", "origin")])? == 0.0, "nothing filled from the origin");
+    ensure!(v("tessera_tier_hits_total", &[("tier", "disk_cache")])? >= chunks, "chunks from the disk cache");
+    ensure!(v("tessera_tier_errors_total", &[("tier", "disk_cache")])? == 0.0);
+    let chunk_gets = origin.requests()?[before..].iter().filter(|r| r.range.is_some()).count();
+    ensure!(chunk_gets == 0, "no ranged GET reached nginx when warm");
+    ensure!(
+        v("tessera_origin_requests_total", &[])? == (origin.requests()?.len() - before) as f64,
+        "warm requests (tag and entry lookups) vs nginx"
+    );
+    Ok(())
+}
+
+#[test]
+fn scrape_reports_http_errors() -> Result<()> {
+    // A port nobody listens on: connecting fails with a clear error.
+    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let addr = l.local_addr()?.to_string();
+    drop(l);
+    let e = scrape(&addr).err().context("scrape of a closed port succeeded")?;
+    ensure!(e.to_string().contains(&addr), "{e:#}");
+    Ok(())
+}
