@@ -5,8 +5,8 @@
 //!   `DIR/v1/index.lock`, with the journal line written *before* a rename into place and *after*
 //!   an unlink: a crash in between can only make the index claim more bytes than the disk holds,
 //!   never fewer, so the bound holds across crashes.
-//! - Uses (hits) are buffered and appended without the lock (`O_APPEND` writes of whole lines do
-//!   not interleave); losing some to a crash or a concurrent compaction only blurs the LRU order.
+//! - Uses (hits) are buffered and appended in batches under the lock, taken without waiting (a
+//!   busy lock defers the batch); losing some to a crash only blurs the LRU order.
 //! - Each process keeps its own view and catches up by reading the lines appended since its last
 //!   read. When the journal grows past a few times its compacted size, the process holding the
 //!   lock rewrites it as a snapshot (temp + rename); the others notice the new inode and replay it.
@@ -24,8 +24,10 @@ use tracing::{debug, warn};
 use super::index::{disk_bytes, EntryKey, LruIndex, Record, HEADER};
 use super::lock::{hold_temp, EntryLock};
 
-/// Uses buffered before an unlocked append.
+/// Uses buffered before they are appended.
 const USE_BATCH: usize = 64;
+/// Uses kept while the cache-wide lock is busy.
+pub const MAX_PENDING_USES: usize = 4096;
 /// The journal is compacted once it is larger than this …
 const COMPACT_MIN: u64 = 1 << 20;
 /// … and larger than this many times an estimate of its snapshot.
@@ -90,31 +92,36 @@ impl Journal {
         Ok((st.index.total_bytes(), st.index.len()))
     }
 
-    /// Note a read of `key` (buffered; appended in batches without the lock).
+    /// Note a read of `key`. Uses are buffered and appended in batches under the cache-wide
+    /// lock, taken without waiting: when another process holds it (a long `gc` scan), the batch
+    /// waits for the next one (at most [`MAX_PENDING_USES`] are kept; older ones are dropped,
+    /// which only blurs the LRU order). A batch also catches up with the journal and compacts it
+    /// when due, so a read-only fleet keeps it small too.
     pub fn record_use(&self, key: EntryKey) {
-        let mut st = self.state();
-        st.pending_uses.push(key);
-        if st.pending_uses.len() >= USE_BATCH {
-            self.flush_uses_unlocked(&mut st);
+        {
+            let mut st = self.state();
+            st.pending_uses.push(key);
+            if st.pending_uses.len() < USE_BATCH {
+                return;
+            }
         }
+        self.flush_uses();
     }
 
-    fn flush_uses_unlocked(&self, st: &mut State) {
-        let lines: String = st.pending_uses.drain(..).map(|k| Record::Use(k).to_line()).collect();
-        let current = match (&st.file, fs::metadata(self.path())) {
-            (Some((_, id)), Ok(m)) => *id == file_id(&m),
-            _ => false,
-        };
-        if !current {
-            // Compacted or rebuilt since we last read it: re-read it at the next locked step; the
-            // uses are dropped (only recency precision is lost).
-            st.file = None;
+    fn flush_uses(&self) {
+        let lock = EntryLock::try_acquire_existing(&self.root.join("index.lock"));
+        let mut st = self.state();
+        let Ok(Some(_g)) = lock else {
+            let excess = st.pending_uses.len().saturating_sub(MAX_PENDING_USES);
+            st.pending_uses.drain(..excess);
             return;
-        }
-        if let Some((f, _)) = st.file.as_mut() {
-            if let Err(e) = f.write_all(lines.as_bytes()) {
-                debug!(error = %e, "cannot append to the cache index");
-            }
+        };
+        let flushed = self
+            .sync(&mut st)
+            .and_then(|()| self.append(&mut st, &[]))
+            .and_then(|()| self.maybe_compact(&mut st));
+        if let Err(e) = flushed {
+            debug!(error = %e, "cannot record uses in the cache index");
         }
     }
 
@@ -358,9 +365,8 @@ impl Journal {
 
 impl Drop for Journal {
     fn drop(&mut self) {
-        let mut st = self.state();
-        if !st.pending_uses.is_empty() {
-            self.flush_uses_unlocked(&mut st);
+        if !self.state().pending_uses.is_empty() {
+            self.flush_uses();
         }
     }
 }
