@@ -207,13 +207,14 @@ fn medians(rounds: &[Results]) -> Results {
 }
 
 /// A daemon started under `taskset`, ready once its socket exists.
-struct Daemon {
+/// A benchmarked daemon (also used by `bench lazy`): spawned, waited for (its socket), stopped.
+pub(crate) struct Daemon {
     child: Child,
     socket: PathBuf,
 }
 
 impl Daemon {
-    fn spawn(mut cmd: Command, socket: &Path, log: &Path) -> Result<Self> {
+    pub(crate) fn spawn(mut cmd: Command, socket: &Path, log: &Path) -> Result<Self> {
         let _ = std::fs::remove_file(socket);
         let log = std::fs::File::create(log)?;
         eprintln!("+ {cmd:?}");
@@ -232,7 +233,7 @@ impl Daemon {
         Ok(d)
     }
 
-    fn stop(mut self) -> Result<()> {
+    pub(crate) fn stop(mut self) -> Result<()> {
         status(Command::new("kill").args(["-TERM", &self.child.id().to_string()]))?;
         let s = self.child.wait()?;
         let _ = std::fs::remove_file(&self.socket);

@@ -6,6 +6,8 @@
 //! - `cargo xtask demo` — build a fixture image into `target/demo-store`, export, judge, mount.
 //! - `cargo xtask bench build` — `tessera build` vs `mkfs.ext4 -d` on a 20 000-file tree.
 //! - `cargo xtask bench serve` — `tessera serve` vs `qemu-storage-daemon` (`bench_serve.rs`).
+//! - `cargo xtask bench lazy` — a guest reading 10% of a ≥ 1 GiB image through `tessera serve`
+//!   from an origin behind the latency proxy vs download + qemu-storage-daemon (`bench_lazy.rs`).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
@@ -15,6 +17,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use tessera_e2e::{compare, fixtures, judge};
 
+mod bench_lazy;
 mod bench_oci;
 mod bench_serve;
 
@@ -97,6 +100,9 @@ enum Bench {
     Serve(bench_serve::ServeBench),
     /// `tessera build oci:…` vs `umoci unpack` + `mkfs.ext4 -d` on the layered Debian image.
     BuildOci(bench_oci::OciBench),
+    /// A guest reading 10% of a ≥ 1 GiB image lazily from an origin (20 ms RTT, 200 Mbit/s)
+    /// vs downloading the raw image and serving it with qemu-storage-daemon.
+    Lazy(bench_lazy::LazyBench),
 }
 
 fn main() -> ExitCode {
@@ -111,6 +117,7 @@ fn main() -> ExitCode {
         Cmd::Bench { what: Bench::Build { files, runs, cold } } => bench_build(files, runs, cold),
         Cmd::Bench { what: Bench::Serve(opts) } => bench_serve::run(&opts),
         Cmd::Bench { what: Bench::BuildOci(opts) } => bench_oci::run(&opts),
+        Cmd::Bench { what: Bench::Lazy(opts) } => bench_lazy::run(&opts),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
