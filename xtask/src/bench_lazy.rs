@@ -11,6 +11,7 @@
 //! the boot, and the workload.
 
 use std::fs;
+use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -34,14 +35,17 @@ pub struct LazyBench {
     #[arg(long, default_value_t = 200)]
     mbit: u64,
     /// Incompressible files added to the Debian root.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 16)]
     big_files: u64,
     /// Size of each, in MiB.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = 64)]
     big_mib: u64,
     /// Share of the image's file bytes the guest reads, in percent.
     #[arg(long, default_value_t = 10)]
     percent: u64,
+    /// An extra argument for `tessera serve` (repeatable), e.g. `--serve-arg=--readahead=8M`.
+    #[arg(long)]
+    serve_arg: Vec<String>,
 }
 
 pub fn run(opts: &LazyBench) -> Result<()> {
@@ -113,29 +117,29 @@ pub fn run(opts: &LazyBench) -> Result<()> {
     let stored_bytes = v["stored_bytes"].as_u64().context("stored_bytes")?;
     ensure!(data_bytes >= 1 << 30, "the image holds {data_bytes} bytes of file data, less than 1 GiB");
 
-    // The workload: every regular file under usr/bin and usr/lib (binaries and libraries, as
-    // a program start reads), then big files, until `percent` of the file bytes.
+    // The workload: big files while they fit in `percent` of the file bytes, then binaries and
+    // libraries (usr/bin, usr/sbin, usr/lib, in path order, as program starts read them) until
+    // `percent` is reached. Every file is read whole.
     let want = data_bytes * opts.percent / 100;
     let mut files: Vec<(String, u64)> = Vec::new();
     let mut total = 0u64;
-    for sub in ["usr/bin", "usr/lib/x86_64-linux-gnu"] {
-        let mut entries: Vec<_> = fs::read_dir(tree.join(sub))?.filter_map(|e| e.ok()).collect();
-        entries.sort_by_key(|e| e.file_name());
-        for e in entries {
-            let m = fs::symlink_metadata(e.path())?;
-            let name = e.file_name().to_string_lossy().into_owned();
-            if m.is_file() && m.len() > 0 && !name.contains(char::is_whitespace) && total < want {
-                files.push((format!("{sub}/{name}"), m.len()));
-                total += m.len();
-            }
-        }
-    }
+    let big = opts.big_mib << 20;
     for i in 0..opts.big_files {
+        if total + big > want {
+            break;
+        }
+        files.push((format!("big/data{i}.bin"), big));
+        total += big;
+    }
+    let mut small = Vec::new();
+    for sub in ["usr/bin", "usr/sbin", "usr/lib"] {
+        regular_files(&tree, Path::new(sub), &mut small)?;
+    }
+    for (f, len) in small {
         if total >= want {
             break;
         }
-        let len = opts.big_mib << 20;
-        files.push((format!("big/data{i}.bin"), len));
+        files.push((f, len));
         total += len;
     }
     let script = workload_script(&files);
@@ -234,6 +238,26 @@ pub fn run(opts: &LazyBench) -> Result<()> {
         lazy.as_secs_f64() / peer.as_secs_f64(),
         lazy_bytes as f64 / total as f64
     );
+    Ok(())
+}
+
+/// Regular non-empty files under `root/sub`, recursively, in path order (names without
+/// whitespace, which the guest script reads line by line).
+fn regular_files(root: &Path, sub: &Path, out: &mut Vec<(String, u64)>) -> Result<()> {
+    let mut entries: Vec<_> = fs::read_dir(root.join(sub))?.filter_map(|e| e.ok()).collect();
+    entries.sort_by_key(|e| e.file_name());
+    for e in entries {
+        let rel = sub.join(e.file_name());
+        let m = fs::symlink_metadata(e.path())?;
+        if m.is_dir() {
+            regular_files(root, &rel, out)?;
+        } else if m.is_file() && m.len() > 0 {
+            let name = rel.to_string_lossy().into_owned();
+            if !name.contains(char::is_whitespace) {
+                out.push((name, m.len()));
+            }
+        }
+    }
     Ok(())
 }
 
