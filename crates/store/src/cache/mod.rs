@@ -158,21 +158,25 @@ impl DiskCache {
         };
         cache.remove_leftovers();
         // Read the index (rebuilding it by a scan only if it is missing or malformed), and trim
-        // to this process's bound if another process left the cache larger.
-        let (bytes, entries) = cache.inner.journal.totals().map_err(|source| StoreError::Cache {
-            op: "read the index of",
-            path: cache.inner.root.clone(),
-            source,
-        })?;
-        debug!(bytes, entries, "opened the disk cache");
-        if let Some(bound) = config.max_bytes {
-            if bytes > bound {
-                cache.trim(bound).map_err(|source| StoreError::Cache {
-                    op: "trim",
-                    path: cache.inner.root.clone(),
-                    source,
-                })?;
+        // to this process's bound if another process left the cache larger. A cache that cannot
+        // be written (read-only media, permissions) still serves what it holds: reads go on,
+        // writes are skipped with a warning.
+        match cache.inner.journal.totals() {
+            Ok((bytes, entries)) => {
+                debug!(bytes, entries, "opened the disk cache");
+                if let Some(bound) = config.max_bytes.filter(|b| bytes > *b) {
+                    cache.trim(bound).map_err(|source| StoreError::Cache {
+                        op: "trim",
+                        path: cache.inner.root.clone(),
+                        source,
+                    })?;
+                }
             }
+            Err(e) => warn!(
+                path = %cache.inner.root.display(),
+                error = %e,
+                "cannot use the cache index; the cache is read-only for this process"
+            ),
         }
         Ok(cache)
     }
@@ -394,9 +398,13 @@ impl DiskCache {
         }
         let bytes = fetch()?;
         if check(&bytes) {
-            if self.try_write_atomic(key, &bytes).is_ok() {
-                bump(&self.inner.stats.fills, 1);
-                bump(&self.inner.stats.fill_bytes, bytes.len() as u64);
+            match self.try_write_atomic(key, &bytes) {
+                Ok(true) => {
+                    bump(&self.inner.stats.fills, 1);
+                    bump(&self.inner.stats.fill_bytes, bytes.len() as u64);
+                }
+                Ok(false) => {}
+                Err(e) => warn!(entry = %key.rel_path(), error = %e, "cannot write a cache entry"),
             }
         } else {
             debug!(entry = %key.rel_path(), "fetched bytes fail their check; not cached");
@@ -456,11 +464,12 @@ impl DiskCache {
         }
     }
 
-    fn try_write_atomic(&self, key: &EntryKey, bytes: &[u8]) -> std::io::Result<()> {
+    /// Whether the entry was written (`false`: larger than the whole bound, not cached).
+    fn try_write_atomic(&self, key: &EntryKey, bytes: &[u8]) -> std::io::Result<bool> {
         if let Some(bound) = self.inner.max_bytes {
             if disk_bytes(bytes.len() as u64) > bound {
                 debug!(entry = %key.rel_path(), "larger than the whole cache bound; not cached");
-                return Ok(());
+                return Ok(false);
             }
         }
         let dest = self.path_of(key);
@@ -484,7 +493,7 @@ impl DiskCache {
             let _ = fs::remove_file(&tmp);
         }
         drop(file);
-        result
+        result.map(|()| true)
     }
 }
 
