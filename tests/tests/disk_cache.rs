@@ -56,7 +56,7 @@ fn path_str(p: &Path) -> Result<&str> {
 }
 
 /// The access log must show blob bytes sent (the fleet started cold) and none sent twice.
-fn each_blob_byte_sent_once(origin: &Nginx) -> Result<()> {
+fn each_blob_byte_sent_once(origin: &Nginx, store: &Path) -> Result<()> {
     let requests = origin.requests()?;
     let blob_bytes: u64 = requests
         .iter()
@@ -67,6 +67,13 @@ fn each_blob_byte_sent_once(origin: &Nginx) -> Result<()> {
     ensure!(blob_bytes > 1_000_000, "the fleet fetched only {blob_bytes} blob bytes: was it cold?");
     let twice = bytes_sent_twice(&requests, "/store/blobs/");
     ensure!(twice.is_empty(), "blob bytes sent more than once: {twice:?}\n{}", origin.access_log());
+    let stored: u64 =
+        fs::read_dir(store.join("blobs/sha256"))?.map(|e| Ok(e?.metadata()?.len())).sum::<Result<u64>>()?;
+    eprintln!(
+        "the fleet fetched {blob_bytes} blob bytes in {} requests; the store holds {stored}",
+        requests.iter().filter(|r| r.uri.contains("/blobs/")).count()
+    );
+    ensure!(blob_bytes <= stored, "{blob_bytes} blob bytes fetched, more than the store's {stored}");
     Ok(())
 }
 
@@ -84,7 +91,7 @@ fn eight_exports_share_one_cold_cache_and_fetch_each_byte_once() -> Result<()> {
     for (i, out) in outs.iter().enumerate() {
         ensure!(fs::read(out)? == f.raw, "export {i} differs from the local export");
     }
-    each_blob_byte_sent_once(&origin)?;
+    each_blob_byte_sent_once(&origin, &f.store)?;
     ensure!(cached_chunks(&cache)?.len() > 50, "the chunks are in the shared cache");
     ensure!(fs::read_dir(cache.join("v1/locks"))?.count() == 0, "lock files are removed after use");
     ensure!(fs::read_dir(cache.join("v1/tmp"))?.count() == 0, "no temp files are left");
@@ -138,7 +145,7 @@ fn eight_daemons_share_one_cold_cache_and_fetch_each_byte_once() -> Result<()> {
     for d in daemons {
         d.stop()?;
     }
-    each_blob_byte_sent_once(&origin)?;
+    each_blob_byte_sent_once(&origin, &f.store)?;
     ensure!(fs::read_dir(cache.join("v1/locks"))?.count() == 0, "lock files are removed after use");
     Ok(())
 }
