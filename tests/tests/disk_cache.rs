@@ -5,7 +5,7 @@
 //!   exactly the image's bytes, and nginx's access log proves that no byte of any blob was sent
 //!   twice (cross-process single-flight);
 //! - a workload larger than `--cache-size` keeps the directory within it (measured on disk,
-//!   during and after, with concurrent processes); `tessera cache gc` removes corrupt entries and
+//!   during and after, with concurrent exports; and a `tessera serve` read whole by libblkio); `tessera cache gc` removes corrupt entries and
 //!   leftovers and trims;
 //! - a process killed (-9) while it holds a miss lock does not block the next one.
 
@@ -262,6 +262,27 @@ fn a_workload_larger_than_cache_size_stays_within_it() -> Result<()> {
     // Metadata is evicted last: the record, prefix and pack index survive a 1 MiB trim.
     let blobs = allocated(&cache.join("v1/blobs"));
     ensure!(blobs > 0, "metadata blobs were evicted before chunks");
+    Ok(())
+}
+
+#[test]
+fn a_daemon_with_a_small_cache_serves_the_whole_image_within_it() -> Result<()> {
+    let f = fixture("cache-bound-serve")?;
+    let origin = Nginx::serve(&f.store, "store")?;
+    let url = origin.url();
+    let cache = f.t.path().join("cache");
+    const BOUND: u64 = 1 << 20;
+    let socket = f.t.path().join("vm.sock");
+    let args = ["--read-only", "--cache-dir", path_str(&cache)?, "--cache-size", "1M", "--mem-cache", "0"];
+    let d = Daemon::start("demo", &url, &socket, &args)?;
+    let mut client = BlkClient::connect(d.socket(), 1, true)?;
+    let (bytes, failed) = client.read_device(1 << 20, 4)?;
+    ensure!(failed.is_empty(), "failed reads {failed:?}");
+    ensure!(bytes == f.raw, "the device differs from `tessera export`");
+    drop(client);
+    d.stop()?;
+    let on_disk = entry_bytes(&cache);
+    ensure!(on_disk <= BOUND && on_disk > BOUND / 2, "entries on disk {on_disk}, bound {BOUND}");
     Ok(())
 }
 
