@@ -20,6 +20,7 @@ use tessera_e2e::{compare, fixtures, judge};
 mod bench_lazy;
 mod bench_oci;
 mod bench_serve;
+mod bench_warm;
 
 #[derive(Debug, Parser)]
 #[command(name = "cargo xtask", about = "Tessera developer tasks")]
@@ -103,6 +104,8 @@ enum Bench {
     /// A guest reading 10% of a ≥ 1 GiB image lazily from an origin (20 ms RTT, 200 Mbit/s)
     /// vs downloading the raw image and serving it with qemu-storage-daemon.
     Lazy(bench_lazy::LazyBench),
+    /// Guest start-up from an origin at 20 ms RTT: no profile vs profile vs warmed cache vs local.
+    BootProfile(bench_warm::BootProfileBench),
 }
 
 fn main() -> ExitCode {
@@ -118,6 +121,7 @@ fn main() -> ExitCode {
         Cmd::Bench { what: Bench::Serve(opts) } => bench_serve::run(&opts),
         Cmd::Bench { what: Bench::BuildOci(opts) } => bench_oci::run(&opts),
         Cmd::Bench { what: Bench::Lazy(opts) } => bench_lazy::run(&opts),
+        Cmd::Bench { what: Bench::BootProfile(opts) } => bench_warm::run(&opts),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
