@@ -392,6 +392,11 @@ fn warm_resumes_after_kill_9_and_fails_on_bad_chunks() -> Result<()> {
     let leftovers = fs::read_dir(cache.join("v1/tmp"))?.count();
     ensure!(leftovers == 0, "{leftovers} temp files left after the resumed run");
 
+    // A cache bound smaller than the image: warm says so (the cache keeps what fits).
+    let small = f.t.path().join("small-cache");
+    let o = warm("demo", &url, &small, &["--cache-size", "256K"])?;
+    ensure!(o.status.success() && stderr(&o).contains("exceed --cache-size"), "{}", stderr(&o));
+
     // A corrupt pack on the origin: those chunks fail (exit 1, listed), the others are cached.
     let cache2 = f.t.path().join("cache2");
     let v = tessera::inspect_json("demo", &f.store)?;

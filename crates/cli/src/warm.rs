@@ -100,6 +100,15 @@ pub fn run(args: WarmArgs) -> Result<()> {
             warm_with(CachedStore::new(origin, DiskCache::open(&config)?), &args.image, options)?
         }
     };
+    if let Some(max) = config.max_bytes.filter(|&max| report.bytes > max) {
+        // The cache keeps the most recently used entries within its bound: part of what was just
+        // warmed has been evicted again.
+        tracing::warn!(
+            "the image's chunks ({}) exceed --cache-size ({}): only the most recently warmed fit",
+            HumanBytes(report.bytes),
+            HumanBytes(max)
+        );
+    }
     let seconds = report.elapsed.as_secs_f64();
     let summary = Summary {
         image: report.image.to_string(),
