@@ -75,7 +75,8 @@ pub fn run_in_guest(
 }
 
 /// Record `runs` boots of `image` in the local `store` running `command` (each must exit 0),
-/// then `tessera profile` them. Returns the trace files and the profile digest.
+/// then `tessera profile` them. Returns the trace files and the profile digest; the command's
+/// output of each run is logged to stderr.
 pub fn record_profile(
     image: &str,
     store: &Path,
@@ -93,6 +94,7 @@ pub fn record_profile(
         if run.status != 0 {
             bail!("run {i}: the command exited with {} in the guest; output:\n{}", run.status, run.output);
         }
+        eprintln!("---- run {i}: guest output ----\n{}\n---- end of run {i} ----", run.output);
         traces.push(trace);
     }
     let mut args: Vec<&str> = vec!["profile", image, "--store", store_s, "--trace"];
