@@ -418,6 +418,14 @@ fn parse_entry<R: Read>(
         field,
         reason,
     };
+    // A PAX path or link may hold any byte but NUL (Go's archive/tar refuses those too); a
+    // NUL cannot be in a file name or a symlink target.
+    if path.contains(&0) {
+        return Err(bad("path", "a NUL byte in the name".into()));
+    }
+    if link.as_ref().is_some_and(|l| l.contains(&0)) {
+        return Err(bad("linkpath", "a NUL byte in the link target".into()));
+    }
     // The data the `tar` crate framed must be the data every other reader frames.
     let size = match ext.get(b"size") {
         Some(v) => std::str::from_utf8(v)
@@ -451,6 +459,9 @@ fn parse_entry<R: Read>(
                 times[slot] = Some(t);
             }
             _ => {
+                if key.contains(&0) {
+                    return Err(bad("xattr", format!("a NUL byte in the PAX key {}", show(key))));
+                }
                 if let Some(name) = key.strip_prefix(b"SCHILY.xattr.") {
                     if !name.is_empty() {
                         xattrs.retain(|x| x.name != name);

@@ -369,3 +369,21 @@ fn reopen_checks_the_raw_digest_or_else_the_diff_id() {
     let b = blob(gz, None, Some(wrong));
     assert!(matches!(drain(LayerStream::reopen(&b).unwrap()), Err(SourceError::DigestMismatch { .. })));
 }
+
+/// NUL bytes in a PAX path, linkpath or xattr key (what only PAX can carry) are header errors.
+#[test]
+fn nul_bytes_in_pax_names() {
+    for (key, value, field) in [
+        ("path", &b"a\0b"[..], "path"),
+        ("linkpath", b"t\0x", "linkpath"),
+        ("SCHILY.xattr.user.a\0b", b"v", "xattr"),
+    ] {
+        let mut b = tar::Builder::new(Vec::new());
+        b.append_pax_extensions([(key, value)]).unwrap();
+        let mut h = header("f", tar::EntryType::Symlink, 0, 0o777);
+        b.append_link(&mut h, "f", "target").unwrap();
+        let tar = b.into_inner().unwrap();
+        let err = scan(&verified(tar.clone(), &tar), None).unwrap_err();
+        assert!(matches!(&err, SourceError::BadHeader { field: f, .. } if *f == field), "{key}: {err}");
+    }
+}
