@@ -9,6 +9,7 @@
 #![allow(clippy::unwrap_used)]
 
 pub mod image_record;
+pub mod oci_layers;
 pub mod overlay_replay;
 pub mod seeds;
 pub mod vhost_request;

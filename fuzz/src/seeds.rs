@@ -25,17 +25,18 @@ use crate::Output;
 /// `(name, bytes)` seeds of one target.
 pub type Seeds = Vec<(String, Vec<u8>)>;
 
-/// Seeds of the named target (`vhost_request`, `image_record`, `overlay_replay`).
+/// Seeds of the named target (`vhost_request`, `image_record`, `overlay_replay`, `oci_layers`).
 pub fn for_target(target: &str) -> Seeds {
     match target {
         "vhost_request" => vhost_request(),
         "image_record" => image_record(),
         "overlay_replay" => overlay_replay(),
+        "oci_layers" => oci_layers(),
         other => panic!("unknown fuzz target {other}"),
     }
 }
 
-pub const TARGETS: [&str; 3] = ["vhost_request", "image_record", "overlay_replay"];
+pub const TARGETS: [&str; 4] = ["vhost_request", "image_record", "overlay_replay", "oci_layers"];
 
 /// Seeds that fail today because of an open finding (docs/fuzzing.md): the smoke test skips
 /// them, `cargo test -- --ignored` runs them.
@@ -337,4 +338,88 @@ pub fn make_overlay(bs: u32, device_bytes: u64, f: impl FnOnce(&Overlay)) -> Vec
     f(&o);
     drop(o);
     io.snapshot()
+}
+
+fn tar_header(path: &str, kind: tar::EntryType, size: u64, mode: u32) -> tar::Header {
+    let mut h = tar::Header::new_gnu();
+    h.set_entry_type(kind);
+    h.set_size(size);
+    h.set_mode(mode);
+    h.set_uid(1000);
+    h.set_gid(100);
+    h.set_mtime(1_600_000_000);
+    h.set_path(path).unwrap();
+    h.set_cksum();
+    h
+}
+
+/// A lower layer with every entry kind and header extension the reader knows.
+fn lower_layer() -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    b.append(&tar_header("./", tar::EntryType::Directory, 0, 0o755), &[][..]).unwrap();
+    b.append(&tar_header("etc/", tar::EntryType::Directory, 0, 0o755), &[][..]).unwrap();
+    b.append_pax_extensions([
+        ("mtime", &b"1700000000.123456789"[..]),
+        ("atime", b"1700000001.5"),
+        ("uid", b"4000000000"),
+        ("SCHILY.xattr.user.k", b"v\x00binary"),
+        ("LIBARCHIVE.xattr.user.sp%20ace", b"AAEC/w"),
+        ("SCHILY.xattr.user.sp%20ace", b"\x00\x01\x02\xff"),
+    ])
+    .unwrap();
+    b.append(&tar_header("etc/passwd", tar::EntryType::Regular, 5, 0o644), &b"root\n"[..]).unwrap();
+    b.append(&tar_header("etc/group", tar::EntryType::Regular, 6, 0o644), &b"wheel\n"[..]).unwrap();
+    let long = format!("deep/{}/file", "x".repeat(120));
+    let mut h = tar_header("placeholder", tar::EntryType::Regular, 3, 0o644);
+    b.append_data(&mut h, &long, &b"abc"[..]).unwrap();
+    let mut h = tar_header("dev/null", tar::EntryType::Char, 0, 0o666);
+    h.set_device_major(1).unwrap();
+    h.set_device_minor(3).unwrap();
+    h.set_cksum();
+    b.append(&h, &[][..]).unwrap();
+    b.append(&tar_header("run/fifo", tar::EntryType::Fifo, 0, 0o600), &[][..]).unwrap();
+    let mut h = tar_header("bin/sh", tar::EntryType::Symlink, 0, 0o777);
+    b.append_link(&mut h, "bin/sh", "/bin/busybox").unwrap();
+    b.append(&tar_header("bin/busybox", tar::EntryType::Regular, 4, 0o755), &b"\x7fELF"[..]).unwrap();
+    let mut h = tar_header("bin/ls", tar::EntryType::Link, 0, 0o755);
+    b.append_link(&mut h, "bin/ls", "./bin/busybox").unwrap();
+    b.append(&tar_header("opt/d/", tar::EntryType::Directory, 0, 0o700), &[][..]).unwrap();
+    b.append(&tar_header("opt/d/x", tar::EntryType::Regular, 2, 0o600), &b"x\n"[..]).unwrap();
+    b.into_inner().unwrap()
+}
+
+/// An upper layer: whiteouts (before and after a hard link to the whited-out file), an opaque
+/// directory, a file replacing a directory, a directory over a directory.
+fn upper_layer() -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    let mut h = tar_header("etc/group.old", tar::EntryType::Link, 0, 0o644);
+    b.append_link(&mut h, "etc/group.old", "etc/group").unwrap();
+    b.append(&tar_header("etc/.wh.group", tar::EntryType::Regular, 0, 0o644), &[][..]).unwrap();
+    b.append(&tar_header("etc/.wh.passwd", tar::EntryType::Regular, 0, 0o644), &[][..]).unwrap();
+    let mut h = tar_header("passwd.bak", tar::EntryType::Link, 0, 0o644);
+    b.append_link(&mut h, "passwd.bak", "etc/passwd").unwrap();
+    b.append(&tar_header("opt/d/", tar::EntryType::Directory, 0, 0o750), &[][..]).unwrap();
+    b.append(&tar_header("opt/d/.wh..wh..opq", tar::EntryType::Regular, 0, 0o644), &[][..]).unwrap();
+    b.append(&tar_header("opt/d/y", tar::EntryType::Regular, 2, 0o600), &b"y\n"[..]).unwrap();
+    b.append(&tar_header("run", tar::EntryType::Regular, 4, 0o644), &b"file"[..]).unwrap();
+    b.append(&tar_header(".wh..wh.plnk", tar::EntryType::Directory, 0, 0o700), &[][..]).unwrap();
+    b.into_inner().unwrap()
+}
+
+fn gzip(bytes: &[u8]) -> Vec<u8> {
+    use std::io::Write;
+    let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    e.write_all(bytes).unwrap();
+    e.finish().unwrap()
+}
+
+pub fn oci_layers() -> Seeds {
+    use crate::oci_layers::encode;
+    let (lower, upper) = (lower_layer(), upper_layer());
+    vec![
+        ("lower".into(), encode(&[lower.clone()])),
+        ("two-layers".into(), encode(&[lower.clone(), upper.clone()])),
+        ("gzip-zstd".into(), encode(&[gzip(&lower), zstd::bulk::compress(&upper, 3).unwrap()])),
+        ("three-layers".into(), encode(&[lower, upper.clone(), upper])),
+    ]
 }

@@ -10,6 +10,7 @@ fn run(target: &str, data: &[u8]) {
         "vhost_request" => tessera_fuzz::vhost_request::run(data),
         "image_record" => tessera_fuzz::image_record::run(data),
         "overlay_replay" => tessera_fuzz::overlay_replay::run(data),
+        "oci_layers" => tessera_fuzz::oci_layers::run(data),
         _ => unreachable!(),
     }
 }
@@ -68,6 +69,11 @@ fn image_record_seeds() {
 #[test]
 fn overlay_replay_seeds() {
     seeds("overlay_replay");
+}
+
+#[test]
+fn oci_layers_seeds() {
+    seeds("oci_layers");
 }
 
 /// Cheap pseudo-random inputs (xorshift), mutated from the seeds: a stand-in for the fuzzer
