@@ -180,8 +180,12 @@ fn full_store() -> Result<()> {
     let t = tmp("err-full")?;
     let src = t.path().join("src");
     small_tree(&src)?;
+    // Several 32 MiB chunking batches, so the pack writer fails while batches are still fed:
+    // the error must still be the writer's (no space), not that it stopped.
     let mut rng = tessera_e2e::prng::Prng::from_label("full-store");
-    std::fs::write(src.join("random"), rng.bytes(8 << 20))?;
+    for i in 0..5 {
+        std::fs::write(src.join(format!("random{i}")), rng.bytes(16 << 20))?;
+    }
     let store = fs.path().join("store");
     let o = tessera::run(build_args(&src, &store))?;
     expect(&o, 1, &[], "full store")?;

@@ -282,8 +282,11 @@ pub(crate) fn chunk_with(
         let panicked = BuildError::Internal { what: "the pack writer thread panicked", chunk: None };
         (result, writer.join().unwrap_or(Err(panicked)))
     });
+    // The writer's error first: when it fails (a full disk, say), feeding stops with "the pack
+    // writer stopped", which says nothing of the cause.
+    let new_packs = written?;
     let mut out = result?;
-    out.new_packs = written?;
+    out.new_packs = new_packs;
     for list in &mut out.files {
         list.sort_by_key(|c| c.0);
     }
