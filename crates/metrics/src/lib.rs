@@ -33,7 +33,10 @@ pub use daemon::{
 };
 pub use exporter::{Exporter, ExporterError};
 pub use prometheus::{Histogram, IntCounter, IntGauge};
-pub use store::{DiskCacheMetrics, OriginMetrics, PrefetchMetrics, Tier, TierMetrics, TierSet};
+pub use store::{
+    origin_latency_histogram, DiskCacheMetrics, OriginErrorMetrics, OriginMetrics, PrefetchMetrics, Tier,
+    TierMetrics, TierSet,
+};
 
 /// The content type of [`Metrics::render`]'s text (Prometheus text exposition format 0.0.4).
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -69,6 +72,9 @@ pub struct Metrics {
     pub origin: OriginMetrics,
     /// Prefetch and readahead.
     pub prefetch: PrefetchMetrics,
+    /// The origin request-duration histogram currently registered (a placeholder until an
+    /// origin client's own is adopted).
+    origin_latency: Mutex<Histogram>,
     refresh: Mutex<Vec<Refresh>>,
 }
 
@@ -91,6 +97,7 @@ impl Metrics {
 
     fn build() -> Self {
         let mut r = Reg { registry: Registry::new() };
+        let origin_latency = r.register(store::origin_latency_histogram());
         Self {
             requests: RequestMetrics::new(&mut r),
             fetch: FetchMetrics::new(&mut r),
@@ -102,6 +109,7 @@ impl Metrics {
             origin: OriginMetrics::new(&mut r),
             prefetch: PrefetchMetrics::new(&mut r),
             registry: r.registry,
+            origin_latency: Mutex::new(origin_latency),
             refresh: Mutex::new(Vec::new()),
         }
     }
@@ -110,6 +118,20 @@ impl Metrics {
     /// (see [`mirror`]). It runs on the exporter's thread; keep it short.
     pub fn on_scrape(&self, f: impl Fn() + Send + Sync + 'static) {
         self.refresh.lock().unwrap_or_else(|p| p.into_inner()).push(Box::new(f));
+    }
+
+    /// Export `h` (an origin client's own histogram, see [`origin_latency_histogram`]) as
+    /// `tessera_origin_request_duration_seconds`, in place of the one exported so far: the
+    /// client observes every attempt into it, before and after this call.
+    pub fn adopt_origin_latency(&self, h: Histogram) {
+        let mut current = self.origin_latency.lock().unwrap_or_else(|p| p.into_inner());
+        if let Err(e) = self.registry.unregister(Box::new(current.clone())) {
+            tracing::error!(error = %e, "cannot unregister the origin latency histogram");
+        }
+        if let Err(e) = self.registry.register(Box::new(h.clone())) {
+            tracing::error!(error = %e, "cannot register the origin latency histogram");
+        }
+        *current = h;
     }
 
     /// The Prometheus text exposition of every metric (after the [`Self::on_scrape`]
@@ -181,11 +203,6 @@ impl Reg {
         self.register(
             prometheus::HistogramVec::new(opts, labels).unwrap_or_else(|e| panic_bad_metric(name, e)),
         )
-    }
-
-    pub(crate) fn histogram(&mut self, name: &str, help: &str) -> Histogram {
-        let opts = prometheus::HistogramOpts::new(name, help).buckets(LATENCY_BUCKETS.to_vec());
-        self.register(Histogram::with_opts(opts).unwrap_or_else(|e| panic_bad_metric(name, e)))
     }
 }
 

@@ -195,48 +195,67 @@ impl DiskCacheMetrics {
     }
 }
 
-/// Requests to a remote origin (one per HTTP request, retries included).
+/// Requests to a remote origin (one per HTTP request, retries included). The request
+/// duration histogram is the origin client's own, adopted with [`crate::Metrics::adopt_origin_latency`].
 #[derive(Clone, Debug)]
 pub struct OriginMetrics {
     /// HTTP requests sent (each try counts).
     pub requests: IntCounter,
-    /// Requests that failed (connection error, timeout, bad status, short or wrong body).
-    pub errors: IntCounter,
+    /// Requests that failed, by kind.
+    pub errors: OriginErrorMetrics,
     /// Tries after a failure.
     pub retries: IntCounter,
     /// Body bytes received.
     pub bytes: IntCounter,
-    /// Time per request, first byte sent to last byte received.
-    pub latency: Histogram,
+}
+
+/// `tessera_origin_errors_total{kind}`: failed origin requests (attempts), by kind.
+#[derive(Clone, Debug)]
+pub struct OriginErrorMetrics {
+    /// An unexpected status.
+    pub status: IntCounter,
+    /// Connection refused, reset or closed early; TLS or protocol errors.
+    pub transport: IntCounter,
+    /// A connect, first-byte, stall or whole-request timeout.
+    pub timeout: IntCounter,
+    /// A body or `Content-Range` that does not describe the bytes asked for.
+    pub body: IntCounter,
+    /// Bytes that do not match their digest.
+    pub digest: IntCounter,
 }
 
 impl OriginMetrics {
     pub(crate) fn new(r: &mut Reg) -> Self {
+        let errors = r.counter_vec(
+            "tessera_origin_errors_total",
+            "Origin requests that failed, by kind (status, transport, timeout, body, digest)",
+            &["kind"],
+        );
         Self {
             requests: r
                 .counter("tessera_origin_requests_total", "HTTP requests sent to the origin (every try)"),
-            errors: r.counter("tessera_origin_errors_total", "Origin requests that failed"),
+            errors: OriginErrorMetrics {
+                status: errors.with_label_values(&["status"]),
+                transport: errors.with_label_values(&["transport"]),
+                timeout: errors.with_label_values(&["timeout"]),
+                body: errors.with_label_values(&["body"]),
+                digest: errors.with_label_values(&["digest"]),
+            },
             retries: r.counter("tessera_origin_retries_total", "Origin requests retried after a failure"),
             bytes: r.counter("tessera_origin_bytes_total", "Body bytes received from the origin"),
-            latency: r.histogram("tessera_origin_request_duration_seconds", "Time per origin request"),
         }
     }
+}
 
-    /// One request that returned `bytes` body bytes after `latency`.
-    #[inline]
-    pub fn request(&self, bytes: u64, latency: Duration) {
-        self.requests.inc();
-        self.bytes.inc_by(bytes);
-        self.latency.observe(latency.as_secs_f64());
-    }
+/// Name of the origin request-duration histogram.
+pub(crate) const ORIGIN_LATENCY: &str = "tessera_origin_request_duration_seconds";
 
-    /// One request that failed after `latency`.
-    #[inline]
-    pub fn failed(&self, latency: Duration) {
-        self.requests.inc();
-        self.errors.inc();
-        self.latency.observe(latency.as_secs_f64());
-    }
+/// A fresh, unregistered origin request-duration histogram (the HTTP and registry clients each
+/// keep one and observe every attempt into it; the daemon adopts it into its registry).
+pub fn origin_latency_histogram() -> Histogram {
+    let opts = prometheus::HistogramOpts::new(ORIGIN_LATENCY, "Time per origin request (each try)")
+        .buckets(crate::LATENCY_BUCKETS.to_vec());
+    Histogram::with_opts(opts).unwrap_or_else(|e| crate::panic_bad_metric(ORIGIN_LATENCY, e))
 }
 
 /// Prefetch (profile-driven) and readahead: what was fetched ahead of demand, and whether a
@@ -255,6 +274,8 @@ pub struct PrefetchMetrics {
     pub used_bytes: IntCounter,
     /// Prefetched bytes evicted before any demand read used them.
     pub wasted_bytes: IntCounter,
+    /// Prefetched bytes held in memory that no demand read has used yet.
+    pub unused_bytes: IntGauge,
 }
 
 impl PrefetchMetrics {
@@ -274,6 +295,10 @@ impl PrefetchMetrics {
             wasted_bytes: r.counter(
                 "tessera_prefetch_wasted_bytes_total",
                 "Prefetched bytes evicted before any demand read used them",
+            ),
+            unused_bytes: r.gauge(
+                "tessera_prefetch_unused_bytes",
+                "Prefetched bytes held in memory that no demand read has used yet",
             ),
         }
     }

@@ -93,7 +93,11 @@ fn http(addr: std::net::SocketAddr, request: &str) -> String {
 #[test]
 fn exporter_serves_metrics_over_http() {
     let m = Metrics::new();
-    m.origin.request(1000, Duration::from_millis(20));
+    m.origin.requests.inc();
+    m.origin.bytes.inc_by(1000);
+    let latency = crate::origin_latency_histogram();
+    latency.observe(0.02);
+    m.adopt_origin_latency(latency);
     m.origin.retries.inc();
     let exporter = Exporter::start("127.0.0.1:0", std::sync::Arc::clone(&m)).unwrap();
     let addr = exporter.local_addr();
@@ -107,6 +111,7 @@ fn exporter_serves_metrics_over_http() {
     assert!(head.contains(&format!("Content-Length: {}", body.len())), "{head}");
     assert_eq!(sample(body, "tessera_origin_bytes_total"), Some(1000.0));
     assert_eq!(sample(body, "tessera_origin_retries_total"), Some(1.0));
+    assert_eq!(sample(body, "tessera_origin_request_duration_seconds_count"), Some(1.0));
 
     // The head arriving in pieces, a query string, HEAD, other paths and methods, garbage.
     let mut s = TcpStream::connect(addr).unwrap();

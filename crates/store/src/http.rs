@@ -17,9 +17,10 @@
 use std::io::Read;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tessera_image::{validate_tag, ImageEntry, ImageId, Sha256Digest};
+use tessera_metrics::Histogram;
 pub use tessera_registry::RetryPolicy;
 use tessera_registry::{retryable_error, retryable_status};
 use tracing::{debug, trace, warn};
@@ -236,7 +237,8 @@ impl Drop for Permit<'_> {
     }
 }
 
-/// Requests of one [`HttpStore`] so far (for tests and, later, metrics).
+/// Requests of one [`HttpStore`] (or registry client) so far, for tests and the daemon's
+/// `tessera_origin_*` metrics.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct HttpStats {
     /// Attempts sent (retries included).
@@ -245,6 +247,124 @@ pub struct HttpStats {
     pub retries: u64,
     /// Body bytes received.
     pub bytes: u64,
+    /// Attempts that failed, by kind (each failed attempt counts once, retried or not).
+    pub errors: OriginErrorCounts,
+}
+
+/// Failed attempts by kind (see [`OriginErrorKind`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct OriginErrorCounts {
+    /// An unexpected status (5xx, 429, 403, …; a 404 that means "absent" is an answer).
+    pub status: u64,
+    /// The connection failed: refused, reset, closed mid-body, TLS or protocol errors.
+    pub transport: u64,
+    /// A connect, first-byte, stall or whole-request timeout.
+    pub timeout: u64,
+    /// A body or `Content-Range` that does not describe the bytes asked for (short, long, wrong
+    /// range).
+    pub body: u64,
+    /// Bytes that do not hash to their digest.
+    pub digest: u64,
+}
+
+impl OriginErrorCounts {
+    /// Every kind.
+    pub fn total(&self) -> u64 {
+        self.status + self.transport + self.timeout + self.body + self.digest
+    }
+
+    /// The count of `kind`.
+    pub fn of(&self, kind: OriginErrorKind) -> u64 {
+        match kind {
+            OriginErrorKind::Status => self.status,
+            OriginErrorKind::Transport => self.transport,
+            OriginErrorKind::Timeout => self.timeout,
+            OriginErrorKind::Body => self.body,
+            OriginErrorKind::Digest => self.digest,
+        }
+    }
+}
+
+/// How an origin request failed, as counted in [`OriginErrorCounts`] (and labelled `kind` in
+/// `tessera_origin_errors_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum OriginErrorKind {
+    Status,
+    Transport,
+    Timeout,
+    Body,
+    Digest,
+}
+
+impl OriginErrorKind {
+    /// Every kind, in label order.
+    pub const ALL: [OriginErrorKind; 5] = [
+        OriginErrorKind::Status,
+        OriginErrorKind::Transport,
+        OriginErrorKind::Timeout,
+        OriginErrorKind::Body,
+        OriginErrorKind::Digest,
+    ];
+
+    /// The label value.
+    pub fn label(self) -> &'static str {
+        match self {
+            OriginErrorKind::Status => "status",
+            OriginErrorKind::Transport => "transport",
+            OriginErrorKind::Timeout => "timeout",
+            OriginErrorKind::Body => "body",
+            OriginErrorKind::Digest => "digest",
+        }
+    }
+
+    /// The kind of a failed attempt's error.
+    pub fn of(e: &StoreError) -> Self {
+        match e {
+            StoreError::Http { source: HttpError::Status(_), .. } => Self::Status,
+            StoreError::Http { source: HttpError::Transport(t), .. } => {
+                if ureq_timed_out(t) {
+                    Self::Timeout
+                } else {
+                    Self::Transport
+                }
+            }
+            StoreError::Http { source: HttpError::BadRange(_) | HttpError::BadLength(_), .. } => Self::Body,
+            StoreError::Corrupt { .. } => Self::Digest,
+            _ => Self::Transport,
+        }
+    }
+}
+
+/// Whether `e` is a timeout (ureq reports one while reading a body as an I/O error).
+fn ureq_timed_out(e: &ureq::Error) -> bool {
+    match e {
+        ureq::Error::Timeout(_) => true,
+        ureq::Error::Io(io) => io.kind() == std::io::ErrorKind::TimedOut,
+        _ => false,
+    }
+}
+
+/// Counters of failed attempts, shared by the HTTP store and the registry store.
+#[derive(Debug, Default)]
+pub(crate) struct ErrorCounters {
+    by_kind: [AtomicU64; 5],
+}
+
+impl ErrorCounters {
+    pub(crate) fn count(&self, kind: OriginErrorKind) {
+        self.by_kind[kind as usize].fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn snapshot(&self) -> OriginErrorCounts {
+        let g = |k: OriginErrorKind| self.by_kind[k as usize].load(Ordering::Relaxed);
+        OriginErrorCounts {
+            status: g(OriginErrorKind::Status),
+            transport: g(OriginErrorKind::Transport),
+            timeout: g(OriginErrorKind::Timeout),
+            body: g(OriginErrorKind::Body),
+            digest: g(OriginErrorKind::Digest),
+        }
+    }
 }
 
 /// One span of a blob fetched by one request, covering some of the ranges asked for.
@@ -365,6 +485,10 @@ struct Inner {
     requests: AtomicU64,
     retries: AtomicU64,
     bytes: AtomicU64,
+    errors: ErrorCounters,
+    /// Time per attempt (not registered here: the daemon adopts it, see
+    /// [`HttpStore::latency_histogram`]).
+    latency: Histogram,
     /// Open batches of single chunk reads, by pack; a batch leaves the map when its leader
     /// sends it.
     batches: Mutex<std::collections::HashMap<Sha256Digest, Arc<Batch>>>,
@@ -428,6 +552,8 @@ impl HttpStore {
                 requests: AtomicU64::new(0),
                 retries: AtomicU64::new(0),
                 bytes: AtomicU64::new(0),
+                errors: ErrorCounters::default(),
+                latency: tessera_metrics::origin_latency_histogram(),
                 batches: Mutex::new(Default::default()),
                 seen_refs: Mutex::new(Vec::new()),
             }),
@@ -450,7 +576,14 @@ impl HttpStore {
             requests: self.inner.requests.load(Ordering::Relaxed),
             retries: self.inner.retries.load(Ordering::Relaxed),
             bytes: self.inner.bytes.load(Ordering::Relaxed),
+            errors: self.inner.errors.snapshot(),
         }
+    }
+
+    /// The histogram of attempt durations (from sending the request to the last body byte read
+    /// or the failure), shared with this store: every attempt since [`Self::new`] is in it.
+    pub fn latency_histogram(&self) -> Histogram {
+        self.inner.latency.clone()
     }
 
     /// The URL of blob `digest`.
@@ -503,6 +636,21 @@ impl HttpStore {
     }
 
     fn attempt<T>(
+        &self,
+        url: &str,
+        range: Option<&str>,
+        on_response: &mut impl FnMut(&mut Response<Body>) -> Result<T, AttemptError>,
+    ) -> Result<T, AttemptError> {
+        let started = Instant::now();
+        let outcome = self.attempt_untimed(url, range, on_response);
+        self.inner.latency.observe(started.elapsed().as_secs_f64());
+        if let Err(AttemptError::Retry(e, _) | AttemptError::Fatal(e)) = &outcome {
+            self.inner.errors.count(OriginErrorKind::of(e));
+        }
+        outcome
+    }
+
+    fn attempt_untimed<T>(
         &self,
         url: &str,
         range: Option<&str>,

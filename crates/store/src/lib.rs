@@ -56,8 +56,8 @@ pub use copy::{copy_image, CopyReport};
 pub use error::StoreError;
 pub use export::{export_raw, ExportProgress, ExportStats};
 pub use http::{
-    coalesce, CoalescedSpan, HttpConfig, HttpError, HttpStats, HttpStore, RetryPolicy, HTTP_ENV,
-    MAX_HTTP_BLOB,
+    coalesce, CoalescedSpan, HttpConfig, HttpError, HttpStats, HttpStore, OriginErrorCounts, OriginErrorKind,
+    RetryPolicy, HTTP_ENV, MAX_HTTP_BLOB,
 };
 pub use local::{BlobWriter, KnownChunks, LocalStore};
 pub use location::StoreLocation;

@@ -68,6 +68,12 @@ pub trait ReadStore: Send + Sync + std::fmt::Debug {
     fn http_stats(&self) -> Option<HttpStats> {
         None
     }
+
+    /// The origin client's request-duration histogram (every attempt), for a store read over
+    /// HTTP or from a registry (directly or behind the disk cache).
+    fn origin_latency(&self) -> Option<tessera_metrics::Histogram> {
+        None
+    }
 }
 
 impl ReadStore for LocalStore {
@@ -127,6 +133,10 @@ impl ReadStore for HttpStore {
 
     fn http_stats(&self) -> Option<HttpStats> {
         Some(self.stats())
+    }
+
+    fn origin_latency(&self) -> Option<tessera_metrics::Histogram> {
+        Some(self.latency_histogram())
     }
 
     fn resolve(&self, reference: &str) -> Result<ImageId, StoreError> {

@@ -96,7 +96,8 @@ pub struct FetcherStats {
     pub max_running: AtomicUsize,
 }
 
-type FetchFn = dyn Fn(u32) -> FetchResult + Send + Sync;
+/// Fetch chunk `index` into memory; `background`: for readahead or prefetch, not a guest read.
+type FetchFn = dyn Fn(u32, bool) -> FetchResult + Send + Sync;
 type CostFn = dyn Fn(u32) -> u64 + Send + Sync;
 
 /// The fetcher threads and their queues. Dropping it stops the threads once the demand queue is
@@ -169,11 +170,12 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl ChunkFetcher {
-    /// Start `limits.jobs` threads running `fetch(index)` (fetch chunk `index` into memory);
+    /// Start `limits.jobs` threads running `fetch(index, background)` (fetch chunk `index` into
+    /// memory; `background` when no guest read asked for it, i.e. readahead or prefetch);
     /// `cost(index)` is the chunk's stored size, charged against the background bandwidth.
     pub fn start(
         limits: FetchLimits,
-        fetch: impl Fn(u32) -> FetchResult + Send + Sync + 'static,
+        fetch: impl Fn(u32, bool) -> FetchResult + Send + Sync + 'static,
         cost: impl Fn(u32) -> u64 + Send + Sync + 'static,
     ) -> std::io::Result<Self> {
         let limits = FetchLimits { jobs: limits.jobs.max(1), ..limits };
@@ -352,7 +354,7 @@ impl Shared {
         let counter = if background { &self.stats.background } else { &self.stats.demand };
         counter.fetch_add(1, Ordering::Relaxed);
         trace!(chunk = c, background, "chunk fetch");
-        let result = (self.fetch)(c);
+        let result = (self.fetch)(c, background);
         if let Err(e) = &result {
             if background {
                 // Nobody may be waiting; a demand read of the chunk tries again.
@@ -427,7 +429,7 @@ mod tests {
 
     fn fetcher(limits: FetchLimits, gates: &Arc<Gates>) -> ChunkFetcher {
         let g = Arc::clone(gates);
-        ChunkFetcher::start(limits, move |c| g.fetch(c), |_| 1000).unwrap()
+        ChunkFetcher::start(limits, move |c, _| g.fetch(c), |_| 1000).unwrap()
     }
 
     fn done_channel() -> (FetchDone, mpsc::Receiver<FetchResult>) {
@@ -512,7 +514,7 @@ mod tests {
     fn errors_reach_every_waiter_and_empty_requests_finish_at_once() {
         let f = ChunkFetcher::start(
             FetchLimits::new(2),
-            |c| {
+            |c, _| {
                 if c == 3 {
                     Err(Arc::new(StoreError::InvalidTag { tag: "x".into() }))
                 } else {
@@ -534,7 +536,7 @@ mod tests {
     fn background_bandwidth_is_capped() {
         let f = ChunkFetcher::start(
             FetchLimits { jobs: 4, background_jobs: 3, background_bytes_per_sec: Some(100_000) },
-            |_| Ok(()),
+            |_, _| Ok(()),
             |_| 10_000,
         )
         .unwrap();

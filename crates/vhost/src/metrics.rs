@@ -18,6 +18,9 @@ pub fn watch_mem_tier<S: ChunkSource + 'static>(metrics: &Arc<Metrics>, tier: &A
     let tier = Arc::downgrade(tier);
     metrics.on_scrape(move || {
         let Some(tier) = tier.upgrade() else { return };
+        // First: delivers moka's pending evictions (prefetched chunks evicted unused).
+        m.memory_tier.bytes.set(gauge_value(tier.weighted_size()));
+        m.prefetch.unused_bytes.set(gauge_value(tier.prefetch_unused_bytes()));
         let stats = tier.stats();
         let memory = m.tiers.of(Tier::Memory);
         mirror(&memory.hits, stats.hits.load(Ordering::Relaxed));
@@ -27,7 +30,10 @@ pub fn watch_mem_tier<S: ChunkSource + 'static>(metrics: &Arc<Metrics>, tier: &A
         mirror(&m.memory_tier.refetches, stats.refetches.load(Ordering::Relaxed));
         mirror(&m.prefetch.readahead_queued, stats.readahead_chunks.load(Ordering::Relaxed));
         mirror(&m.prefetch.profile_queued, stats.prefetch_chunks.load(Ordering::Relaxed));
-        m.memory_tier.bytes.set(gauge_value(tier.weighted_size()));
+        mirror(&m.prefetch.chunks, stats.prefetched_chunks.load(Ordering::Relaxed));
+        mirror(&m.prefetch.bytes, stats.prefetched_bytes.load(Ordering::Relaxed));
+        mirror(&m.prefetch.used_bytes, stats.prefetch_used_bytes.load(Ordering::Relaxed));
+        mirror(&m.prefetch.wasted_bytes, stats.prefetch_wasted_bytes.load(Ordering::Relaxed));
         m.memory_tier.chunks.set(gauge_value(tier.chunks()));
         m.fetch.queue_depth.set(gauge_value(tier.pending_fetches() as u64));
         if let Some(f) = tier.fetcher_stats() {
@@ -40,8 +46,12 @@ pub fn watch_mem_tier<S: ChunkSource + 'static>(metrics: &Arc<Metrics>, tier: &A
 
 /// Publish the counters of `store`'s tiers below memory: the host disk cache (hits, misses,
 /// bytes, corrupt entries; what it fetched from the origin counts as origin reads) and the HTTP
-/// origin (requests, retries, bytes).
+/// origin (requests, retries, bytes, errors by kind; its request-duration histogram is adopted
+/// now).
 pub fn watch_store(metrics: &Arc<Metrics>, store: &Arc<dyn ReadStore>) {
+    if let Some(h) = store.origin_latency() {
+        metrics.adopt_origin_latency(h);
+    }
     let m = Arc::clone(metrics);
     let store = Arc::downgrade(store);
     metrics.on_scrape(move || {
@@ -68,6 +78,12 @@ pub fn watch_store(metrics: &Arc<Metrics>, store: &Arc<dyn ReadStore>) {
             mirror(&m.origin.requests, h.requests);
             mirror(&m.origin.retries, h.retries);
             mirror(&m.origin.bytes, h.bytes);
+            let errors = &m.origin.errors;
+            mirror(&errors.status, h.errors.status);
+            mirror(&errors.transport, h.errors.transport);
+            mirror(&errors.timeout, h.errors.timeout);
+            mirror(&errors.body, h.errors.body);
+            mirror(&errors.digest, h.errors.digest);
         }
     });
 }

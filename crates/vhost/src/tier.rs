@@ -10,9 +10,10 @@
 //! background ([`MemTier::prefetch`]). Demand fetches always go first.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
+use moka::notification::RemovalCause;
 use moka::sync::Cache;
 use tessera_image::{ChunkId, SegmentSource};
 use tessera_store::{ChunkSource, ImageReader, StoreError};
@@ -48,6 +49,41 @@ pub struct TierStats {
     pub readahead_chunks: AtomicU64,
     /// Chunks queued for profile prefetch.
     pub prefetch_chunks: AtomicU64,
+    /// Chunks fetched into memory by a background (readahead or prefetch) fetch.
+    pub prefetched_chunks: AtomicU64,
+    /// Decoded bytes of those chunks.
+    pub prefetched_bytes: AtomicU64,
+    /// Decoded bytes of prefetched chunks a guest read used (counted at the first use).
+    pub prefetch_used_bytes: AtomicU64,
+    /// Decoded bytes of prefetched chunks evicted before any guest read used them.
+    pub prefetch_wasted_bytes: AtomicU64,
+}
+
+/// Which chunks in memory came from a background fetch and were not read by the guest yet: one
+/// flag per chunk index, so the read path pays one relaxed load per chunk and no lock.
+struct PrefetchFlags {
+    unused: Box<[AtomicBool]>,
+}
+
+impl PrefetchFlags {
+    fn new(chunks: usize) -> Self {
+        Self { unused: (0..chunks).map(|_| AtomicBool::new(false)).collect() }
+    }
+
+    /// Chunk `index` was filled by a background fetch.
+    fn filled(&self, index: u32) {
+        if let Some(f) = self.unused.get(index as usize) {
+            f.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// Clear chunk `index`'s flag; whether it was set (the first use or removal only).
+    #[inline]
+    fn take(&self, index: u32) -> bool {
+        self.unused
+            .get(index as usize)
+            .is_some_and(|f| f.load(Ordering::Relaxed) && f.swap(false, Ordering::Relaxed))
+    }
 }
 
 /// An image's device bytes with a byte-weighted memory tier of decoded chunks.
@@ -64,7 +100,8 @@ struct Core<S> {
     reader: ImageReader<S>,
     cache: Cache<u32, Arc<[u8]>>,
     capacity: u64,
-    stats: TierStats,
+    stats: Arc<TierStats>,
+    prefetched: Arc<PrefetchFlags>,
 }
 
 #[derive(Default)]
@@ -110,6 +147,12 @@ impl<S: ChunkSource> Core<S> {
     }
 
     fn chunk(&self, index: u32) -> Result<Arc<[u8]>, Arc<StoreError>> {
+        self.fill(index, false)
+    }
+
+    /// Chunk `index`, fetched into memory if missing; `background`: for readahead or prefetch
+    /// (a chunk this call fills is then flagged unused until a guest read uses it).
+    fn fill(&self, index: u32, background: bool) -> Result<Arc<[u8]>, Arc<StoreError>> {
         if let Some(hit) = self.cached(index) {
             return Ok(hit);
         }
@@ -127,6 +170,12 @@ impl<S: ChunkSource> Core<S> {
             };
             self.stats.fetches.fetch_add(1, Ordering::Relaxed);
             self.stats.fetched_bytes.fetch_add(data.len() as u64, Ordering::Relaxed);
+            if background {
+                // Flagged before the chunk becomes visible, so no guest read can miss the flag.
+                self.prefetched.filled(index);
+                self.stats.prefetched_chunks.fetch_add(1, Ordering::Relaxed);
+                self.stats.prefetched_bytes.fetch_add(data.len() as u64, Ordering::Relaxed);
+            }
             Ok::<_, StoreError>(Arc::<[u8]>::from(data))
         })
     }
@@ -197,12 +246,19 @@ impl<S: ChunkSource> MemTier<S> {
     /// turned off. Without [`Self::with_fetcher`], reads missing memory fetch their chunks one
     /// by one on the daemon's fetch pool, and there is no readahead or prefetch.
     pub fn new(reader: ImageReader<S>, capacity: u64) -> Self {
+        let stats = Arc::new(TierStats::default());
+        let prefetched = Arc::new(PrefetchFlags::new(reader.image().record().block_map.chunks().len()));
+        let (listener_stats, listener_flags) = (Arc::clone(&stats), Arc::clone(&prefetched));
         let cache = Cache::builder()
             .weigher(|_: &u32, v: &Arc<[u8]>| u32::try_from(v.len()).unwrap_or(u32::MAX))
             .max_capacity(capacity)
+            .eviction_listener(move |index: Arc<u32>, chunk: Arc<[u8]>, cause: RemovalCause| {
+                if cause != RemovalCause::Replaced && listener_flags.take(*index) {
+                    listener_stats.prefetch_wasted_bytes.fetch_add(chunk.len() as u64, Ordering::Relaxed);
+                }
+            })
             .build();
-        let core =
-            Core { reader: reader.with_cache_capacity(0), cache, capacity, stats: TierStats::default() };
+        let core = Core { reader: reader.with_cache_capacity(0), cache, capacity, stats, prefetched };
         Self { core: Arc::new(core), fetcher: None, readahead: 0, streams: Mutex::default(), trace: None }
     }
 
@@ -220,7 +276,7 @@ impl<S: ChunkSource> MemTier<S> {
         let (fetch_core, cost_core) = (Arc::clone(&self.core), Arc::clone(&self.core));
         let fetcher = ChunkFetcher::start(
             limits,
-            move |c| fetch_core.chunk(c).map(|_| ()),
+            move |c, background| fetch_core.fill(c, background).map(|_| ()),
             move |c| cost_core.stored_len(c),
         )?;
         Ok(Self { fetcher: Some(fetcher), ..self })
@@ -265,6 +321,22 @@ impl<S: ChunkSource> MemTier<S> {
     /// The budget in bytes.
     pub fn capacity(&self) -> u64 {
         self.core.capacity
+    }
+
+    /// Decoded bytes of the chunks a background fetch brought into memory that no guest read
+    /// has used yet (and that are not evicted). Walks one flag per chunk of the image: for
+    /// scrapes, not for the read path.
+    pub fn prefetch_unused_bytes(&self) -> u64 {
+        self.core.cache.run_pending_tasks();
+        let chunks = self.core.reader.image().record().block_map.chunks();
+        self.core
+            .prefetched
+            .unused
+            .iter()
+            .zip(chunks)
+            .filter(|(f, _)| f.load(Ordering::Relaxed))
+            .map(|(_, c)| u64::from(c.len))
+            .sum()
     }
 
     /// Bytes of decoded chunks held.
@@ -394,6 +466,9 @@ impl<S: ChunkSource> BlockSource for MemTier<S> {
                             None => return Ok(Visit::Missing),
                         }
                     };
+                    if self.core.prefetched.take(chunk) {
+                        self.core.stats.prefetch_used_bytes.fetch_add(data.len() as u64, Ordering::Relaxed);
+                    }
                     // Bytes past the chunk's end read as zeros.
                     let start = usize::try_from(within).unwrap_or(usize::MAX).min(data.len());
                     let avail = (data.len() - start).min(usize::try_from(seg.len).unwrap_or(usize::MAX));

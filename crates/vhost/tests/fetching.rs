@@ -279,3 +279,87 @@ fn without_memory_each_read_fetches_its_chunk_once() {
     drop(c);
     server.finish();
 }
+
+/// Decoded bytes of a full chunk of big.bin.
+const CHUNK: u64 = 64 << 10;
+
+/// The value of an unlabelled sample in Prometheus text.
+fn sample(text: &str, name: &str) -> u64 {
+    let line = text.lines().find(|l| l.split_once(' ').is_some_and(|(n, _)| n == name));
+    line.and_then(|l| l.split_once(' ')?.1.parse().ok()).unwrap_or_else(|| panic!("{name} missing"))
+}
+
+#[test]
+fn readahead_chunks_are_used_when_read_and_wasted_when_evicted_unread() {
+    let f = fixture();
+    let starts = chunk_starts(&f);
+    let plain = reader(&f.store, &f.id);
+    let chunks = plain.image().record().block_map.chunks();
+    let full = |i: usize| chunks[starts[i].1 as usize].len == CHUNK as u32;
+    let run = (0..starts.len() - 8)
+        .find(|&i| {
+            (0..8).all(|k| {
+                let (o, c) = starts[i + k];
+                full(i + k) && c == starts[i].1 + k as u32 && o == starts[i].0 + k as u64 * CHUNK
+            })
+        })
+        .unwrap();
+    let (first_off, first) = starts[run];
+    let source = Counting::new(f.store.clone(), 0);
+    // Room for eight chunks: what the guest reads later pushes the unread readahead out.
+    let t = tier_with_memory(&f, &source, 8, 4 * CHUNK, 8 * CHUNK);
+    let metrics = tessera_metrics::Metrics::new();
+    tessera_vhost::metrics::watch_mem_tier(&metrics, &t);
+    let server = serve(&f, &t, "waste.sock");
+    let mut c = Client::connect(&server.socket, 1);
+    // Two sequential reads: readahead brings the next four chunks (first+2 … first+5).
+    assert_eq!(c.read(first_off, 0, CHUNK as usize), 0);
+    assert_eq!(c.read(first_off + CHUNK, 0, CHUNK as usize), 0);
+    let ahead: Vec<u32> = (2..6).map(|k| first + k).collect();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !ahead.iter().all(|&k| t.contains(k)) || t.pending_fetches() > 0 {
+        assert!(Instant::now() < deadline, "readahead did not fetch chunks {ahead:?}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let text = metrics.render();
+    assert_eq!(sample(&text, "tessera_prefetch_chunks_total"), 4);
+    assert_eq!(sample(&text, "tessera_prefetch_bytes_total"), 4 * CHUNK);
+    assert_eq!(sample(&text, "tessera_prefetch_used_bytes_total"), 0);
+    assert_eq!(sample(&text, "tessera_prefetch_unused_bytes"), 4 * CHUNK);
+
+    // The guest reads one block of two of them (not sequentially: no further readahead), the
+    // second one twice: each chunk counts once, whole.
+    for k in [3u64, 5, 5] {
+        assert_eq!(c.read(first_off + k * CHUNK, 0, 4096), 0);
+        check(&c, &f, 0, first_off + k * CHUNK, 4096);
+    }
+    let text = metrics.render();
+    assert_eq!(sample(&text, "tessera_prefetch_used_bytes_total"), 2 * CHUNK);
+    assert_eq!(sample(&text, "tessera_prefetch_unused_bytes"), 2 * CHUNK);
+    assert_eq!(sample(&text, "tessera_prefetch_wasted_bytes_total"), 0);
+    assert_eq!(sample(&text, "tessera_prefetch_chunks_total"), 4, "no readahead from those reads");
+
+    // Other chunks, each read several times (so the cache's admission policy keeps them), until
+    // the two unread chunks are evicted.
+    let others: Vec<u64> =
+        (0..starts.len()).filter(|&i| full(i) && !(run..run + 8).contains(&i)).map(|i| starts[i].0).collect();
+    let mut reads = 0;
+    for &off in &others {
+        if t.prefetch_unused_bytes() == 0 {
+            break;
+        }
+        for _ in 0..4 {
+            assert_eq!(c.read(off, 0, 4096), 0);
+            check(&c, &f, 0, off, 4096);
+        }
+        reads += 1;
+    }
+    assert_eq!(t.prefetch_unused_bytes(), 0, "unread readahead still held after {reads} other chunks");
+    let text = metrics.render();
+    assert_eq!(sample(&text, "tessera_prefetch_wasted_bytes_total"), 2 * CHUNK);
+    assert_eq!(sample(&text, "tessera_prefetch_used_bytes_total"), 2 * CHUNK);
+    assert_eq!(sample(&text, "tessera_prefetch_unused_bytes"), 0);
+    assert_eq!(sample(&text, "tessera_prefetch_bytes_total"), 4 * CHUNK, "demand fills are not prefetch");
+    drop(c);
+    server.finish();
+}

@@ -624,6 +624,10 @@ impl<O: Origin> ReadStore for CachedStore<O> {
         self.origin.http_stats()
     }
 
+    fn origin_latency(&self) -> Option<tessera_metrics::Histogram> {
+        self.origin.origin_latency()
+    }
+
     fn resolve(&self, reference: &str) -> Result<ImageId, StoreError> {
         resolve_with(reference, |tag| self.read_ref(tag), |id| self.get_entry(id).map(|_| ()))
     }
