@@ -11,6 +11,7 @@ use tessera_e2e::daemon::BlkClient;
 use tessera_e2e::metrics::{scrape, spawn_with_metrics, Scrape};
 use tessera_e2e::nginx::Nginx;
 use tessera_e2e::prng::Prng;
+use tessera_e2e::proxy::{Fault, Proxy, ProxyConfig};
 use tessera_e2e::tessera;
 use tessera_e2e::testutil::tmp;
 
@@ -88,6 +89,70 @@ fn origin_and_disk_cache_metrics_match_nginx() -> Result<()> {
         v("tessera_origin_requests_total", &[])? == (origin.requests()?.len() - before) as f64,
         "warm requests (tag and entry lookups) vs nginx"
     );
+    Ok(())
+}
+
+/// Serve `url` without a disk cache, read the whole device through libblkio, scrape.
+fn serve_uncached_and_read(url: &str, socket: &std::path::Path) -> Result<Scrape> {
+    let _ = fs::remove_file(socket);
+    let mut cmd = tessera::command(["serve", "demo", "--read-only", "--store", url]);
+    cmd.arg("--socket").arg(socket).stdout(Stdio::null());
+    let (child, addr) = spawn_with_metrics(&mut cmd)?;
+    let _serving = Serving(child);
+    let mut c = BlkClient::connect(socket, 1, true)?;
+    let (_, failed) = c.read_device(MIB, 8)?;
+    ensure!(failed.is_empty(), "failed reads {failed:?}");
+    drop(c);
+    scrape(&addr)
+}
+
+#[test]
+fn origin_errors_and_durations_match_the_faults_injected() -> Result<()> {
+    let t = tmp("metrics-origin-errors")?;
+    let (src, store) = (t.path().join("src"), t.path().join("store"));
+    let mut rng = Prng::from_label("metrics-origin-errors");
+    fs::create_dir_all(&src)?;
+    fs::write(src.join("random.bin"), rng.bytes(1_000_000))?;
+    tessera::build(&src, &store, &["--tag", "demo", "--chunk-size", "64K", "--size", "32M"])?;
+    // The pack is the largest blob; the others (image record and the like) are read whole.
+    let mut blobs: Vec<(u64, String)> = Vec::new();
+    for e in fs::read_dir(store.join("blobs/sha256"))? {
+        let e = e?;
+        blobs.push((e.metadata()?.len(), e.file_name().to_string_lossy().into_owned()));
+    }
+    blobs.sort();
+    let (_, pack) = blobs.pop().context("no blobs")?;
+    let origin = Nginx::serve(&store, "store")?;
+    let proxy = Proxy::start(origin.addr(), ProxyConfig::default())?;
+    // Two 503s and two resets mid-body on the pack's ranged GETs; one flipped byte in each
+    // blob read whole (its digest fails, it is fetched again).
+    let blob_path = |hex: &str| format!("blobs/sha256/{hex}");
+    proxy.inject(&blob_path(&pack), Fault::Status(503), 2);
+    proxy.inject(&blob_path(&pack), Fault::Reset { after: 1000 }, 2);
+    for (_, b) in &blobs {
+        proxy.inject(&blob_path(b), Fault::Corrupt { at: 0 }, 1);
+    }
+    let m = serve_uncached_and_read(&proxy.url("store"), &t.path().join("vm.sock"))?;
+    let log = proxy.log();
+    let applied = |f: fn(&Fault) -> bool| log.iter().filter(|r| r.fault.as_ref().is_some_and(f)).count() as f64;
+    let (statuses, resets) =
+        (applied(|f| matches!(f, Fault::Status(_))), applied(|f| matches!(f, Fault::Reset { .. })));
+    let corrupted = applied(|f| matches!(f, Fault::Corrupt { .. }));
+    ensure!(statuses == 2.0 && resets == 2.0, "faults applied: {log:#?}");
+    ensure!(corrupted >= 1.0, "no whole blob was read: {log:#?}");
+    let v = |name: &str, labels: &[(&str, &str)]| m.value(name, labels);
+    let errors = |kind: &str| v("tessera_origin_errors_total", &[("kind", kind)]);
+    ensure!(errors("status")? == statuses, "status errors");
+    ensure!(errors("transport")? == resets, "transport errors");
+    ensure!(errors("digest")? == corrupted, "digest errors");
+    ensure!(errors("timeout")? == 0.0 && errors("body")? == 0.0);
+    // Every failure was retried (the default policy allows more tries than any blob failed).
+    ensure!(v("tessera_origin_retries_total", &[])? == statuses + resets + corrupted, "retries");
+    let requests = v("tessera_origin_requests_total", &[])?;
+    ensure!(requests == log.len() as f64, "requests {requests} vs the proxy's log: {log:#?}");
+    let timed = v("tessera_origin_request_duration_seconds_count", &[])?;
+    ensure!(timed == requests, "{timed} requests timed of {requests}");
+    ensure!(v("tessera_origin_request_duration_seconds_sum", &[])? > 0.0);
     Ok(())
 }
 
