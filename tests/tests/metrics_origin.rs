@@ -134,7 +134,8 @@ fn origin_errors_and_durations_match_the_faults_injected() -> Result<()> {
     }
     let m = serve_uncached_and_read(&proxy.url("store"), &t.path().join("vm.sock"))?;
     let log = proxy.log();
-    let applied = |f: fn(&Fault) -> bool| log.iter().filter(|r| r.fault.as_ref().is_some_and(f)).count() as f64;
+    let applied =
+        |f: fn(&Fault) -> bool| log.iter().filter(|r| r.fault.as_ref().is_some_and(f)).count() as f64;
     let (statuses, resets) =
         (applied(|f| matches!(f, Fault::Status(_))), applied(|f| matches!(f, Fault::Reset { .. })));
     let corrupted = applied(|f| matches!(f, Fault::Corrupt { .. }));
