@@ -157,6 +157,66 @@ fn origin_errors_and_durations_match_the_faults_injected() -> Result<()> {
     Ok(())
 }
 
+/// A `docker://` store: the registry client's requests, retries, status errors and bytes reach
+/// the same `tessera_origin_*` families (the test proxy in front of the CNCF registry answers
+/// 503 twice for the pack).
+#[test]
+fn registry_origin_counts_requests_retries_and_errors() -> Result<()> {
+    tessera_e2e::registry::require_registry()?;
+    let t = tmp("metrics-registry")?;
+    let (src, store) = (t.path().join("src"), t.path().join("store"));
+    let mut rng = Prng::from_label("metrics-registry");
+    fs::create_dir_all(&src)?;
+    fs::write(src.join("random.bin"), rng.bytes(800_000))?;
+    tessera::build(&src, &store, &["--tag", "v1", "--chunk-size", "64K", "--size", "32M"])?;
+    let mut blobs: Vec<(u64, String)> = Vec::new();
+    for e in fs::read_dir(store.join("blobs/sha256"))? {
+        let e = e?;
+        blobs.push((e.metadata()?.len(), e.file_name().to_string_lossy().into_owned()));
+    }
+    blobs.sort();
+    let (_, pack) = blobs.pop().context("no blobs")?;
+    let reg = tessera_e2e::registry::Registry::start()?;
+    let store_arg = store.to_str().context("utf-8 path")?;
+    let dest = format!("docker://{}/metrics:v1", reg.addr());
+    let o = tessera::run(["push", "v1", "--store", store_arg, &dest])?;
+    ensure!(o.status.success(), "push: {}", String::from_utf8_lossy(&o.stderr));
+    let proxy = Proxy::start(reg.addr(), ProxyConfig::default())?;
+    proxy.inject(&format!("/blobs/sha256:{pack}"), Fault::Status(503), 2);
+
+    let socket = t.path().join("vm.sock");
+    let mut cmd = tessera::command(["serve", "v1", "--read-only", "--store"]);
+    cmd.arg(format!("docker://{}/metrics", proxy.addr()));
+    cmd.arg("--socket").arg(&socket).stdout(Stdio::null());
+    let (child, addr) = spawn_with_metrics(&mut cmd)?;
+    let _serving = Serving(child);
+    let mut c = BlkClient::connect(&socket, 1, true)?;
+    let (device, failed) = c.read_device(MIB, 8)?;
+    ensure!(failed.is_empty(), "failed reads {failed:?}");
+    drop(c);
+    let m = scrape(&addr)?;
+    ensure!(proxy.faults_left() == 0, "the 503s were not all met");
+    let v = |name: &str, labels: &[(&str, &str)]| m.value(name, labels);
+    let errors = |kind: &str| v("tessera_origin_errors_total", &[("kind", kind)]);
+    ensure!(errors("status")? == 2.0, "status errors");
+    for kind in ["transport", "timeout", "body", "digest"] {
+        ensure!(errors(kind)? == 0.0, "{kind} errors");
+    }
+    ensure!(v("tessera_origin_retries_total", &[])? == 2.0, "retries");
+    let log = proxy.log();
+    ensure!(v("tessera_origin_requests_total", &[])? == log.len() as f64, "requests vs the proxy: {log:#?}");
+    // Every chunk came from the registry (no disk cache): at least the pack's stored bytes the
+    // device needed, which is more than nothing and at most what the proxy relayed.
+    let bytes = v("tessera_origin_bytes_total", &[])?;
+    ensure!(
+        bytes > 0.0 && bytes <= proxy.stats().body_bytes as f64,
+        "origin bytes {bytes} vs the proxy's {:?}",
+        proxy.stats()
+    );
+    ensure!(!device.is_empty());
+    Ok(())
+}
+
 #[test]
 fn scrape_reports_http_errors() -> Result<()> {
     // A port nobody listens on: connecting fails with a clear error.

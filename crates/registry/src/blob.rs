@@ -159,6 +159,7 @@ impl BlobReader {
     fn finish(&mut self) -> io::Result<()> {
         self.finished = true;
         if let Some(expected) = self.size.filter(|s| *s != self.pos) {
+            self.client.counters().body_error();
             return Err(self.fail(RegistryError::SizeMismatch {
                 url: self.url.clone(),
                 what: "blob",
@@ -169,6 +170,7 @@ impl BlobReader {
         if let Some(h) = self.hasher.take() {
             let actual = Digest::from_hasher(h);
             if actual != self.digest {
+                self.client.counters().digest_error();
                 return Err(self.fail(RegistryError::DigestMismatch {
                     url: self.url.clone(),
                     what: "blob",
@@ -183,6 +185,7 @@ impl BlobReader {
     /// After a broken read: wait, then continue from `pos`; `Err` when out of attempts.
     fn resume(&mut self, cause: io::Error) -> io::Result<()> {
         self.body = None;
+        self.client.counters().read_error(&cause);
         let policy = self.client.retry();
         if self.resumes + 1 >= policy.attempts.max(1) {
             return Err(self.fail(RegistryError::Read { url: self.url.clone(), source: cause }));
@@ -190,6 +193,7 @@ impl BlobReader {
         let wait = policy.backoff(self.resumes);
         warn!(url = self.url, pos = self.pos, error = %cause, ?wait, "registry: blob read broke, resuming");
         self.resumes += 1;
+        self.client.counters().retry();
         std::thread::sleep(wait);
         let (_, body) =
             request_from(&self.client, &self.repo, &self.digest, self.pos, None).map_err(|e| self.fail(e))?;
@@ -222,6 +226,7 @@ impl Read for BlobReader {
                 }
                 Ok(n) => {
                     self.pos += n as u64;
+                    self.client.counters().bytes(n);
                     if let Some(expected) = self.size.filter(|s| self.pos > *s) {
                         return Err(self.fail(RegistryError::SizeMismatch {
                             url: self.url.clone(),
@@ -263,7 +268,9 @@ pub(crate) fn get_range(
     loop {
         let (url, mut body) = request_from(client, repo, digest, start, Some(end))?;
         let mut out = Vec::with_capacity(cap);
-        match (&mut body).take(len).read_to_end(&mut out) {
+        let read = (&mut body).take(len).read_to_end(&mut out);
+        client.counters().bytes(out.len());
+        match read {
             Ok(_) if out.len() as u64 == len => {
                 // Reach the end of a 206 body so that its connection goes back to the pool (a
                 // body never read to its end closes the connection). A server that ignored Range
@@ -275,20 +282,26 @@ pub(crate) fn get_range(
                 return Ok(out);
             }
             Ok(_) => {
+                client.counters().body_error();
                 return Err(RegistryError::Read {
                     url,
                     source: io::Error::new(
                         io::ErrorKind::UnexpectedEof,
                         format!("range ended after {} bytes", out.len()),
                     ),
-                })
+                });
             }
             Err(e) if attempt + 1 < policy.attempts.max(1) => {
+                client.counters().read_error(&e);
+                client.counters().retry();
                 warn!(url, error = %e, "registry: range read broke, retrying");
                 std::thread::sleep(policy.backoff(attempt));
                 attempt += 1;
             }
-            Err(source) => return Err(RegistryError::Read { url, source }),
+            Err(source) => {
+                client.counters().read_error(&source);
+                return Err(RegistryError::Read { url, source });
+            }
         }
     }
 }

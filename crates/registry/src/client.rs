@@ -178,6 +178,7 @@ struct Inner {
     options: ClientOptions,
     state: Mutex<State>,
     ranges: Slots,
+    counters: crate::stats::Counters,
 }
 
 /// A client for one registry host.
@@ -339,6 +340,7 @@ impl Client {
                 options,
                 state: Mutex::new(State::default()),
                 ranges: Slots { max: max_ranges, used: Mutex::new(0), freed: Condvar::new() },
+                counters: Default::default(),
             }),
         }
     }
@@ -351,6 +353,15 @@ impl Client {
     /// Wait for a free range-read slot ([`ClientOptions::max_ranges`]).
     pub(crate) fn range_slot(&self) -> Slot<'_> {
         self.inner.ranges.take()
+    }
+
+    /// Requests, retries, body bytes and failed tries so far.
+    pub fn stats(&self) -> crate::TransferStats {
+        self.inner.counters.snapshot()
+    }
+
+    pub(crate) fn counters(&self) -> &crate::stats::Counters {
+        &self.inner.counters
     }
 
     pub(crate) fn retry(&self) -> RetryPolicy {
@@ -386,6 +397,23 @@ impl Client {
         body: &[u8],
         attempts: u32,
     ) -> Result<Response<Body>, RegistryError> {
+        self.exchange(method, url, headers, auth, body, attempts, true)
+    }
+
+    /// [`Self::call`]; `counted`: whether the tries count in [`Self::stats`] (not the scheme
+    /// probe's TLS try, which fails against every plain-HTTP registry).
+    #[allow(clippy::too_many_arguments)]
+    fn exchange(
+        &self,
+        method: Method,
+        url: &str,
+        headers: &[(&str, String)],
+        auth: Option<&str>,
+        body: &[u8],
+        attempts: u32,
+        counted: bool,
+    ) -> Result<Response<Body>, RegistryError> {
+        let counters = counted.then_some(&self.inner.counters);
         let policy = self.retry();
         let mut retry = 0u32;
         loop {
@@ -399,6 +427,14 @@ impl Client {
                 Method::Put => with_body_headers(agent.put(url)).send(body),
                 Method::Patch => with_body_headers(agent.patch(url)).send(body),
             };
+            if let Some(c) = counters {
+                c.request();
+                match &sent {
+                    Ok(resp) if retryable_status(resp.status().as_u16()) => c.status_error(),
+                    Ok(_) => {}
+                    Err(e) => c.transport_error(e),
+                }
+            }
             match sent {
                 Ok(resp) if retryable_status(resp.status().as_u16()) && retry + 1 < attempts => {
                     let wait = policy.retry_after(retry, header(&resp, "retry-after"));
@@ -412,6 +448,9 @@ impl Client {
                     drop(resp);
                     std::thread::sleep(wait);
                     retry += 1;
+                    if let Some(c) = counters {
+                        c.retry();
+                    }
                 }
                 Ok(resp) => return Ok(resp),
                 Err(e) if retryable_error(&e) && retry + 1 < attempts => {
@@ -419,6 +458,9 @@ impl Client {
                     warn!(url, error = %e, retry = retry + 1, ?wait, "registry: retrying");
                     std::thread::sleep(wait);
                     retry += 1;
+                    if let Some(c) = counters {
+                        c.retry();
+                    }
                 }
                 Err(e) => return Err(RegistryError::Transport { url: url.to_owned(), source: Box::new(e) }),
             }
@@ -437,7 +479,7 @@ impl Client {
         let resp = if self.inner.insecure {
             let https = format!("https://{registry}/v2/");
             // One try only: a plain-HTTP server fails the TLS handshake at once.
-            match self.call(Method::Get, &https, &[], None, &[], 1) {
+            match self.exchange(Method::Get, &https, &[], None, &[], 1, false) {
                 Ok(r) => Ok((format!("https://{registry}"), https, r)),
                 Err(e) => {
                     debug!(registry, error = %e, "registry: no TLS, trying plain HTTP");
@@ -654,6 +696,7 @@ impl Client {
         let content_type = header(&resp, "content-type").map(str::to_owned);
         let claimed = header(&resp, "docker-content-digest").and_then(Digest::parse);
         let bytes = read_limited(&url, resp, "manifest", MAX_MANIFEST)?;
+        self.inner.counters.bytes(bytes.len());
         let digest = Digest::of(&bytes);
         let expected = match target {
             Target::Digest(d) => Some(d.clone()),

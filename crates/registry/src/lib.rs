@@ -34,6 +34,7 @@ pub mod media;
 mod push;
 mod reference;
 mod retry;
+mod stats;
 
 pub use auth::{
     auth_file_paths, lookup_auth_file, repository_scope, Challenge, CredentialSource, Credentials,
@@ -45,3 +46,4 @@ pub use media::ManifestKind;
 pub use push::{BlobPush, PushOptions, UploadSession, DEFAULT_UPLOAD_PIECE};
 pub use reference::{is_loopback_host, valid_tag, Digest, Reference, Target};
 pub use retry::{retryable_error, retryable_status, RetryPolicy};
+pub use stats::TransferStats;

@@ -191,6 +191,23 @@ impl ReadStore for RegistryStore {
         self.location()
     }
 
+    /// The registry client's counters, in the HTTP store's shape (the daemon's `tessera_origin_*`).
+    fn http_stats(&self) -> Option<crate::HttpStats> {
+        let t = self.inner.client.stats();
+        Some(crate::HttpStats {
+            requests: t.requests,
+            retries: t.retries,
+            bytes: t.bytes,
+            errors: crate::OriginErrorCounts {
+                status: t.status_errors,
+                transport: t.transport_errors,
+                timeout: t.timeout_errors,
+                body: t.body_errors,
+                digest: t.digest_errors,
+            },
+        })
+    }
+
     fn resolve(&self, reference: &str) -> Result<ImageId, StoreError> {
         if reference.starts_with("sha256:") {
             let id: ImageId = reference
