@@ -204,7 +204,9 @@ fn registry_origin_counts_requests_retries_and_errors() -> Result<()> {
     }
     ensure!(v("tessera_origin_retries_total", &[])? == 2.0, "retries");
     let log = proxy.log();
-    ensure!(v("tessera_origin_requests_total", &[])? == log.len() as f64, "requests vs the proxy: {log:#?}");
+    let requests = v("tessera_origin_requests_total", &[])?;
+    ensure!(requests == log.len() as f64, "requests vs the proxy: {log:#?}");
+    ensure!(v("tessera_origin_request_duration_seconds_count", &[])? == requests, "every try timed");
     // Every chunk came from the registry (no disk cache): at least the pack's stored bytes the
     // device needed, which is more than nothing and at most what the proxy relayed.
     let bytes = v("tessera_origin_bytes_total", &[])?;

@@ -179,7 +179,12 @@ struct Inner {
     state: Mutex<State>,
     ranges: Slots,
     counters: crate::stats::Counters,
+    /// Told the duration of every counted try ([`Client::time_requests`]).
+    request_timer: std::sync::OnceLock<RequestTimer>,
 }
+
+/// Receives the duration of each try (from sending it to the response's head, or the failure).
+type RequestTimer = Box<dyn Fn(Duration) + Send + Sync>;
 
 /// A client for one registry host.
 #[derive(Clone)]
@@ -341,6 +346,7 @@ impl Client {
                 state: Mutex::new(State::default()),
                 ranges: Slots { max: max_ranges, used: Mutex::new(0), freed: Condvar::new() },
                 counters: Default::default(),
+                request_timer: std::sync::OnceLock::new(),
             }),
         }
     }
@@ -358,6 +364,13 @@ impl Client {
     /// Requests, retries, body bytes and failed tries so far.
     pub fn stats(&self) -> crate::TransferStats {
         self.inner.counters.snapshot()
+    }
+
+    /// Call `f` with the duration of every try counted in [`Self::stats`] (from sending it to
+    /// the response's head, or the failure; body reads are not included). One timer per client:
+    /// false (and `f` dropped) if one is set already.
+    pub fn time_requests(&self, f: impl Fn(Duration) + Send + Sync + 'static) -> bool {
+        self.inner.request_timer.set(Box::new(f)).is_ok()
     }
 
     pub(crate) fn counters(&self) -> &crate::stats::Counters {
@@ -420,6 +433,7 @@ impl Client {
             let agent = self.agent_for(url);
             let with_headers = |rb| add_headers(rb, headers, auth);
             let with_body_headers = |rb| add_headers(rb, headers, auth);
+            let started = Instant::now();
             let sent = match method {
                 Method::Get => with_headers(agent.get(url)).call(),
                 Method::Head => with_headers(agent.head(url)).call(),
@@ -428,6 +442,9 @@ impl Client {
                 Method::Patch => with_body_headers(agent.patch(url)).send(body),
             };
             if let Some(c) = counters {
+                if let Some(timer) = self.inner.request_timer.get() {
+                    timer(started.elapsed());
+                }
                 c.request();
                 match &sent {
                     Ok(resp) if retryable_status(resp.status().as_u16()) => c.status_error(),

@@ -53,6 +53,8 @@ struct Inner {
     images: Mutex<HashMap<ImageId, Arc<Found>>>,
     /// Tags resolved through this store (a registry's tag list would also list `sha256-…`).
     seen_refs: Mutex<Vec<(String, ImageId)>>,
+    /// Duration of each try of the client (`None` if the client was already timed elsewhere).
+    latency: Option<tessera_metrics::Histogram>,
 }
 
 /// A registry repository holding Tessera images. Cheap to clone.
@@ -83,8 +85,12 @@ impl RegistryStore {
 
     /// The store `repo` on `client`'s registry.
     pub fn with_client(client: Client, repo: &str) -> Self {
+        let latency = tessera_metrics::origin_latency_histogram();
+        let observed = latency.clone();
+        let timed = client.time_requests(move |d| observed.observe(d.as_secs_f64()));
         Self {
             inner: Arc::new(Inner {
+                latency: timed.then_some(latency),
                 registry: client.registry().to_owned(),
                 client,
                 repo: repo.to_owned(),
@@ -189,6 +195,10 @@ impl RegistryStore {
 impl ReadStore for RegistryStore {
     fn describe(&self) -> String {
         self.location()
+    }
+
+    fn origin_latency(&self) -> Option<tessera_metrics::Histogram> {
+        self.inner.latency.clone()
     }
 
     /// The registry client's counters, in the HTTP store's shape (the daemon's `tessera_origin_*`).
