@@ -17,7 +17,7 @@ use std::io::{Cursor, Read};
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
-use tessera_build::source::{scan_layer, ContentRef, Flattener, LayerBlob, LayerStream};
+use tessera_builder::source::{scan_layer, ContentRef, Flattener, LayerBlob, LayerStream};
 use tessera_ext4::NodeKind;
 
 use crate::{Input, Output};

@@ -132,7 +132,7 @@ pub fn run(opts: &OciBench) -> Result<()> {
         }
         let first = geometry.is_none();
         let (d, id, (size, inodes)) =
-            crate::timed_tessera_build(&bin, source.as_ref(), &store, &mut geometry)?;
+            crate::timed_tessera_builder(&bin, source.as_ref(), &store, &mut geometry)?;
         if first {
             println!("store: {:.1} MB", du_bytes(&store) as f64 / 1e6);
         }

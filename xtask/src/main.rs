@@ -570,7 +570,7 @@ fn timed(cmd: &mut Command) -> Result<(Duration, Vec<u8>)> {
 /// Time `tessera build SOURCE --store STORE`; the first call also reads the image's geometry
 /// (device bytes, inodes) with `inspect --json`, prints it and keeps it in `geometry`, so the
 /// reference tool can be given the same size.
-fn timed_tessera_build(
+fn timed_tessera_builder(
     bin: &Path,
     source: &std::ffi::OsStr,
     store: &Path,
@@ -641,7 +641,7 @@ fn bench_build(files: u64, runs: usize, cold: bool) -> Result<()> {
         if cold {
             drop_caches()?;
         }
-        let (d, _id, (size, inodes)) = timed_tessera_build(&bin, tree.as_os_str(), &store, &mut geometry)?;
+        let (d, _id, (size, inodes)) = timed_tessera_builder(&bin, tree.as_os_str(), &store, &mut geometry)?;
         let _ = std::fs::remove_file(&img);
         if cold {
             drop_caches()?;

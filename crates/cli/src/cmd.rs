@@ -6,9 +6,9 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use indicatif::HumanBytes;
 use serde::Serialize;
-use tessera_build::source::SourceSpec;
-use tessera_build::Progress;
-use tessera_build::{BuildConfig, BuildError};
+use tessera_builder::source::SourceSpec;
+use tessera_builder::Progress;
+use tessera_builder::{BuildConfig, BuildError};
 use tessera_ext4::SizePolicy;
 use tessera_image::{ImageId, ImageRecord, PackIndex, RuntimeConfig};
 use tessera_store::{export_raw, read_profile, ImageReader, ReadStore, StoreError, StoreLocation};
@@ -62,7 +62,7 @@ pub fn build(args: BuildArgs) -> Result<()> {
         ..BuildConfig::default()
     };
     let bar = Bar::new("building");
-    let out = tessera_build::build_source(&spec, &args.platform, &store, &config, &bar)?;
+    let out = tessera_builder::build_source(&spec, &args.platform, &store, &config, &bar)?;
     if let Some(tag) = &args.tag {
         store.set_ref(tag, &out.id)?;
     }

@@ -4,7 +4,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use indicatif::HumanBytes;
 use serde::Serialize;
-use tessera_build::Progress;
+use tessera_builder::Progress;
 use tessera_image::validate_tag;
 use tessera_registry::{Client, ClientOptions, CredentialSource, Credentials, Reference};
 use tessera_store::{copy_image, push_image, PushOptions, PushTarget, StoreError, StoreLocation};

@@ -41,7 +41,7 @@ impl std::error::Error for UsageError {}
 metadata is synthesized directly and whose file data is cut into deduplicated, compressed, \
 content-addressed chunks in a store. The image can be exported as a raw device or served lazily.",
     after_help = "Exit status: 0 success, 1 failure (including an unknown image or tag), 2 usage error.\n\
-Logs: set RUST_LOG (e.g. RUST_LOG=info or RUST_LOG=tessera_build=debug); they go to stderr.\n\
+Logs: set RUST_LOG (e.g. RUST_LOG=info or RUST_LOG=tessera_builder=debug); they go to stderr.\n\
 \n\
 Quick start:\n  tessera build ./rootfs --store ./store --tag demo\n  tessera inspect demo --store ./store\n  \
 tessera export demo --store ./store -o demo.img\n  \
@@ -120,7 +120,7 @@ pub struct BuildArgs {
     chunk_size: u32,
     /// The platform to pick from a multi-platform image index: OS/ARCH[/VARIANT].
     #[arg(long, value_parser = parse_platform, default_value = "linux/amd64")]
-    platform: tessera_build::source::Platform,
+    platform: tessera_builder::source::Platform,
     /// Refuse images whose layers decompress to more than this many bytes in total (default: no
     /// limit).
     #[arg(long, value_parser = parse_size_arg)]
@@ -192,8 +192,8 @@ fn parse_chunk_size(s: &str) -> Result<u32, String> {
     Ok(n as u32)
 }
 
-fn parse_platform(s: &str) -> Result<tessera_build::source::Platform, String> {
-    s.parse().map_err(|e: tessera_build::source::SourceError| e.to_string())
+fn parse_platform(s: &str) -> Result<tessera_builder::source::Platform, String> {
+    s.parse().map_err(|e: tessera_builder::source::SourceError| e.to_string())
 }
 
 pub(crate) fn parse_creds(s: &str) -> Result<tessera_registry::Credentials, String> {

@@ -23,7 +23,7 @@ impl Bar {
     }
 }
 
-impl tessera_build::Progress for Bar {
+impl tessera_builder::Progress for Bar {
     fn start(&self, total: u64) {
         self.bar.set_draw_target(indicatif::ProgressDrawTarget::stderr());
         self.bar.set_length(total);

@@ -4,7 +4,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use indicatif::HumanBytes;
 use serde::Serialize;
-use tessera_build::Progress;
+use tessera_builder::Progress;
 use tessera_registry::{Client, ClientOptions, CredentialSource, Credentials, Reference};
 use tessera_store::{push_image, PushOptions, PushTarget, ReadStore, StoreLocation};
 

@@ -6,7 +6,7 @@ use anyhow::{bail, Result};
 use clap::Args;
 use indicatif::HumanBytes;
 use serde::Serialize;
-use tessera_build::Progress;
+use tessera_builder::Progress;
 use tessera_registry::ClientOptions;
 use tessera_store::{
     warm, CachedStore, DiskCache, HttpConfig, HttpStore, Origin, RegistryStore, StoreLocation, WarmOptions,

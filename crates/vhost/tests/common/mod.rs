@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use blkio::{Blkio, Blkioq, Completion, MemoryRegion, ReqFlags};
 use rand::{Rng, SeedableRng};
-use tessera_build::{build_dir, BuildConfig, NoProgress};
+use tessera_builder::{build_dir, BuildConfig, NoProgress};
 use tessera_ext4::SizePolicy;
 use tessera_image::ImageId;
 use tessera_store::{export_raw, ImageReader, LocalStore, OpenImage};

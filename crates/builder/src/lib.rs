@@ -2,7 +2,7 @@
 //! and writing the image into a store.
 //!
 //! ```no_run
-//! use tessera_build::{build_dir, BuildConfig, NoProgress};
+//! use tessera_builder::{build_dir, BuildConfig, NoProgress};
 //! let store = tessera_store::LocalStore::create_or_open("store").unwrap();
 //! let out = build_dir("rootfs".as_ref(), &store, &BuildConfig::default(), &NoProgress).unwrap();
 //! println!("{}", out.id);
