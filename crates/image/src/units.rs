@@ -3,17 +3,6 @@ use thiserror::Error;
 /// The filesystem and device block size. Tessera images always use 4 KiB blocks.
 pub const BLOCK_SIZE: u32 = 4096;
 
-/// A device block number (units of [`BLOCK_SIZE`] bytes).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
-pub struct FsBlock(pub u64);
-
-impl FsBlock {
-    /// Byte offset of the block's first byte; `None` on overflow.
-    pub fn byte_offset(self) -> Option<u64> {
-        self.0.checked_mul(u64::from(BLOCK_SIZE))
-    }
-}
-
 /// Why a size string was rejected.
 #[derive(Debug, Error, PartialEq, Eq)]
 #[non_exhaustive]
