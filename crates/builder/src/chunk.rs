@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 
 use rayon::prelude::*;
-use tessera_image::{ChunkId, Compression, PackLocation, Sha256Digest};
+use tessera_image::{BlockSize, ChunkId, Compression, PackLocation, Sha256Digest};
 use tessera_store::{BlobWriter, LocalStore};
 
 use crate::error::BuildError;
@@ -78,8 +78,8 @@ fn chunk_jobs(src: &SourceTree, chunk_size: u64) -> Vec<Job> {
         let (Some(path), Some(n)) = (path, src.tree.nodes.get(node)) else { continue };
         let tessera_ext4::NodeKind::Regular { size, data } = &n.kind else { continue };
         for range in data {
-            let start = range.start_block * 4096;
-            let end = ((range.start_block + range.blocks) * 4096).min(*size);
+            let start = range.start_block * BlockSize::U64;
+            let end = ((range.start_block + range.blocks) * BlockSize::U64).min(*size);
             let mut off = start;
             while off < end {
                 let len = (end - off).min(chunk_size);

@@ -6,8 +6,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use tessera_ext4::{NodeKind, Options, SizePolicy, Tree};
 use tessera_image::{
-    BlockMap, BuildOptions, ChunkId, Geometry, ImageEntry, ImageId, ImageRecord, ImageStats, PackIndex,
-    PackLocation, PrefixInfo, RuntimeConfig, Sha256Digest,
+    BlockMap, BlockSize, BuildOptions, ChunkId, Geometry, ImageEntry, ImageId, ImageRecord, ImageStats,
+    PackIndex, PackLocation, PrefixInfo, RuntimeConfig, Sha256Digest,
 };
 use tessera_store::LocalStore;
 use tracing::{debug, info};
@@ -130,8 +130,8 @@ pub(crate) fn finish_image(
     let prefix_len: usize = fs.metadata.iter().map(|r| r.data.len()).sum();
     let mut prefix = Vec::with_capacity(prefix_len);
     for run in &fs.metadata {
-        let blocks = run.data.len() as u64 / 4096;
-        map.push_prefix(run.start_block, blocks, prefix.len() as u64 / 4096)?;
+        let blocks = run.data.len() as u64 / BlockSize::U64;
+        map.push_prefix(run.start_block, blocks, prefix.len() as u64 / BlockSize::U64)?;
         prefix.extend_from_slice(&run.data);
     }
 
@@ -141,8 +141,8 @@ pub(crate) fn finish_image(
         let mut ext = 0;
         for &(offset, id, len) in file_chunks {
             let idx = map.add_chunk(id, len);
-            let first = offset / 4096;
-            let end = first + u64::from(len).div_ceil(4096);
+            let first = offset / BlockSize::U64;
+            let end = first + u64::from(len).div_ceil(BlockSize::U64);
             let mut fb = first;
             while fb < end {
                 while ext < placed.len() && placed[ext].file_block + placed[ext].blocks <= fb {
@@ -168,7 +168,7 @@ pub(crate) fn finish_image(
     let record = ImageRecord {
         options: BuildOptions { chunk_size: config.chunk_size },
         geometry: Geometry {
-            block_size: 4096,
+            block_size: BlockSize::U32,
             blocks: g.blocks_count,
             inodes: g.inodes_count,
             inodes_per_group: g.inodes_per_group,
@@ -181,7 +181,10 @@ pub(crate) fn finish_image(
             uuid: g.uuid,
         },
         stats,
-        prefix: PrefixInfo { digest: Sha256Digest::of(&prefix), blocks: prefix.len() as u64 / 4096 },
+        prefix: PrefixInfo {
+            digest: Sha256Digest::of(&prefix),
+            blocks: prefix.len() as u64 / BlockSize::U64,
+        },
         block_map,
         config: runtime,
     };

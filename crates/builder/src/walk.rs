@@ -9,10 +9,9 @@ use std::path::{Path, PathBuf};
 use rustix::fs::SeekFrom;
 use rustix::io::Errno;
 use tessera_ext4::{DataRange, DirEntry, Meta, Node, NodeId, NodeKind, Timestamp, Tree, Xattr};
+use tessera_image::BlockSize;
 
 use crate::error::BuildError;
-
-const BLOCK: u64 = 4096;
 
 /// A walked source: the tree plus, for each regular-file node, where to read its content.
 #[derive(Debug, Default)]
@@ -148,7 +147,7 @@ fn data_ranges(path: &Path, md: &Metadata) -> Result<Vec<DataRange>, BuildError>
     if size == 0 {
         return Ok(Vec::new());
     }
-    let size_blocks = size.div_ceil(BLOCK);
+    let size_blocks = size.div_ceil(BlockSize::U64);
     // Fully allocated files need no probing (and neither do filesystems without holes).
     if md.blocks().saturating_mul(512) >= size {
         return Ok(vec![DataRange { start_block: 0, blocks: size_blocks }]);
@@ -172,8 +171,8 @@ fn data_ranges(path: &Path, md: &Metadata) -> Result<Vec<DataRange>, BuildError>
             Err(Errno::NXIO) => size,
             Err(e) => return Err(BuildError::io(path, "seek hole")(e.into())),
         };
-        let start = data / BLOCK;
-        let end = hole.div_ceil(BLOCK).min(size_blocks);
+        let start = data / BlockSize::U64;
+        let end = hole.div_ceil(BlockSize::U64).min(size_blocks);
         match ranges.last_mut() {
             Some(last) if last.start_block + last.blocks >= start => {
                 last.blocks = last.blocks.max(end - last.start_block);

@@ -3,8 +3,7 @@
 //! Bit i (LSB first within byte i/8) marks block `g*32768+i` or inode `g*ipg+i+1` as used.
 
 use crate::checksum::crc32c_raw;
-
-pub const BITMAP_BYTES: usize = 4096;
+use tessera_image::BlockSize;
 
 /// One bitmap block.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -20,7 +19,7 @@ impl Default for Bitmap {
 
 impl Bitmap {
     pub fn new() -> Self {
-        Bitmap { bytes: vec![0; BITMAP_BYTES] }
+        Bitmap { bytes: vec![0; BlockSize::USIZE] }
     }
 
     /// Set bits `[start, start+len)`, a whole byte at a time where possible (files of GiBs set millions of
@@ -73,8 +72,8 @@ impl Bitmap {
 /// are set, as e2fsck expects ("Padding at end of block bitmap is not set").
 pub fn block_bitmap(blocks_in_group: usize) -> Bitmap {
     let mut b = Bitmap::new();
-    if blocks_in_group < BITMAP_BYTES * 8 {
-        b.set_range(blocks_in_group, BITMAP_BYTES * 8 - blocks_in_group);
+    if blocks_in_group < BlockSize::USIZE * 8 {
+        b.set_range(blocks_in_group, BlockSize::USIZE * 8 - blocks_in_group);
     }
     b
 }
@@ -82,8 +81,8 @@ pub fn block_bitmap(blocks_in_group: usize) -> Bitmap {
 /// An inode bitmap for `ipg` inodes: bits ipg..32767 are set (e2fsck exits 4 otherwise).
 pub fn inode_bitmap(ipg: usize) -> Bitmap {
     let mut b = Bitmap::new();
-    if ipg < BITMAP_BYTES * 8 {
-        b.set_range(ipg, BITMAP_BYTES * 8 - ipg);
+    if ipg < BlockSize::USIZE * 8 {
+        b.set_range(ipg, BlockSize::USIZE * 8 - ipg);
     }
     b
 }

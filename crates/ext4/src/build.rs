@@ -22,17 +22,18 @@ use crate::namespace::{self, Namespace, Slot, LINK_MAX, LOST_FOUND_INO};
 use crate::superblock::SuperblockParams;
 use crate::tree::{Meta, NodeKind, Timestamp, Tree};
 use crate::xattr::{self, DiskXattr};
-use crate::{Ext4Image, Geometry, MetadataRun, Options, PlacedExtent, SizePolicy, BLOCK_SIZE};
+use crate::{Ext4Image, Geometry, MetadataRun, Options, PlacedExtent, SizePolicy};
+use tessera_image::BlockSize;
 
 /// Largest file: `ee_block` is 32 bits, so the last block index is 2^32 − 2.
-pub const MAX_FILE_SIZE: u64 = ((1u64 << 32) - 1) * BLOCK_SIZE;
+pub const MAX_FILE_SIZE: u64 = ((1u64 << 32) - 1) * BlockSize::U64;
 /// Largest filesystem we build (64 TiB); far beyond any container image, and keeps bitmaps in memory.
 pub const MAX_BLOCKS: u64 = 1 << 34;
 /// The kernel stops sharing an xattr block at this many references (`EXT4_XATTR_REFCOUNT_MAX`).
 const XATTR_REFCOUNT_MAX: u32 = 1024;
 /// Fast symlinks hold targets shorter than the 60-byte `i_block`.
 const FAST_SYMLINK_MAX: usize = 59;
-const DEFAULT_FREE_BLOCKS: u64 = (256 << 20) / BLOCK_SIZE;
+const DEFAULT_FREE_BLOCKS: u64 = (256 << 20) / BlockSize::U64;
 
 /// What one inode holds.
 #[derive(Debug)]
@@ -242,7 +243,7 @@ fn prepare(
                 if *size > MAX_FILE_SIZE {
                     return Err(Ext4Error::FileTooLarge { path: path(), size: *size, max: MAX_FILE_SIZE });
                 }
-                let limit = size.div_ceil(BLOCK_SIZE);
+                let limit = size.div_ceil(BlockSize::U64);
                 let mut ranges: Vec<(u64, u64)> = Vec::with_capacity(data.len());
                 for r in data {
                     let end = r.start_block.checked_add(r.blocks);
@@ -399,7 +400,7 @@ fn size_and_layout(
     match opts.size {
         SizePolicy::Free(free) => {
             let free_blocks = match free {
-                Some(bytes) => bytes.div_ceil(BLOCK_SIZE),
+                Some(bytes) => bytes.div_ceil(BlockSize::U64),
                 None => DEFAULT_FREE_BLOCKS.max(data_blocks.div_ceil(4)),
             };
             let mut groups = 1u64.max(want_inodes.div_ceil(MAX_IPG));
@@ -425,7 +426,7 @@ fn size_and_layout(
             }
         }
         SizePolicy::Exact(bytes) => {
-            let requested = bytes / BLOCK_SIZE;
+            let requested = bytes / BlockSize::U64;
             if requested > MAX_BLOCKS {
                 return Err(Ext4Error::ImageTooLarge { blocks: requested, max: MAX_BLOCKS });
             }
@@ -446,11 +447,17 @@ fn size_and_layout(
             let j = journal::default_journal_blocks(blocks);
             // The smallest sensible filesystem: the fixed metadata must fit in what is left.
             if blocks < 1 + geometry::gdt_blocks(groups) + j + 64 {
-                return Err(Ext4Error::SizeTooSmall { requested: bytes, needed: (2048 + j) * BLOCK_SIZE });
+                return Err(Ext4Error::SizeTooSmall {
+                    requested: bytes,
+                    needed: (2048 + j) * BlockSize::U64,
+                });
             }
             let lay = layout(objs, nxblocks, files, groups, ipg, blocks, j);
             if lay.data_end > blocks {
-                return Err(Ext4Error::SizeTooSmall { requested: bytes, needed: lay.data_end * BLOCK_SIZE });
+                return Err(Ext4Error::SizeTooSmall {
+                    requested: bytes,
+                    needed: lay.data_end * BlockSize::U64,
+                });
             }
             Ok(lay)
         }
@@ -589,7 +596,7 @@ struct MetaSink {
 
 impl MetaSink {
     fn put(&mut self, block: u64, data: Vec<u8>) {
-        debug_assert_eq!(data.len() % BLOCK_SIZE as usize, 0);
+        debug_assert_eq!(data.len() % BlockSize::USIZE, 0);
         if !data.is_empty() {
             self.regions.push((block, data));
         }
@@ -598,7 +605,7 @@ impl MetaSink {
     fn finish(mut self) -> Vec<MetadataRun> {
         self.regions.sort_by_key(|r| r.0);
         let mut runs: Vec<MetadataRun> = Vec::new();
-        let bs = BLOCK_SIZE as usize;
+        let bs = BlockSize::USIZE;
         for (start, data) in self.regions {
             for (k, blk) in data.chunks(bs).enumerate() {
                 if blk.iter().all(|&b| b == 0) {
@@ -664,14 +671,14 @@ fn render(
         match &o.kind {
             ObjKind::Dir { blocks, htree } => {
                 d.mode = inode::S_IFDIR | perm;
-                d.size = blocks.len() as u64 * BLOCK_SIZE;
+                d.size = blocks.len() as u64 * BlockSize::U64;
                 owned_blocks += blocks.len() as u64;
                 if *htree {
                     d.flags |= inode::EXT4_INDEX_FL;
                 }
                 let mut lblk = 0;
                 for e in &l.extents {
-                    let mut run = Vec::with_capacity(e.len as usize * BLOCK_SIZE as usize);
+                    let mut run = Vec::with_capacity(e.len as usize * BlockSize::USIZE);
                     for b in &blocks[lblk..lblk + e.len as usize] {
                         run.extend_from_slice(b);
                     }
@@ -695,7 +702,7 @@ fn render(
                 if target.len() <= FAST_SYMLINK_MAX {
                     d.i_block[..target.len()].copy_from_slice(target);
                 } else {
-                    let mut b = vec![0u8; BLOCK_SIZE as usize];
+                    let mut b = vec![0u8; BlockSize::USIZE];
                     b[..target.len()].copy_from_slice(target);
                     sink.put(l.symlink_block, b);
                     owned_blocks += 1;
@@ -715,7 +722,7 @@ fn render(
             ObjKind::Fifo => d.mode = inode::S_IFIFO | perm,
             ObjKind::Sock => d.mode = inode::S_IFSOCK | perm,
         }
-        d.blocks_512 = owned_blocks * (BLOCK_SIZE / 512);
+        d.blocks_512 = owned_blocks * (BlockSize::U64 / 512);
         inodes.push((o.ino, d.render(o.ino, fs_seed)));
     }
 
@@ -723,7 +730,7 @@ fn render(
     let mut jext = Vec::new();
     extent::split_extents(0, lay.journal_start, lay.journal_blocks, &mut jext);
     let jtree = extent::build_tree(&jext, &[], namespace::JOURNAL_INO, fs_seed);
-    let jsize = lay.journal_blocks * BLOCK_SIZE;
+    let jsize = lay.journal_blocks * BlockSize::U64;
     let jd = InodeData {
         mode: inode::S_IFREG | 0o600,
         size: jsize,
@@ -732,7 +739,7 @@ fn render(
         mtime: t,
         crtime: t,
         links: 1,
-        blocks_512: lay.journal_blocks * 8,
+        blocks_512: lay.journal_blocks * (BlockSize::U64 / 512),
         flags: inode::EXT4_EXTENTS_FL,
         i_block: jtree.i_block,
         ..Default::default()
@@ -758,7 +765,7 @@ fn render(
     let mut tables: Vec<Vec<u8>> = (0..lay.groups)
         .map(|g| {
             let used = last_ino.saturating_sub(g * ipg).min(ipg);
-            vec![0u8; (used * 256).next_multiple_of(BLOCK_SIZE) as usize]
+            vec![0u8; (used * 256).next_multiple_of(BlockSize::U64) as usize]
         })
         .collect();
     for (ino, raw) in &inodes {
@@ -807,7 +814,7 @@ fn render(
             free_inodes: fi as u32,
             used_dirs: used_dirs[gi],
             itable_unused: fi as u32,
-            block_bitmap_csum: bbitmaps[gi].checksum(4096, fs_seed),
+            block_bitmap_csum: bbitmaps[gi].checksum(BlockSize::USIZE, fs_seed),
             inode_bitmap_csum: ib.checksum(ipg as usize / 8, fs_seed),
         };
         descs.extend_from_slice(&gd.render(g as u32, fs_seed));
@@ -819,7 +826,7 @@ fn render(
     for (g, table) in tables.into_iter().enumerate() {
         sink.put(lay.inode_table[g], table);
     }
-    descs.resize((geometry::gdt_blocks(lay.groups) * BLOCK_SIZE) as usize, 0);
+    descs.resize((geometry::gdt_blocks(lay.groups) * BlockSize::U64) as usize, 0);
 
     // 6. Superblock copies (primary at byte 1024 of block 0, backups at the start of their group).
     let mut label = [0u8; 16];
@@ -842,7 +849,7 @@ fn render(
             continue;
         }
         let sb = sbp.render(g as u32);
-        let mut head = vec![0u8; BLOCK_SIZE as usize];
+        let mut head = vec![0u8; BlockSize::USIZE];
         if g == 0 {
             head[1024..2048].copy_from_slice(&sb);
         } else {

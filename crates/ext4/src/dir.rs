@@ -3,10 +3,10 @@
 
 use crate::bytes::{align4, put_u16, put_u32, put_u8};
 use crate::checksum::{crc32c_raw, inode_seed};
+use tessera_image::BlockSize;
 
-pub const BLOCK: usize = 4096;
 /// Bytes available to entries in a leaf block: everything before the 12-byte tail.
-pub const LEAF_CAPACITY: usize = BLOCK - 12;
+pub const LEAF_CAPACITY: usize = BlockSize::USIZE - 12;
 
 pub const FT_REG: u8 = 1;
 pub const FT_DIR: u8 = 2;
@@ -41,7 +41,7 @@ pub fn put_entry(b: &mut [u8], off: usize, e: &DirEnt<'_>, rec: usize) {
 /// Render a leaf block holding `entries` in order; the last record stretches to the tail.
 /// An empty slice gives an "empty" block (one unused record covering the block).
 pub fn render_leaf(entries: &[DirEnt<'_>], dir_ino: u32, fs_seed: u32) -> Vec<u8> {
-    let mut b = vec![0u8; BLOCK];
+    let mut b = vec![0u8; BlockSize::USIZE];
     let mut off = 0;
     if entries.is_empty() {
         put_u16(&mut b, 4, LEAF_CAPACITY as u16);

@@ -6,6 +6,7 @@
 
 use crate::bytes::{put_u16, put_u32};
 use crate::checksum::{crc32c_raw, inode_seed};
+use tessera_image::BlockSize;
 
 pub const EXTENT_MAGIC: u16 = 0xF30A;
 /// Entries in the 60-byte in-inode root: (60 − 12) / 12.
@@ -95,7 +96,7 @@ pub fn build_tree(extents: &[Extent], tree_block_nrs: &[u64], ino: u32, fs_seed:
     // Leaves: chunks of 340 extents.
     let mut first_lblks: Vec<u32> = Vec::with_capacity(levels[0]);
     for (i, chunk) in extents.chunks(NODE_MAX).enumerate() {
-        let mut b = vec![0u8; 4096];
+        let mut b = vec![0u8; BlockSize::USIZE];
         put_header(&mut b, chunk.len(), NODE_MAX, 0);
         for (j, e) in chunk.iter().enumerate() {
             put_leaf_entry(&mut b, 12 + 12 * j, e);
@@ -109,7 +110,7 @@ pub fn build_tree(extents: &[Extent], tree_block_nrs: &[u64], ino: u32, fs_seed:
         let children = level_blocks[lvl - 1];
         let mut next_first = Vec::with_capacity(levels[lvl]);
         for (i, chunk) in first_lblks.chunks(NODE_MAX).enumerate() {
-            let mut b = vec![0u8; 4096];
+            let mut b = vec![0u8; BlockSize::USIZE];
             put_header(&mut b, chunk.len(), NODE_MAX, lvl);
             for (j, &lblk) in chunk.iter().enumerate() {
                 put_index_entry(&mut b, 12 + 12 * j, lblk, children[i * NODE_MAX + j]);

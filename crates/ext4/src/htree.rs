@@ -3,8 +3,9 @@
 
 use crate::bytes::{put_u16, put_u32, put_u8};
 use crate::checksum::{crc32c_raw, inode_seed};
-use crate::dir::{put_entry, rec_len, render_leaf, DirEnt, BLOCK, FT_DIR, LEAF_CAPACITY};
+use crate::dir::{put_entry, rec_len, render_leaf, DirEnt, FT_DIR, LEAF_CAPACITY};
 use crate::hash::dx_hash;
+use tessera_image::BlockSize;
 
 /// Index entries in the root with a dx_tail: (4096 − 32 − 8) / 8.
 pub const ROOT_LIMIT: usize = 507;
@@ -86,7 +87,7 @@ fn put_index(b: &mut [u8], count_off: usize, limit: usize, entries: &[(u32, u32)
         put_u32(b, off + 4, block);
     }
     let tail = count_off + 8 * limit;
-    debug_assert_eq!(tail, BLOCK - 8);
+    debug_assert_eq!(tail, BlockSize::USIZE - 8);
     put_u32(b, tail, 0); // dt_reserved
     let c = crc32c_raw(seed, &b[..count_off + 8 * entries.len()]);
     let c = crc32c_raw(c, &b[tail..tail + 4]);
@@ -123,9 +124,14 @@ pub fn render_htree(
         leaves.iter().enumerate().map(|(i, l)| (l.index_hash, (first_leaf + i) as u32)).collect();
 
     let mut out = Vec::with_capacity(first_leaf + leaves.len());
-    let mut root = vec![0u8; BLOCK];
+    let mut root = vec![0u8; BlockSize::USIZE];
     put_entry(&mut root, 0, &DirEnt { ino: dir_ino, file_type: FT_DIR, name: b"." }, 12);
-    put_entry(&mut root, 12, &DirEnt { ino: parent_ino, file_type: FT_DIR, name: b".." }, BLOCK - 12);
+    put_entry(
+        &mut root,
+        12,
+        &DirEnt { ino: parent_ino, file_type: FT_DIR, name: b".." },
+        BlockSize::USIZE - 12,
+    );
     put_u32(&mut root, 24, 0); // reserved_zero
     put_u8(&mut root, 28, HASH_HALF_MD4);
     put_u8(&mut root, 29, 8); // info_length
@@ -141,10 +147,10 @@ pub fn render_htree(
         put_index(&mut root, ROOT_COUNT_OFF, ROOT_LIMIT, &root_index, seed);
         out.push(root);
         for chunk in node_chunks {
-            let mut b = vec![0u8; BLOCK];
+            let mut b = vec![0u8; BlockSize::USIZE];
             // A fake empty dirent spanning the block, so linear readers skip the node.
             put_u32(&mut b, 0, 0);
-            put_u16(&mut b, 4, BLOCK as u16);
+            put_u16(&mut b, 4, BlockSize::USIZE as u16);
             put_index(&mut b, NODE_COUNT_OFF, NODE_LIMIT, chunk, seed);
             out.push(b);
         }

@@ -2,6 +2,7 @@
 //! Reference §11. All JBD2 fields are big-endian.
 
 use crate::bytes::put_be32;
+use tessera_image::BlockSize;
 
 pub const JBD2_MAGIC: u32 = 0xC03B_3998;
 const SUPERBLOCK_V2: u32 = 4;
@@ -29,11 +30,11 @@ pub fn default_journal_blocks(blocks: u64) -> u64 {
 
 /// Render journal block 0: a clean (s_start = 0) v2 superblock with no features, as mke2fs writes it.
 pub fn render_superblock(journal_blocks: u64, uuid: &[u8; 16]) -> Vec<u8> {
-    let mut b = vec![0u8; 4096];
+    let mut b = vec![0u8; BlockSize::USIZE];
     put_be32(&mut b, 0x00, JBD2_MAGIC);
     put_be32(&mut b, 0x04, SUPERBLOCK_V2);
     put_be32(&mut b, 0x08, 0); // h_sequence
-    put_be32(&mut b, 0x0C, 4096); // s_blocksize
+    put_be32(&mut b, 0x0C, BlockSize::U32); // s_blocksize
     put_be32(&mut b, 0x10, journal_blocks as u32); // s_maxlen
     put_be32(&mut b, 0x14, 1); // s_first
     put_be32(&mut b, 0x18, 1); // s_sequence

@@ -58,9 +58,6 @@ pub mod xattr;
 pub use error::Ext4Error;
 pub use tree::{DataRange, DirEntry, Meta, Node, NodeId, NodeKind, Timestamp, Tree, Xattr};
 
-/// The ext4 block size used for every image.
-pub const BLOCK_SIZE: u64 = 4096;
-
 /// How big the filesystem should be.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SizePolicy {
@@ -104,7 +101,7 @@ pub struct PlacedExtent {
 pub struct MetadataRun {
     /// First device block.
     pub start_block: u64,
-    /// The bytes of the blocks; `data.len()` is a multiple of [`BLOCK_SIZE`].
+    /// The bytes of the blocks; `data.len()` is a multiple of the block size ([`tessera_image::BLOCK_SIZE`]).
     pub data: Vec<u8>,
 }
 

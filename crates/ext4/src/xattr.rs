@@ -5,9 +5,9 @@ use crate::acl;
 use crate::bytes::{align4, put_u16, put_u32, put_u8};
 use crate::checksum::crc32c_raw;
 use crate::inode::XATTR_AREA_LEN;
+use tessera_image::BlockSize;
 
 pub const XATTR_MAGIC: u32 = 0xEA02_0000;
-const BLOCK: usize = 4096;
 const BLOCK_HEADER: usize = 32;
 const ENTRY_HEADER: usize = 16;
 
@@ -146,7 +146,7 @@ pub fn fits_in_inode(xattrs: &[DiskXattr]) -> bool {
 
 /// Whether `xattrs` fit in one external block.
 pub fn fits_in_block(xattrs: &[DiskXattr]) -> bool {
-    BLOCK_HEADER + xattrs.iter().map(DiskXattr::footprint).sum::<usize>() + 4 <= BLOCK
+    BLOCK_HEADER + xattrs.iter().map(DiskXattr::footprint).sum::<usize>() + 4 <= BlockSize::USIZE
 }
 
 /// Render the in-inode area (inode bytes 0xA0..0x100). Value offsets are relative to the first entry.
@@ -165,7 +165,7 @@ pub fn render_inode_area(xattrs: &[DiskXattr]) -> Option<[u8; XATTR_AREA_LEN]> {
 
 /// Render the block contents without the per-block checksum and refcount (the sharing key).
 pub fn render_block_body(xattrs: &[DiskXattr]) -> Option<Vec<u8>> {
-    let mut b = vec![0u8; BLOCK];
+    let mut b = vec![0u8; BlockSize::USIZE];
     put_u32(&mut b, 0, XATTR_MAGIC);
     put_u32(&mut b, 8, 1); // h_blocks: must be 1
     if !lay_out(&mut b, BLOCK_HEADER, 0, xattrs) {

@@ -7,11 +7,10 @@
 use crate::codec::{Reader, Writer};
 use crate::digest::ChunkId;
 use crate::error::{DecodeError, Error};
-use crate::units::BLOCK_SIZE;
+use crate::units::BlockSize;
 
-const BS: u64 = BLOCK_SIZE as u64;
 /// The largest device (or prefix) whose byte size fits in u64.
-const MAX_BLOCKS: u64 = u64::MAX / BS;
+const MAX_BLOCKS: u64 = u64::MAX / BlockSize::U64;
 
 /// A chunk as the BlockMap knows it: its id and uncompressed length in bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -23,7 +22,7 @@ pub struct ChunkRef {
 impl ChunkRef {
     /// Blocks the chunk covers (its last block is zero-padded).
     pub fn blocks(&self) -> u64 {
-        u64::from(self.len).div_ceil(BS)
+        u64::from(self.len).div_ceil(BlockSize::U64)
     }
 }
 
@@ -120,7 +119,7 @@ impl BlockMap {
 
     /// Device size in bytes.
     pub fn device_bytes(&self) -> u64 {
-        self.device_blocks * BS
+        self.device_blocks * BlockSize::U64
     }
 
     /// Size of the uncompressed metadata prefix in blocks.
@@ -152,7 +151,7 @@ impl BlockMap {
             len,
             device_bytes,
         })?;
-        Ok(Plan { map: self, pos: offset, end, run: self.first_run_after(offset / BS) })
+        Ok(Plan { map: self, pos: offset, end, run: self.first_run_after(offset / BlockSize::U64) })
     }
 
     pub(crate) fn encode(&self, w: &mut Writer) {
@@ -372,14 +371,16 @@ impl Iterator for Plan<'_> {
         }
         let run = self.map.runs.get(self.run);
         let seg = match run {
-            Some(run) if run.start * BS <= self.pos => {
-                let run_end = run.end() * BS;
+            Some(run) if run.start * BlockSize::U64 <= self.pos => {
+                let run_end = run.end() * BlockSize::U64;
                 let len = run_end.min(self.end) - self.pos;
-                let into = self.pos - run.start * BS;
+                let into = self.pos - run.start * BlockSize::U64;
                 let source = match run.source {
-                    RunSource::Prefix { block } => SegmentSource::Prefix { offset: block * BS + into },
+                    RunSource::Prefix { block } => {
+                        SegmentSource::Prefix { offset: block * BlockSize::U64 + into }
+                    }
                     RunSource::Chunk { chunk, block } => {
-                        SegmentSource::Chunk { chunk, offset: u64::from(block) * BS + into }
+                        SegmentSource::Chunk { chunk, offset: u64::from(block) * BlockSize::U64 + into }
                     }
                 };
                 if self.pos + len == run_end {
@@ -387,9 +388,10 @@ impl Iterator for Plan<'_> {
                 }
                 Segment { len, source }
             }
-            Some(run) => {
-                Segment { len: (run.start * BS).min(self.end) - self.pos, source: SegmentSource::Zero }
-            }
+            Some(run) => Segment {
+                len: (run.start * BlockSize::U64).min(self.end) - self.pos,
+                source: SegmentSource::Zero,
+            },
             None => Segment { len: self.end - self.pos, source: SegmentSource::Zero },
         };
         self.pos += seg.len;

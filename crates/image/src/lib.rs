@@ -44,4 +44,4 @@ pub use profile::{
 pub use record::{
     BuildOptions, Geometry, ImageRecord, ImageStats, PrefixInfo, RuntimeConfig, RECORD_VERSION,
 };
-pub use units::{parse_size, validate_tag, SizeParseError, BLOCK_SIZE};
+pub use units::{parse_size, validate_tag, BlockSize, SizeParseError, BLOCK_SIZE};

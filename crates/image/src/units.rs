@@ -1,7 +1,21 @@
 use thiserror::Error;
 
-/// The filesystem and device block size. Tessera images always use 4 KiB blocks.
+/// The filesystem and device block size. Tessera images always use 4 KiB blocks. This is the one
+/// definition of the value; [`BlockSize`] gives it in the other integer types.
 pub const BLOCK_SIZE: u32 = 4096;
+
+/// [`BLOCK_SIZE`] in the integer types it is used as, so callers need no casts of their own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockSize;
+
+impl BlockSize {
+    /// The block size as the image record stores it.
+    pub const U32: u32 = BLOCK_SIZE;
+    /// The block size for block-number ↔ byte-offset arithmetic.
+    pub const U64: u64 = BLOCK_SIZE as u64;
+    /// The block size for buffer lengths.
+    pub const USIZE: usize = BLOCK_SIZE as usize;
+}
 
 /// Why a size string was rejected.
 #[derive(Debug, Error, PartialEq, Eq)]

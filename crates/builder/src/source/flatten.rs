@@ -25,6 +25,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use tessera_ext4::{DataRange, DirEntry, Meta, Node, NodeId, NodeKind, Timestamp, Tree, Xattr};
+use tessera_image::BlockSize;
 
 use super::error::{show, SourceError};
 
@@ -407,7 +408,7 @@ impl Flattener {
                 FKind::Dir(_) => (NodeKind::Directory { entries: Vec::new() }, None),
                 FKind::File(c) => {
                     let data = if c.size > 0 {
-                        vec![DataRange { start_block: 0, blocks: c.size.div_ceil(4096) }]
+                        vec![DataRange { start_block: 0, blocks: c.size.div_ceil(BlockSize::U64) }]
                     } else {
                         Vec::new()
                     };

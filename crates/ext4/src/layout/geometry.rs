@@ -1,8 +1,11 @@
 //! Group geometry (reference §2 and §14).
 
-/// Blocks per group: one 4096-byte bitmap block covers 32768 blocks.
-pub const BLOCKS_PER_GROUP: u64 = 32768;
-pub const INODES_PER_BLOCK: u64 = 16;
+use tessera_image::BlockSize;
+
+/// Blocks per group: one 4096-byte bitmap block covers 32768 blocks (one bit each).
+pub const BLOCKS_PER_GROUP: u64 = BlockSize::U64 * 8;
+/// 256-byte inodes per inode-table block.
+pub const INODES_PER_BLOCK: u64 = BlockSize::U64 / 256;
 pub const MAX_IPG: u64 = 32768;
 
 /// sparse_super: groups 0, 1 and powers of 3, 5 and 7 carry superblock + GDT copies.
@@ -25,7 +28,7 @@ fn is_power_of(mut n: u64, base: u64) -> bool {
 
 /// GDT blocks for `groups` 64-byte descriptors.
 pub fn gdt_blocks(groups: u64) -> u64 {
-    (groups * 64).div_ceil(4096)
+    (groups * 64).div_ceil(BlockSize::U64)
 }
 
 /// Inode-table blocks per group.
