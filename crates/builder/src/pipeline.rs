@@ -118,15 +118,10 @@ pub(crate) fn finish_image(
     };
     let fs = tessera_ext4::synthesize(tree, &options)?;
     let g = &fs.geometry;
-    info!(
-        blocks = g.blocks_count,
-        inodes = g.inodes_count,
-        data_start = g.data_start_block,
-        "synthesized ext4"
-    );
+    info!(blocks = g.blocks, inodes = g.inodes, data_start = g.data_start_block, "synthesized ext4");
 
     // The metadata prefix: every non-zero metadata block, concatenated in device order.
-    let mut map = BlockMap::builder(g.blocks_count);
+    let mut map = BlockMap::builder(g.blocks);
     let prefix_len: usize = fs.metadata.iter().map(|r| r.data.len()).sum();
     let mut prefix = Vec::with_capacity(prefix_len);
     for run in &fs.metadata {
@@ -167,19 +162,7 @@ pub(crate) fn finish_image(
     let stats = tree_stats(tree, &fs.geometry, &chunks.files);
     let record = ImageRecord {
         options: BuildOptions { chunk_size: config.chunk_size },
-        geometry: Geometry {
-            block_size: BlockSize::U32,
-            blocks: g.blocks_count,
-            inodes: g.inodes_count,
-            inodes_per_group: g.inodes_per_group,
-            groups: g.groups,
-            journal_blocks: g.journal_blocks,
-            free_blocks: g.free_blocks,
-            free_inodes: g.free_inodes,
-            data_start_block: g.data_start_block,
-            data_end_block: g.data_end_block,
-            uuid: g.uuid,
-        },
+        geometry: *g,
         stats,
         prefix: PrefixInfo {
             digest: Sha256Digest::of(&prefix),
@@ -247,8 +230,8 @@ fn missing_chunk(id: ChunkId) -> BuildError {
     BuildError::Internal { what: "a chunk of the image has no stored location", chunk: Some(id) }
 }
 
-fn tree_stats(tree: &Tree, g: &tessera_ext4::Geometry, files: &[crate::seed::FileChunks]) -> ImageStats {
-    let mut s = ImageStats { inodes_used: g.inodes_count - g.free_inodes, ..Default::default() };
+fn tree_stats(tree: &Tree, g: &Geometry, files: &[crate::seed::FileChunks]) -> ImageStats {
+    let mut s = ImageStats { inodes_used: g.inodes - g.free_inodes, ..Default::default() };
     s.data_bytes = files.iter().flatten().map(|c| u64::from(c.2)).sum();
     for node in &tree.nodes {
         match &node.kind {

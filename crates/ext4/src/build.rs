@@ -861,8 +861,9 @@ fn render(
 
     Ext4Image {
         geometry: Geometry {
-            blocks_count: lay.blocks_count,
-            inodes_count: lay.groups * ipg,
+            block_size: BlockSize::U32,
+            blocks: lay.blocks_count,
+            inodes: lay.groups * ipg,
             inodes_per_group: ipg as u32,
             groups: lay.groups as u32,
             journal_blocks: lay.journal_blocks,

@@ -105,22 +105,9 @@ pub struct MetadataRun {
     pub data: Vec<u8>,
 }
 
-/// Geometry and statistics of a synthesized filesystem.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Geometry {
-    pub blocks_count: u64,
-    pub inodes_count: u64,
-    pub inodes_per_group: u32,
-    pub groups: u32,
-    pub journal_blocks: u64,
-    pub free_blocks: u64,
-    pub free_inodes: u64,
-    /// First device block after all metadata (where file data starts).
-    pub data_start_block: u64,
-    /// First device block after all file data.
-    pub data_end_block: u64,
-    pub uuid: [u8; 16],
-}
+/// Geometry and statistics of a synthesized filesystem: the image contract's type, which the image
+/// record stores as is.
+pub use tessera_image::Geometry;
 
 /// The result of synthesis.
 #[derive(Debug, Clone)]

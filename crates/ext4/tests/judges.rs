@@ -292,7 +292,7 @@ fn tree_lost_found_and_partial_last_group() {
     // 200 MiB + a bit: two groups, the second partial.
     let opts = Options { size: SizePolicy::Exact((200 << 20) + 12_345), ..options() };
     let (img, _dir, path) = build(&b.tree, &opts);
-    assert_eq!(img.geometry.blocks_count, (200 << 20) / 4096 + 3);
+    assert_eq!(img.geometry.blocks, (200 << 20) / 4096 + 3);
     assert_eq!(img.geometry.groups, 2);
     if is_root() {
         let m = Mount::new(&path, false);
@@ -333,7 +333,7 @@ fn sizing_policies() {
     // A tail group too small for its own metadata is dropped, as mke2fs does.
     let img = synthesize(&b.tree, &Options { size: SizePolicy::Exact((128 << 20) + 40 * 4096), ..options() })
         .unwrap();
-    assert_eq!(img.geometry.blocks_count, 32768);
+    assert_eq!(img.geometry.blocks, 32768);
     // Free space and inode minimums.
     let img = synthesize(
         &b.tree,
@@ -341,8 +341,8 @@ fn sizing_policies() {
     )
     .unwrap();
     assert!(img.geometry.free_blocks >= (1 << 30) / 4096);
-    assert!(img.geometry.inodes_count >= 100_000);
-    assert_eq!(img.geometry.blocks_count % 32768, 0);
+    assert!(img.geometry.inodes >= 100_000);
+    assert_eq!(img.geometry.blocks % 32768, 0);
     let img = synthesize(&b.tree, &options()).unwrap();
     assert!(img.geometry.free_blocks >= (256 << 20) / 4096);
     assert!(img.geometry.free_inodes >= 4096);

@@ -128,7 +128,7 @@ pub fn expected(tree: &Tree, id: usize, off: u64, len: u64) -> Vec<u8> {
 /// Write the image as a sparse file: metadata runs plus patterned file data, zero past EOF.
 pub fn write_image(path: &Path, tree: &Tree, img: &Ext4Image) {
     let f = File::create(path).unwrap();
-    f.set_len(img.geometry.blocks_count * 4096).unwrap();
+    f.set_len(img.geometry.blocks * 4096).unwrap();
     for run in &img.metadata {
         f.write_all_at(&run.data, run.start_block * 4096).unwrap();
     }
