@@ -14,14 +14,6 @@ pub mod overlay_replay;
 pub mod seeds;
 pub mod vhost_request;
 
-/// Whether to fail on the open findings of `docs/fuzzing.md` (`TESSERA_FUZZ_STRICT=1`). By
-/// default the targets step around them, so that a campaign explores past a known bug instead
-/// of rediscovering it every few seconds.
-pub fn strict() -> bool {
-    static STRICT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *STRICT.get_or_init(|| std::env::var_os("TESSERA_FUZZ_STRICT").is_some_and(|v| v != "0"))
-}
-
 /// A tolerant reader over fuzz input: reads past the end give zeros, never an error, so every
 /// byte string is a valid input.
 #[derive(Debug)]

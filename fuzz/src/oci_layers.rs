@@ -120,7 +120,9 @@ pub fn run(data: &[u8]) {
         let mut stream = LayerStream::reopen(b).unwrap_or_else(|e| panic!("{}: pass 2 open: {e}", b.name));
         let mut buf = Vec::new();
         for c in mine {
-            stream.skip_to(c.offset).unwrap_or_else(|e| panic!("{}: pass 2 skip to {}: {e}", b.name, c.offset));
+            stream
+                .skip_to(c.offset)
+                .unwrap_or_else(|e| panic!("{}: pass 2 skip to {}: {e}", b.name, c.offset));
             buf.resize(usize::try_from(c.size.min(1 << 20)).unwrap_or(1 << 20), 0);
             let mut left = c.size;
             while left > 0 {

@@ -185,30 +185,6 @@ fn reseal(file: &mut [u8], flags: u8, bs: usize) {
     }
 }
 
-/// Whether the (resealed) file triggers an open finding that the target steps around unless
-/// [`crate::strict`]: F4, a log head, LINK or MAP slot whose byte offset overflows u64; F5, a
-/// MAP record whose data check would read more than 64 MiB at once.
-fn known_finding(file: &[u8], bs: usize) -> Option<&'static str> {
-    let max_slot = u64::MAX / bs as u64;
-    for at in [0, HEADER_B_OFFSET as usize] {
-        if let Some(h) = file.get(at..at + HEADER_LEN).and_then(|b| Header::decode(b).ok()) {
-            if h.log_head > max_slot {
-                return Some("F4");
-            }
-        }
-    }
-    let mut at = bs;
-    while at + RECORD_LEN <= file.len() {
-        match file[at + 16] {
-            1 | 3 if le64(file, at + 32) > max_slot => return Some("F4"),
-            1 if u64::from(le32(file, at + 20)).saturating_mul(bs as u64) > 64 << 20 => return Some("F5"),
-            _ => {}
-        }
-        at += RECORD_LEN;
-    }
-    None
-}
-
 /// Device blocks worth comparing: the first 32, the last, and those named by MAP/ZERO records.
 fn blocks_of_interest(file: &[u8], bs: usize, blocks: u64) -> Vec<u64> {
     let mut out: Vec<u64> = (0..blocks.min(32)).collect();
@@ -260,30 +236,16 @@ pub fn run(data: &[u8]) {
         }
     }
     let Ok(bs) = usize::try_from(params.block_size) else { return };
-    if !(512..=65536).contains(&bs) || !bs.is_power_of_two() || params.device_bytes % bs as u64 != 0 {
-        // open() refuses these itself; still run it for the error path. Finding F7
-        // (docs/fuzzing.md): the refusal of a device size just below 2^64 overflows.
-        if params.device_bytes > u64::MAX - 65536 && !crate::strict() {
-            return;
-        }
+    // open() refuses these itself; still run it for the error path. Block sizes under 4 KiB are
+    // refused since finding F2 (docs/fuzzing.md), and the refusal of a device size just below
+    // 2^64 no longer overflows (F7).
+    if !(4096..=65536).contains(&bs) || !bs.is_power_of_two() || params.device_bytes % bs as u64 != 0 {
         let io = MemIo::new(file);
         assert!(Overlay::open(Box::new(io), params, Arc::new(SectorPattern), OverlayMode::Durable).is_err());
         return;
     }
-    if bs < 4096 && !crate::strict() {
-        // Finding F2 (docs/fuzzing.md): below 4 KiB, header copy B (byte 2048) lies outside slot
-        // 0 and the checkpoint overwrites a data or log slot. Only the error paths run.
-        let _ =
-            Overlay::open(Box::new(MemIo::new(file)), params, Arc::new(SectorPattern), OverlayMode::ReadOnly);
-        return;
-    }
     reseal(&mut file, case.flags, bs);
     let blocks = params.device_bytes / bs as u64;
-    if !crate::strict() {
-        if known_finding(&file, bs).is_some() {
-            return;
-        }
-    }
     let interesting = blocks_of_interest(&file, bs, blocks);
     let base: Arc<dyn BlockSource> = Arc::new(SectorPattern);
     let io = MemIo::new(file.clone());
@@ -342,9 +304,6 @@ pub fn run(data: &[u8]) {
     let again = match Overlay::open(Box::new(io.clone()), params, base, OverlayMode::Durable) {
         Ok(o) => o,
         Err(e) if e.to_string().contains("in-memory overlay file limit") => return,
-        // Finding F3 (docs/fuzzing.md): a last-group MAP past the end of the file whose data
-        // is zeros is applied, checkpointed as durable, and refused by the next open.
-        Err(e) if !crate::strict() && e.to_string().contains("points outside the device or file") => return,
         Err(e) => panic!("reopening an overlay this process opened, wrote and flushed: {e}"),
     };
     let got = read_blocks(&again, &interesting, bs);

@@ -38,10 +38,6 @@ pub fn for_target(target: &str) -> Seeds {
 
 pub const TARGETS: [&str; 4] = ["vhost_request", "image_record", "overlay_replay", "oci_layers"];
 
-/// Seeds that fail today because of an open finding (docs/fuzzing.md): the smoke test skips
-/// them, `cargo test -- --ignored` runs them.
-pub const KNOWN_FINDINGS: [&str; 0] = [];
-
 const CAP: u64 = 4 << 20;
 
 fn case(flags: u8, hdr: [u8; 16], payload: Vec<u8>, descs: Vec<(u64, u32, u16, u16)>) -> Case {

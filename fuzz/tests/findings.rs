@@ -1,6 +1,6 @@
-//! The open findings of docs/fuzzing.md as regression tests. Each asserts the *correct*
-//! behaviour, so each fails (or panics) today and passes once its finding is fixed; they are
-//! ignored so that `cargo test` stays green: `cargo test --test findings -- --ignored`.
+//! The findings of docs/fuzzing.md as regression tests. Each asserts the *correct* behaviour
+//! (each failed or panicked before its fix); they run in the gate with the rest of the fuzz
+//! crate's tests (`cargo xtask test`).
 #![allow(clippy::unwrap_used)]
 
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -38,10 +38,6 @@ unsafe impl GlobalAlloc for Peak {
 
 #[global_allocator]
 static GLOBAL: Peak = Peak;
-
-fn strict() {
-    std::env::set_var("TESSERA_FUZZ_STRICT", "1");
-}
 
 const BS: u64 = 4096;
 
@@ -87,9 +83,7 @@ fn craft(
 /// F1: a record whose device size in bytes overflows u64 decodes, and planning on it overflows
 /// (`BlockMap::device_bytes`, `Plan::next`: `blocks * 4096` unchecked).
 #[test]
-#[ignore = "finding F1 (fixed: kept as a regression test)"]
 fn f1_record_device_size_overflows() {
-    strict();
     // Fixed: such a map can no longer be built, nor decoded.
     let b = BlockMap::builder((1 << 52) + 256);
     assert!(b.finish().is_err(), "a device of 2^52 + 256 blocks (> 2^64 bytes) builds");
@@ -104,9 +98,7 @@ fn f1_record_device_size_overflows() {
 /// F2: below 4 KiB blocks, header copy B (byte 2048) is not in slot 0: the checkpoint at open
 /// overwrites whatever data or log slot holds byte 2048.
 #[test]
-#[ignore = "finding F2 (fixed: kept as a regression test)"]
 fn f2_small_block_sizes_overwrite_a_slot() {
-    strict();
     // Fixed: block sizes under 4 KiB are refused.
     let r = Overlay::create(
         Box::new(MemIo::default()),
@@ -121,9 +113,7 @@ fn f2_small_block_sizes_overwrite_a_slot() {
 /// that of zeros is *applied*, the checkpoint logs it as durable, and the next open refuses the
 /// overlay ("a map record points outside the device or file").
 #[test]
-#[ignore = "finding F3 (fixed: kept as a regression test)"]
 fn f3_torn_zero_write_makes_the_overlay_unopenable() {
-    strict();
     let dev = 1 << 20;
     let zeros = crc32c::crc32c(&vec![0u8; BS as usize]);
     let file = craft(
@@ -156,9 +146,7 @@ fn f3_torn_zero_write_makes_the_overlay_unopenable() {
 /// `segment * bs` in `replay` panics in a debug build and wraps in a release build (here to
 /// slot 1, which is then read as the log).
 #[test]
-#[ignore = "finding F4 (fixed: kept as a regression test)"]
 fn f4_log_head_offset_overflows() {
-    strict();
     let dev = 1 << 20;
     let head = (1u64 << 52) + 1; // * 4096 wraps to 4096
     let file = craft(dev, head, &[(0, Op::Zero { block: 0, count: 1 })], &[], 2);
@@ -194,9 +182,7 @@ fn f4_log_head_offset_overflows() {
 /// F5: checking the data CRC of a last-group MAP record reads all its `count` blocks into one
 /// buffer: a hostile overlay makes `open` allocate up to the device size at once.
 #[test]
-#[ignore = "finding F5 (fixed: kept as a regression test)"]
 fn f5_data_check_allocates_the_record_size() {
-    strict();
     let dev = 256 << 20;
     let count = 32768u32; // 128 MiB
     let file = craft(dev, 1, &[(1, Op::Map { block: 0, count, slot: 2, data_crc: Some(1) })], &[], 2);
@@ -209,4 +195,29 @@ fn f5_data_check_allocates_the_record_size() {
     );
     let largest = LARGEST.load(Ordering::Relaxed);
     assert!(largest < 16 << 20, "opening allocated {largest} bytes at once");
+}
+
+/// F6: `BlockMapBuilder::finish` added a prefix run's block and length unchecked before
+/// validating: a prefix run ending past `u64::MAX` panicked with overflow checks.
+#[test]
+fn f6_prefix_run_end_overflows() {
+    let mut b = BlockMap::builder(16);
+    if b.push_prefix(0, 2, u64::MAX).is_ok() {
+        assert!(b.finish().is_err(), "a prefix run ending past u64::MAX builds");
+    }
+}
+
+/// F7: refusing a device size that is not a multiple of the block size and within one block
+/// of 2^64 overflowed (`next_multiple_of`) instead of returning the error.
+#[test]
+fn f7_refusing_a_device_size_near_2_64_overflows() {
+    for device_bytes in [u64::MAX, u64::MAX - 1, u64::MAX - BS + 2] {
+        let r = Overlay::create(
+            Box::new(MemIo::default()),
+            params(BS as u32, device_bytes),
+            Arc::new(SectorPattern),
+            OverlayMode::Durable,
+        );
+        assert!(r.is_err(), "a device of {device_bytes} bytes (not a multiple of 4096) was accepted");
+    }
 }

@@ -1,6 +1,6 @@
-//! Runs every fuzz target's body on its seeds, on stable Rust (not part of CI):
-//! `cd fuzz && cargo test`. Also replays anything found in `corpus/` and `artifacts/`
-//! (e.g. after a fuzzing run) when `TESSERA_FUZZ_CORPUS=1`.
+//! Runs every fuzz target's body on its seeds, on stable Rust, in the gate (`cargo xtask test`
+//! runs `cargo test --manifest-path fuzz/Cargo.toml`). Also replays anything found in
+//! `corpus/` and `artifacts/` (e.g. after a fuzzing run) when `TESSERA_FUZZ_CORPUS=1`.
 #![allow(clippy::unwrap_used)]
 
 use std::path::Path;
@@ -19,10 +19,6 @@ fn seeds(target: &str) {
     let seeds = tessera_fuzz::seeds::for_target(target);
     assert!(!seeds.is_empty());
     for (name, bytes) in &seeds {
-        if tessera_fuzz::seeds::KNOWN_FINDINGS.contains(&name.as_str()) {
-            eprintln!("{target}: seed {name} skipped (open finding)");
-            continue;
-        }
         eprintln!("{target}: seed {name} ({} bytes)", bytes.len());
         run(target, bytes);
         // Every prefix of a seed is an input too (the tolerant format reads zeros past the end).
@@ -38,19 +34,6 @@ fn seeds(target: &str) {
                 let path = e.unwrap().path();
                 eprintln!("{target}: {}", path.display());
                 run(target, &std::fs::read(&path).unwrap());
-            }
-        }
-    }
-}
-
-/// The seeds that show an open finding (docs/fuzzing.md); they pass once it is fixed.
-#[test]
-#[ignore = "open findings of docs/fuzzing.md"]
-fn known_finding_seeds() {
-    for target in tessera_fuzz::seeds::TARGETS {
-        for (name, bytes) in tessera_fuzz::seeds::for_target(target) {
-            if tessera_fuzz::seeds::KNOWN_FINDINGS.contains(&name.as_str()) {
-                run(target, &bytes);
             }
         }
     }
@@ -77,10 +60,8 @@ fn oci_layers_seeds() {
 }
 
 /// Cheap pseudo-random inputs (xorshift), mutated from the seeds: a stand-in for the fuzzer
-/// where libFuzzer cannot run. Ignored while the findings in docs/fuzzing.md are open (it hits
-/// them): `cargo test -- --ignored`.
+/// where libFuzzer cannot run (it hit the findings of docs/fuzzing.md before they were fixed).
 #[test]
-#[ignore = "hits the open findings of docs/fuzzing.md"]
 fn mutated_seeds() {
     let mut x = 0x9e37_79b9_7f4a_7c15u64;
     let mut next = move || {

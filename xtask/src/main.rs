@@ -345,6 +345,11 @@ fn cmd_test(no_install: bool, e2e_args: &[String]) -> Result<()> {
     s.run("unit tests: cargo test --workspace --exclude tessera-e2e", || {
         status(cargo().args(["test", "--no-fail-fast", "--workspace", "--exclude", "tessera-e2e"]))
     });
+    // Not a workspace member (its own lock file; cargo-fuzz wants that): the seeds through every
+    // target, a seed mutator, and the regression tests of the fixed findings (docs/fuzzing.md).
+    s.run("fuzz crate tests: cargo test --manifest-path fuzz/Cargo.toml", || {
+        status(cargo().args(["test", "--no-fail-fast", "--manifest-path", "fuzz/Cargo.toml"]))
+    });
     if built {
         s.run("end-to-end tests: cargo test -p tessera-e2e (one at a time)", || {
             let bin = target_dir()?.join("debug").join("tessera");
