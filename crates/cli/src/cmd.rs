@@ -28,8 +28,8 @@ pub fn is_usage_error(e: &anyhow::Error) -> bool {
 
 /// Open a store for reading: a local directory or an http(s) origin (behind `--cache-dir` if
 /// given).
-fn open_store(store: &str, cache: &CacheArgs) -> Result<Arc<dyn ReadStore>> {
-    Ok(StoreLocation::parse(store)?.open_read_store(cache.config().as_ref())?)
+fn open_store(store: &StoreLocation, cache: &CacheArgs) -> Result<Arc<dyn ReadStore>> {
+    Ok(store.open_read_store(cache.config().as_ref())?)
 }
 
 pub fn build(args: BuildArgs) -> Result<()> {
@@ -44,7 +44,7 @@ pub fn build(args: BuildArgs) -> Result<()> {
         }
         _ => {}
     }
-    let store = StoreLocation::parse(&args.store)?.open_for_write()?;
+    let store = args.store.open_for_write()?;
     let size = match (args.size, args.free) {
         (Some(bytes), _) => SizePolicy::Exact(bytes),
         (None, free) => SizePolicy::Free(free),

@@ -35,11 +35,11 @@ pub struct CopyArgs {
     /// The image: sha256:<64 hex> or a tag.
     image: String,
     /// The store holding it: PATH, file://PATH, http(s)://… or docker://HOST[:PORT]/REPO.
-    #[arg(long)]
-    store: String,
+    #[arg(long, value_parser = crate::parse_store)]
+    store: StoreLocation,
     /// The destination: PATH, file://PATH or docker://HOST[:PORT]/REPO.
-    #[arg(long, value_name = "STORE")]
-    to: String,
+    #[arg(long, value_name = "STORE", value_parser = crate::parse_store)]
+    to: StoreLocation,
     #[command(flatten)]
     cache: CacheArgs,
     /// Registry credentials for a docker:// destination (default: REGISTRY_AUTH_FILE, then
@@ -68,11 +68,11 @@ struct CopyJson {
 }
 
 pub fn run(args: CopyArgs) -> Result<()> {
-    let dest = StoreLocation::parse(&args.to)?;
-    if let StoreLocation::Http(url) = &dest {
+    let dest = &args.to;
+    if let StoreLocation::Http(url) = dest {
         bail!(StoreError::ReadOnlyStore { location: url.clone() });
     }
-    let source = StoreLocation::parse(&args.store)?.open_read_store(args.cache.config().as_ref())?;
+    let source = args.store.open_read_store(args.cache.config().as_ref())?;
     let id = source.resolve(&args.image).with_context(|| format!("store {}", source.describe()))?;
     let tag = (!args.image.starts_with("sha256:") && validate_tag(&args.image)).then(|| args.image.clone());
     let bar = Bar::new("copying");
@@ -84,7 +84,7 @@ pub fn run(args: CopyArgs) -> Result<()> {
         }
         bar.set_position(done);
     };
-    let doc = match &dest {
+    let doc = match dest {
         StoreLocation::Registry(repo) => {
             let tag = tag.unwrap_or_else(|| format!("sha256-{}", id.digest().hex()));
             let reference =
@@ -105,7 +105,7 @@ pub fn run(args: CopyArgs) -> Result<()> {
             .with_context(|| format!("copying {id} to {}", args.to))?;
             CopyJson {
                 id: id.to_string(),
-                destination: args.to.clone(),
+                destination: args.to.to_string(),
                 tag: Some(target.tag),
                 blobs: report.blobs,
                 total_bytes: report.total_bytes,
@@ -123,7 +123,7 @@ pub fn run(args: CopyArgs) -> Result<()> {
                 .with_context(|| format!("copying {id} to {}", args.to))?;
             CopyJson {
                 id: id.to_string(),
-                destination: args.to.clone(),
+                destination: args.to.to_string(),
                 tag: report.tag,
                 blobs: report.blobs,
                 total_bytes: report.total_bytes,

@@ -18,6 +18,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
+use tessera_store::StoreLocation;
 use tracing_subscriber::EnvFilter;
 
 /// A usage error: reported like clap's own, exit status 2.
@@ -101,8 +102,8 @@ pub struct BuildArgs {
     /// to latest).
     source: String,
     /// The store to write into: PATH or file://PATH (created if missing).
-    #[arg(long)]
-    store: String,
+    #[arg(long, value_parser = crate::parse_store)]
+    store: StoreLocation,
     /// Also point this tag at the image ([A-Za-z0-9_][A-Za-z0-9._-]{0,127}).
     #[arg(long, value_parser = parse_tag)]
     tag: Option<String>,
@@ -146,8 +147,8 @@ pub struct ExportArgs {
     image: String,
     /// The store holding it: PATH, file://PATH, http(s)://HOST[:PORT][/PREFIX] (read-only) or
     /// docker://HOST[:PORT]/REPO (a registry; see `tessera push`).
-    #[arg(long)]
-    store: String,
+    #[arg(long, value_parser = crate::parse_store)]
+    store: StoreLocation,
     #[command(flatten)]
     cache: cache_args::CacheArgs,
     /// Output file (created or truncated; written sparse).
@@ -170,8 +171,8 @@ pub struct InspectArgs {
     image: String,
     /// The store holding it: PATH, file://PATH, http(s)://HOST[:PORT][/PREFIX] (read-only) or
     /// docker://HOST[:PORT]/REPO (a registry; see `tessera push`).
-    #[arg(long)]
-    store: String,
+    #[arg(long, value_parser = crate::parse_store)]
+    store: StoreLocation,
     #[command(flatten)]
     cache: cache_args::CacheArgs,
     /// Print JSON instead of text.
@@ -198,6 +199,12 @@ fn parse_platform(s: &str) -> Result<tessera_builder::source::Platform, String> 
 
 pub(crate) fn parse_creds(s: &str) -> Result<tessera_registry::Credentials, String> {
     tessera_registry::Credentials::parse(s).map_err(|e| e.to_string())
+}
+
+/// Every `--store` / `--to`: a typed location, so a malformed one is a usage error (exit 2) at
+/// parse time, whatever the command.
+pub(crate) fn parse_store(s: &str) -> Result<StoreLocation, String> {
+    StoreLocation::parse(s).map_err(|e| e.to_string())
 }
 
 fn parse_tag(s: &str) -> Result<String, String> {

@@ -31,8 +31,8 @@ pub struct ProfileArgs {
     /// The image: sha256:<64 hex> or a tag.
     image: String,
     /// The store holding it: PATH or file://PATH (written to).
-    #[arg(long)]
-    store: String,
+    #[arg(long, value_parser = crate::parse_store)]
+    store: StoreLocation,
     /// Trace files to merge (one per recorded run).
     #[arg(long, value_name = "FILE", num_args = 1.., required = true)]
     trace: Vec<PathBuf>,
@@ -42,7 +42,7 @@ pub struct ProfileArgs {
 }
 
 pub fn profile(args: ProfileArgs) -> Result<()> {
-    let location = StoreLocation::parse(&args.store)?;
+    let location = &args.store;
     let Some(path) = location.local_path() else {
         bail!(UsageError(format!(
             "store {}: profiles are written to a local store (PATH or file://PATH); profile the store \

@@ -36,8 +36,8 @@ pub struct PushArgs {
     /// The image: sha256:<64 hex> or a tag.
     image: String,
     /// The store holding it: PATH, file://PATH, http(s)://… or docker://HOST[:PORT]/REPO.
-    #[arg(long)]
-    store: String,
+    #[arg(long, value_parser = crate::parse_store)]
+    store: StoreLocation,
     /// Where to push: docker://HOST[:PORT]/REPO:TAG.
     #[arg(value_name = "docker://HOST[:PORT]/REPO:TAG")]
     destination: String,
@@ -100,7 +100,7 @@ pub fn push(args: PushArgs) -> Result<()> {
         ..ClientOptions::default()
     };
     let client = Client::for_reference(&dest, options.clone());
-    let location = StoreLocation::parse(&args.store)?;
+    let location = &args.store;
     let mut mount_from = args.mount_from.clone();
     let source: std::sync::Arc<dyn ReadStore> = match &location {
         StoreLocation::Registry(_) => {

@@ -72,8 +72,8 @@ pub struct ServeArgs {
     image: String,
     /// The store holding it: PATH, file://PATH, http(s)://HOST[:PORT][/PREFIX] (read-only) or
     /// docker://HOST[:PORT]/REPO (a registry).
-    #[arg(long)]
-    store: String,
+    #[arg(long, value_parser = crate::parse_store)]
+    store: StoreLocation,
     // --cache-dir DIR, --cache-size SIZE (the temporary overlay also goes into DIR).
     #[command(flatten)]
     cache: crate::cache_args::CacheArgs,
@@ -155,7 +155,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     // Take the ready fd first, so a bad one fails before anything else happens.
     let ready = args.ready_fd.map(take_fd).transpose()?;
 
-    let location = StoreLocation::parse(&args.store)?;
+    let location = &args.store;
     let store = location.open_read_store(args.cache.config().as_ref())?;
     let id = store.resolve(&args.image).with_context(|| format!("store {}", store.describe()))?;
     let image = Arc::new(store.open_image(&id).with_context(|| format!("store {}", store.describe()))?);

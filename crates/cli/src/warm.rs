@@ -42,8 +42,8 @@ pub struct WarmArgs {
     image: String,
     /// The remote store holding it: http(s)://HOST[:PORT][/PREFIX] or docker://HOST[:PORT]/REPO.
     /// (A local store is read directly and needs no cache.)
-    #[arg(long)]
-    store: String,
+    #[arg(long, value_parser = crate::parse_store)]
+    store: StoreLocation,
     #[command(flatten)]
     cache: CacheArgs,
     /// Only the chunks of the image's prefetch profile.
@@ -86,17 +86,17 @@ pub fn run(args: WarmArgs) -> Result<()> {
         bail!(UsageError("tessera warm needs --cache-dir DIR: the cache to fill".into()));
     };
     let options = WarmOptions { profile_only: args.profile_only, jobs: args.jobs };
-    let report = match StoreLocation::parse(&args.store)? {
+    let report = match &args.store {
         StoreLocation::Local(path) => bail!(UsageError(format!(
             "store {}: a local store is read directly and needs no cache; warm an http(s):// or docker:// store",
             path.display()
         ))),
         StoreLocation::Http(url) => {
-            let origin = HttpStore::new(&url, HttpConfig::from_env()?);
+            let origin = HttpStore::new(url, HttpConfig::from_env()?);
             warm_with(CachedStore::new(origin, DiskCache::open(&config)?), &args.image, options)?
         }
         StoreLocation::Registry(repo) => {
-            let origin = RegistryStore::new(&repo, ClientOptions::default())?;
+            let origin = RegistryStore::new(repo, ClientOptions::default())?;
             warm_with(CachedStore::new(origin, DiskCache::open(&config)?), &args.image, options)?
         }
     };

@@ -14,17 +14,13 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use blkio::{Blkio, Blkioq, Completion, MemoryRegion, ReqFlags};
+mod common;
 
-const TESSERA: &str = env!("CARGO_BIN_EXE_tessera");
+use blkio::{Blkio, Blkioq, Completion, MemoryRegion, ReqFlags};
+use common::{tessera, TESSERA};
+
 /// Debian's interpreter, where python3-prometheus-client installs (not a pyenv shim on PATH).
 const PYTHON: &str = "/usr/bin/python3";
-
-fn tessera(args: &[&str]) -> String {
-    let out = Command::new(TESSERA).args(args).output().unwrap();
-    assert!(out.status.success(), "tessera {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8(out.stdout).unwrap()
-}
 
 /// A running `tessera serve` and the metrics URL it announced on `--ready-fd`.
 struct Daemon {
@@ -315,15 +311,7 @@ fn metrics_count_exactly_what_the_client_did() {
     let src = dir.path().join("src");
     fs::create_dir_all(&src).unwrap();
     // 3 MiB of incompressible-ish data: several 512 KiB chunks to miss the memory tier.
-    let mut x = 0x9e37_79b9_7f4a_7c15u64;
-    let data: Vec<u8> = (0..3u32 << 20)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect();
+    let data = common::noise(1, 3 << 20);
     fs::write(src.join("big"), &data).unwrap();
     fs::write(src.join("small"), b"hello").unwrap();
     let store = dir.path().join("store");
@@ -450,10 +438,9 @@ fn metrics_count_exactly_what_the_client_did() {
 
 #[test]
 fn bad_metrics_addresses() {
-    let out = Command::new(TESSERA)
-        .args(["serve", "img", "--store", "/nonexistent", "--socket", "/tmp/x.sock", "--metrics", "9100"])
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("expected HOST:PORT"));
+    let stderr = common::fails(
+        &["serve", "img", "--store", "/nonexistent", "--socket", "/tmp/x.sock", "--metrics", "9100"],
+        2,
+    );
+    assert!(stderr.contains("expected HOST:PORT"), "{stderr}");
 }

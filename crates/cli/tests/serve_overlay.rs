@@ -9,15 +9,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+mod common;
+
 use blkio::{Blkio, Blkioq, Completion, MemoryRegion, ReqFlags};
-
-const TESSERA: &str = env!("CARGO_BIN_EXE_tessera");
-
-fn tessera(args: &[&str]) -> String {
-    let out = Command::new(TESSERA).args(args).output().unwrap();
-    assert!(out.status.success(), "tessera {args:?}: {}", String::from_utf8_lossy(&out.stderr));
-    String::from_utf8(out.stdout).unwrap()
-}
+use common::{tessera, TESSERA};
 
 struct Daemon {
     child: Child,

@@ -1,0 +1,43 @@
+//! Usage errors found while parsing the command line (exit status 2, nothing on stdout, a message
+//! naming the flag and why), before any store is opened.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use common::fails;
+
+/// Every command's `--store` (and `copy --to`) is a typed location: a malformed one is refused by
+/// the parser with the flag and the reason, whatever the command.
+#[test]
+fn a_malformed_store_is_a_usage_error_for_every_command() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    let sock = format!("{d}/vm.sock");
+    let out = format!("{d}/out.img");
+    let trace = format!("{d}/t.trace");
+    for (bad, reason) in [
+        ("s3://bucket", "unknown scheme"),
+        ("docker://host-only", "expected docker://HOST[:PORT]/REPO"),
+        ("http://", "needs a host"),
+        ("file://", "file:// needs a path"),
+    ] {
+        let commands: Vec<Vec<&str>> = vec![
+            vec!["build", d, "--store", bad],
+            vec!["export", "img", "--store", bad, "-o", &out],
+            vec!["inspect", "img", "--store", bad],
+            vec!["serve", "img", "--store", bad, "--socket", &sock],
+            vec!["push", "img", "--store", bad, "docker://127.0.0.1:9/r:t"],
+            vec!["profile", "img", "--store", bad, "--trace", &trace],
+            vec!["warm", "img", "--store", bad, "--cache-dir", d],
+            vec!["copy", "img", "--store", bad, "--to", d],
+            vec!["copy", "img", "--store", d, "--to", bad],
+        ];
+        for args in commands {
+            let stderr = fails(&args, 2);
+            let flag = if args.ends_with(&["--to", bad]) { "--to <STORE>" } else { "--store <STORE>" };
+            assert!(stderr.contains(&format!("invalid value '{bad}' for '{flag}'")), "{args:?}: {stderr}");
+            assert!(stderr.contains(reason), "{args:?}: {stderr}");
+        }
+    }
+    assert!(std::fs::read_dir(d).unwrap().next().is_none(), "nothing was created");
+}
