@@ -4,10 +4,10 @@ use std::collections::HashMap;
 use std::path::Path;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use tessera_ext4::{NodeKind, Options, SizePolicy, Tree};
+use tessera_ext4::{MetadataRun, NodeKind, Options, PlacedExtent, SizePolicy, Tree};
 use tessera_image::{
-    BlockMap, BlockSize, BuildOptions, ChunkId, Geometry, ImageEntry, ImageId, ImageRecord, ImageStats,
-    PackIndex, PackLocation, PrefixInfo, RuntimeConfig, Sha256Digest,
+    BlockMap, BlockMapBuilder, BlockSize, BuildOptions, ChunkId, Geometry, ImageEntry, ImageId, ImageRecord,
+    ImageStats, PackIndex, PackLocation, PrefixInfo, RuntimeConfig, Sha256Digest,
 };
 use tessera_store::LocalStore;
 use tracing::{debug, info};
@@ -100,6 +100,7 @@ pub fn build_dir(
     finish_image(&source.tree, chunks, store, config, RuntimeConfig::default(), serde_json::Value::Null)
 }
 
+/// Plan the image (ext4 layout, block map, record, pack index), then write its blobs and entry.
 pub(crate) fn finish_image(
     tree: &Tree,
     chunks: ChunkOutput,
@@ -120,19 +121,51 @@ pub(crate) fn finish_image(
     let g = &fs.geometry;
     info!(blocks = g.blocks, inodes = g.inodes, data_start = g.data_start_block, "synthesized ext4");
 
-    // The metadata prefix: every non-zero metadata block, concatenated in device order.
     let mut map = BlockMap::builder(g.blocks);
-    let prefix_len: usize = fs.metadata.iter().map(|r| r.data.len()).sum();
+    let prefix = push_prefix(&mut map, &fs.metadata)?;
+    push_file_data(&mut map, &fs.placements, &chunks.files)?;
+    let record = ImageRecord {
+        options: BuildOptions { chunk_size: config.chunk_size },
+        geometry: *g,
+        stats: tree_stats(tree, g, &chunks.files),
+        prefix: PrefixInfo {
+            digest: Sha256Digest::of(&prefix),
+            blocks: prefix.len() as u64 / BlockSize::U64,
+        },
+        block_map: map.finish()?,
+        config: runtime,
+    };
+    let pack_index = pack_index(&record, &chunks)?;
+    let (id, entry) = write_image(store, config, &record, &prefix, &pack_index, source_provenance)?;
+    Ok(BuildOutput {
+        id,
+        record,
+        entry,
+        new_chunks: chunks.new_chunks,
+        new_stored_bytes: chunks.new_stored_bytes,
+    })
+}
+
+/// The metadata prefix: every non-zero metadata block, concatenated in device order, mapped.
+fn push_prefix(map: &mut BlockMapBuilder, metadata: &[MetadataRun]) -> Result<Vec<u8>, BuildError> {
+    let prefix_len: usize = metadata.iter().map(|r| r.data.len()).sum();
     let mut prefix = Vec::with_capacity(prefix_len);
-    for run in &fs.metadata {
+    for run in metadata {
         let blocks = run.data.len() as u64 / BlockSize::U64;
         map.push_prefix(run.start_block, blocks, prefix.len() as u64 / BlockSize::U64)?;
         prefix.extend_from_slice(&run.data);
     }
+    Ok(prefix)
+}
 
-    // File data: intersect each file's chunks with where ext4 placed its blocks.
-    for (node, file_chunks) in chunks.files.iter().enumerate() {
-        let placed = fs.placements.get(node).map(Vec::as_slice).unwrap_or(&[]);
+/// File data: intersect each file's chunks with where ext4 placed its blocks.
+fn push_file_data(
+    map: &mut BlockMapBuilder,
+    placements: &[Vec<PlacedExtent>],
+    files: &[crate::seed::FileChunks],
+) -> Result<(), BuildError> {
+    for (node, file_chunks) in files.iter().enumerate() {
+        let placed = placements.get(node).map(Vec::as_slice).unwrap_or(&[]);
         let mut ext = 0;
         for &(offset, id, len) in file_chunks {
             let idx = map.add_chunk(id, len);
@@ -157,24 +190,11 @@ pub(crate) fn finish_image(
             }
         }
     }
-    let block_map = map.finish()?;
+    Ok(())
+}
 
-    let stats = tree_stats(tree, &fs.geometry, &chunks.files);
-    let record = ImageRecord {
-        options: BuildOptions { chunk_size: config.chunk_size },
-        geometry: *g,
-        stats,
-        prefix: PrefixInfo {
-            digest: Sha256Digest::of(&prefix),
-            blocks: prefix.len() as u64 / BlockSize::U64,
-        },
-        block_map,
-        config: runtime,
-    };
-    let record_bytes = record.encode();
-    let id = ImageId(Sha256Digest::of(&record_bytes));
-
-    // Pack index: every chunk the image uses, with packs numbered in first-use order.
+/// Pack index: every chunk the image uses, with packs numbered in first-use order.
+fn pack_index(record: &ImageRecord, chunks: &ChunkOutput) -> Result<PackIndex, BuildError> {
     let mut packs: Vec<Sha256Digest> = Vec::new();
     let mut pack_no: HashMap<Sha256Digest, u32> = HashMap::new();
     let mut entries: Vec<(ChunkId, PackLocation)> = Vec::with_capacity(record.block_map.chunks().len());
@@ -194,11 +214,22 @@ pub(crate) fn finish_image(
         loc.pack = n;
         entries.push((c.id, loc));
     }
-    let pack_index = PackIndex::new(packs, entries);
+    Ok(PackIndex::new(packs, entries))
+}
 
-    // Blobs first, then the entry (the caller writes the ref last).
+/// Write the blobs first, then the entry (the caller writes the ref last).
+fn write_image(
+    store: &LocalStore,
+    config: &BuildConfig,
+    record: &ImageRecord,
+    prefix: &[u8],
+    pack_index: &PackIndex,
+    source_provenance: serde_json::Value,
+) -> Result<(ImageId, ImageEntry), BuildError> {
+    let record_bytes = record.encode();
+    let id = ImageId(Sha256Digest::of(&record_bytes));
     let compressed_prefix =
-        zstd::bulk::compress(&prefix, 3).map_err(BuildError::io(store.root(), "compress prefix"))?;
+        zstd::bulk::compress(prefix, 3).map_err(BuildError::io(store.root(), "compress prefix"))?;
     let prefix_digest = store.put_blob(&compressed_prefix)?;
     let pack_index_digest = store.put_blob(&pack_index.encode())?;
     let provenance = serde_json::json!({
@@ -217,13 +248,7 @@ pub(crate) fn finish_image(
         provenance: Some(provenance_digest),
     };
     store.put_entry(&id, &entry)?;
-    Ok(BuildOutput {
-        id,
-        record,
-        entry,
-        new_chunks: chunks.new_chunks,
-        new_stored_bytes: chunks.new_stored_bytes,
-    })
+    Ok((id, entry))
 }
 
 fn missing_chunk(id: ChunkId) -> BuildError {

@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 
 use sha2::{Digest, Sha256};
 
-use crate::bitmap::{block_bitmap, inode_bitmap};
+use crate::bitmap::{block_bitmap, inode_bitmap, Bitmap};
 use crate::dir::{self, DirEnt};
 use crate::error::Ext4Error;
 use crate::extent::{self, Extent};
@@ -20,7 +20,7 @@ use crate::layout::alloc::Allocator;
 use crate::layout::geometry::{self, BLOCKS_PER_GROUP, MAX_IPG};
 use crate::namespace::{self, Namespace, Slot, LINK_MAX, LOST_FOUND_INO};
 use crate::superblock::SuperblockParams;
-use crate::tree::{Meta, NodeKind, Timestamp, Tree};
+use crate::tree::{DataRange, Meta, NodeKind, Timestamp, Tree};
 use crate::xattr::{self, DiskXattr};
 use crate::{Ext4Image, Geometry, MetadataRun, Options, PlacedExtent, SizePolicy};
 use tessera_image::BlockSize;
@@ -131,7 +131,8 @@ pub fn synthesize(tree: &Tree, opts: &Options) -> Result<Ext4Image, Ext4Error> {
         (0..objs.len()).filter(|&i| matches!(objs[i].kind, ObjKind::File { .. })).collect();
     files.sort_by_key(|&i| objs[i].node);
     let lay = size_and_layout(&objs, xblocks.len(), &files, ns.last_ino() as u64, opts)?;
-    Ok(render(tree, &objs, &xblocks, &lay, &ns, opts, uuid, hash_seed, fs_seed))
+    let ids = Ids { uuid, hash_seed, fs_seed };
+    Ok(render(&RenderInput { tree, objs: &objs, xblocks: &xblocks, lay: &lay, ns: &ns, opts, ids }))
 }
 
 fn check_time(t: Timestamp, path: impl Fn() -> String) -> Result<(), Ext4Error> {
@@ -175,19 +176,7 @@ fn prepare(
     for (k, node) in order.into_iter().enumerate() {
         let ino = if k == 0 { namespace::ROOT_INO } else { LOST_FOUND_INO + k as u32 - 1 };
         let Some(n) = node else {
-            // mke2fs's lost+found: 0700 root:root, 4 empty blocks so e2fsck can reconnect without
-            // allocating.
-            let blocks = dir::render_linear(ino, namespace::ROOT_INO, &[], 4, fs_seed);
-            let meta = Meta { mode: 0o700, uid: 0, gid: 0, atime: t, mtime: t, ctime: t };
-            objs.push(Obj {
-                ino,
-                node: None,
-                meta,
-                kind: ObjKind::Dir { blocks, htree: false },
-                links: 2,
-                xattr_area: [0; XATTR_AREA_LEN],
-                xattr_block: None,
-            });
+            objs.push(created_lost_found(ino, t, fs_seed));
             continue;
         };
         let src = &tree.nodes[n];
@@ -195,91 +184,7 @@ fn prepare(
         for ts in [src.meta.atime, src.meta.mtime, src.meta.ctime] {
             check_time(ts, path)?;
         }
-        let mut links = ns.refs[n];
-        let kind = match &src.kind {
-            NodeKind::Directory { .. } => {
-                let parent = match ns.parent[n] {
-                    Some((p, _)) => ns.ino[p],
-                    None => namespace::ROOT_INO,
-                };
-                let mut children: Vec<DirEnt<'_>> = ns.sorted_entries[n]
-                    .iter()
-                    .map(|(name, c)| DirEnt {
-                        ino: ns.ino[*c],
-                        file_type: file_type(&tree.nodes[*c].kind),
-                        name,
-                    })
-                    .collect();
-                if n == 0 && ns.tree_lost_found.is_none() {
-                    children.push(DirEnt {
-                        ino: LOST_FOUND_INO,
-                        file_type: dir::FT_DIR,
-                        name: b"lost+found",
-                    });
-                }
-                let subdirs = children.iter().filter(|c| c.file_type == dir::FT_DIR).count() as u64;
-                links = 2 + subdirs;
-                if links > LINK_MAX {
-                    // dir_nlink: a directory with too many subdirectories stores 1.
-                    links = 1;
-                }
-                // Linear blocks are ordered by inode number (then name), like e2fsck writes them.
-                children.sort_by(|a, b| a.ino.cmp(&b.ino).then_with(|| a.name.cmp(b.name)));
-                let is_lf = ino == LOST_FOUND_INO;
-                let min_blocks = if is_lf { 4 } else { 1 };
-                let mut blocks = dir::render_linear(ino, parent, &children, min_blocks, fs_seed);
-                let mut htree = false;
-                // e2fsck -fp would index any linear directory of 3+ blocks (except lost+found); do it
-                // ourselves so a later fsck has nothing to change.
-                if blocks.len() >= 3 && !is_lf {
-                    if let Some(h) = crate::htree::render_htree(ino, parent, &children, hash_seed, fs_seed) {
-                        blocks = h;
-                        htree = true;
-                    }
-                }
-                ObjKind::Dir { blocks, htree }
-            }
-            NodeKind::Regular { size, data } => {
-                if *size > MAX_FILE_SIZE {
-                    return Err(Ext4Error::FileTooLarge { path: path(), size: *size, max: MAX_FILE_SIZE });
-                }
-                let limit = size.div_ceil(BlockSize::U64);
-                let mut ranges: Vec<(u64, u64)> = Vec::with_capacity(data.len());
-                for r in data {
-                    let end = r.start_block.checked_add(r.blocks);
-                    let prev_end = ranges.last().map(|&(s, l)| s + l).unwrap_or(0);
-                    match end {
-                        Some(end) if r.blocks > 0 && end <= limit && r.start_block >= prev_end => {}
-                        _ => return Err(Ext4Error::BadDataRanges { path: path(), size: *size }),
-                    }
-                    // Adjacent ranges are one run on disk too; merging keeps the extent count minimal.
-                    match ranges.last_mut() {
-                        Some(last) if last.0 + last.1 == r.start_block => last.1 += r.blocks,
-                        _ => ranges.push((r.start_block, r.blocks)),
-                    }
-                }
-                ObjKind::File { size: *size, ranges }
-            }
-            NodeKind::Symlink { target } => {
-                if target.is_empty() || target.len() > 4095 || target.contains(&0) {
-                    return Err(Ext4Error::BadSymlink { path: path(), len: target.len() });
-                }
-                ObjKind::Symlink { target: target.clone() }
-            }
-            NodeKind::CharDevice { major, minor } | NodeKind::BlockDevice { major, minor } => {
-                // Linux dev_t: 12-bit major, 20-bit minor.
-                if *major >= 1 << 12 || *minor >= 1 << 20 {
-                    return Err(Ext4Error::BadDeviceNumber { path: path(), major: *major, minor: *minor });
-                }
-                if matches!(src.kind, NodeKind::CharDevice { .. }) {
-                    ObjKind::Chr { major: *major, minor: *minor }
-                } else {
-                    ObjKind::Blk { major: *major, minor: *minor }
-                }
-            }
-            NodeKind::Fifo => ObjKind::Fifo,
-            NodeKind::Socket => ObjKind::Sock,
-        };
+        let (kind, links) = node_kind(tree, ns, n, ino, hash_seed, fs_seed)?;
         let (xattr_area, xattr_block) = place_xattrs(src, ns, n, &mut xblocks, &mut shared)?;
         objs.push(Obj {
             ino,
@@ -292,6 +197,130 @@ fn prepare(
         });
     }
     Ok((objs, xblocks))
+}
+
+/// mke2fs's lost+found: 0700 root:root, 4 empty blocks so e2fsck can reconnect without allocating.
+fn created_lost_found(ino: u32, t: Timestamp, fs_seed: u32) -> Obj {
+    let blocks = dir::render_linear(ino, namespace::ROOT_INO, &[], 4, fs_seed);
+    Obj {
+        ino,
+        node: None,
+        meta: Meta { mode: 0o700, uid: 0, gid: 0, atime: t, mtime: t, ctime: t },
+        kind: ObjKind::Dir { blocks, htree: false },
+        links: 2,
+        xattr_area: [0; XATTR_AREA_LEN],
+        xattr_block: None,
+    }
+}
+
+/// A directory node's blocks (linear, or hash-indexed from 3 blocks on) and its link count.
+fn dir_kind(
+    tree: &Tree,
+    ns: &Namespace,
+    n: usize,
+    ino: u32,
+    hash_seed: &[u32; 4],
+    fs_seed: u32,
+) -> (ObjKind, u64) {
+    let parent = match ns.parent[n] {
+        Some((p, _)) => ns.ino[p],
+        None => namespace::ROOT_INO,
+    };
+    let mut children: Vec<DirEnt<'_>> = ns.sorted_entries[n]
+        .iter()
+        .map(|(name, c)| DirEnt { ino: ns.ino[*c], file_type: file_type(&tree.nodes[*c].kind), name })
+        .collect();
+    if n == 0 && ns.tree_lost_found.is_none() {
+        children.push(DirEnt { ino: LOST_FOUND_INO, file_type: dir::FT_DIR, name: b"lost+found" });
+    }
+    let subdirs = children.iter().filter(|c| c.file_type == dir::FT_DIR).count() as u64;
+    // dir_nlink: a directory with too many subdirectories stores 1.
+    let links = if 2 + subdirs > LINK_MAX { 1 } else { 2 + subdirs };
+    // Linear blocks are ordered by inode number (then name), like e2fsck writes them.
+    children.sort_by(|a, b| a.ino.cmp(&b.ino).then_with(|| a.name.cmp(b.name)));
+    let is_lf = ino == LOST_FOUND_INO;
+    let min_blocks = if is_lf { 4 } else { 1 };
+    let mut blocks = dir::render_linear(ino, parent, &children, min_blocks, fs_seed);
+    let mut htree = false;
+    // e2fsck -fp would index any linear directory of 3+ blocks (except lost+found); do it
+    // ourselves so a later fsck has nothing to change.
+    if blocks.len() >= 3 && !is_lf {
+        if let Some(h) = crate::htree::render_htree(ino, parent, &children, hash_seed, fs_seed) {
+            blocks = h;
+            htree = true;
+        }
+    }
+    (ObjKind::Dir { blocks, htree }, links)
+}
+
+/// A tree node's inode content, validated, and its link count.
+fn node_kind(
+    tree: &Tree,
+    ns: &Namespace,
+    n: usize,
+    ino: u32,
+    hash_seed: &[u32; 4],
+    fs_seed: u32,
+) -> Result<(ObjKind, u64), Ext4Error> {
+    let path = || ns.path(n);
+    let kind = match &tree.nodes[n].kind {
+        NodeKind::Directory { .. } => return Ok(dir_kind(tree, ns, n, ino, hash_seed, fs_seed)),
+        NodeKind::Regular { size, data } => {
+            ObjKind::File { size: *size, ranges: file_ranges(*size, data, path)? }
+        }
+        NodeKind::Symlink { target } => {
+            if target.is_empty() || target.len() > 4095 || target.contains(&0) {
+                return Err(Ext4Error::BadSymlink { path: path(), len: target.len() });
+            }
+            ObjKind::Symlink { target: target.clone() }
+        }
+        &NodeKind::CharDevice { major, minor } => {
+            check_device(major, minor, path)?;
+            ObjKind::Chr { major, minor }
+        }
+        &NodeKind::BlockDevice { major, minor } => {
+            check_device(major, minor, path)?;
+            ObjKind::Blk { major, minor }
+        }
+        NodeKind::Fifo => ObjKind::Fifo,
+        NodeKind::Socket => ObjKind::Sock,
+    };
+    Ok((kind, ns.refs[n]))
+}
+
+/// Linux dev_t: 12-bit major, 20-bit minor.
+fn check_device(major: u32, minor: u32, path: impl Fn() -> String) -> Result<(), Ext4Error> {
+    if major >= 1 << 12 || minor >= 1 << 20 {
+        return Err(Ext4Error::BadDeviceNumber { path: path(), major, minor });
+    }
+    Ok(())
+}
+
+/// A regular file's data ranges, checked (ascending, non-empty, inside the size) and with adjacent
+/// ranges merged: they are one run on disk too, and merging keeps the extent count minimal.
+fn file_ranges(
+    size: u64,
+    data: &[DataRange],
+    path: impl Fn() -> String,
+) -> Result<Vec<(u64, u64)>, Ext4Error> {
+    if size > MAX_FILE_SIZE {
+        return Err(Ext4Error::FileTooLarge { path: path(), size, max: MAX_FILE_SIZE });
+    }
+    let limit = size.div_ceil(BlockSize::U64);
+    let mut ranges: Vec<(u64, u64)> = Vec::with_capacity(data.len());
+    for r in data {
+        let end = r.start_block.checked_add(r.blocks);
+        let prev_end = ranges.last().map(|&(s, l)| s + l).unwrap_or(0);
+        match end {
+            Some(end) if r.blocks > 0 && end <= limit && r.start_block >= prev_end => {}
+            _ => return Err(Ext4Error::BadDataRanges { path: path(), size }),
+        }
+        match ranges.last_mut() {
+            Some(last) if last.0 + last.1 == r.start_block => last.1 += r.blocks,
+            _ => ranges.push((r.start_block, r.blocks)),
+        }
+    }
+    Ok(ranges)
 }
 
 /// Decide where a node's xattrs go: all in the inode if they fit, else all in a (shared) block, else
@@ -624,109 +653,188 @@ impl MetaSink {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn render(
-    tree: &Tree,
-    objs: &[Obj],
-    xblocks: &[XBlock],
-    lay: &Layout,
-    ns: &Namespace,
-    opts: &Options,
+/// The filesystem's identifiers, derived from the seed.
+#[derive(Debug, Clone, Copy)]
+struct Ids {
     uuid: [u8; 16],
     hash_seed: [u32; 4],
     fs_seed: u32,
-) -> Ext4Image {
-    let mut sink = MetaSink::default();
-    let t = Timestamp { sec: opts.fs_time, nsec: 0 };
-    let mut placements: Vec<Vec<PlacedExtent>> = vec![Vec::new(); tree.nodes.len()];
+}
 
+/// Everything rendering reads: the prepared objects, the chosen layout and the identifiers.
+#[derive(Debug, Clone, Copy)]
+struct RenderInput<'a> {
+    tree: &'a Tree,
+    objs: &'a [Obj],
+    xblocks: &'a [XBlock],
+    lay: &'a Layout,
+    ns: &'a Namespace,
+    opts: &'a Options,
+    ids: Ids,
+}
+
+/// One rendered inode record and its number.
+type InodeRecord = (u32, [u8; inode::INODE_SIZE]);
+
+/// Render every metadata block with its checksum, one step per kind of block, into the sink.
+fn render(input: &RenderInput<'_>) -> Ext4Image {
+    let lay = input.lay;
+    let mut sink = MetaSink::default();
     // 1. Per-object blocks (directory, extent tree, symlink) and inode records.
-    let mut inodes: Vec<(u32, [u8; inode::INODE_SIZE])> = Vec::with_capacity(objs.len() + 1);
-    for (o, l) in objs.iter().zip(&lay.objs) {
-        let mut d = InodeData {
-            uid: o.meta.uid,
-            gid: o.meta.gid,
-            atime: o.meta.atime,
-            ctime: o.meta.ctime,
-            mtime: o.meta.mtime,
-            crtime: o.meta.mtime,
-            links: o.links,
-            xattr_area: o.xattr_area,
-            ..Default::default()
-        };
-        let perm = o.meta.mode & 0o7777;
-        let mut owned_blocks: u64 = l.tree_blocks.len() as u64;
-        if let Some(x) = o.xattr_block {
-            d.file_acl = lay.xblock_nr[x];
-            owned_blocks += 1;
+    let (mut inodes, placements) = render_objects(input, &mut sink);
+    // 2. Journal inode and block 0 of the journal.
+    let journal = render_journal(input, &mut sink);
+    inodes.push((namespace::JOURNAL_INO, journal.inode));
+    // 3. Xattr blocks.
+    for (x, nr) in input.xblocks.iter().zip(&lay.xblock_nr) {
+        sink.put(*nr, xattr::seal_block(&x.body, x.refcount, *nr, input.ids.fs_seed));
+    }
+    // 4. Inode tables.
+    for (g, table) in inode_tables(input, inodes).into_iter().enumerate() {
+        sink.put(lay.inode_table[g], table);
+    }
+    // 5. Bitmaps, then descriptors with their checksums.
+    let groups = render_groups(input, &mut sink);
+    // 6. Superblock copies with the descriptor table after each.
+    render_superblocks(input, &groups, &journal.jnl_blocks, &mut sink);
+
+    Ext4Image {
+        geometry: Geometry {
+            block_size: BlockSize::U32,
+            blocks: lay.blocks_count,
+            inodes: lay.groups * lay.ipg,
+            inodes_per_group: lay.ipg as u32,
+            groups: lay.groups as u32,
+            journal_blocks: lay.journal_blocks,
+            free_blocks: groups.free_blocks,
+            free_inodes: groups.free_inodes,
+            data_start_block: lay.data_start,
+            data_end_block: lay.data_end,
+            uuid: input.ids.uuid,
+        },
+        metadata: sink.finish(),
+        placements,
+    }
+}
+
+/// Step 1: every object's inode record and own blocks, and where each regular file's data went.
+fn render_objects(
+    input: &RenderInput<'_>,
+    sink: &mut MetaSink,
+) -> (Vec<InodeRecord>, Vec<Vec<PlacedExtent>>) {
+    let fs_seed = input.ids.fs_seed;
+    let mut placements: Vec<Vec<PlacedExtent>> = vec![Vec::new(); input.tree.nodes.len()];
+    let mut inodes: Vec<InodeRecord> = Vec::with_capacity(input.objs.len() + 1);
+    for (o, l) in input.objs.iter().zip(&input.lay.objs) {
+        let d = render_object(o, l, input.lay, fs_seed, sink);
+        if let (ObjKind::File { .. }, Some(n)) = (&o.kind, o.node) {
+            placements[n] = placed(&l.extents);
         }
-        let with_tree = |d: &mut InodeData, sink: &mut MetaSink| {
-            let t = extent::build_tree(&l.extents, &l.tree_blocks, o.ino, fs_seed);
-            d.i_block = t.i_block;
-            d.flags |= inode::EXT4_EXTENTS_FL;
-            for (nr, b) in t.blocks {
-                sink.put(nr, b);
-            }
-        };
-        match &o.kind {
-            ObjKind::Dir { blocks, htree } => {
-                d.mode = inode::S_IFDIR | perm;
-                d.size = blocks.len() as u64 * BlockSize::U64;
-                owned_blocks += blocks.len() as u64;
-                if *htree {
-                    d.flags |= inode::EXT4_INDEX_FL;
-                }
-                let mut lblk = 0;
-                for e in &l.extents {
-                    let mut run = Vec::with_capacity(e.len as usize * BlockSize::USIZE);
-                    for b in &blocks[lblk..lblk + e.len as usize] {
-                        run.extend_from_slice(b);
-                    }
-                    sink.put(e.pblk, run);
-                    lblk += e.len as usize;
-                }
-                with_tree(&mut d, &mut sink);
-            }
-            ObjKind::File { size, .. } => {
-                d.mode = inode::S_IFREG | perm;
-                d.size = *size;
-                owned_blocks += l.extents.iter().map(|e| e.len as u64).sum::<u64>();
-                with_tree(&mut d, &mut sink);
-                if let Some(n) = o.node {
-                    placements[n] = placed(&l.extents);
-                }
-            }
-            ObjKind::Symlink { target } => {
-                d.mode = inode::S_IFLNK | perm;
-                d.size = target.len() as u64;
-                if target.len() <= FAST_SYMLINK_MAX {
-                    d.i_block[..target.len()].copy_from_slice(target);
-                } else {
-                    let mut b = vec![0u8; BlockSize::USIZE];
-                    b[..target.len()].copy_from_slice(target);
-                    sink.put(l.symlink_block, b);
-                    owned_blocks += 1;
-                    let ext = [Extent { lblk: 0, len: 1, pblk: l.symlink_block }];
-                    d.i_block = extent::build_tree(&ext, &[], o.ino, fs_seed).i_block;
-                    d.flags |= inode::EXT4_EXTENTS_FL;
-                }
-            }
-            ObjKind::Chr { major, minor } => {
-                d.mode = inode::S_IFCHR | perm;
-                d.i_block = inode::device_i_block(*major, *minor);
-            }
-            ObjKind::Blk { major, minor } => {
-                d.mode = inode::S_IFBLK | perm;
-                d.i_block = inode::device_i_block(*major, *minor);
-            }
-            ObjKind::Fifo => d.mode = inode::S_IFIFO | perm,
-            ObjKind::Sock => d.mode = inode::S_IFSOCK | perm,
-        }
-        d.blocks_512 = owned_blocks * (BlockSize::U64 / 512);
         inodes.push((o.ino, d.render(o.ino, fs_seed)));
     }
+    (inodes, placements)
+}
 
-    // 2. Journal inode and block 0 of the journal.
+/// One object's inode fields; its directory, extent-tree and symlink blocks go into the sink.
+fn render_object(o: &Obj, l: &ObjLayout, lay: &Layout, fs_seed: u32, sink: &mut MetaSink) -> InodeData {
+    let mut d = InodeData {
+        uid: o.meta.uid,
+        gid: o.meta.gid,
+        atime: o.meta.atime,
+        ctime: o.meta.ctime,
+        mtime: o.meta.mtime,
+        crtime: o.meta.mtime,
+        links: o.links,
+        xattr_area: o.xattr_area,
+        ..Default::default()
+    };
+    let perm = o.meta.mode & 0o7777;
+    let mut owned_blocks: u64 = l.tree_blocks.len() as u64;
+    if let Some(x) = o.xattr_block {
+        d.file_acl = lay.xblock_nr[x];
+        owned_blocks += 1;
+    }
+    match &o.kind {
+        ObjKind::Dir { blocks, htree } => {
+            d.mode = inode::S_IFDIR | perm;
+            d.size = blocks.len() as u64 * BlockSize::U64;
+            owned_blocks += blocks.len() as u64;
+            if *htree {
+                d.flags |= inode::EXT4_INDEX_FL;
+            }
+            put_dir_blocks(blocks, &l.extents, sink);
+            put_extent_tree(&mut d, o.ino, l, fs_seed, sink);
+        }
+        ObjKind::File { size, .. } => {
+            d.mode = inode::S_IFREG | perm;
+            d.size = *size;
+            owned_blocks += l.extents.iter().map(|e| e.len as u64).sum::<u64>();
+            put_extent_tree(&mut d, o.ino, l, fs_seed, sink);
+        }
+        ObjKind::Symlink { target } => {
+            d.mode = inode::S_IFLNK | perm;
+            d.size = target.len() as u64;
+            if target.len() <= FAST_SYMLINK_MAX {
+                d.i_block[..target.len()].copy_from_slice(target);
+            } else {
+                let mut b = vec![0u8; BlockSize::USIZE];
+                b[..target.len()].copy_from_slice(target);
+                sink.put(l.symlink_block, b);
+                owned_blocks += 1;
+                let ext = [Extent { lblk: 0, len: 1, pblk: l.symlink_block }];
+                d.i_block = extent::build_tree(&ext, &[], o.ino, fs_seed).i_block;
+                d.flags |= inode::EXT4_EXTENTS_FL;
+            }
+        }
+        ObjKind::Chr { major, minor } => {
+            d.mode = inode::S_IFCHR | perm;
+            d.i_block = inode::device_i_block(*major, *minor);
+        }
+        ObjKind::Blk { major, minor } => {
+            d.mode = inode::S_IFBLK | perm;
+            d.i_block = inode::device_i_block(*major, *minor);
+        }
+        ObjKind::Fifo => d.mode = inode::S_IFIFO | perm,
+        ObjKind::Sock => d.mode = inode::S_IFSOCK | perm,
+    }
+    d.blocks_512 = owned_blocks * (BlockSize::U64 / 512);
+    d
+}
+
+/// A directory's blocks, one run per extent.
+fn put_dir_blocks(blocks: &[Vec<u8>], extents: &[Extent], sink: &mut MetaSink) {
+    let mut lblk = 0;
+    for e in extents {
+        let mut run = Vec::with_capacity(e.len as usize * BlockSize::USIZE);
+        for b in &blocks[lblk..lblk + e.len as usize] {
+            run.extend_from_slice(b);
+        }
+        sink.put(e.pblk, run);
+        lblk += e.len as usize;
+    }
+}
+
+/// The extent tree of an object: its root into `i_block`, its tree blocks into the sink.
+fn put_extent_tree(d: &mut InodeData, ino: u32, l: &ObjLayout, fs_seed: u32, sink: &mut MetaSink) {
+    let t = extent::build_tree(&l.extents, &l.tree_blocks, ino, fs_seed);
+    d.i_block = t.i_block;
+    d.flags |= inode::EXT4_EXTENTS_FL;
+    for (nr, b) in t.blocks {
+        sink.put(nr, b);
+    }
+}
+
+/// The journal's inode record and the superblock's copy of its `i_block` and size.
+#[derive(Debug)]
+struct JournalInode {
+    inode: [u8; inode::INODE_SIZE],
+    jnl_blocks: [u32; 17],
+}
+
+/// Step 2: the journal inode; block 0 of the journal (its superblock) goes into the sink.
+fn render_journal(input: &RenderInput<'_>, sink: &mut MetaSink) -> JournalInode {
+    let (lay, fs_seed) = (input.lay, input.ids.fs_seed);
+    let t = Timestamp { sec: input.opts.fs_time, nsec: 0 };
     let mut jext = Vec::new();
     extent::split_extents(0, lay.journal_start, lay.journal_blocks, &mut jext);
     let jtree = extent::build_tree(&jext, &[], namespace::JOURNAL_INO, fs_seed);
@@ -744,25 +852,22 @@ fn render(
         i_block: jtree.i_block,
         ..Default::default()
     };
-    inodes.push((namespace::JOURNAL_INO, jd.render(namespace::JOURNAL_INO, fs_seed)));
-    sink.put(lay.journal_start, journal::render_superblock(lay.journal_blocks, &uuid));
+    sink.put(lay.journal_start, journal::render_superblock(lay.journal_blocks, &input.ids.uuid));
     let mut jnl_blocks = [0u32; 17];
     for (i, w) in jnl_blocks.iter_mut().take(15).enumerate() {
         *w = crate::bytes::get_u32(&jtree.i_block, 4 * i);
     }
     jnl_blocks[15] = (jsize >> 32) as u32;
     jnl_blocks[16] = jsize as u32;
+    JournalInode { inode: jd.render(namespace::JOURNAL_INO, fs_seed), jnl_blocks }
+}
 
-    // 3. Xattr blocks.
-    for (x, nr) in xblocks.iter().zip(&lay.xblock_nr) {
-        sink.put(*nr, xattr::seal_block(&x.body, x.refcount, *nr, fs_seed));
-    }
-
-    // 4. Inode tables: only the used prefix of each group's table (the rest reads as zeros).
-    let ipg = lay.ipg;
-    let last_ino = ns.last_ino() as u64;
+/// Step 4: each group's inode table, only its used prefix (the rest reads as zeros).
+fn inode_tables(input: &RenderInput<'_>, mut inodes: Vec<InodeRecord>) -> Vec<Vec<u8>> {
+    let ipg = input.lay.ipg;
+    let last_ino = input.ns.last_ino() as u64;
     inodes.sort_by_key(|i| i.0);
-    let mut tables: Vec<Vec<u8>> = (0..lay.groups)
+    let mut tables: Vec<Vec<u8>> = (0..input.lay.groups)
         .map(|g| {
             let used = last_ino.saturating_sub(g * ipg).min(ipg);
             vec![0u8; (used * 256).next_multiple_of(BlockSize::U64) as usize]
@@ -773,17 +878,26 @@ fn render(
         let (g, i) = ((idx / ipg) as usize, (idx % ipg) as usize * 256);
         tables[g][i..i + 256].copy_from_slice(raw);
     }
+    tables
+}
 
-    // 5. Bitmaps, then descriptors with their checksums.
-    let mut used_dirs = vec![0u32; lay.groups as usize];
-    for o in objs {
-        if matches!(o.kind, ObjKind::Dir { .. }) {
-            used_dirs[((o.ino - 1) as u64 / ipg) as usize] += 1;
-        }
-    }
-    let mut bbitmaps: Vec<_> = (0..lay.groups)
-        .map(|g| block_bitmap((lay.blocks_count - g * BLOCKS_PER_GROUP).min(BLOCKS_PER_GROUP) as usize))
-        .collect();
+/// The rendered group descriptor table and the free counts it sums to.
+#[derive(Debug)]
+struct Groups {
+    /// The descriptors, padded to whole GDT blocks.
+    descs: Vec<u8>,
+    free_blocks: u64,
+    free_inodes: u64,
+}
+
+/// Blocks of group `g` that exist (the last group may be short).
+fn group_blocks(lay: &Layout, g: u64) -> usize {
+    (lay.blocks_count - g * BLOCKS_PER_GROUP).min(BLOCKS_PER_GROUP) as usize
+}
+
+/// Every group's block bitmap with the allocated ranges set.
+fn block_bitmaps(lay: &Layout) -> Vec<Bitmap> {
+    let mut bbitmaps: Vec<Bitmap> = (0..lay.groups).map(|g| block_bitmap(group_blocks(lay, g))).collect();
     for &(start, len) in &lay.used {
         let mut s = start;
         let end = start + len;
@@ -794,12 +908,26 @@ fn render(
             s = group_end;
         }
     }
+    bbitmaps
+}
+
+/// Step 5: block and inode bitmaps into the sink, and the descriptors with their checksums.
+fn render_groups(input: &RenderInput<'_>, sink: &mut MetaSink) -> Groups {
+    let (lay, fs_seed) = (input.lay, input.ids.fs_seed);
+    let ipg = lay.ipg;
+    let last_ino = input.ns.last_ino() as u64;
+    let mut used_dirs = vec![0u32; lay.groups as usize];
+    for o in input.objs {
+        if matches!(o.kind, ObjKind::Dir { .. }) {
+            used_dirs[((o.ino - 1) as u64 / ipg) as usize] += 1;
+        }
+    }
+    let bbitmaps = block_bitmaps(lay);
     let mut descs = Vec::with_capacity(lay.groups as usize);
     let (mut free_blocks, mut free_inodes) = (0u64, 0u64);
     for g in 0..lay.groups {
         let gi = g as usize;
-        let real = (lay.blocks_count - g * BLOCKS_PER_GROUP).min(BLOCKS_PER_GROUP) as usize;
-        let fb = bbitmaps[gi].count_zeros(real) as u64;
+        let fb = bbitmaps[gi].count_zeros(group_blocks(lay, g)) as u64;
         let used_inodes = last_ino.saturating_sub(g * ipg).min(ipg);
         let mut ib = inode_bitmap(ipg as usize);
         ib.set_range(0, used_inodes as usize);
@@ -823,26 +951,28 @@ fn render(
     for (g, bm) in bbitmaps.into_iter().enumerate() {
         sink.put(lay.block_bitmap[g], bm.as_bytes().to_vec());
     }
-    for (g, table) in tables.into_iter().enumerate() {
-        sink.put(lay.inode_table[g], table);
-    }
     descs.resize((geometry::gdt_blocks(lay.groups) * BlockSize::U64) as usize, 0);
+    Groups { descs, free_blocks, free_inodes }
+}
 
-    // 6. Superblock copies (primary at byte 1024 of block 0, backups at the start of their group).
+/// Step 6: the superblock copies (primary at byte 1024 of block 0, backups at the start of their
+/// group), each followed by the descriptor table.
+fn render_superblocks(input: &RenderInput<'_>, groups: &Groups, jnl_blocks: &[u32; 17], sink: &mut MetaSink) {
+    let (lay, opts) = (input.lay, input.opts);
     let mut label = [0u8; 16];
     label[..opts.label.len()].copy_from_slice(&opts.label);
     let sbp = SuperblockParams {
-        inodes_count: (lay.groups * ipg) as u32,
+        inodes_count: (lay.groups * lay.ipg) as u32,
         blocks_count: lay.blocks_count,
-        free_blocks,
-        free_inodes: free_inodes as u32,
-        inodes_per_group: ipg as u32,
+        free_blocks: groups.free_blocks,
+        free_inodes: groups.free_inodes as u32,
+        inodes_per_group: lay.ipg as u32,
         blocks_per_group: BLOCKS_PER_GROUP as u32,
         fs_time: opts.fs_time,
-        uuid,
+        uuid: input.ids.uuid,
         label,
-        hash_seed,
-        jnl_blocks,
+        hash_seed: input.ids.hash_seed,
+        jnl_blocks: *jnl_blocks,
     };
     for g in 0..lay.groups {
         if !geometry::group_has_super(g) {
@@ -855,26 +985,8 @@ fn render(
         } else {
             head[..1024].copy_from_slice(&sb);
         }
-        head.extend_from_slice(&descs);
+        head.extend_from_slice(&groups.descs);
         sink.put(g * BLOCKS_PER_GROUP, head);
-    }
-
-    Ext4Image {
-        geometry: Geometry {
-            block_size: BlockSize::U32,
-            blocks: lay.blocks_count,
-            inodes: lay.groups * ipg,
-            inodes_per_group: ipg as u32,
-            groups: lay.groups as u32,
-            journal_blocks: lay.journal_blocks,
-            free_blocks,
-            free_inodes,
-            data_start_block: lay.data_start,
-            data_end_block: lay.data_end,
-            uuid,
-        },
-        metadata: sink.finish(),
-        placements,
     }
 }
 

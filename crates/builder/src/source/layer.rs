@@ -393,25 +393,18 @@ pub fn scan_layer(mut stream: LayerStream) -> Result<Vec<LayerEntry>, SourceErro
     Ok(out)
 }
 
+/// Builds the error for a malformed header field of the entry being parsed.
+type BadField<'a> = dyn Fn(&'static str, String) -> SourceError + 'a;
+
 /// One entry from its raw header (as written, before the `tar` crate applied PAX values to it)
-/// and its extension headers.
+/// and its extension headers: names, size, PAX fields, then metadata and kind.
 fn parse_entry<R: Read>(
     layer: &str,
     entry: &mut tar::Entry<'_, R>,
     ext: &Extensions,
     h: &tar::Header,
 ) -> Result<Option<LayerEntry>, SourceError> {
-    let path = match (ext.get(b"path"), &ext.long_name) {
-        (Some(p), _) => p.to_vec(),
-        (None, Some(long)) => long.clone(),
-        (None, None) => h.path_bytes().into_owned(),
-    };
-    let link = match (ext.get(b"linkpath"), &ext.long_link) {
-        (Some(l), _) => Some(l.to_vec()),
-        (None, Some(long)) => Some(long.clone()),
-        (None, None) => h.link_name_bytes().map(|l| l.into_owned()),
-    }
-    .filter(|l| !l.is_empty());
+    let (path, link) = entry_names(ext, h);
     let bad = |field: &'static str, reason: String| SourceError::BadHeader {
         layer: layer.to_owned(),
         path: show(&path),
@@ -437,61 +430,99 @@ fn parse_entry<R: Read>(
     if size != entry.size() {
         return Err(bad("size", format!("{size} bytes, but the tar reader framed {}", entry.size())));
     }
-    let mut uid = None;
-    let mut gid = None;
-    let mut times: [Option<Timestamp>; 3] = [None; 3];
-    let mut xattrs: Vec<Xattr> = Vec::new();
-    // libarchive's records (`LIBARCHIVE.xattr.<%-encoded name>=<base64 value>`): (encoded name, xattr).
-    let mut libarchive: Vec<(Vec<u8>, Xattr)> = Vec::new();
-    for (key, value) in &ext.pax {
-        let (key, value) = (key.as_slice(), value.as_slice());
-        let num = |v: &[u8]| std::str::from_utf8(v).ok().and_then(|s| s.parse::<u32>().ok());
-        match key {
-            b"uid" => uid = Some(num(value).ok_or_else(|| bad("uid", show(value)))?),
-            b"gid" => gid = Some(num(value).ok_or_else(|| bad("gid", show(value)))?),
-            b"atime" | b"mtime" | b"ctime" => {
-                let t = parse_pax_time(value).ok_or_else(|| bad("time", show(value)))?;
-                let slot = match key {
-                    b"atime" => 0,
-                    b"mtime" => 1,
-                    _ => 2,
-                };
-                times[slot] = Some(t);
-            }
-            _ => {
-                if key.contains(&0) {
-                    return Err(bad("xattr", format!("a NUL byte in the PAX key {}", show(key))));
+    let pax = PaxFields::parse(ext, &bad)?;
+    let meta = entry_meta(h, &pax, &bad)?;
+    let file = (entry.size(), entry.raw_file_position());
+    let Some(kind) = entry_kind(layer, h, &path, link, file, &bad)? else { return Ok(None) };
+    Ok(Some(LayerEntry { path, kind, meta, xattrs: pax.xattrs }))
+}
+
+/// The entry's path and link target: PAX records first, then GNU long names, then the header.
+fn entry_names(ext: &Extensions, h: &tar::Header) -> (Vec<u8>, Option<Vec<u8>>) {
+    let path = match (ext.get(b"path"), &ext.long_name) {
+        (Some(p), _) => p.to_vec(),
+        (None, Some(long)) => long.clone(),
+        (None, None) => h.path_bytes().into_owned(),
+    };
+    let link = match (ext.get(b"linkpath"), &ext.long_link) {
+        (Some(l), _) => Some(l.to_vec()),
+        (None, Some(long)) => Some(long.clone()),
+        (None, None) => h.link_name_bytes().map(|l| l.into_owned()),
+    }
+    .filter(|l| !l.is_empty());
+    (path, link)
+}
+
+/// What an entry's PAX records say about its owner, times and xattrs.
+#[derive(Debug, Default)]
+struct PaxFields {
+    uid: Option<u32>,
+    gid: Option<u32>,
+    /// atime, mtime, ctime.
+    times: [Option<Timestamp>; 3],
+    /// SCHILY and LIBARCHIVE xattrs merged, sorted by name.
+    xattrs: Vec<Xattr>,
+}
+
+impl PaxFields {
+    fn parse(ext: &Extensions, bad: &BadField<'_>) -> Result<Self, SourceError> {
+        let mut f = PaxFields::default();
+        // libarchive's records (`LIBARCHIVE.xattr.<%-encoded name>=<base64 value>`): (encoded name, xattr).
+        let mut libarchive: Vec<(Vec<u8>, Xattr)> = Vec::new();
+        for (key, value) in &ext.pax {
+            let (key, value) = (key.as_slice(), value.as_slice());
+            let num = |v: &[u8]| std::str::from_utf8(v).ok().and_then(|s| s.parse::<u32>().ok());
+            match key {
+                b"uid" => f.uid = Some(num(value).ok_or_else(|| bad("uid", show(value)))?),
+                b"gid" => f.gid = Some(num(value).ok_or_else(|| bad("gid", show(value)))?),
+                b"atime" | b"mtime" | b"ctime" => {
+                    let t = parse_pax_time(value).ok_or_else(|| bad("time", show(value)))?;
+                    let slot = match key {
+                        b"atime" => 0,
+                        b"mtime" => 1,
+                        _ => 2,
+                    };
+                    f.times[slot] = Some(t);
                 }
-                if let Some(name) = key.strip_prefix(b"SCHILY.xattr.") {
-                    if !name.is_empty() {
-                        xattrs.retain(|x| x.name != name);
-                        xattrs.push(Xattr { name: name.to_vec(), value: value.to_vec() });
+                _ => {
+                    if key.contains(&0) {
+                        return Err(bad("xattr", format!("a NUL byte in the PAX key {}", show(key))));
                     }
-                } else if let Some(encoded) = key.strip_prefix(b"LIBARCHIVE.xattr.") {
-                    let name = percent_decode(encoded);
-                    if !name.is_empty() {
-                        let value = LIBARCHIVE_BASE64
-                            .decode(value)
-                            .map_err(|e| bad("LIBARCHIVE.xattr", format!("{}: {e}", show(key))))?;
-                        libarchive.retain(|(e, _)| e != encoded);
-                        libarchive.push((encoded.to_vec(), Xattr { name, value }));
+                    if let Some(name) = key.strip_prefix(b"SCHILY.xattr.") {
+                        if !name.is_empty() {
+                            f.xattrs.retain(|x| x.name != name);
+                            f.xattrs.push(Xattr { name: name.to_vec(), value: value.to_vec() });
+                        }
+                    } else if let Some(encoded) = key.strip_prefix(b"LIBARCHIVE.xattr.") {
+                        let name = percent_decode(encoded);
+                        if !name.is_empty() {
+                            let value = LIBARCHIVE_BASE64
+                                .decode(value)
+                                .map_err(|e| bad("LIBARCHIVE.xattr", format!("{}: {e}", show(key))))?;
+                            libarchive.retain(|(e, _)| e != encoded);
+                            libarchive.push((encoded.to_vec(), Xattr { name, value }));
+                        }
                     }
                 }
             }
         }
+        merge_libarchive_xattrs(&mut f.xattrs, libarchive);
+        f.xattrs.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(f)
     }
+}
 
-    merge_libarchive_xattrs(&mut xattrs, libarchive);
-    xattrs.sort_by(|a, b| a.name.cmp(&b.name));
+/// Mode, owner and times: PAX values where the archive carries them, else the header's.
+fn entry_meta(h: &tar::Header, pax: &PaxFields, bad: &BadField<'_>) -> Result<Meta, SourceError> {
     let mode = h.mode().map_err(|e| bad("mode", e.to_string()))?;
-    let uid = match uid {
+    let uid = match pax.uid {
         Some(u) => u,
         None => {
             let u = h.uid().map_err(|e| bad("uid", e.to_string()))?;
             u32::try_from(u).map_err(|_| bad("uid", u.to_string()))?
         }
     };
-    let gid = match gid {
+    let gid = match pax.gid {
         Some(g) => g,
         None => {
             let g = h.gid().map_err(|e| bad("gid", e.to_string()))?;
@@ -501,7 +532,7 @@ fn parse_entry<R: Read>(
     if uid == u32::MAX || gid == u32::MAX {
         return Err(bad("uid/gid", "4294967295 is not a valid owner".into()));
     }
-    let mtime = match times[1] {
+    let mtime = match pax.times[1] {
         Some(t) => t,
         None => {
             let m = h.mtime().map_err(|e| bad("mtime", e.to_string()))?;
@@ -509,29 +540,40 @@ fn parse_entry<R: Read>(
         }
     };
     // atime and ctime only when the archive carries them (PAX); otherwise they follow mtime.
-    let meta = Meta {
+    Ok(Meta {
         mode: (mode & 0o7777) as u16,
         uid,
         gid,
-        atime: times[0].unwrap_or(mtime),
+        atime: pax.times[0].unwrap_or(mtime),
         mtime,
-        ctime: times[2].unwrap_or(mtime),
-    };
+        ctime: pax.times[2].unwrap_or(mtime),
+    })
+}
+
+/// What the entry is; `None` for a PAX global header (it carries nothing the image keeps).
+/// `file` is the framed data's `(size, position in the stream)`.
+fn entry_kind(
+    layer: &str,
+    h: &tar::Header,
+    path: &[u8],
+    link: Option<Vec<u8>>,
+    file: (u64, u64),
+    bad: &BadField<'_>,
+) -> Result<Option<EntryKind>, SourceError> {
     let device = |h: &tar::Header| -> Result<(u32, u32), SourceError> {
         let major = h.device_major().map_err(|e| bad("devmajor", e.to_string()))?.unwrap_or(0);
         let minor = h.device_minor().map_err(|e| bad("devminor", e.to_string()))?.unwrap_or(0);
         Ok((major, minor))
     };
-    let link = || link.clone();
-    let et = h.entry_type();
-    let kind = match et {
+    let link = || link.clone().ok_or_else(|| bad("linkname", "empty".into()));
+    Ok(Some(match h.entry_type() {
         tar::EntryType::Regular | tar::EntryType::Continuous if path.ends_with(b"/") => EntryKind::Dir,
         tar::EntryType::Regular | tar::EntryType::Continuous => {
-            EntryKind::File { size: entry.size(), offset: entry.raw_file_position() }
+            EntryKind::File { size: file.0, offset: file.1 }
         }
         tar::EntryType::Directory => EntryKind::Dir,
-        tar::EntryType::Symlink => EntryKind::Symlink(link().ok_or_else(|| bad("linkname", "empty".into()))?),
-        tar::EntryType::Link => EntryKind::HardLink(link().ok_or_else(|| bad("linkname", "empty".into()))?),
+        tar::EntryType::Symlink => EntryKind::Symlink(link()?),
+        tar::EntryType::Link => EntryKind::HardLink(link()?),
         tar::EntryType::Char => {
             let (major, minor) = device(h)?;
             EntryKind::Char { major, minor }
@@ -541,17 +583,15 @@ fn parse_entry<R: Read>(
             EntryKind::Block { major, minor }
         }
         tar::EntryType::Fifo => EntryKind::Fifo,
-        // PAX global headers carry nothing the image keeps.
         tar::EntryType::XGlobalHeader => return Ok(None),
         other => {
             return Err(SourceError::UnsupportedEntry {
                 layer: layer.to_owned(),
-                path: show(&path),
+                path: show(path),
                 kind: char::from(other.as_byte()),
             })
         }
-    };
-    Ok(Some(LayerEntry { path, kind, meta, xattrs }))
+    }))
 }
 
 #[cfg(test)]
