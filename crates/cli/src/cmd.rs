@@ -29,7 +29,7 @@ pub fn is_usage_error(e: &anyhow::Error) -> bool {
 /// Open a store for reading: a local directory or an http(s) origin (behind `--cache-dir` if
 /// given).
 fn open_store(store: &StoreLocation, cache: &CacheArgs) -> Result<Arc<dyn ReadStore>> {
-    Ok(store.open_read_store(cache.config().as_ref())?)
+    Ok(store.open_read_store(&crate::origin_args::origin_options()?, cache.config().as_ref())?)
 }
 
 pub fn build(args: BuildArgs) -> Result<()> {

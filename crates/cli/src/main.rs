@@ -7,6 +7,7 @@ mod cache_args;
 mod cache_cmd;
 mod cmd;
 mod copy;
+mod origin_args;
 mod profile;
 mod progress;
 mod push;

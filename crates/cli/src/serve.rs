@@ -156,7 +156,8 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     let ready = args.ready_fd.map(take_fd).transpose()?;
 
     let location = &args.store;
-    let store = location.open_read_store(args.cache.config().as_ref())?;
+    let store =
+        location.open_read_store(&crate::origin_args::origin_options()?, args.cache.config().as_ref())?;
     let id = store.resolve(&args.image).with_context(|| format!("store {}", store.describe()))?;
     let image = Arc::new(store.open_image(&id).with_context(|| format!("store {}", store.describe()))?);
     let metrics = Metrics::new();

@@ -9,8 +9,8 @@ use serde::Serialize;
 use tessera_builder::Progress;
 use tessera_registry::ClientOptions;
 use tessera_store::{
-    warm, CachedStore, DiskCache, HttpConfig, HttpStore, Origin, RegistryStore, StoreLocation, WarmOptions,
-    WarmReport, DEFAULT_WARM_JOBS,
+    warm, CachedStore, DiskCache, HttpStore, Origin, RegistryStore, StoreLocation, WarmOptions, WarmReport,
+    DEFAULT_WARM_JOBS,
 };
 
 use crate::cache_args::CacheArgs;
@@ -92,7 +92,7 @@ pub fn run(args: WarmArgs) -> Result<()> {
             path.display()
         ))),
         StoreLocation::Http(url) => {
-            let origin = HttpStore::new(url, HttpConfig::from_env()?);
+            let origin = HttpStore::new(url, crate::origin_args::origin_options()?.http);
             warm_with(CachedStore::new(origin, DiskCache::open(&config)?), &args.image, options)?
         }
         StoreLocation::Registry(repo) => {

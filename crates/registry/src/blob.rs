@@ -3,11 +3,10 @@
 use std::io::{self, Read};
 
 use sha2::{Digest as _, Sha256};
+use tessera_transport::{BodyReader, ErrorKind, Failure, Method, Response};
 use tracing::{debug, warn};
-use ureq::http::{Response, StatusCode};
-use ureq::Body;
 
-use crate::client::{status_error, Client, Method};
+use crate::client::{status_error, Access, Client};
 use crate::error::RegistryError;
 use crate::reference::Digest;
 
@@ -21,7 +20,7 @@ pub struct BlobReader {
     repo: String,
     digest: Digest,
     url: String,
-    body: Option<ureq::BodyReader<'static>>,
+    body: Option<BodyReader>,
     pos: u64,
     size: Option<u64>,
     hasher: Option<Sha256>,
@@ -62,6 +61,66 @@ fn parse_content_range(v: &str) -> Option<(u64, u64)> {
     Some((a.trim().parse().ok()?, b.trim().parse().ok()?))
 }
 
+/// The `Range` header asking for bytes `from..end` (`end` open when `None`).
+fn range_headers(from: u64, end: Option<u64>) -> Vec<(&'static str, String)> {
+    match (from, end) {
+        (0, None) => Vec::new(),
+        (f, None) => vec![("Range", format!("bytes={f}-"))],
+        (f, Some(e)) => vec![("Range", format!("bytes={f}-{}", e.saturating_sub(1)))],
+    }
+}
+
+/// The body of an answer to a GET of the blob from byte `from` on, positioned at `from`: a
+/// 206 must start there; a 200 (the server ignored Range) is skipped to it.
+fn body_from(
+    client: &Client,
+    repo: &str,
+    url: &str,
+    resp: Response,
+    from: u64,
+    end: Option<u64>,
+) -> Result<BodyReader, Failure<RegistryError>> {
+    match resp.status() {
+        200 => {
+            let mut body = resp.into_reader();
+            if from > 0 {
+                // The server ignored Range: skip what we already have.
+                let skipped = io::copy(&mut (&mut body).take(from), &mut io::sink()).map_err(|e| {
+                    let kind = ErrorKind::of_io(&e);
+                    Failure::retry(kind, RegistryError::Read { url: url.to_owned(), source: e })
+                })?;
+                if skipped != from {
+                    let source = io::Error::new(io::ErrorKind::UnexpectedEof, "blob shorter than before");
+                    return Err(Failure::fatal(
+                        ErrorKind::Body,
+                        RegistryError::Read { url: url.to_owned(), source },
+                    ));
+                }
+            }
+            Ok(body)
+        }
+        206 => {
+            let cr = resp.header("content-range").unwrap_or("").to_owned();
+            match parse_content_range(&cr) {
+                Some((start, _)) if start == from => Ok(resp.into_reader()),
+                _ => Err(Failure::fatal(
+                    ErrorKind::Body,
+                    RegistryError::BadRange {
+                        url: url.to_owned(),
+                        header: cr,
+                        start: from,
+                        end: end.unwrap_or(u64::MAX),
+                    },
+                )),
+            }
+        }
+        _ => {
+            let has = client.has_credentials(repo);
+            Err(Failure::uncounted(status_error(url, resp, has)))
+        }
+    }
+}
+
 /// GET the blob from byte `from` on. Returns the response body positioned at `from`.
 fn request_from(
     client: &Client,
@@ -69,48 +128,16 @@ fn request_from(
     digest: &Digest,
     from: u64,
     end: Option<u64>,
-) -> Result<(String, ureq::BodyReader<'static>), RegistryError> {
-    let path = format!("/v2/{repo}/blobs/{digest}");
-    let headers: Vec<(&str, String)> = match (from, end) {
-        (0, None) => Vec::new(),
-        (f, None) => vec![("Range", format!("bytes={f}-"))],
-        (f, Some(e)) => vec![("Range", format!("bytes={f}-{}", e.saturating_sub(1)))],
-    };
-    let (url, resp): (String, Response<Body>) = client.send(Method::Get, repo, &path, &headers)?;
-    match resp.status() {
-        StatusCode::OK => {
-            let mut body = resp.into_body().into_reader();
-            if from > 0 {
-                // The server ignored Range: skip what we already have.
-                let skipped = io::copy(&mut (&mut body).take(from), &mut io::sink())
-                    .map_err(|source| RegistryError::Read { url: url.clone(), source })?;
-                if skipped != from {
-                    return Err(RegistryError::Read {
-                        url,
-                        source: io::Error::new(io::ErrorKind::UnexpectedEof, "blob shorter than before"),
-                    });
-                }
-            }
-            Ok((url, body))
-        }
-        StatusCode::PARTIAL_CONTENT => {
-            let cr =
-                resp.headers().get("content-range").and_then(|v| v.to_str().ok()).unwrap_or("").to_owned();
-            match parse_content_range(&cr) {
-                Some((start, _)) if start == from => Ok((url, resp.into_body().into_reader())),
-                _ => Err(RegistryError::BadRange {
-                    url,
-                    header: cr,
-                    start: from,
-                    end: end.unwrap_or(u64::MAX),
-                }),
-            }
-        }
-        _ => {
-            let has = client.has_credentials(repo);
-            Err(status_error(&url, resp, has))
-        }
-    }
+) -> Result<(String, BodyReader), RegistryError> {
+    let url = blob_url(client, repo, digest)?;
+    let headers = range_headers(from, end);
+    client.send_then(Method::Get, repo, &url, &headers, &[], Access::Pull, |resp| {
+        body_from(client, repo, &url, resp, from, end)
+    })
+}
+
+fn blob_url(client: &Client, repo: &str, digest: &Digest) -> Result<String, RegistryError> {
+    Ok(format!("{}/v2/{repo}/blobs/{digest}", client.base_url()?))
 }
 
 impl BlobReader {
@@ -159,7 +186,7 @@ impl BlobReader {
     fn finish(&mut self) -> io::Result<()> {
         self.finished = true;
         if let Some(expected) = self.size.filter(|s| *s != self.pos) {
-            self.client.counters().body_error();
+            self.client.transport().record_error(ErrorKind::Body);
             return Err(self.fail(RegistryError::SizeMismatch {
                 url: self.url.clone(),
                 what: "blob",
@@ -170,7 +197,7 @@ impl BlobReader {
         if let Some(h) = self.hasher.take() {
             let actual = Digest::from_hasher(h);
             if actual != self.digest {
-                self.client.counters().digest_error();
+                self.client.transport().record_error(ErrorKind::Digest);
                 return Err(self.fail(RegistryError::DigestMismatch {
                     url: self.url.clone(),
                     what: "blob",
@@ -185,7 +212,7 @@ impl BlobReader {
     /// After a broken read: wait, then continue from `pos`; `Err` when out of attempts.
     fn resume(&mut self, cause: io::Error) -> io::Result<()> {
         self.body = None;
-        self.client.counters().read_error(&cause);
+        self.client.transport().record_error(ErrorKind::of_io(&cause));
         let policy = self.client.retry();
         if self.resumes + 1 >= policy.attempts.max(1) {
             return Err(self.fail(RegistryError::Read { url: self.url.clone(), source: cause }));
@@ -193,7 +220,7 @@ impl BlobReader {
         let wait = policy.backoff(self.resumes);
         warn!(url = self.url, pos = self.pos, error = %cause, ?wait, "registry: blob read broke, resuming");
         self.resumes += 1;
-        self.client.counters().retry();
+        self.client.transport().record_retry();
         std::thread::sleep(wait);
         let (_, body) =
             request_from(&self.client, &self.repo, &self.digest, self.pos, None).map_err(|e| self.fail(e))?;
@@ -226,7 +253,6 @@ impl Read for BlobReader {
                 }
                 Ok(n) => {
                     self.pos += n as u64;
-                    self.client.counters().bytes(n);
                     if let Some(expected) = self.size.filter(|s| self.pos > *s) {
                         return Err(self.fail(RegistryError::SizeMismatch {
                             url: self.url.clone(),
@@ -247,7 +273,8 @@ impl Read for BlobReader {
     }
 }
 
-/// Bytes `start..start + len` of a blob, retried whole on a broken body.
+/// Bytes `start..start + len` of a blob, retried whole (in the transport's retry loop) when
+/// the body breaks.
 pub(crate) fn get_range(
     client: &Client,
     repo: &str,
@@ -262,48 +289,33 @@ pub(crate) fn get_range(
         end: u64::MAX,
     })?;
     let cap = usize::try_from(len).unwrap_or(usize::MAX).min(64 << 20);
-    let policy = client.retry();
-    let _slot = client.range_slot();
-    let mut attempt = 0u32;
-    loop {
-        let (url, mut body) = request_from(client, repo, digest, start, Some(end))?;
+    let url = blob_url(client, repo, digest)?;
+    let headers = range_headers(start, Some(end));
+    let (_, out) = client.send_then(Method::Get, repo, &url, &headers, &[], Access::Pull, |resp| {
+        let mut body = body_from(client, repo, &url, resp, start, Some(end))?;
         let mut out = Vec::with_capacity(cap);
-        let read = (&mut body).take(len).read_to_end(&mut out);
-        client.counters().bytes(out.len());
-        match read {
-            Ok(_) if out.len() as u64 == len => {
-                // Reach the end of a 206 body so that its connection goes back to the pool (a
-                // body never read to its end closes the connection). A server that ignored Range
-                // sent more: that connection is dropped.
-                let mut probe = [0u8; 1];
-                if !matches!(body.read(&mut probe), Ok(0)) {
-                    debug!(url, "range answer longer than asked; not reusing the connection");
-                }
-                return Ok(out);
-            }
-            Ok(_) => {
-                client.counters().body_error();
-                return Err(RegistryError::Read {
-                    url,
-                    source: io::Error::new(
-                        io::ErrorKind::UnexpectedEof,
-                        format!("range ended after {} bytes", out.len()),
-                    ),
-                });
-            }
-            Err(e) if attempt + 1 < policy.attempts.max(1) => {
-                client.counters().read_error(&e);
-                client.counters().retry();
-                warn!(url, error = %e, "registry: range read broke, retrying");
-                std::thread::sleep(policy.backoff(attempt));
-                attempt += 1;
-            }
-            Err(source) => {
-                client.counters().read_error(&source);
-                return Err(RegistryError::Read { url, source });
-            }
+        if let Err(e) = (&mut body).take(len).read_to_end(&mut out) {
+            warn!(url, error = %e, "registry: range read broke");
+            let kind = ErrorKind::of_io(&e);
+            return Err(Failure::retry(kind, RegistryError::Read { url: url.clone(), source: e }));
         }
-    }
+        if out.len() as u64 != len {
+            let source = io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                format!("range ended after {} bytes", out.len()),
+            );
+            return Err(Failure::fatal(ErrorKind::Body, RegistryError::Read { url: url.clone(), source }));
+        }
+        // Reach the end of a 206 body so that its connection goes back to the pool (a body
+        // never read to its end closes the connection). A server that ignored Range sent more:
+        // that connection is dropped.
+        let mut probe = [0u8; 1];
+        if !matches!(body.read(&mut probe), Ok(0)) {
+            debug!(url, "range answer longer than asked; not reusing the connection");
+        }
+        Ok(out)
+    })?;
+    Ok(out)
 }
 
 #[cfg(test)]

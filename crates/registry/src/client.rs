@@ -6,27 +6,28 @@
 
 use std::collections::HashMap;
 use std::io::Read;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use tracing::{debug, warn};
-use ureq::http::{Response, StatusCode};
-use ureq::Body;
+use tessera_transport::{
+    Failure, FetchError, Method, Request, Response, RetryPolicy, Stats, TlsOptions, Transport,
+    TransportConfig,
+};
+use tracing::debug;
 
 use crate::auth::{repository_scope, Challenge, CredentialSource, Credentials};
 use crate::blob::BlobReader;
 use crate::error::RegistryError;
 use crate::media::{accept_header, classify, effective_media_type, ManifestKind, ACCEPT_ALL};
 use crate::reference::{is_loopback_host, Digest, Reference, Target};
-use crate::retry::{retryable_error, retryable_status, RetryPolicy};
 
 /// Largest manifest or index read (distribution itself refuses more than 4 MiB).
 pub const MAX_MANIFEST: u64 = 8 << 20;
 /// Largest registry error body read for a message.
 const MAX_ERROR_BODY: u64 = 64 << 10;
 
-/// Network timeouts. There is deliberately no whole-request timeout: a multi-GiB blob may take
-/// long, but it must keep moving.
+/// Network timeouts of a registry. There is deliberately no whole-request timeout: a multi-GiB
+/// blob may take long, but it must keep moving.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Timeouts {
     /// TCP connect plus TLS handshake (default 15 s).
@@ -59,9 +60,13 @@ pub struct ClientOptions {
     pub retry: RetryPolicy,
     /// Timeouts (default: connect 15 s, first byte 60 s, read stall 60 s).
     pub timeouts: Timeouts,
-    /// Range reads ([`Client::get_blob_range`]) in flight at once, across all threads sharing
-    /// the client (default [`DEFAULT_MAX_RANGES`]); more wait. Also the idle connections kept.
+    /// Requests in flight at once (range reads, streamed blobs, everything), across all threads
+    /// sharing the client (default [`DEFAULT_MAX_RANGES`]); more wait. Also the idle
+    /// connections kept.
     pub max_ranges: usize,
+    /// Trusted roots (`--ca-file`); verification is skipped for `insecure` and loopback
+    /// registries whatever `tls.skip_verify` says.
+    pub tls: TlsOptions,
 }
 
 /// Default [`ClientOptions::max_ranges`]: 32.
@@ -75,37 +80,8 @@ impl Default for ClientOptions {
             retry: RetryPolicy::default(),
             timeouts: Timeouts::default(),
             max_ranges: DEFAULT_MAX_RANGES,
+            tls: TlsOptions::default(),
         }
-    }
-}
-
-/// A counting semaphore bounding the range reads in flight.
-#[derive(Debug)]
-struct Slots {
-    max: usize,
-    used: Mutex<usize>,
-    freed: Condvar,
-}
-
-/// One slot of [`Slots`], given back on drop.
-pub(crate) struct Slot<'a>(&'a Slots);
-
-impl Slots {
-    fn take(&self) -> Slot<'_> {
-        let mut used = self.used.lock().unwrap_or_else(|p| p.into_inner());
-        while *used >= self.max {
-            used = self.freed.wait(used).unwrap_or_else(|p| p.into_inner());
-        }
-        *used += 1;
-        Slot(self)
-    }
-}
-
-impl Drop for Slot<'_> {
-    fn drop(&mut self) {
-        let mut used = self.0.used.lock().unwrap_or_else(|p| p.into_inner());
-        *used = used.saturating_sub(1);
-        self.0.freed.notify_one();
     }
 }
 
@@ -119,15 +95,6 @@ pub struct Manifest {
     pub bytes: Vec<u8>,
     /// Where it came from, for messages.
     pub url: String,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Method {
-    Get,
-    Head,
-    Post,
-    Put,
-    Patch,
 }
 
 /// What a request needs to be allowed to do, which decides the bearer token's scopes.
@@ -173,18 +140,10 @@ struct State {
 struct Inner {
     registry: String,
     insecure: bool,
-    verified: ureq::Agent,
-    unverified: ureq::Agent,
+    transport: Transport,
     options: ClientOptions,
     state: Mutex<State>,
-    ranges: Slots,
-    counters: crate::stats::Counters,
-    /// Told the duration of every counted try ([`Client::time_requests`]).
-    request_timer: std::sync::OnceLock<RequestTimer>,
 }
-
-/// Receives the duration of each try (from sending it to the response's head, or the failure).
-type RequestTimer = Box<dyn Fn(Duration) + Send + Sync>;
 
 /// A client for one registry host.
 #[derive(Clone)]
@@ -201,41 +160,6 @@ impl std::fmt::Debug for Client {
     }
 }
 
-/// An agent keeping up to `idle_per_host` idle connections to a host (one per concurrent range
-/// read, so a daemon's parallel fetches reuse connections instead of reconnecting).
-fn agent(timeouts: &Timeouts, idle_per_host: usize, verify: bool) -> ureq::Agent {
-    let tls = ureq::tls::TlsConfig::builder().disable_verification(!verify).build();
-    ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .tls_config(tls)
-        .timeout_connect(Some(timeouts.connect))
-        .timeout_recv_response(Some(timeouts.first_byte))
-        .timeout_per_read(Some(timeouts.read))
-        .max_idle_connections_per_host(idle_per_host)
-        .max_idle_connections(idle_per_host.saturating_mul(2))
-        .user_agent(concat!("tessera/", env!("CARGO_PKG_VERSION")))
-        .build()
-        .new_agent()
-}
-
-fn header<'a>(resp: &'a Response<Body>, name: &str) -> Option<&'a str> {
-    resp.headers().get(name).and_then(|v| v.to_str().ok())
-}
-
-fn add_headers<B>(
-    mut rb: ureq::RequestBuilder<B>,
-    headers: &[(&str, String)],
-    auth: Option<&str>,
-) -> ureq::RequestBuilder<B> {
-    for (k, v) in headers {
-        rb = rb.header(*k, v.as_str());
-    }
-    if let Some(a) = auth {
-        rb = rb.header("Authorization", a);
-    }
-    rb
-}
-
 /// Percent-encode a query value (RFC 3986 unreserved characters pass).
 fn query_escape(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
@@ -250,9 +174,9 @@ fn query_escape(s: &str) -> String {
 }
 
 /// The distribution error body's `errors[].code: message`, for messages.
-fn error_detail(resp: Response<Body>) -> String {
+fn error_detail(resp: Response) -> String {
     let mut body = Vec::new();
-    let _ = resp.into_body().into_reader().take(MAX_ERROR_BODY).read_to_end(&mut body);
+    let _ = resp.into_reader().take(MAX_ERROR_BODY).read_to_end(&mut body);
     #[derive(serde::Deserialize)]
     struct Errors {
         errors: Vec<ErrorItem>,
@@ -282,8 +206,8 @@ fn error_detail(resp: Response<Body>) -> String {
 }
 
 /// Turn a non-success response into the matching error.
-pub(crate) fn status_error(url: &str, resp: Response<Body>, has_creds: bool) -> RegistryError {
-    let status = resp.status().as_u16();
+pub(crate) fn status_error(url: &str, resp: Response, has_creds: bool) -> RegistryError {
+    let status = resp.status();
     let detail = error_detail(resp);
     let url = url.to_owned();
     match status {
@@ -304,20 +228,29 @@ pub(crate) fn status_error(url: &str, resp: Response<Body>, has_creds: bool) -> 
 
 fn read_limited(
     url: &str,
-    resp: Response<Body>,
+    mut resp: Response,
     what: &'static str,
     limit: u64,
 ) -> Result<Vec<u8>, RegistryError> {
-    let mut out = Vec::new();
-    resp.into_body()
-        .into_reader()
-        .take(limit + 1)
-        .read_to_end(&mut out)
-        .map_err(|source| RegistryError::Read { url: url.to_owned(), source })?;
-    if out.len() as u64 > limit {
-        return Err(RegistryError::TooLarge { url: url.to_owned(), what, limit });
+    resp.read_to_vec(limit)
+        .map_err(|source| RegistryError::Read { url: url.to_owned(), source })?
+        .ok_or_else(|| RegistryError::TooLarge { url: url.to_owned(), what, limit })
+}
+
+/// The transport settings of `options`.
+fn transport_config(options: &ClientOptions) -> TransportConfig {
+    let t = &options.timeouts;
+    TransportConfig {
+        timeouts: tessera_transport::Timeouts {
+            connect: t.connect,
+            first_byte: t.first_byte,
+            stall: t.read,
+            whole: None,
+        },
+        retry: options.retry,
+        max_concurrency: options.max_ranges.max(1),
+        tls: options.tls.clone(),
     }
-    Ok(out)
 }
 
 impl Client {
@@ -335,18 +268,13 @@ impl Client {
 
     fn new_unchecked(registry: &str, options: ClientOptions) -> Self {
         let insecure = options.insecure || is_loopback_host(registry);
-        let max_ranges = options.max_ranges.max(1);
         Self {
             inner: Arc::new(Inner {
                 registry: registry.to_owned(),
                 insecure,
-                verified: agent(&options.timeouts, max_ranges, true),
-                unverified: agent(&options.timeouts, max_ranges, false),
+                transport: Transport::new(transport_config(&options)),
                 options,
                 state: Mutex::new(State::default()),
-                ranges: Slots { max: max_ranges, used: Mutex::new(0), freed: Condvar::new() },
-                counters: Default::default(),
-                request_timer: std::sync::OnceLock::new(),
             }),
         }
     }
@@ -356,25 +284,18 @@ impl Client {
         &self.inner.registry
     }
 
-    /// Wait for a free range-read slot ([`ClientOptions::max_ranges`]).
-    pub(crate) fn range_slot(&self) -> Slot<'_> {
-        self.inner.ranges.take()
+    /// Requests, retries, body bytes and failed tries so far (the transport's).
+    pub fn stats(&self) -> Stats {
+        self.inner.transport.stats()
     }
 
-    /// Requests, retries, body bytes and failed tries so far.
-    pub fn stats(&self) -> crate::TransferStats {
-        self.inner.counters.snapshot()
+    /// The transport's request-duration histogram ([`Transport::latency_histogram`]).
+    pub fn latency_histogram(&self) -> tessera_metrics::Histogram {
+        self.inner.transport.latency_histogram()
     }
 
-    /// Call `f` with the duration of every try counted in [`Self::stats`] (from sending it to
-    /// the response's head, or the failure; body reads are not included). One timer per client:
-    /// false (and `f` dropped) if one is set already.
-    pub fn time_requests(&self, f: impl Fn(Duration) + Send + Sync + 'static) -> bool {
-        self.inner.request_timer.set(Box::new(f)).is_ok()
-    }
-
-    pub(crate) fn counters(&self) -> &crate::stats::Counters {
-        &self.inner.counters
+    pub(crate) fn transport(&self) -> &Transport {
+        &self.inner.transport
     }
 
     pub(crate) fn retry(&self) -> RetryPolicy {
@@ -386,21 +307,45 @@ impl Client {
         self.inner.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Unverified TLS for `--insecure`, and for loopback hosts (the registry's or a token
-    /// realm's); verified TLS otherwise.
-    fn agent_for(&self, url: &str) -> &ureq::Agent {
+    /// Whether TLS goes unverified for `url`: `--insecure`, and loopback hosts (the registry's
+    /// or a token realm's).
+    fn skip_verify(&self, url: &str) -> bool {
         let rest = url.split_once("://").map_or(url, |(_, r)| r);
         let host = rest.split('/').next().unwrap_or(rest);
-        if self.inner.options.insecure || is_loopback_host(host) {
-            &self.inner.unverified
-        } else {
-            &self.inner.verified
-        }
+        self.inner.options.insecure || is_loopback_host(host)
     }
 
-    /// One HTTP exchange with retries on transport failures and retryable statuses.
-    /// `body` is sent with POST, PUT and PATCH (an empty one sends `Content-Length: 0`), and sent
-    /// again on a retry.
+    /// One HTTP exchange through the transport's retry loop, each answer judged by
+    /// `on_response`. `body` is sent with POST, PUT and PATCH (and again on a retry).
+    /// `probe`: one uncounted try (the scheme probe's TLS try, which fails against every
+    /// plain-HTTP registry).
+    #[allow(clippy::too_many_arguments)]
+    fn exchange<T>(
+        &self,
+        method: Method,
+        url: &str,
+        headers: &[(&str, String)],
+        auth: Option<&str>,
+        body: &[u8],
+        probe: bool,
+        on_response: impl FnMut(Response) -> Result<T, Failure<RegistryError>>,
+    ) -> Result<T, RegistryError> {
+        let mut all: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        if let Some(a) = auth {
+            all.push(("Authorization", a));
+        }
+        let req = Request {
+            skip_tls_verify: self.skip_verify(url),
+            probe,
+            ..Request::new(method, url).headers(&all).body(body)
+        };
+        self.inner.transport.fetch(&req, on_response).map_err(|e| match e {
+            FetchError::Transport(source) => RegistryError::Transport { url: url.to_owned(), source },
+            FetchError::Rejected(e) => e,
+        })
+    }
+
+    /// [`Self::exchange`] returning the answer, whatever its status.
     fn call(
         &self,
         method: Method,
@@ -408,80 +353,8 @@ impl Client {
         headers: &[(&str, String)],
         auth: Option<&str>,
         body: &[u8],
-        attempts: u32,
-    ) -> Result<Response<Body>, RegistryError> {
-        self.exchange(method, url, headers, auth, body, attempts, true)
-    }
-
-    /// [`Self::call`]; `counted`: whether the tries count in [`Self::stats`] (not the scheme
-    /// probe's TLS try, which fails against every plain-HTTP registry).
-    #[allow(clippy::too_many_arguments)]
-    fn exchange(
-        &self,
-        method: Method,
-        url: &str,
-        headers: &[(&str, String)],
-        auth: Option<&str>,
-        body: &[u8],
-        attempts: u32,
-        counted: bool,
-    ) -> Result<Response<Body>, RegistryError> {
-        let counters = counted.then_some(&self.inner.counters);
-        let policy = self.retry();
-        let mut retry = 0u32;
-        loop {
-            let agent = self.agent_for(url);
-            let with_headers = |rb| add_headers(rb, headers, auth);
-            let with_body_headers = |rb| add_headers(rb, headers, auth);
-            let started = Instant::now();
-            let sent = match method {
-                Method::Get => with_headers(agent.get(url)).call(),
-                Method::Head => with_headers(agent.head(url)).call(),
-                Method::Post => with_body_headers(agent.post(url)).send(body),
-                Method::Put => with_body_headers(agent.put(url)).send(body),
-                Method::Patch => with_body_headers(agent.patch(url)).send(body),
-            };
-            if let Some(c) = counters {
-                if let Some(timer) = self.inner.request_timer.get() {
-                    timer(started.elapsed());
-                }
-                c.request();
-                match &sent {
-                    Ok(resp) if retryable_status(resp.status().as_u16()) => c.status_error(),
-                    Ok(_) => {}
-                    Err(e) => c.transport_error(e),
-                }
-            }
-            match sent {
-                Ok(resp) if retryable_status(resp.status().as_u16()) && retry + 1 < attempts => {
-                    let wait = policy.retry_after(retry, header(&resp, "retry-after"));
-                    warn!(
-                        url,
-                        status = resp.status().as_u16(),
-                        retry = retry + 1,
-                        ?wait,
-                        "registry: retrying"
-                    );
-                    drop(resp);
-                    std::thread::sleep(wait);
-                    retry += 1;
-                    if let Some(c) = counters {
-                        c.retry();
-                    }
-                }
-                Ok(resp) => return Ok(resp),
-                Err(e) if retryable_error(&e) && retry + 1 < attempts => {
-                    let wait = policy.backoff(retry);
-                    warn!(url, error = %e, retry = retry + 1, ?wait, "registry: retrying");
-                    std::thread::sleep(wait);
-                    retry += 1;
-                    if let Some(c) = counters {
-                        c.retry();
-                    }
-                }
-                Err(e) => return Err(RegistryError::Transport { url: url.to_owned(), source: Box::new(e) }),
-            }
-        }
+    ) -> Result<Response, RegistryError> {
+        self.exchange(method, url, headers, auth, body, false, Ok)
     }
 
     /// The base URL, choosing the scheme with a `GET /v2/` ping the first time: HTTPS; for an
@@ -492,29 +365,27 @@ impl Client {
             return Ok(b.clone());
         }
         let registry = &self.inner.registry;
-        let attempts = self.retry().attempts.max(1);
         let resp = if self.inner.insecure {
             let https = format!("https://{registry}/v2/");
-            // One try only: a plain-HTTP server fails the TLS handshake at once.
-            match self.exchange(Method::Get, &https, &[], None, &[], 1, false) {
+            // One uncounted try: a plain-HTTP server fails the TLS handshake at once.
+            match self.exchange(Method::Get, &https, &[], None, &[], true, Ok) {
                 Ok(r) => Ok((format!("https://{registry}"), https, r)),
                 Err(e) => {
                     debug!(registry, error = %e, "registry: no TLS, trying plain HTTP");
                     let http = format!("http://{registry}/v2/");
-                    self.call(Method::Get, &http, &[], None, &[], attempts)
+                    self.call(Method::Get, &http, &[], None, &[])
                         .map(|r| (format!("http://{registry}"), http, r))
                 }
             }
         } else {
             let https = format!("https://{registry}/v2/");
-            self.call(Method::Get, &https, &[], None, &[], attempts)
-                .map(|r| (format!("https://{registry}"), https, r))
+            self.call(Method::Get, &https, &[], None, &[]).map(|r| (format!("https://{registry}"), https, r))
         };
         let (base, url, resp) = resp?;
-        match resp.status().as_u16() {
+        match resp.status() {
             200 => st.challenge = None,
             401 => {
-                let h = header(&resp, "www-authenticate").unwrap_or("").to_owned();
+                let h = resp.header("www-authenticate").unwrap_or("").to_owned();
                 st.challenge = Some(
                     Challenge::parse(&h)
                         .ok_or(RegistryError::BadChallenge { url: url.clone(), header: h })?,
@@ -585,9 +456,9 @@ impl Client {
             param("scope", w);
         }
         let auth = creds.map(Credentials::basic_header);
-        let resp = self.call(Method::Get, &url, &[], auth.as_deref(), &[], self.retry().attempts.max(1))?;
-        if resp.status() != StatusCode::OK {
-            let status = resp.status().as_u16();
+        let resp = self.call(Method::Get, &url, &[], auth.as_deref(), &[])?;
+        if resp.status() != 200 {
+            let status = resp.status();
             if matches!(status, 401 | 403) {
                 // The token server refused the credentials (or their absence): say so.
                 return Err(status_error(&url, resp, creds.is_some()));
@@ -623,7 +494,7 @@ impl Client {
         repo: &str,
         path: &str,
         headers: &[(&str, String)],
-    ) -> Result<(String, Response<Body>), RegistryError> {
+    ) -> Result<(String, Response), RegistryError> {
         let base = self.base()?;
         self.send_with(method, repo, &format!("{base}{path}"), headers, &[], Access::Pull)
     }
@@ -642,10 +513,8 @@ impl Client {
         url.strip_prefix(base).is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
     }
 
-    /// Send a request to `url` in `repo`, authenticating as `access` needs: a 401 (first
-    /// contact, or a token that expired mid-transfer) updates the challenge, drops the cached
-    /// token and retries once with fresh credentials. Returns the URL and the response, whatever
-    /// its status. Credentials go only to the registry's own URLs.
+    /// Send a request to `url` in `repo`, authenticating as `access` needs; returns the URL and
+    /// the response, whatever its status. See [`Self::send_then`].
     pub(crate) fn send_with(
         &self,
         method: Method,
@@ -654,35 +523,62 @@ impl Client {
         headers: &[(&str, String)],
         body: &[u8],
         access: Access<'_>,
-    ) -> Result<(String, Response<Body>), RegistryError> {
+    ) -> Result<(String, Response), RegistryError> {
+        self.send_then(method, repo, url, headers, body, access, Ok)
+    }
+
+    /// Send a request to `url` in `repo`, authenticating as `access` needs, and judge each
+    /// answer with `on_response` (within the transport's retry loop): a 401 (first contact, or
+    /// a token that expired mid-transfer) updates the challenge, drops the cached token and
+    /// retries once with fresh credentials. Credentials go only to the registry's own URLs.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn send_then<T>(
+        &self,
+        method: Method,
+        repo: &str,
+        url: &str,
+        headers: &[(&str, String)],
+        body: &[u8],
+        access: Access<'_>,
+        mut on_response: impl FnMut(Response) -> Result<T, Failure<RegistryError>>,
+    ) -> Result<(String, T), RegistryError> {
+        /// An answer, or a 401 to authenticate again for.
+        enum Answer<T> {
+            Done(T),
+            Challenge(Box<Response>),
+        }
         let base = self.base()?;
         let url = url.to_owned();
         let ours = self.on_registry(&url, &base);
         let scope = access.scopes(repo);
-        let attempts = self.retry().attempts.max(1);
         let mut reauthenticated = false;
         loop {
             let auth = if ours { self.authorization(repo, &scope)? } else { None };
-            let resp = self.call(method, &url, headers, auth.as_deref(), body, attempts)?;
-            if resp.status() == StatusCode::UNAUTHORIZED && ours && !reauthenticated {
-                reauthenticated = true;
-                let h = header(&resp, "www-authenticate").unwrap_or("").to_owned();
-                let challenge = Challenge::parse(&h)
-                    .ok_or_else(|| RegistryError::BadChallenge { url: url.clone(), header: h })?;
-                let mut st = self.state();
-                debug!(url, had_auth = auth.is_some(), ?challenge, "registry: 401, authenticating again");
-                st.tokens.remove(&scope);
-                let creds = self.credentials(&mut st, repo)?;
-                // Basic auth has nothing new to try when the credentials were refused or absent.
-                let hopeless = challenge == Challenge::Basic && (auth.is_some() || creds.is_none());
-                st.challenge = Some(challenge);
-                drop(st);
-                if hopeless {
-                    return Err(status_error(&url, resp, creds.is_some()));
+            let answer = self.exchange(method, &url, headers, auth.as_deref(), body, false, |resp| {
+                if resp.status() == 401 && ours && !reauthenticated {
+                    return Ok(Answer::Challenge(Box::new(resp)));
                 }
-                continue;
+                on_response(resp).map(Answer::Done)
+            })?;
+            let resp = match answer {
+                Answer::Done(v) => return Ok((url, v)),
+                Answer::Challenge(resp) => *resp,
+            };
+            reauthenticated = true;
+            let h = resp.header("www-authenticate").unwrap_or("").to_owned();
+            let challenge = Challenge::parse(&h)
+                .ok_or_else(|| RegistryError::BadChallenge { url: url.clone(), header: h })?;
+            let mut st = self.state();
+            debug!(url, had_auth = auth.is_some(), ?challenge, "registry: 401, authenticating again");
+            st.tokens.remove(&scope);
+            let creds = self.credentials(&mut st, repo)?;
+            // Basic auth has nothing new to try when the credentials were refused or absent.
+            let hopeless = challenge == Challenge::Basic && (auth.is_some() || creds.is_none());
+            st.challenge = Some(challenge);
+            drop(st);
+            if hopeless {
+                return Err(status_error(&url, resp, creds.is_some()));
             }
-            return Ok((url, resp));
         }
     }
 
@@ -707,13 +603,12 @@ impl Client {
     pub fn get_manifest(&self, repo: &str, target: &Target) -> Result<Manifest, RegistryError> {
         let path = format!("/v2/{repo}/manifests/{}", target.as_path());
         let (url, resp) = self.send(Method::Get, repo, &path, &[("Accept", accept_header(ACCEPT_ALL))])?;
-        if resp.status() != StatusCode::OK {
+        if resp.status() != 200 {
             return Err(status_error(&url, resp, self.has_credentials(repo)));
         }
-        let content_type = header(&resp, "content-type").map(str::to_owned);
-        let claimed = header(&resp, "docker-content-digest").and_then(Digest::parse);
+        let content_type = resp.header("content-type").map(str::to_owned);
+        let claimed = resp.header("docker-content-digest").and_then(Digest::parse);
         let bytes = read_limited(&url, resp, "manifest", MAX_MANIFEST)?;
-        self.inner.counters.bytes(bytes.len());
         let digest = Digest::of(&bytes);
         let expected = match target {
             Target::Digest(d) => Some(d.clone()),
@@ -788,8 +683,8 @@ impl Client {
     /// The size of a blob (`HEAD`), or `None` when the registry does not have it.
     pub fn blob_size(&self, repo: &str, digest: &Digest) -> Result<Option<u64>, RegistryError> {
         let (url, resp) = self.send(Method::Head, repo, &format!("/v2/{repo}/blobs/{digest}"), &[])?;
-        match resp.status().as_u16() {
-            200 => Ok(header(&resp, "content-length").and_then(|v| v.parse().ok())),
+        match resp.status() {
+            200 => Ok(resp.header("content-length").and_then(|v| v.parse().ok())),
             404 => Ok(None),
             _ => Err(status_error(&url, resp, self.has_credentials(repo))),
         }

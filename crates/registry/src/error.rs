@@ -14,7 +14,7 @@ pub enum RegistryError {
     #[error("invalid credentials {0}: expected USER:PASS with a non-empty USER")]
     BadCredentials(&'static str),
     #[error("{url}: {source}")]
-    Transport { url: String, source: Box<ureq::Error> },
+    Transport { url: String, source: tessera_transport::TransportError },
     #[error("{url}: reading the response: {source}")]
     Read { url: String, source: std::io::Error },
     #[error("{url}: not found (HTTP 404){detail}")]

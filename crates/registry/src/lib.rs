@@ -6,7 +6,8 @@
 //!
 //! Blocking (ureq, rustls): the build pipeline is threaded, and a daemon can call it from its
 //! blocking pool. The pure parts ([`Reference`], [`Challenge`], [`lookup_auth_file`],
-//! [`media`], [`RetryPolicy`]) do no I/O.
+//! [`media`]) do no I/O. Every request goes through one
+//! [`tessera_transport::Transport`] per client (pool, limiter, retries, timeouts, TLS, stats).
 //!
 //! ```no_run
 //! use std::io::Read;
@@ -33,8 +34,6 @@ mod error;
 pub mod media;
 mod push;
 mod reference;
-mod retry;
-mod stats;
 
 pub use auth::{
     auth_file_paths, lookup_auth_file, repository_scope, Challenge, CredentialSource, Credentials,
@@ -45,5 +44,4 @@ pub use error::RegistryError;
 pub use media::ManifestKind;
 pub use push::{BlobPush, PushOptions, UploadSession, DEFAULT_UPLOAD_PIECE};
 pub use reference::{is_loopback_host, valid_tag, Digest, Reference, Target};
-pub use retry::{retryable_error, retryable_status, RetryPolicy};
-pub use stats::TransferStats;
+pub use tessera_transport::{retryable_status, RetryPolicy, Stats as TransferStats, TlsOptions};

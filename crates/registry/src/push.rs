@@ -16,10 +16,10 @@
 use std::io::{self, Read};
 
 use tracing::debug;
-use ureq::http::{Response, StatusCode};
-use ureq::Body;
 
-use crate::client::{status_error, Access, Client, Method};
+use tessera_transport::{Method, Response};
+
+use crate::client::{status_error, Access, Client};
 use crate::error::RegistryError;
 use crate::media::{accept_header, ACCEPT_ALL};
 use crate::reference::Digest;
@@ -76,8 +76,8 @@ fn with_query(url: &str, key: &str, value: &str) -> String {
     format!("{url}{sep}{key}={value}")
 }
 
-fn header<'a>(resp: &'a Response<Body>, name: &str) -> Option<&'a str> {
-    resp.headers().get(name).and_then(|v| v.to_str().ok())
+fn header<'a>(resp: &'a Response, name: &str) -> Option<&'a str> {
+    resp.header(name)
 }
 
 /// `Range: 0-N` of an upload status → the bytes received (N + 1); `0-0`... is ambiguous in the
@@ -114,22 +114,17 @@ impl Client {
     pub fn blob_exists(&self, repo: &str, digest: &Digest) -> Result<bool, RegistryError> {
         let url = format!("{}/v2/{repo}/blobs/{digest}", self.base_url()?);
         let (url, resp) = self.send_with(Method::Head, repo, &url, &[], &[], self.push_access())?;
-        match resp.status().as_u16() {
+        match resp.status() {
             200 => Ok(true),
             404 => Ok(false),
             _ => Err(status_error(&url, resp, self.has_credentials(repo))),
         }
     }
 
-    fn session_from(
-        &self,
-        repo: &str,
-        url: &str,
-        resp: &Response<Body>,
-    ) -> Result<UploadSession, RegistryError> {
+    fn session_from(&self, repo: &str, url: &str, resp: &Response) -> Result<UploadSession, RegistryError> {
         let location = header(resp, "location").ok_or_else(|| RegistryError::Status {
             url: url.to_owned(),
-            status: resp.status().as_u16(),
+            status: resp.status(),
             detail: " (no Location header for the upload)".into(),
         })?;
         Ok(UploadSession { repo: repo.to_owned(), url: self.resolve_location(location)? })
@@ -139,7 +134,7 @@ impl Client {
     pub fn start_upload(&self, repo: &str) -> Result<UploadSession, RegistryError> {
         let url = format!("{}/v2/{repo}/blobs/uploads/", self.base_url()?);
         let (url, resp) = self.send_with(Method::Post, repo, &url, &[], &[], self.push_access())?;
-        if resp.status() != StatusCode::ACCEPTED {
+        if resp.status() != 202 {
             return Err(status_error(&url, resp, self.has_credentials(repo)));
         }
         self.session_from(repo, &url, &resp)
@@ -158,11 +153,11 @@ impl Client {
         let access = Access::Push { mount_from: Some(from) };
         let (url, resp) = self.send_with(Method::Post, repo, &url, &[], &[], access)?;
         match resp.status() {
-            StatusCode::CREATED => {
+            201 => {
                 debug!(repo, from, %digest, "registry: mounted");
                 Ok(None)
             }
-            StatusCode::ACCEPTED => Ok(Some(self.session_from(repo, &url, &resp)?)),
+            202 => Ok(Some(self.session_from(repo, &url, &resp)?)),
             _ => Err(status_error(&url, resp, self.has_credentials(repo))),
         }
     }
@@ -171,7 +166,7 @@ impl Client {
     fn upload_status(&self, session: &UploadSession) -> Result<(u64, UploadSession), RegistryError> {
         let (url, resp) =
             self.send_with(Method::Get, &session.repo, &session.url, &[], &[], self.push_access())?;
-        if resp.status() != StatusCode::NO_CONTENT {
+        if resp.status() != 204 {
             return Err(status_error(&url, resp, self.has_credentials(&session.repo)));
         }
         let received = parse_upload_range(header(&resp, "range")).unwrap_or(0);
@@ -228,8 +223,8 @@ impl Client {
                     self.push_access(),
                 )?;
                 match resp.status() {
-                    StatusCode::ACCEPTED => session = self.session_from(&repo, &url, &resp)?,
-                    StatusCode::RANGE_NOT_SATISFIABLE => {
+                    202 => session = self.session_from(&repo, &url, &resp)?,
+                    416 => {
                         // A retried PATCH whose first try the registry had (partly) taken.
                         drop(resp);
                         let (received, next) = self.upload_status(&session)?;
@@ -288,7 +283,7 @@ impl Client {
         let (url, resp) =
             self.send_with(Method::Put, &session.repo, &url, headers, body, self.push_access())?;
         match resp.status() {
-            StatusCode::CREATED => {
+            201 => {
                 if let Some(claimed) = header(&resp, "docker-content-digest").and_then(Digest::parse) {
                     if claimed != *digest {
                         return Err(RegistryError::DigestMismatch {
@@ -302,7 +297,7 @@ impl Client {
                 Ok(())
             }
             // A retried PUT after the registry had committed the blob finds no upload.
-            StatusCode::NOT_FOUND if self.blob_exists(&session.repo, digest)? => Ok(()),
+            404 if self.blob_exists(&session.repo, digest)? => Ok(()),
             _ => Err(status_error(&url, resp, self.has_credentials(&session.repo))),
         }
     }
@@ -350,7 +345,7 @@ impl Client {
         let url = format!("{}/v2/{repo}/manifests/{reference}", self.base_url()?);
         let accept = [("Accept", accept_header(ACCEPT_ALL))];
         let (url, resp) = self.send_with(Method::Head, repo, &url, &accept, &[], self.push_access())?;
-        match resp.status().as_u16() {
+        match resp.status() {
             200 => Ok(header(&resp, "docker-content-digest").and_then(Digest::parse)),
             404 => Ok(None),
             _ => Err(status_error(&url, resp, self.has_credentials(repo))),
@@ -369,7 +364,7 @@ impl Client {
         let url = format!("{}/v2/{repo}/manifests/{reference}", self.base_url()?);
         let headers = [("Content-Type", media_type.to_owned())];
         let (url, resp) = self.send_with(Method::Put, repo, &url, &headers, bytes, self.push_access())?;
-        if resp.status() != StatusCode::CREATED {
+        if resp.status() != 201 {
             return Err(status_error(&url, resp, self.has_credentials(repo)));
         }
         let digest = Digest::of(bytes);

@@ -15,17 +15,17 @@
 //! settings are pure functions, tested without a server.
 
 use std::io::Read;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tessera_image::{validate_tag, ImageEntry, ImageId, Sha256Digest};
 use tessera_metrics::Histogram;
-pub use tessera_registry::RetryPolicy;
-use tessera_registry::{retryable_error, retryable_status};
+pub use tessera_transport::RetryPolicy;
+use tessera_transport::{
+    ErrorKind, Failure, FetchError, Request, Response, Stats, Timeouts, TlsOptions, Transport,
+    TransportConfig, TransportError,
+};
 use tracing::{debug, trace, warn};
-use ureq::http::Response;
-use ureq::Body;
 
 use crate::error::StoreError;
 use crate::source::ChunkSource;
@@ -44,7 +44,7 @@ pub enum HttpError {
     Status(u16),
     /// The request did not complete: connection refused or reset, timeout, TLS, protocol.
     #[error("transport: {0}")]
-    Transport(#[source] Box<ureq::Error>),
+    Transport(#[source] TransportError),
     /// The answer to a ranged GET does not describe the bytes asked for.
     #[error("bad ranged answer: {0}")]
     BadRange(&'static str),
@@ -53,9 +53,10 @@ pub enum HttpError {
     BadLength(&'static str),
 }
 
-/// Client settings of an [`HttpStore`]. Every field documents its default; [`Self::from_env`]
-/// reads overrides from `TESSERA_HTTP_*` variables (`docs/store.md`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Client settings of an [`HttpStore`]. Every field documents its default; [`Self::from_vars`]
+/// reads overrides from `TESSERA_HTTP_*` variables (`docs/store.md`; the binary passes its
+/// environment).
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HttpConfig {
     /// TCP (and TLS) connect timeout (default 5 s).
     pub connect_timeout: Duration,
@@ -68,8 +69,10 @@ pub struct HttpConfig {
     /// Timeout of one whole request, body included (default 120 s).
     pub request_timeout: Duration,
     /// Retries on 5xx, 408, 429 and transport failures, body failures included (the one policy
-    /// of `tessera_registry`).
+    /// of `tessera_transport`).
     pub retry: RetryPolicy,
+    /// Trusted roots and verification (`--ca-file`, `--insecure`).
+    pub tls: TlsOptions,
     /// Requests in flight to this origin at most (default 32); also the idle connections
     /// kept for reuse. Enough for the cold reads of a booting guest to proceed in parallel,
     /// few enough not to flood one server.
@@ -95,6 +98,7 @@ impl Default for HttpConfig {
             stall_timeout: Duration::from_secs(30),
             request_timeout: Duration::from_secs(120),
             retry: RetryPolicy::default(),
+            tls: TlsOptions::default(),
             max_concurrency: 32,
             coalesce_gap: 0,
             coalesce_max: 16 << 20,
@@ -117,15 +121,10 @@ pub const HTTP_ENV: [&str; 9] = [
 ];
 
 impl HttpConfig {
-    /// The defaults, overridden by the `TESSERA_HTTP_*` variables that are set: timeouts as
-    /// `250ms` or `5s`; `TESSERA_HTTP_RETRIES` the attempts in all (≥ 1);
+    /// The defaults, overridden by the `TESSERA_HTTP_*` variables ([`HTTP_ENV`]) that `get`
+    /// finds: timeouts as `250ms` or `5s`; `TESSERA_HTTP_RETRIES` the attempts in all (≥ 1);
     /// `TESSERA_HTTP_CONCURRENCY` ≥ 1; the coalescing sizes in bytes. A malformed value is an
-    /// error naming the variable.
-    pub fn from_env() -> Result<Self, StoreError> {
-        Self::from_vars(|name| std::env::var(name).ok())
-    }
-
-    /// [`Self::from_env`] over any variable lookup (pure; for tests).
+    /// error naming the variable. Pure: the binary passes its environment.
     pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Self, StoreError> {
         let mut c = Self::default();
         let bad = |name: &str, value: &str, expected: &'static str| StoreError::BadSetting {
@@ -171,6 +170,23 @@ impl HttpConfig {
     }
 }
 
+impl HttpConfig {
+    /// The transport settings of these.
+    pub fn transport(&self) -> TransportConfig {
+        TransportConfig {
+            timeouts: Timeouts {
+                connect: self.connect_timeout,
+                first_byte: self.first_byte_timeout,
+                stall: self.stall_timeout,
+                whole: Some(self.request_timeout),
+            },
+            retry: self.retry,
+            max_concurrency: self.max_concurrency,
+            tls: self.tls.clone(),
+        }
+    }
+}
+
 /// `250ms`, `5s` (whole numbers only).
 fn parse_duration(s: &str) -> Option<Duration> {
     let s = s.trim();
@@ -178,39 +194,6 @@ fn parse_duration(s: &str) -> Option<Duration> {
         return ms.parse().ok().map(Duration::from_millis);
     }
     s.strip_suffix('s')?.parse().ok().map(Duration::from_secs)
-}
-
-/// Counts requests in flight to one origin and makes callers wait above the limit.
-#[derive(Debug)]
-struct Limiter {
-    max: usize,
-    in_flight: Mutex<usize>,
-    freed: Condvar,
-}
-
-/// One request slot; freed on drop.
-struct Permit<'a>(&'a Limiter);
-
-impl Limiter {
-    fn new(max: usize) -> Self {
-        Self { max: max.max(1), in_flight: Mutex::new(0), freed: Condvar::new() }
-    }
-
-    fn acquire(&self) -> Permit<'_> {
-        let mut n = self.in_flight.lock().unwrap_or_else(|p| p.into_inner());
-        while *n >= self.max {
-            n = self.freed.wait(n).unwrap_or_else(|p| p.into_inner());
-        }
-        *n += 1;
-        Permit(self)
-    }
-}
-
-impl Limiter {
-    /// Whether any request is in flight.
-    fn busy(&self) -> bool {
-        *self.in_flight.lock().unwrap_or_else(|p| p.into_inner()) > 0
-    }
 }
 
 /// Single chunk reads of one pack that arrive together, gathered into one
@@ -227,144 +210,6 @@ struct BatchState {
     /// Set by the leader: the bytes of every range, or `None` if the fetch failed (each
     /// follower then reads its range alone, to get its own error or a lucky retry).
     result: Option<Option<Arc<Vec<Vec<u8>>>>>,
-}
-
-impl Drop for Permit<'_> {
-    fn drop(&mut self) {
-        let mut n = self.0.in_flight.lock().unwrap_or_else(|p| p.into_inner());
-        *n = n.saturating_sub(1);
-        self.0.freed.notify_one();
-    }
-}
-
-/// Requests of one [`HttpStore`] (or registry client) so far, for tests and the daemon's
-/// `tessera_origin_*` metrics.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct HttpStats {
-    /// Attempts sent (retries included).
-    pub requests: u64,
-    /// Retries.
-    pub retries: u64,
-    /// Body bytes received.
-    pub bytes: u64,
-    /// Attempts that failed, by kind (each failed attempt counts once, retried or not).
-    pub errors: OriginErrorCounts,
-}
-
-/// Failed attempts by kind (see [`OriginErrorKind`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct OriginErrorCounts {
-    /// An unexpected status (5xx, 429, 403, …; a 404 that means "absent" is an answer).
-    pub status: u64,
-    /// The connection failed: refused, reset, closed mid-body, TLS or protocol errors.
-    pub transport: u64,
-    /// A connect, first-byte, stall or whole-request timeout.
-    pub timeout: u64,
-    /// A body or `Content-Range` that does not describe the bytes asked for (short, long, wrong
-    /// range).
-    pub body: u64,
-    /// Bytes that do not hash to their digest.
-    pub digest: u64,
-}
-
-impl OriginErrorCounts {
-    /// Every kind.
-    pub fn total(&self) -> u64 {
-        self.status + self.transport + self.timeout + self.body + self.digest
-    }
-
-    /// The count of `kind`.
-    pub fn of(&self, kind: OriginErrorKind) -> u64 {
-        match kind {
-            OriginErrorKind::Status => self.status,
-            OriginErrorKind::Transport => self.transport,
-            OriginErrorKind::Timeout => self.timeout,
-            OriginErrorKind::Body => self.body,
-            OriginErrorKind::Digest => self.digest,
-        }
-    }
-}
-
-/// How an origin request failed, as counted in [`OriginErrorCounts`] (and labelled `kind` in
-/// `tessera_origin_errors_total`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum OriginErrorKind {
-    Status,
-    Transport,
-    Timeout,
-    Body,
-    Digest,
-}
-
-impl OriginErrorKind {
-    /// Every kind, in label order.
-    pub const ALL: [OriginErrorKind; 5] = [
-        OriginErrorKind::Status,
-        OriginErrorKind::Transport,
-        OriginErrorKind::Timeout,
-        OriginErrorKind::Body,
-        OriginErrorKind::Digest,
-    ];
-
-    /// The label value.
-    pub fn label(self) -> &'static str {
-        match self {
-            OriginErrorKind::Status => "status",
-            OriginErrorKind::Transport => "transport",
-            OriginErrorKind::Timeout => "timeout",
-            OriginErrorKind::Body => "body",
-            OriginErrorKind::Digest => "digest",
-        }
-    }
-
-    /// The kind of a failed attempt's error.
-    pub fn of(e: &StoreError) -> Self {
-        match e {
-            StoreError::Http { source: HttpError::Status(_), .. } => Self::Status,
-            StoreError::Http { source: HttpError::Transport(t), .. } => {
-                if ureq_timed_out(t) {
-                    Self::Timeout
-                } else {
-                    Self::Transport
-                }
-            }
-            StoreError::Http { source: HttpError::BadRange(_) | HttpError::BadLength(_), .. } => Self::Body,
-            StoreError::Corrupt { .. } => Self::Digest,
-            _ => Self::Transport,
-        }
-    }
-}
-
-/// Whether `e` is a timeout (ureq reports one while reading a body as an I/O error).
-fn ureq_timed_out(e: &ureq::Error) -> bool {
-    match e {
-        ureq::Error::Timeout(_) => true,
-        ureq::Error::Io(io) => io.kind() == std::io::ErrorKind::TimedOut,
-        _ => false,
-    }
-}
-
-/// Counters of failed attempts, shared by the HTTP store and the registry store.
-#[derive(Debug, Default)]
-pub(crate) struct ErrorCounters {
-    by_kind: [AtomicU64; 5],
-}
-
-impl ErrorCounters {
-    pub(crate) fn count(&self, kind: OriginErrorKind) {
-        self.by_kind[kind as usize].fetch_add(1, Ordering::Relaxed);
-    }
-
-    pub(crate) fn snapshot(&self) -> OriginErrorCounts {
-        let g = |k: OriginErrorKind| self.by_kind[k as usize].load(Ordering::Relaxed);
-        OriginErrorCounts {
-            status: g(OriginErrorKind::Status),
-            transport: g(OriginErrorKind::Transport),
-            timeout: g(OriginErrorKind::Timeout),
-            body: g(OriginErrorKind::Body),
-            digest: g(OriginErrorKind::Digest),
-        }
-    }
 }
 
 /// One span of a blob fetched by one request, covering some of the ranges asked for.
@@ -479,16 +324,8 @@ pub struct HttpStore {
 
 struct Inner {
     base: String,
-    agent: ureq::Agent,
     config: HttpConfig,
-    limiter: Limiter,
-    requests: AtomicU64,
-    retries: AtomicU64,
-    bytes: AtomicU64,
-    errors: ErrorCounters,
-    /// Time per attempt (not registered here: the daemon adopts it, see
-    /// [`HttpStore::latency_histogram`]).
-    latency: Histogram,
+    transport: Transport,
     /// Open batches of single chunk reads, by pack; a batch leaves the map when its leader
     /// sends it.
     batches: Mutex<std::collections::HashMap<Sha256Digest, Arc<Batch>>>,
@@ -505,55 +342,14 @@ impl std::fmt::Debug for HttpStore {
     }
 }
 
-/// How one attempt failed (boxed: attempts fail rarely, and results stay small).
-enum AttemptError {
-    /// Another attempt may succeed (5xx, 429, 408, transport or body failure, bytes that do not
-    /// match their digest); the server's `Retry-After`, if any.
-    Retry(Box<StoreError>, Option<String>),
-    /// Final (404, 403, a range the server cannot satisfy, a body over the limit).
-    Fatal(Box<StoreError>),
-}
-
-impl AttemptError {
-    fn retry(e: StoreError) -> Self {
-        Self::Retry(Box::new(e), None)
-    }
-
-    fn fatal(e: StoreError) -> Self {
-        Self::Fatal(Box::new(e))
-    }
-}
-
-fn retry_body(url: &str, e: impl Into<ureq::Error>) -> AttemptError {
-    AttemptError::retry(http_err(url, HttpError::Transport(Box::new(e.into()))))
-}
-
 impl HttpStore {
     /// A store at `base` (`http(s)://HOST[:PORT][/PREFIX]`). Nothing is fetched yet.
     pub fn new(base: &str, config: HttpConfig) -> Self {
-        let slots = config.max_concurrency.max(1);
-        let agent = ureq::Agent::config_builder()
-            .http_status_as_error(false)
-            .timeout_connect(Some(config.connect_timeout))
-            .timeout_recv_response(Some(config.first_byte_timeout))
-            .timeout_per_read(Some(config.stall_timeout))
-            .timeout_global(Some(config.request_timeout))
-            .max_idle_connections(slots)
-            .max_idle_connections_per_host(slots)
-            .user_agent(concat!("tessera/", env!("CARGO_PKG_VERSION")))
-            .build()
-            .new_agent();
         Self {
             inner: Arc::new(Inner {
                 base: normalize_base(base),
-                agent,
+                transport: Transport::new(config.transport()),
                 config,
-                limiter: Limiter::new(slots),
-                requests: AtomicU64::new(0),
-                retries: AtomicU64::new(0),
-                bytes: AtomicU64::new(0),
-                errors: ErrorCounters::default(),
-                latency: tessera_metrics::origin_latency_histogram(),
                 batches: Mutex::new(Default::default()),
                 seen_refs: Mutex::new(Vec::new()),
             }),
@@ -570,20 +366,14 @@ impl HttpStore {
         &self.inner.config
     }
 
-    /// Requests, retries and body bytes so far.
-    pub fn stats(&self) -> HttpStats {
-        HttpStats {
-            requests: self.inner.requests.load(Ordering::Relaxed),
-            retries: self.inner.retries.load(Ordering::Relaxed),
-            bytes: self.inner.bytes.load(Ordering::Relaxed),
-            errors: self.inner.errors.snapshot(),
-        }
+    /// Requests, retries, body bytes and failed attempts so far.
+    pub fn stats(&self) -> Stats {
+        self.inner.transport.stats()
     }
 
-    /// The histogram of attempt durations (from sending the request to the last body byte read
-    /// or the failure), shared with this store: every attempt since [`Self::new`] is in it.
+    /// The transport's request-duration histogram ([`Transport::latency_histogram`]).
     pub fn latency_histogram(&self) -> Histogram {
-        self.inner.latency.clone()
+        self.inner.transport.latency_histogram()
     }
 
     /// The URL of blob `digest`.
@@ -601,97 +391,30 @@ impl HttpStore {
         join_url(&self.inner.base, &format!("refs/{tag}"))
     }
 
-    /// GET `url` (with `range` as its Range header) and hand the response to `on_response`,
-    /// retrying per the policy whatever part failed: the request, the status, or reading and
-    /// checking the body in `on_response`. Each attempt holds one slot of the concurrency
-    /// limit from the request until the body is read; backoff waits hold none.
+    /// GET `url` (with `range` as its Range header) and hand each answer to `on_response`,
+    /// within the transport's retry loop ([`Transport::fetch`]): whatever part failed (the
+    /// request, the status, or reading and checking the body in `on_response`) is retried per
+    /// the policy.
     fn fetch<T>(
         &self,
         url: &str,
         range: Option<&str>,
-        mut on_response: impl FnMut(&mut Response<Body>) -> Result<T, AttemptError>,
+        on_response: impl FnMut(Response) -> Result<T, Failure<StoreError>>,
     ) -> Result<T, StoreError> {
-        let policy = self.inner.config.retry;
-        let attempts = policy.attempts.max(1);
-        let mut retry = 0u32;
-        loop {
-            let outcome = {
-                let _slot = self.inner.limiter.acquire();
-                self.attempt(url, range, &mut on_response)
-            };
-            let (err, retry_after) = match outcome {
-                Ok(v) => return Ok(v),
-                Err(AttemptError::Fatal(e)) => return Err(*e),
-                Err(AttemptError::Retry(e, after)) => (*e, after),
-            };
-            if retry + 1 >= attempts {
-                return Err(err);
-            }
-            let wait = policy.retry_after(retry, retry_after.as_deref());
-            retry += 1;
-            self.inner.retries.fetch_add(1, Ordering::Relaxed);
-            debug!(url, error = %err, retry, wait_ms = wait.as_millis() as u64, "retrying HTTP GET");
-            std::thread::sleep(wait);
-        }
-    }
-
-    fn attempt<T>(
-        &self,
-        url: &str,
-        range: Option<&str>,
-        on_response: &mut impl FnMut(&mut Response<Body>) -> Result<T, AttemptError>,
-    ) -> Result<T, AttemptError> {
-        let started = Instant::now();
-        let outcome = self.attempt_untimed(url, range, on_response);
-        self.inner.latency.observe(started.elapsed().as_secs_f64());
-        if let Err(AttemptError::Retry(e, _) | AttemptError::Fatal(e)) = &outcome {
-            self.inner.errors.count(OriginErrorKind::of(e));
-        }
-        outcome
-    }
-
-    fn attempt_untimed<T>(
-        &self,
-        url: &str,
-        range: Option<&str>,
-        on_response: &mut impl FnMut(&mut Response<Body>) -> Result<T, AttemptError>,
-    ) -> Result<T, AttemptError> {
-        let mut req = self.inner.agent.get(url);
-        if let Some(r) = range {
-            req = req.header("Range", r);
-        }
-        self.inner.requests.fetch_add(1, Ordering::Relaxed);
-        let mut resp = match req.call() {
-            Ok(resp) => resp,
-            Err(e) if retryable_error(&e) => return Err(retry_body(url, e)),
-            Err(e) => return Err(AttemptError::fatal(http_err(url, HttpError::Transport(Box::new(e))))),
-        };
-        let status = resp.status().as_u16();
-        if retryable_status(status) {
-            let after = resp.headers().get("retry-after").and_then(|v| v.to_str().ok()).map(str::to_owned);
-            return Err(AttemptError::Retry(Box::new(http_err(url, HttpError::Status(status))), after));
-        }
-        on_response(&mut resp)
-    }
-
-    /// Read a whole body of at most `limit` bytes (a failure mid-body is retryable).
-    fn body(&self, url: &str, resp: &mut Response<Body>, limit: u64) -> Result<Vec<u8>, AttemptError> {
-        let bytes = resp.body_mut().with_config().limit(limit).read_to_vec().map_err(|e| match e {
-            ureq::Error::BodyExceedsLimit(_) => {
-                AttemptError::fatal(http_err(url, HttpError::BadLength("the body exceeds the limit")))
-            }
-            e => retry_body(url, e),
-        })?;
-        self.inner.bytes.fetch_add(bytes.len() as u64, Ordering::Relaxed);
-        Ok(bytes)
+        let headers: Vec<(&str, &str)> = range.map(|r| ("Range", r)).into_iter().collect();
+        let req = Request::get(url).headers(&headers);
+        self.inner.transport.fetch(&req, on_response).map_err(|e| match e {
+            FetchError::Transport(t) => http_err(url, HttpError::Transport(t)),
+            FetchError::Rejected(e) => e,
+        })
     }
 
     /// GET a small document (entry, ref); `None` on 404.
     fn get_small(&self, url: &str) -> Result<Option<Vec<u8>>, StoreError> {
-        self.fetch(url, None, |resp| match resp.status().as_u16() {
+        self.fetch(url, None, |mut resp| match resp.status() {
             404 => Ok(None),
-            200 => self.body(url, resp, MAX_SMALL_DOC).map(Some),
-            s => Err(AttemptError::fatal(http_err(url, HttpError::Status(s)))),
+            200 => read_body(url, &mut resp, MAX_SMALL_DOC).map(Some),
+            s => Err(status_failure(url, s)),
         })
     }
 
@@ -736,12 +459,11 @@ impl HttpStore {
     /// fetched again, within the retry policy, then reported as [`StoreError::Corrupt`]).
     pub fn read_blob(&self, digest: &Sha256Digest) -> Result<Vec<u8>, StoreError> {
         let url = self.blob_url(digest);
-        let bytes = self.fetch(&url, None, |resp| {
-            let status = resp.status().as_u16();
-            if status != 200 {
-                return Err(AttemptError::fatal(http_err(&url, HttpError::Status(status))));
+        let bytes = self.fetch(&url, None, |mut resp| {
+            if resp.status() != 200 {
+                return Err(status_failure(&url, resp.status()));
             }
-            let bytes = self.body(&url, resp, MAX_HTTP_BLOB)?;
+            let bytes = read_body(&url, &mut resp, MAX_HTTP_BLOB)?;
             let actual = Sha256Digest::of(&bytes);
             if actual != *digest {
                 let e = StoreError::Corrupt {
@@ -750,7 +472,7 @@ impl HttpStore {
                     path: url.clone().into(),
                     reason: format!("its content hashes to {actual}"),
                 };
-                return Err(AttemptError::retry(e));
+                return Err(Failure::retry(ErrorKind::Digest, e));
             }
             Ok(bytes)
         })?;
@@ -778,18 +500,20 @@ impl HttpStore {
             blob_len: u64::MAX,
         })?;
         let out = self.fetch(&url, Some(&range), |resp| {
-            let status = resp.status().as_u16();
-            let cr = resp.headers().get("content-range").and_then(|v| v.to_str().ok());
-            let answer = check_range_answer(status, cr, offset, len)
-                .map_err(|e| AttemptError::fatal(http_err(&url, e)))?;
-            let mut reader = resp.body_mut().with_config().limit(u64::MAX).reader();
+            let answer = check_range_answer(resp.status(), resp.header("content-range"), offset, len)
+                .map_err(|e| {
+                    let kind =
+                        if matches!(e, HttpError::Status(_)) { ErrorKind::Status } else { ErrorKind::Body };
+                    Failure::fatal(kind, http_err(&url, e))
+                })?;
+            let mut reader = resp.into_reader();
             if answer == RangeAnswer::Whole {
                 warn!(url, "the server ignored Range; reading past {offset} bytes");
                 let skipped = std::io::copy(&mut (&mut reader).take(offset), &mut std::io::sink())
-                    .map_err(|e| retry_body(&url, e))?;
+                    .map_err(|e| broken_body(&url, e))?;
                 if skipped != offset {
                     let e = HttpError::BadLength("the blob ends before the range");
-                    return Err(AttemptError::fatal(http_err(&url, e)));
+                    return Err(Failure::fatal(ErrorKind::Body, http_err(&url, e)));
                 }
             }
             let cap = usize::try_from(len).unwrap_or(usize::MAX);
@@ -797,15 +521,14 @@ impl HttpStore {
             // A 206 body is read to its end (one byte more is asked for): only a body read to
             // the end gives its connection back to the pool for the next request.
             let want = if answer == RangeAnswer::Partial { len.saturating_add(1) } else { len };
-            (&mut reader).take(want).read_to_end(&mut out).map_err(|e| retry_body(&url, e))?;
-            self.inner.bytes.fetch_add(out.len() as u64, Ordering::Relaxed);
+            (&mut reader).take(want).read_to_end(&mut out).map_err(|e| broken_body(&url, e))?;
             if (out.len() as u64) < len {
                 let e = http_err(&url, HttpError::BadLength("the body is shorter than the range"));
-                return Err(AttemptError::retry(e));
+                return Err(Failure::retry(ErrorKind::Body, e));
             }
             if out.len() as u64 > len {
                 let e = http_err(&url, HttpError::BadLength("the body is longer than the range"));
-                return Err(AttemptError::fatal(e));
+                return Err(Failure::fatal(ErrorKind::Body, e));
             }
             Ok(out)
         })?;
@@ -876,7 +599,7 @@ impl HttpStore {
         len: u32,
     ) -> Result<Vec<u8>, StoreError> {
         let wait = self.inner.config.coalesce_wait;
-        if wait.is_zero() || len == 0 || !self.inner.limiter.busy() {
+        if wait.is_zero() || len == 0 || self.inner.transport.in_flight() == 0 {
             return self.read_blob_range(pack, offset, u64::from(len));
         }
         let (batch, index, leader) = {
@@ -945,6 +668,29 @@ impl ChunkSource for HttpStore {
 
 fn http_err(url: &str, source: HttpError) -> StoreError {
     StoreError::Http { url: url.to_owned(), source }
+}
+
+/// An unexpected status: final, counted as a status error.
+fn status_failure(url: &str, status: u16) -> Failure<StoreError> {
+    Failure::fatal(ErrorKind::Status, http_err(url, HttpError::Status(status)))
+}
+
+/// A body read that broke: retried, counted as a timeout or transport error.
+fn broken_body(url: &str, e: std::io::Error) -> Failure<StoreError> {
+    let kind = ErrorKind::of_io(&e);
+    Failure::retry(kind, http_err(url, HttpError::Transport(TransportError::from_io(e))))
+}
+
+/// A whole body of at most `limit` bytes (a failure mid-body is retried; a longer body is not).
+fn read_body(url: &str, resp: &mut Response, limit: u64) -> Result<Vec<u8>, Failure<StoreError>> {
+    match resp.read_to_vec(limit) {
+        Ok(Some(bytes)) => Ok(bytes),
+        Ok(None) => Err(Failure::fatal(
+            ErrorKind::Body,
+            http_err(url, HttpError::BadLength("the body exceeds the limit")),
+        )),
+        Err(e) => Err(broken_body(url, e)),
+    }
 }
 
 /// Parse the content of a ref: `sha256:<64 hex>` and a newline.
@@ -1095,26 +841,6 @@ mod tests {
             let e = HttpConfig::from_vars(vars(bad)).unwrap_err();
             assert!(matches!(e, StoreError::BadSetting { ref name, .. } if name == bad[0].0), "{e}");
         }
-    }
-
-    #[test]
-    fn the_limiter_bounds_requests_in_flight() {
-        let limiter = Arc::new(Limiter::new(3));
-        let peak = Arc::new(AtomicU64::new(0));
-        let now = Arc::new(AtomicU64::new(0));
-        std::thread::scope(|s| {
-            for _ in 0..12 {
-                s.spawn(|| {
-                    let _slot = limiter.acquire();
-                    let n = now.fetch_add(1, Ordering::SeqCst) + 1;
-                    peak.fetch_max(n, Ordering::SeqCst);
-                    std::thread::sleep(Duration::from_millis(20));
-                    now.fetch_sub(1, Ordering::SeqCst);
-                });
-            }
-        });
-        assert_eq!(peak.load(Ordering::SeqCst), 3);
-        assert_eq!(*limiter.in_flight.lock().unwrap(), 0);
     }
 
     #[test]

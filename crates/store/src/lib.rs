@@ -56,11 +56,10 @@ pub use copy::{copy_image, CopyReport};
 pub use error::StoreError;
 pub use export::{export_raw, ExportProgress, ExportStats};
 pub use http::{
-    coalesce, CoalescedSpan, HttpConfig, HttpError, HttpStats, HttpStore, OriginErrorCounts, OriginErrorKind,
-    RetryPolicy, HTTP_ENV, MAX_HTTP_BLOB,
+    coalesce, CoalescedSpan, HttpConfig, HttpError, HttpStore, RetryPolicy, HTTP_ENV, MAX_HTTP_BLOB,
 };
 pub use local::{BlobWriter, KnownChunks, LocalStore};
-pub use location::StoreLocation;
+pub use location::{OriginOptions, StoreLocation};
 pub use metered::Metered;
 pub use profile::{attach_profile, read_profile};
 pub use read_store::ReadStore;
@@ -68,4 +67,8 @@ pub use reader::{decode_stored_chunk, ImageReader, OpenImage, DEFAULT_CHUNK_CACH
 pub use registry::{push_image, PushProgress, PushReport, PushTarget, RegistryStore, MAX_REGISTRY_BLOB};
 pub use source::ChunkSource;
 pub use tessera_registry::PushOptions;
+/// An origin's request counters (the same meaning for HTTP and registry stores).
+pub use tessera_transport::{
+    ErrorCounts as OriginErrorCounts, ErrorKind as OriginErrorKind, Stats as OriginStats,
+};
 pub use warm::{warm, WarmFailure, WarmOptions, WarmReport, DEFAULT_WARM_JOBS};

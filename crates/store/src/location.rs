@@ -12,6 +12,17 @@ use crate::read_store::ReadStore;
 use crate::registry::RegistryStore;
 use tessera_registry::ClientOptions;
 
+/// How remote stores are reached: the HTTP(S) store settings and the registry client options
+/// (credentials, `--insecure`, TLS roots). Built once by the binary from its flags and its
+/// environment; libraries read no environment.
+#[derive(Debug, Clone, Default)]
+pub struct OriginOptions {
+    /// Settings of `http(s)://` stores.
+    pub http: HttpConfig,
+    /// Options of `docker://` stores.
+    pub registry: ClientOptions,
+}
+
 /// Where a store lives, as given by `--store`.
 ///
 /// - `PATH` or `file://PATH`: a local directory (read-write, the embedded default);
@@ -83,10 +94,13 @@ impl StoreLocation {
     }
 
     /// Open any readable store kind: a local directory (which must exist), an HTTP origin or a
-    /// registry (credentials from the auth files; loopback registries over plain HTTP) — remote
-    /// ones behind the host disk cache `cache` if given. A local store is its own disk tier, so
-    /// `cache` is ignored for it.
-    pub fn open_read_store(&self, cache: Option<&CacheConfig>) -> Result<Arc<dyn ReadStore>, StoreError> {
+    /// registry (both reached as `origins` says) — remote ones behind the host disk cache
+    /// `cache` if given. A local store is its own disk tier, so `cache` is ignored for it.
+    pub fn open_read_store(
+        &self,
+        origins: &OriginOptions,
+        cache: Option<&CacheConfig>,
+    ) -> Result<Arc<dyn ReadStore>, StoreError> {
         match self {
             StoreLocation::Local(p) => {
                 if cache.is_some() {
@@ -95,14 +109,14 @@ impl StoreLocation {
                 Ok(Arc::new(LocalStore::open(p)?))
             }
             StoreLocation::Http(url) => {
-                let origin = HttpStore::new(url, HttpConfig::from_env()?);
+                let origin = HttpStore::new(url, origins.http.clone());
                 match cache {
                     Some(config) => Ok(Arc::new(CachedStore::new(origin, DiskCache::open(config)?))),
                     None => Ok(Arc::new(origin)),
                 }
             }
             StoreLocation::Registry(r) => {
-                let origin = RegistryStore::new(r, ClientOptions::default())?;
+                let origin = RegistryStore::new(r, origins.registry.clone())?;
                 match cache {
                     Some(config) => Ok(Arc::new(CachedStore::new(origin, DiskCache::open(config)?))),
                     None => Ok(Arc::new(origin)),

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use tessera_image::{ImageEntry, ImageId, Sha256Digest};
 
 use crate::error::StoreError;
-use crate::http::{HttpStats, HttpStore};
+use crate::http::HttpStore;
 use crate::local::LocalStore;
 use crate::reader::OpenImage;
 use crate::source::ChunkSource;
@@ -65,7 +65,7 @@ pub trait ReadStore: Send + Sync + std::fmt::Debug {
 
     /// The HTTP origin's request counters, for a store read over HTTP (directly or behind the
     /// disk cache).
-    fn http_stats(&self) -> Option<HttpStats> {
+    fn http_stats(&self) -> Option<crate::OriginStats> {
         None
     }
 
@@ -131,7 +131,7 @@ impl ReadStore for HttpStore {
         self.base().to_owned()
     }
 
-    fn http_stats(&self) -> Option<HttpStats> {
+    fn http_stats(&self) -> Option<crate::OriginStats> {
         Some(self.stats())
     }
 

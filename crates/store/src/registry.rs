@@ -53,8 +53,6 @@ struct Inner {
     images: Mutex<HashMap<ImageId, Arc<Found>>>,
     /// Tags resolved through this store (a registry's tag list would also list `sha256-…`).
     seen_refs: Mutex<Vec<(String, ImageId)>>,
-    /// Duration of each try of the client (`None` if the client was already timed elsewhere).
-    latency: Option<tessera_metrics::Histogram>,
 }
 
 /// A registry repository holding Tessera images. Cheap to clone.
@@ -85,12 +83,8 @@ impl RegistryStore {
 
     /// The store `repo` on `client`'s registry.
     pub fn with_client(client: Client, repo: &str) -> Self {
-        let latency = tessera_metrics::origin_latency_histogram();
-        let observed = latency.clone();
-        let timed = client.time_requests(move |d| observed.observe(d.as_secs_f64()));
         Self {
             inner: Arc::new(Inner {
-                latency: timed.then_some(latency),
                 registry: client.registry().to_owned(),
                 client,
                 repo: repo.to_owned(),
@@ -198,24 +192,11 @@ impl ReadStore for RegistryStore {
     }
 
     fn origin_latency(&self) -> Option<tessera_metrics::Histogram> {
-        self.inner.latency.clone()
+        Some(self.inner.client.latency_histogram())
     }
 
-    /// The registry client's counters, in the HTTP store's shape (the daemon's `tessera_origin_*`).
-    fn http_stats(&self) -> Option<crate::HttpStats> {
-        let t = self.inner.client.stats();
-        Some(crate::HttpStats {
-            requests: t.requests,
-            retries: t.retries,
-            bytes: t.bytes,
-            errors: crate::OriginErrorCounts {
-                status: t.status_errors,
-                transport: t.transport_errors,
-                timeout: t.timeout_errors,
-                body: t.body_errors,
-                digest: t.digest_errors,
-            },
-        })
+    fn http_stats(&self) -> Option<crate::OriginStats> {
+        Some(self.inner.client.stats())
     }
 
     fn resolve(&self, reference: &str) -> Result<ImageId, StoreError> {

@@ -620,7 +620,7 @@ impl<O: Origin> ReadStore for CachedStore<O> {
         format!("{} (cache {})", self.origin.describe(), self.cache.root().display())
     }
 
-    fn http_stats(&self) -> Option<crate::HttpStats> {
+    fn http_stats(&self) -> Option<crate::OriginStats> {
         self.origin.http_stats()
     }
 

@@ -1,8 +1,8 @@
 //! Retry policy: which failures are retried and how long to wait. Pure apart from the jitter's
 //! randomness (std's per-process random hash keys; no RNG dependency).
 //!
-//! The one policy of every Tessera HTTP client: the registry client and the store's HTTP
-//! origin (`tessera_store::HttpStore`) both use it.
+//! The one policy of every Tessera origin: [`crate::Transport`] applies it to every request of
+//! the store's HTTP origin and of the registry client.
 
 use std::hash::{BuildHasher, Hasher};
 use std::time::Duration;
@@ -31,19 +31,6 @@ impl Default for RetryPolicy {
 /// HTTP statuses worth retrying: the server may answer differently next time.
 pub fn retryable_status(status: u16) -> bool {
     matches!(status, 408 | 429 | 500 | 502 | 503 | 504)
-}
-
-/// Transport errors worth retrying (the request may not have reached the server, or the
-/// connection broke).
-pub fn retryable_error(e: &ureq::Error) -> bool {
-    matches!(
-        e,
-        ureq::Error::Io(_)
-            | ureq::Error::Timeout(_)
-            | ureq::Error::ConnectionFailed
-            | ureq::Error::Protocol(_)
-            | ureq::Error::HostNotFound
-    )
 }
 
 fn random_u64() -> u64 {
@@ -108,7 +95,5 @@ mod tests {
         for s in [200, 206, 400, 403, 404, 416, 501] {
             assert!(!retryable_status(s), "{s}");
         }
-        assert!(retryable_error(&ureq::Error::ConnectionFailed));
-        assert!(!retryable_error(&ureq::Error::BadUri("x".into())));
     }
 }

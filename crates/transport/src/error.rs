@@ -1,0 +1,244 @@
+//! What can go wrong below HTTP, and how a failed attempt is classified for the stats.
+
+use std::io;
+
+/// Which timeout fired.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TimeoutKind {
+    /// Name lookup, TCP connect and TLS handshake ([`crate::Timeouts::connect`]).
+    Connect,
+    /// From sending the request to the response head ([`crate::Timeouts::first_byte`]).
+    FirstByte,
+    /// Waiting for the next bytes of a body in progress ([`crate::Timeouts::stall`]).
+    Stall,
+    /// The whole request, body included ([`crate::Timeouts::whole`]).
+    Whole,
+}
+
+impl TimeoutKind {
+    fn describe(self) -> &'static str {
+        match self {
+            TimeoutKind::Connect => "connect timeout",
+            TimeoutKind::FirstByte => "no response head in time",
+            TimeoutKind::Stall => "the body stalled",
+            TimeoutKind::Whole => "request timeout",
+        }
+    }
+}
+
+/// How a request failed below HTTP.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TransportErrorKind {
+    /// A timeout.
+    Timeout(TimeoutKind),
+    /// Connection refused or reset, name lookup failed, I/O error.
+    Connection,
+    /// The server broke the HTTP protocol.
+    Protocol,
+    /// TLS failed (handshake, certificate).
+    Tls,
+    /// Anything else (a malformed URL, a bad header): not worth retrying.
+    Other,
+}
+
+/// A request that did not complete (no HTTP answer, or a body that broke). The source is the
+/// HTTP implementation's own error.
+#[derive(Debug, thiserror::Error)]
+#[error("{}", describe(*.kind, source.as_ref()))]
+pub struct TransportError {
+    kind: TransportErrorKind,
+    #[source]
+    source: Box<dyn std::error::Error + Send + Sync>,
+}
+
+fn describe(kind: TransportErrorKind, source: &(dyn std::error::Error + Send + Sync)) -> String {
+    match kind {
+        TransportErrorKind::Timeout(t) => format!("{}: {source}", t.describe()),
+        _ => source.to_string(),
+    }
+}
+
+impl TransportError {
+    /// How it failed.
+    pub fn kind(&self) -> TransportErrorKind {
+        self.kind
+    }
+
+    /// Whether another attempt may succeed (timeouts, connection and protocol failures).
+    pub fn is_retryable(&self) -> bool {
+        matches!(
+            self.kind,
+            TransportErrorKind::Timeout(_) | TransportErrorKind::Connection | TransportErrorKind::Protocol
+        )
+    }
+
+    /// The stats kind of this failure: [`ErrorKind::Timeout`] or [`ErrorKind::Transport`].
+    pub fn error_kind(&self) -> ErrorKind {
+        match self.kind {
+            TransportErrorKind::Timeout(_) => ErrorKind::Timeout,
+            _ => ErrorKind::Transport,
+        }
+    }
+
+    /// A body read that broke (the reader's `io::Error`).
+    pub fn from_io(e: io::Error) -> Self {
+        let kind = io_kind(&e);
+        Self { kind, source: Box::new(e) }
+    }
+
+    pub(crate) fn from_ureq(e: ureq::Error) -> Self {
+        Self { kind: ureq_kind(&e), source: Box::new(e) }
+    }
+}
+
+fn timeout_kind(t: ureq::Timeout) -> TimeoutKind {
+    use ureq::Timeout as T;
+    match t {
+        T::Resolve | T::Connect => TimeoutKind::Connect,
+        T::SendRequest | T::SendBody | T::RecvResponse | T::Await100 => TimeoutKind::FirstByte,
+        T::PerRead | T::PerWrite | T::RecvBody => TimeoutKind::Stall,
+        T::Global | T::PerCall => TimeoutKind::Whole,
+        _ => TimeoutKind::Whole,
+    }
+}
+
+fn ureq_kind(e: &ureq::Error) -> TransportErrorKind {
+    match e {
+        ureq::Error::Timeout(t) => TransportErrorKind::Timeout(timeout_kind(*t)),
+        ureq::Error::Io(io) => io_kind(io),
+        ureq::Error::ConnectionFailed | ureq::Error::HostNotFound => TransportErrorKind::Connection,
+        ureq::Error::Protocol(_) => TransportErrorKind::Protocol,
+        ureq::Error::BodyStalled => TransportErrorKind::Timeout(TimeoutKind::Stall),
+        ureq::Error::Tls(_) | ureq::Error::Rustls(_) => TransportErrorKind::Tls,
+        _ => TransportErrorKind::Other,
+    }
+}
+
+/// The kind of a body read error: ureq reports a timeout while reading a body as an I/O error
+/// (wrapping its own error when it knows which timeout fired).
+fn io_kind(e: &io::Error) -> TransportErrorKind {
+    if let Some(inner) = e.get_ref().and_then(|r| r.downcast_ref::<ureq::Error>()) {
+        return ureq_kind(inner);
+    }
+    match e.kind() {
+        io::ErrorKind::TimedOut => TransportErrorKind::Timeout(TimeoutKind::Stall),
+        _ => TransportErrorKind::Connection,
+    }
+}
+
+/// How an origin attempt failed, as counted in [`crate::ErrorCounts`] (and labelled `kind` in
+/// `tessera_origin_errors_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorKind {
+    /// An unexpected status (5xx, 429, 403, …; a 404 that means "absent" is an answer).
+    Status,
+    /// The connection failed: refused, reset, closed mid-body, TLS or protocol errors.
+    Transport,
+    /// A connect, first-byte, stall or whole-request timeout.
+    Timeout,
+    /// A body or `Content-Range` that does not describe the bytes asked for.
+    Body,
+    /// Bytes that do not hash to their digest.
+    Digest,
+}
+
+impl ErrorKind {
+    /// Every kind, in label order.
+    pub const ALL: [ErrorKind; 5] =
+        [ErrorKind::Status, ErrorKind::Transport, ErrorKind::Timeout, ErrorKind::Body, ErrorKind::Digest];
+
+    /// The label value.
+    pub fn label(self) -> &'static str {
+        match self {
+            ErrorKind::Status => "status",
+            ErrorKind::Transport => "transport",
+            ErrorKind::Timeout => "timeout",
+            ErrorKind::Body => "body",
+            ErrorKind::Digest => "digest",
+        }
+    }
+
+    /// The kind of a broken body read.
+    pub fn of_io(e: &io::Error) -> Self {
+        match io_kind(e) {
+            TransportErrorKind::Timeout(_) => ErrorKind::Timeout,
+            _ => ErrorKind::Transport,
+        }
+    }
+}
+
+/// Why [`crate::Transport::fetch`] gave up: the transport failed, or the caller rejected the
+/// last answer.
+#[derive(Debug)]
+pub enum FetchError<E> {
+    /// The last attempt did not complete.
+    Transport(TransportError),
+    /// The caller's `on_response` rejected the last answer.
+    Rejected(E),
+}
+
+/// A caller's verdict on one answer (see [`crate::Transport::fetch`]).
+#[derive(Debug)]
+pub struct Failure<E> {
+    /// The error to return if this was the last attempt.
+    pub error: E,
+    /// How it counts in the stats (`None`: not an origin failure, e.g. a refused request).
+    pub kind: Option<ErrorKind>,
+    /// Whether another attempt may succeed.
+    pub retry: bool,
+}
+
+impl<E> Failure<E> {
+    /// Retry (within the policy), counting the attempt as failed by `kind`.
+    pub fn retry(kind: ErrorKind, error: E) -> Self {
+        Self { error, kind: Some(kind), retry: true }
+    }
+
+    /// Give up, counting the attempt as failed by `kind`.
+    pub fn fatal(kind: ErrorKind, error: E) -> Self {
+        Self { error, kind: Some(kind), retry: false }
+    }
+
+    /// Give up without counting an origin failure.
+    pub fn uncounted(error: E) -> Self {
+        Self { error, kind: None, retry: false }
+    }
+
+    /// A broken body read: retried, counted as a timeout or transport failure.
+    pub fn broken_body(e: &io::Error, error: E) -> Self {
+        Self::retry(ErrorKind::of_io(e), error)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classifies_timeouts_and_failures() {
+        let t = |u| TransportError::from_ureq(ureq::Error::Timeout(u)).kind();
+        assert_eq!(t(ureq::Timeout::Connect), TransportErrorKind::Timeout(TimeoutKind::Connect));
+        assert_eq!(t(ureq::Timeout::RecvResponse), TransportErrorKind::Timeout(TimeoutKind::FirstByte));
+        assert_eq!(t(ureq::Timeout::PerRead), TransportErrorKind::Timeout(TimeoutKind::Stall));
+        assert_eq!(t(ureq::Timeout::Global), TransportErrorKind::Timeout(TimeoutKind::Whole));
+        let refused = TransportError::from_ureq(ureq::Error::ConnectionFailed);
+        assert!(refused.is_retryable());
+        assert_eq!(refused.error_kind(), ErrorKind::Transport);
+        let bad = TransportError::from_ureq(ureq::Error::BadUri("x".into()));
+        assert!(!bad.is_retryable());
+        let stalled = TransportError::from_io(io::Error::new(io::ErrorKind::TimedOut, "slow"));
+        assert_eq!(stalled.kind(), TransportErrorKind::Timeout(TimeoutKind::Stall));
+        assert_eq!(stalled.error_kind(), ErrorKind::Timeout);
+        assert!(stalled.to_string().contains("stalled"), "{stalled}");
+        let inner = io::Error::other(ureq::Error::Timeout(ureq::Timeout::Global));
+        assert_eq!(ErrorKind::of_io(&inner), ErrorKind::Timeout);
+        assert_eq!(
+            ErrorKind::of_io(&io::Error::new(io::ErrorKind::ConnectionReset, "r")),
+            ErrorKind::Transport
+        );
+        assert_eq!(
+            ErrorKind::ALL.map(ErrorKind::label),
+            ["status", "transport", "timeout", "body", "digest"]
+        );
+    }
+}

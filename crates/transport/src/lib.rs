@@ -1,0 +1,475 @@
+//! The one HTTP transport of Tessera's origins: the HTTP(S) store and the registry client both
+//! send every request through a [`Transport`].
+//!
+//! One transport holds: one connection pool ([`TransportConfig`]: idle connections per host =
+//! the concurrency limit), one limiter of requests in flight, one retry policy ([`RetryPolicy`]:
+//! attempts, backoff with jitter, `Retry-After`), one timeout classification ([`TimeoutKind`]:
+//! connect, first byte, stall, whole request), TLS roots and verification ([`TlsOptions`]), and
+//! one stats type ([`Stats`]) with one request-duration histogram.
+//!
+//! **What the histogram measures**, for every origin alike: one attempt, from sending the
+//! request to the end of its response — the body read to its end or dropped (a streamed blob:
+//! until the reader is dropped), or the failure. The attempt holds one slot of the limiter for
+//! the same span; backoff waits hold none.
+//!
+//! The interface is small so that the HTTP implementation (ureq today) can be swapped:
+//! [`Transport::fetch`] (the retry loop, with the caller judging each answer),
+//! [`Transport::send`] (retries on transport failures and retryable statuses only),
+//! [`Response`] and [`BodyReader`] (counted body bytes). No ureq type appears in it.
+#![forbid(unsafe_code)]
+
+mod config;
+mod error;
+mod retry;
+mod stats;
+
+use std::io::{self, Read};
+use std::sync::Arc;
+use std::time::Instant;
+
+use tessera_metrics::Histogram;
+use tracing::debug;
+
+pub use config::{BadPem, Timeouts, TlsOptions, TransportConfig};
+pub use error::{ErrorKind, Failure, FetchError, TimeoutKind, TransportError, TransportErrorKind};
+pub use retry::{retryable_status, RetryPolicy};
+pub use stats::{ErrorCounts, Stats};
+
+use stats::{Counters, Limiter};
+
+/// An HTTP method.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Method {
+    Get,
+    Head,
+    Post,
+    Put,
+    Patch,
+}
+
+impl Method {
+    /// The method's name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Method::Get => "GET",
+            Method::Head => "HEAD",
+            Method::Post => "POST",
+            Method::Put => "PUT",
+            Method::Patch => "PATCH",
+        }
+    }
+}
+
+/// One request, sent again as it is on a retry.
+#[derive(Debug, Clone, Copy)]
+pub struct Request<'a> {
+    pub method: Method,
+    pub url: &'a str,
+    /// Extra headers (`Range`, `Accept`, `Authorization`, …).
+    pub headers: &'a [(&'a str, &'a str)],
+    /// Sent with POST, PUT and PATCH (an empty one sends `Content-Length: 0`).
+    pub body: &'a [u8],
+    /// Accept any server certificate for this request (besides [`TlsOptions::skip_verify`]).
+    pub skip_tls_verify: bool,
+    /// A probe expected to fail (a registry's TLS try against a plain-HTTP server): one
+    /// attempt, not counted in [`Stats`] or the histogram.
+    pub probe: bool,
+}
+
+impl<'a> Request<'a> {
+    /// A counted request without headers or body.
+    pub fn new(method: Method, url: &'a str) -> Self {
+        Self { method, url, headers: &[], body: &[], skip_tls_verify: false, probe: false }
+    }
+
+    /// A GET of `url`.
+    pub fn get(url: &'a str) -> Self {
+        Self::new(Method::Get, url)
+    }
+
+    /// With `headers`.
+    pub fn headers(self, headers: &'a [(&'a str, &'a str)]) -> Self {
+        Self { headers, ..self }
+    }
+
+    /// With `body`.
+    pub fn body(self, body: &'a [u8]) -> Self {
+        Self { body, ..self }
+    }
+}
+
+struct Shared {
+    config: TransportConfig,
+    verified: ureq::Agent,
+    unverified: ureq::Agent,
+    limiter: Limiter,
+    counters: Counters,
+    latency: Histogram,
+}
+
+/// The HTTP client of one origin. Cheap to clone (the pool, the limiter, the counters and the
+/// histogram are shared); `Send + Sync`.
+#[derive(Clone)]
+pub struct Transport {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for Transport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Transport").field("config", &self.shared.config).finish_non_exhaustive()
+    }
+}
+
+/// One attempt in progress: its limiter slot and start, given back (and timed) on drop.
+struct Attempt {
+    shared: Arc<Shared>,
+    started: Instant,
+    counted: bool,
+}
+
+impl Drop for Attempt {
+    fn drop(&mut self) {
+        if self.counted {
+            self.shared.latency.observe(self.started.elapsed().as_secs_f64());
+        }
+        self.shared.limiter.release();
+    }
+}
+
+/// An HTTP answer whatever its status. Holds its attempt's limiter slot until dropped.
+pub struct Response {
+    status: u16,
+    headers: ureq::http::HeaderMap,
+    body: BodyReader,
+}
+
+impl std::fmt::Debug for Response {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Response").field("status", &self.status).finish_non_exhaustive()
+    }
+}
+
+impl Response {
+    /// The status code.
+    pub fn status(&self) -> u16 {
+        self.status
+    }
+
+    /// Header `name` (case-insensitive), if present and text.
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    /// The body as a stream.
+    pub fn into_reader(self) -> BodyReader {
+        self.body
+    }
+
+    /// The body as a stream, borrowed (the response stays for its headers).
+    pub fn reader(&mut self) -> &mut BodyReader {
+        &mut self.body
+    }
+
+    /// Read the whole body, at most `limit` bytes: `Ok(None)` when it is longer.
+    pub fn read_to_vec(&mut self, limit: u64) -> io::Result<Option<Vec<u8>>> {
+        let mut out = Vec::new();
+        (&mut self.body).take(limit.saturating_add(1)).read_to_end(&mut out)?;
+        Ok((out.len() as u64 <= limit).then_some(out))
+    }
+}
+
+/// A response body; every byte read counts in [`Stats::bytes`]. The attempt ends (for the
+/// histogram and the limiter) when it is dropped.
+pub struct BodyReader {
+    inner: ureq::BodyReader<'static>,
+    attempt: Attempt,
+}
+
+impl std::fmt::Debug for BodyReader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BodyReader").finish_non_exhaustive()
+    }
+}
+
+impl Read for BodyReader {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        if self.attempt.counted {
+            self.attempt.shared.counters.bytes(n);
+        }
+        Ok(n)
+    }
+}
+
+fn with_headers<B>(mut rb: ureq::RequestBuilder<B>, headers: &[(&str, &str)]) -> ureq::RequestBuilder<B> {
+    for (k, v) in headers {
+        rb = rb.header(*k, *v);
+    }
+    rb
+}
+
+impl Transport {
+    /// A transport with `config`. Nothing is connected yet.
+    pub fn new(config: TransportConfig) -> Self {
+        let verified = config::agent(&config, !config.tls.skip_verify);
+        let unverified = config::agent(&config, false);
+        Self {
+            shared: Arc::new(Shared {
+                limiter: Limiter::new(config.max_concurrency),
+                verified,
+                unverified,
+                config,
+                counters: Counters::default(),
+                latency: tessera_metrics::origin_latency_histogram(),
+            }),
+        }
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &TransportConfig {
+        &self.shared.config
+    }
+
+    /// The retry policy.
+    pub fn retry_policy(&self) -> RetryPolicy {
+        self.shared.config.retry
+    }
+
+    /// Requests, retries, body bytes and failed attempts so far.
+    pub fn stats(&self) -> Stats {
+        self.shared.counters.snapshot()
+    }
+
+    /// The request-duration histogram (see the crate docs for what it measures), shared with
+    /// this transport: every counted attempt since [`Self::new`] is in it. Not registered
+    /// anywhere; the daemon adopts it.
+    pub fn latency_histogram(&self) -> Histogram {
+        self.shared.latency.clone()
+    }
+
+    /// Requests in flight now.
+    pub fn in_flight(&self) -> usize {
+        self.shared.limiter.in_flight()
+    }
+
+    /// Count a failed attempt that the transport did not see (a streamed body found short, or
+    /// not matching its digest, after [`Self::send`] returned).
+    pub fn record_error(&self, kind: ErrorKind) {
+        self.shared.counters.error(kind);
+    }
+
+    /// Count a retry that the transport did not make (a streamed body resumed by its reader).
+    pub fn record_retry(&self) {
+        self.shared.counters.retry();
+    }
+
+    /// One attempt: send `req`, return the answer whatever its status.
+    fn attempt(&self, req: &Request<'_>) -> Result<Response, TransportError> {
+        let shared = &self.shared;
+        shared.limiter.acquire();
+        let attempt = Attempt { shared: Arc::clone(shared), started: Instant::now(), counted: !req.probe };
+        if !req.probe {
+            shared.counters.request();
+        }
+        let agent = if req.skip_tls_verify { &shared.unverified } else { &shared.verified };
+        let h = req.headers;
+        let sent = match req.method {
+            Method::Get => with_headers(agent.get(req.url), h).call(),
+            Method::Head => with_headers(agent.head(req.url), h).call(),
+            Method::Post => with_headers(agent.post(req.url), h).send(req.body),
+            Method::Put => with_headers(agent.put(req.url), h).send(req.body),
+            Method::Patch => with_headers(agent.patch(req.url), h).send(req.body),
+        };
+        match sent {
+            Ok(resp) => {
+                let (parts, body) = resp.into_parts();
+                Ok(Response {
+                    status: parts.status.as_u16(),
+                    headers: parts.headers,
+                    body: BodyReader { inner: body.into_reader(), attempt },
+                })
+            }
+            Err(e) => {
+                let e = TransportError::from_ureq(e);
+                if !req.probe {
+                    shared.counters.error(e.error_kind());
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// The retry loop. Send `req` and hand each answer to `on_response`, which reads what it
+    /// needs (the body included) and judges it; retry, within the policy, whatever part failed:
+    /// the request (a retryable [`TransportError`]), the status (5xx, 408, 429: waiting for
+    /// `Retry-After` when the server sends one; the last such answer goes to `on_response`), or
+    /// the caller's verdict ([`Failure::retry`]). Every failed attempt counts once in
+    /// [`Stats::errors`], by its kind.
+    pub fn fetch<T, E>(
+        &self,
+        req: &Request<'_>,
+        mut on_response: impl FnMut(Response) -> Result<T, Failure<E>>,
+    ) -> Result<T, FetchError<E>> {
+        let policy = self.shared.config.retry;
+        let attempts = if req.probe { 1 } else { policy.attempts.max(1) };
+        let counters = &self.shared.counters;
+        let mut retry = 0u32;
+        loop {
+            let last = retry + 1 >= attempts;
+            let (wait, why) = match self.attempt(req) {
+                Err(e) if e.is_retryable() && !last => (policy.backoff(retry), e.to_string()),
+                Err(e) => return Err(FetchError::Transport(e)),
+                Ok(resp) => {
+                    let status = resp.status();
+                    let retryable = retryable_status(status);
+                    if retryable && !req.probe {
+                        counters.error(ErrorKind::Status);
+                    }
+                    if retryable && !last {
+                        let wait = policy.retry_after(retry, resp.header("retry-after"));
+                        (wait, format!("HTTP {status}"))
+                    } else {
+                        match on_response(resp) {
+                            Ok(v) => return Ok(v),
+                            Err(f) => {
+                                // A retryable status is counted above already.
+                                let already = retryable && f.kind == Some(ErrorKind::Status);
+                                if let (Some(kind), false, false) = (f.kind, req.probe, already) {
+                                    counters.error(kind);
+                                }
+                                if !f.retry || last {
+                                    return Err(FetchError::Rejected(f.error));
+                                }
+                                (policy.backoff(retry), "the answer was rejected".to_owned())
+                            }
+                        }
+                    }
+                }
+            };
+            retry += 1;
+            if !req.probe {
+                counters.retry();
+            }
+            debug!(
+                method = req.method.as_str(),
+                url = req.url,
+                why,
+                retry,
+                wait_ms = wait.as_millis() as u64,
+                "retrying"
+            );
+            std::thread::sleep(wait);
+        }
+    }
+
+    /// [`Self::fetch`] returning the answer as it is: retries on transport failures and
+    /// retryable statuses only; the caller reads the body (a stream: the attempt lasts until the
+    /// response or its reader is dropped).
+    pub fn send(&self, req: &Request<'_>) -> Result<Response, TransportError> {
+        self.fetch(req, Ok::<_, Failure<std::convert::Infallible>>).map_err(|e| match e {
+            FetchError::Transport(t) => t,
+            FetchError::Rejected(never) => match never {},
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+    use std::net::TcpListener;
+    use std::time::Duration;
+
+    /// A server answering each connection's requests from `answers` in turn (one per
+    /// connection; `Connection: close`).
+    fn serve(answers: Vec<&'static str>) -> String {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        std::thread::spawn(move || {
+            for answer in answers {
+                let (mut s, _) = l.accept().unwrap();
+                let mut buf = [0u8; 4096];
+                let _ = s.read(&mut buf);
+                let _ = s.write_all(answer.as_bytes());
+            }
+        });
+        format!("http://{addr}/x")
+    }
+
+    fn quick() -> TransportConfig {
+        TransportConfig {
+            retry: RetryPolicy { attempts: 3, base: Duration::from_millis(1), max: Duration::from_millis(2) },
+            ..TransportConfig::default()
+        }
+    }
+
+    #[test]
+    fn retries_statuses_and_rejections_and_counts_each_attempt() {
+        let url = serve(vec![
+            "HTTP/1.1 503 Busy\r\nRetry-After: 0\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+            "HTTP/1.1 200 OK\r\nContent-Length: 3\r\nConnection: close\r\n\r\nbad",
+            "HTTP/1.1 200 OK\r\nContent-Length: 4\r\nConnection: close\r\n\r\ngood",
+        ]);
+        let t = Transport::new(quick());
+        let body = t
+            .fetch(&Request::get(&url), |mut r| {
+                let b = r.read_to_vec(100).unwrap().unwrap();
+                if b == b"bad" {
+                    Err(Failure::retry(ErrorKind::Digest, "bad"))
+                } else {
+                    Ok(b)
+                }
+            })
+            .unwrap();
+        assert_eq!(body, b"good");
+        let s = t.stats();
+        assert_eq!((s.requests, s.retries, s.bytes), (3, 2, 7));
+        assert_eq!((s.errors.status, s.errors.digest, s.errors.total()), (1, 1, 2));
+        assert_eq!(t.latency_histogram().get_sample_count(), 3, "every attempt timed");
+        assert_eq!(t.in_flight(), 0);
+    }
+
+    #[test]
+    fn the_last_retryable_status_goes_to_the_caller_and_counts_once() {
+        let busy = "HTTP/1.1 503 Busy\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
+        let url = serve(vec![busy, busy, busy]);
+        let t = Transport::new(quick());
+        let e = t
+            .fetch(&Request::get(&url), |r| Err::<(), _>(Failure::fatal(ErrorKind::Status, r.status())))
+            .unwrap_err();
+        assert!(matches!(e, FetchError::Rejected(503)));
+        let s = t.stats();
+        assert_eq!((s.requests, s.retries, s.errors.status), (3, 2, 3));
+    }
+
+    #[test]
+    fn refused_connections_are_transport_errors_after_the_attempts() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}/x", l.local_addr().unwrap());
+        drop(l);
+        let t = Transport::new(quick());
+        let e = t.send(&Request::get(&url)).unwrap_err();
+        assert_eq!(e.kind(), TransportErrorKind::Connection);
+        let s = t.stats();
+        assert_eq!((s.requests, s.retries, s.errors.transport), (3, 2, 3));
+        // An uncounted probe leaves no trace.
+        let probe = Request { probe: true, ..Request::get(&url) };
+        assert!(t.send(&probe).is_err());
+        assert_eq!(t.stats().requests, 3);
+        assert_eq!(t.latency_histogram().get_sample_count(), 3);
+    }
+
+    #[test]
+    fn a_streamed_body_holds_its_slot_until_dropped() {
+        let url = serve(vec!["HTTP/1.1 200 OK\r\nContent-Length: 5\r\nConnection: close\r\n\r\nhello"]);
+        let t = Transport::new(quick());
+        let mut body = t.send(&Request::get(&url)).unwrap().into_reader();
+        assert_eq!(t.in_flight(), 1);
+        assert_eq!(t.latency_histogram().get_sample_count(), 0, "the attempt is still going");
+        let mut s = String::new();
+        body.read_to_string(&mut s).unwrap();
+        drop(body);
+        assert_eq!((s.as_str(), t.in_flight(), t.stats().bytes), ("hello", 0, 5));
+        assert_eq!(t.latency_histogram().get_sample_count(), 1);
+    }
+}
