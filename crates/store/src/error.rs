@@ -110,7 +110,7 @@ pub enum StoreError {
     Http {
         url: String,
         #[source]
-        source: crate::http::HttpError,
+        source: crate::origin::http::HttpError,
     },
     /// A request to a registry store (`docker://`) failed; the message names the URL.
     #[error(transparent)]

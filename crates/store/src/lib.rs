@@ -38,14 +38,13 @@ mod cache;
 mod copy;
 mod error;
 mod export;
-mod http;
 mod local;
 mod location;
 mod metered;
+mod origin;
 mod profile;
 mod read_store;
 mod reader;
-mod registry;
 mod source;
 mod warm;
 
@@ -55,16 +54,18 @@ pub use cache::{
 pub use copy::{copy_image, CopyReport};
 pub use error::StoreError;
 pub use export::{export_raw, ExportProgress, ExportStats};
-pub use http::{
-    coalesce, CoalescedSpan, HttpConfig, HttpError, HttpStore, RetryPolicy, HTTP_ENV, MAX_HTTP_BLOB,
-};
 pub use local::{BlobWriter, KnownChunks, LocalStore};
 pub use location::{OriginOptions, StoreLocation};
 pub use metered::Metered;
+pub use origin::http::{
+    coalesce, CoalescedSpan, HttpConfig, HttpError, HttpStore, RetryPolicy, HTTP_ENV, MAX_HTTP_BLOB,
+};
+pub use origin::registry::{
+    push_image, PushProgress, PushReport, PushTarget, RegistryStore, MAX_REGISTRY_BLOB,
+};
 pub use profile::{attach_profile, read_profile};
 pub use read_store::ReadStore;
 pub use reader::{decode_stored_chunk, ImageReader, OpenImage, DEFAULT_CHUNK_CACHE, MAX_CHUNK_LEN};
-pub use registry::{push_image, PushProgress, PushReport, PushTarget, RegistryStore, MAX_REGISTRY_BLOB};
 pub use source::ChunkSource;
 pub use tessera_registry::PushOptions;
 /// An origin's request counters (the same meaning for HTTP and registry stores).

@@ -6,10 +6,10 @@ use std::sync::Arc;
 
 use crate::cache::{CacheConfig, CachedStore, DiskCache};
 use crate::error::StoreError;
-use crate::http::{HttpConfig, HttpStore};
 use crate::local::LocalStore;
+use crate::origin::http::{HttpConfig, HttpStore};
+use crate::origin::registry::RegistryStore;
 use crate::read_store::ReadStore;
-use crate::registry::RegistryStore;
 use tessera_registry::ClientOptions;
 
 /// How remote stores are reached: the HTTP(S) store settings and the registry client options

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use tessera_image::{ImageEntry, ImageId, Sha256Digest};
 
 use crate::error::StoreError;
-use crate::http::HttpStore;
 use crate::local::LocalStore;
+use crate::origin::http::HttpStore;
 use crate::reader::OpenImage;
 use crate::source::ChunkSource;
 

@@ -10,7 +10,7 @@ use tracing::warn;
 use super::index::{disk_bytes, ChunkForm, EntryKey};
 use super::journal::walk_entries;
 use super::DiskCache;
-use crate::http::parse_ref;
+use crate::origin::http::parse_ref;
 use crate::reader::MAX_CHUNK_LEN;
 
 /// What [`DiskCache::gc`] found and did. Byte counts are on-disk sizes (whole 4 KiB blocks).

@@ -37,7 +37,7 @@ use tracing::{debug, trace, warn};
 use crate::error::StoreError;
 use tessera_registry::RegistryError;
 
-use crate::http::{parse_ref, resolve_with, HttpError, HttpStore};
+use crate::origin::http::{parse_ref, resolve_with, HttpError, HttpStore};
 use crate::read_store::ReadStore;
 use crate::reader::{decode_stored_chunk, OpenImage};
 use crate::source::ChunkSource;
@@ -547,13 +547,13 @@ impl Origin for HttpStore {
     }
 }
 
-impl Origin for crate::registry::RegistryStore {
+impl Origin for crate::origin::registry::RegistryStore {
     fn cache_key(&self) -> String {
         self.location()
     }
 
     fn read_ref(&self, tag: &str) -> Result<Option<ImageId>, StoreError> {
-        crate::registry::RegistryStore::read_ref(self, tag)
+        crate::origin::registry::RegistryStore::read_ref(self, tag)
     }
 }
 
