@@ -277,15 +277,7 @@ fn apply(p: &Pending) -> Result<()> {
             .with_context(|| format!("setxattr {} on {}", String::from_utf8_lossy(name), path.display()))?;
     }
     let (s, ns) = m.mtime.unwrap_or((0, 0));
-    let ts = Timespec { tv_sec: s, tv_nsec: ns };
-    rustix::fs::utimensat(
-        CWD,
-        path,
-        &Timestamps { last_access: ts, last_modification: ts },
-        AtFlags::SYMLINK_NOFOLLOW,
-    )
-    .with_context(|| format!("utimensat {}", path.display()))?;
-    Ok(())
+    set_mtime(path, s, ns)
 }
 
 /// Write `len` bytes produced by `fill` (called on 1 MiB buffers) to a new file.

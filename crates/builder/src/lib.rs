@@ -15,6 +15,8 @@ mod image;
 mod pipeline;
 mod seed;
 pub mod source;
+#[cfg(any(test, feature = "test-support"))]
+pub mod test_support;
 mod walk;
 
 pub use chunk::{BATCH_BYTES, PACK_TARGET_BYTES};

@@ -32,6 +32,19 @@ impl ImageEntry {
     pub fn from_json(bytes: &[u8]) -> Result<Self, DecodeError> {
         Ok(serde_json::from_slice(bytes)?)
     }
+
+    /// An entry with every field but the profile set, for tests and fuzz seeds (feature
+    /// `test-support`).
+    #[cfg(any(test, feature = "test-support"))]
+    pub fn example() -> Self {
+        ImageEntry {
+            record: Sha256Digest::of(b"r"),
+            prefix: Sha256Digest::of(b"p"),
+            pack_index: Sha256Digest::of(b"i"),
+            profile: None,
+            provenance: Some(Sha256Digest::of(b"v")),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -40,13 +53,7 @@ mod tests {
 
     #[test]
     fn json_roundtrip() {
-        let e = ImageEntry {
-            record: Sha256Digest::of(b"r"),
-            prefix: Sha256Digest::of(b"p"),
-            pack_index: Sha256Digest::of(b"i"),
-            profile: None,
-            provenance: Some(Sha256Digest::of(b"v")),
-        };
+        let e = ImageEntry::example();
         let j = e.to_json();
         assert_eq!(ImageEntry::from_json(&j).unwrap(), e);
         assert!(String::from_utf8(j).unwrap().contains("\"profile\": null"));

@@ -165,6 +165,57 @@ impl ImageRecord {
     }
 }
 
+#[cfg(any(test, feature = "test-support"))]
+impl ImageRecord {
+    /// A record like the builder makes (prefix runs, two chunks, a runtime config), for tests and
+    /// fuzz seeds (feature `test-support`).
+    pub fn example() -> Self {
+        use crate::digest::ChunkId;
+        const BUILT: &str = "the example block map is well formed";
+        let mut b = BlockMap::builder(32768);
+        b.push_prefix(0, 10, 0).expect(BUILT);
+        let c = b.add_chunk(ChunkId::of(b"data"), 4);
+        let d = b.add_chunk(ChunkId::of(b"more"), 3 * 4096 + 1);
+        b.push_chunk(100, 1, c, 0).expect(BUILT);
+        b.push_chunk(101, 4, d, 0).expect(BUILT);
+        b.push_prefix(20, 2, 10).expect(BUILT);
+        ImageRecord {
+            options: BuildOptions { chunk_size: 512 * 1024 },
+            geometry: Geometry {
+                block_size: crate::BLOCK_SIZE,
+                blocks: 32768,
+                inodes: 8192,
+                inodes_per_group: 8192,
+                groups: 1,
+                journal_blocks: 1024,
+                free_blocks: 30000,
+                free_inodes: 8000,
+                data_start_block: 100,
+                data_end_block: 105,
+                uuid: [7; 16],
+            },
+            stats: ImageStats {
+                files: 2,
+                directories: 2,
+                inodes_used: 14,
+                logical_bytes: 12293,
+                data_bytes: 12293,
+                ..Default::default()
+            },
+            prefix: PrefixInfo { digest: Sha256Digest::of(b"prefix"), blocks: 12 },
+            block_map: b.finish().expect(BUILT),
+            config: RuntimeConfig {
+                env: vec!["PATH=/bin".into()],
+                entrypoint: Some(vec!["/bin/sh".into()]),
+                cmd: None,
+                working_dir: "/".into(),
+                user: "0:0".into(),
+                labels: [("a".to_string(), "b".to_string())].into_iter().collect(),
+            },
+        }
+    }
+}
+
 fn encode_strings(w: &mut Writer, list: &[String]) {
     w.len(list.len());
     for s in list {
@@ -228,53 +279,10 @@ fn decode_config(r: &mut Reader<'_>) -> Result<RuntimeConfig, DecodeError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::digest::ChunkId;
-
-    fn record() -> ImageRecord {
-        let mut b = BlockMap::builder(32768);
-        b.push_prefix(0, 10, 0).unwrap();
-        let c = b.add_chunk(ChunkId::of(b"data"), 4);
-        b.push_chunk(100, 1, c, 0).unwrap();
-        let block_map = b.finish().unwrap();
-        ImageRecord {
-            options: BuildOptions { chunk_size: 512 * 1024 },
-            geometry: Geometry {
-                block_size: 4096,
-                blocks: 32768,
-                inodes: 8192,
-                inodes_per_group: 8192,
-                groups: 1,
-                journal_blocks: 1024,
-                free_blocks: 30000,
-                free_inodes: 8000,
-                data_start_block: 100,
-                data_end_block: 101,
-                uuid: [7; 16],
-            },
-            stats: ImageStats {
-                files: 1,
-                directories: 2,
-                inodes_used: 13,
-                logical_bytes: 4,
-                data_bytes: 4,
-                ..Default::default()
-            },
-            prefix: PrefixInfo { digest: Sha256Digest::of(b"prefix"), blocks: 10 },
-            block_map,
-            config: RuntimeConfig {
-                env: vec!["PATH=/bin".into()],
-                entrypoint: Some(vec!["/bin/sh".into()]),
-                cmd: None,
-                working_dir: "/".into(),
-                user: "0:0".into(),
-                labels: [("a".to_string(), "b".to_string())].into_iter().collect(),
-            },
-        }
-    }
 
     #[test]
     fn roundtrip_and_stable_id() {
-        let r = record();
+        let r = ImageRecord::example();
         let bytes = r.encode();
         assert_eq!(ImageRecord::decode(&bytes).unwrap(), r);
         assert_eq!(r.id(), ImageRecord::decode(&bytes).unwrap().id());
@@ -285,7 +293,7 @@ mod tests {
 
     #[test]
     fn rejects_corruption() {
-        let bytes = record().encode();
+        let bytes = ImageRecord::example().encode();
         for cut in [0, 7, 8, 12, bytes.len() / 2, bytes.len() - 1] {
             assert!(ImageRecord::decode(&bytes[..cut]).is_err(), "cut at {cut}");
         }
@@ -302,7 +310,7 @@ mod tests {
 
     #[test]
     fn hostile_counts_do_not_allocate() {
-        let mut bytes = record().encode();
+        let mut bytes = ImageRecord::example().encode();
         // Overwrite the chunk count (after magic, version, options, geometry, stats, prefix and two u64s).
         let off = 8 + 4 + 4 + (4 + 8 + 8 + 4 + 4 + 8 * 5 + 16) + 8 * 7 + 32 + 8 + 16;
         bytes[off..off + 4].copy_from_slice(&u32::MAX.to_le_bytes());

@@ -9,19 +9,7 @@ use sha2::{Digest as _, Sha256};
 use tessera_ext4::NodeKind;
 
 use super::*;
-
-fn header(path: &str, kind: tar::EntryType, size: u64, mode: u32) -> tar::Header {
-    let mut h = tar::Header::new_gnu();
-    h.set_entry_type(kind);
-    h.set_size(size);
-    h.set_mode(mode);
-    h.set_uid(1000);
-    h.set_gid(100);
-    h.set_mtime(1_600_000_000);
-    let _ = h.set_path(path);
-    h.set_cksum();
-    h
-}
+use crate::test_support::tar_header as header;
 
 /// A layer with PAX xattrs, ns times and numeric owners, a GNU long name, a long link, devices, a
 /// FIFO, a symlink and a hard link.
