@@ -13,7 +13,10 @@ use signal_hook::iterator::Signals;
 use tessera_image::Profile;
 use tessera_image::{ImageId, BLOCK_SIZE};
 use tessera_metrics::{Exporter, Metrics, Tier};
-use tessera_store::{ChunkSource, ImageReader, LocalStore, Metered, OpenImage, ReadStore, StoreLocation};
+use tessera_store::{
+    CacheConfig, ChunkSource, ImageReader, LocalStore, Metered, OpenImage, OriginOptions, ReadStore,
+    StoreLocation,
+};
 use tessera_vhost::metrics::{describe_image, watch_mem_tier, watch_overlay, watch_store};
 use tessera_vhost::{
     DeviceConfig, Disk, FetchLimits, MemTier, Overlay, OverlayMode, OverlayParams, Server,
@@ -144,21 +147,116 @@ fn parse_mode(s: &str) -> Result<u32, String> {
     }
 }
 
-pub fn serve(args: ServeArgs) -> Result<()> {
-    if let Some(fd) = args.ready_fd {
-        if fd < 3 {
-            bail!(UsageError(format!(
-                "--ready-fd {fd}: use a descriptor other than stdin, stdout or stderr"
-            )));
-        }
-    }
-    // Take the ready fd first, so a bad one fails before anything else happens.
-    let ready = args.ready_fd.map(take_fd).transpose()?;
+/// Where the guest's writes go: `--read-only` and `--overlay FILE` combined.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Writes {
+    /// `--read-only`: writes refused, the base image served as is.
+    Refused,
+    /// `--read-only --overlay FILE`: writes refused, base plus the overlay's blocks served.
+    RefusedOverOverlay(PathBuf),
+    /// `--overlay FILE`: writes kept in FILE (created if missing) across restarts.
+    Persistent(PathBuf),
+    /// Neither: writes kept in an unlinked temporary overlay in this directory (--cache-dir,
+    /// else $TMPDIR), gone with the process.
+    Temporary(PathBuf),
+}
 
-    let location = &args.store;
-    let store =
-        location.open_read_store(&crate::origin_args::origin_options()?, args.cache.config().as_ref())?;
-    let id = store.resolve(&args.image).with_context(|| format!("store {}", store.describe()))?;
+impl Writes {
+    /// Whether the device refuses writes (VIRTIO_BLK_F_RO).
+    pub fn read_only(&self) -> bool {
+        matches!(self, Writes::Refused | Writes::RefusedOverOverlay(_))
+    }
+}
+
+/// `tessera serve`, validated once from [`ServeArgs`]: every choice the flags make, with the
+/// defaults that depend on other flags (fetch jobs by store kind, the temporary overlay's
+/// directory) resolved. [`run`] only wires it up.
+#[derive(Debug)]
+pub struct ServeConfig {
+    /// The image: sha256:<64 hex> or a tag.
+    pub image: String,
+    pub store: StoreLocation,
+    /// The origin settings (HTTP client, from the environment) for a remote store.
+    pub origin: OriginOptions,
+    /// The host disk cache, for a remote store.
+    pub cache: Option<CacheConfig>,
+    pub socket: PathBuf,
+    /// Permissions of the socket.
+    pub socket_mode: u32,
+    /// `--ready-fd`, already owned (checked open and not stdin, stdout or stderr).
+    pub ready: Option<File>,
+    pub writes: Writes,
+    pub queues: u16,
+    /// Bytes of decoded chunks kept in memory.
+    pub mem_cache: u64,
+    /// Concurrent chunk fetches.
+    pub fetch_jobs: usize,
+    /// Bandwidth cap of background fetches, stored bytes per second (`None`: no cap).
+    pub prefetch_rate: Option<u64>,
+    /// Readahead within a file, bytes (0: off).
+    pub readahead: u64,
+    /// Prefetch the image's profile, if it has one.
+    pub prefetch: bool,
+    /// `--metrics HOST:PORT`.
+    pub metrics: Option<String>,
+    pub record_trace: Option<PathBuf>,
+}
+
+impl ServeConfig {
+    /// Validate the arguments. The ready fd is taken first, so a bad one fails before anything
+    /// else happens; nothing is opened or created otherwise.
+    pub fn from_args(args: ServeArgs) -> Result<Self> {
+        if let Some(fd) = args.ready_fd {
+            if fd < 3 {
+                bail!(UsageError(format!(
+                    "--ready-fd {fd}: use a descriptor other than stdin, stdout or stderr"
+                )));
+            }
+        }
+        let ready = args.ready_fd.map(take_fd).transpose()?;
+        let writes = match (args.overlay, args.read_only) {
+            (None, true) => Writes::Refused,
+            (Some(path), true) => Writes::RefusedOverOverlay(path),
+            (Some(path), false) => Writes::Persistent(path),
+            (None, false) => {
+                Writes::Temporary(args.cache.cache_dir.clone().unwrap_or_else(std::env::temp_dir))
+            }
+        };
+        let default_jobs = if args.store.local_path().is_some() {
+            DEFAULT_LOCAL_FETCH_JOBS
+        } else {
+            DEFAULT_REMOTE_FETCH_JOBS
+        };
+        Ok(Self {
+            image: args.image,
+            origin: crate::origin_args::origin_options()?,
+            cache: args.cache.config(),
+            store: args.store,
+            socket: args.socket,
+            socket_mode: args.socket_mode.unwrap_or(DEFAULT_SOCKET_MODE),
+            ready,
+            writes,
+            queues: args.queues,
+            mem_cache: args.mem_cache,
+            fetch_jobs: args.fetch_jobs.map_or(default_jobs, usize::from),
+            prefetch_rate: args.prefetch_rate.filter(|&r| r > 0),
+            readahead: args.readahead,
+            prefetch: !args.no_prefetch,
+            metrics: args.metrics,
+            record_trace: args.record_trace,
+        })
+    }
+}
+
+pub fn serve(args: ServeArgs) -> Result<()> {
+    run(ServeConfig::from_args(args)?)
+}
+
+/// Serve `config` until SIGTERM / SIGINT.
+pub fn run(config: ServeConfig) -> Result<()> {
+    let location = &config.store;
+    let store = location.open_read_store(&config.origin, config.cache.as_ref())?;
+    let id = store.resolve(&config.image).with_context(|| format!("store {}", store.describe()))?;
     let image = Arc::new(store.open_image(&id).with_context(|| format!("store {}", store.describe()))?);
     let metrics = Metrics::new();
     describe_image(&metrics, &image);
@@ -167,42 +265,39 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     // disk cache and origin together: those count themselves (docs/metrics.md).
     if location.local_path().is_some() {
         source = Arc::new(Metered::new(source, Tier::Local, &metrics));
-    } else if args.cache.cache_dir.is_none() {
+    } else if config.cache.is_none() {
         source = Arc::new(Metered::new(source, Tier::Origin, &metrics));
     }
-    let trace = args.record_trace.as_deref().map(|p| TraceSession::start(p, id, &image.record().block_map));
+    let trace = config.record_trace.as_deref().map(|p| TraceSession::start(p, id, &image.record().block_map));
     let trace = trace.transpose()?;
-    let default_jobs =
-        if location.local_path().is_some() { DEFAULT_LOCAL_FETCH_JOBS } else { DEFAULT_REMOTE_FETCH_JOBS };
-    let limits = FetchLimits {
-        background_bytes_per_sec: args.prefetch_rate.filter(|&r| r > 0),
-        ..FetchLimits::new(args.fetch_jobs.map_or(default_jobs, usize::from))
-    };
-    let mut tier = MemTier::new(ImageReader::new(Arc::clone(&image), source), args.mem_cache)
+    let limits =
+        FetchLimits { background_bytes_per_sec: config.prefetch_rate, ..FetchLimits::new(config.fetch_jobs) };
+    let mut tier = MemTier::new(ImageReader::new(Arc::clone(&image), source), config.mem_cache)
         .with_fetcher(limits)
         .context("starting the chunk fetch threads")?
-        .with_readahead(args.readahead);
+        .with_readahead(config.readahead);
     if let Some(t) = &trace {
         tier = tier.with_trace(t.recorder());
     }
-    if !args.no_prefetch {
+    if config.prefetch {
         start_prefetch(&*store, &image, &tier);
     }
     let reader = Arc::new(tier);
     watch_mem_tier(&metrics, &reader);
     watch_store(&metrics, &store);
-    let device = DeviceConfig::new(&id, reader.device_bytes(), args.queues, args.read_only);
+    let device = DeviceConfig::new(&id, reader.device_bytes(), config.queues, config.writes.read_only());
     let params = OverlayParams { image_id: id, block_size: BLOCK_SIZE, device_bytes: reader.device_bytes() };
-    let disk = match (&args.overlay, args.read_only) {
-        (None, true) => Disk::ReadOnly(reader),
-        (Some(path), true) => {
+    let disk = match &config.writes {
+        Writes::Refused => Disk::ReadOnly(reader),
+        Writes::RefusedOverOverlay(path) => {
             Disk::Overlay(Arc::new(Overlay::open_file(path, params, reader, OverlayMode::ReadOnly)?))
         }
-        (Some(path), false) => Disk::Overlay(Arc::new(Overlay::open_or_create_file(path, params, reader)?)),
-        (None, false) => {
-            let dir = args.cache.cache_dir.clone().unwrap_or_else(std::env::temp_dir);
-            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-            let overlay = Overlay::temporary(&dir, params, reader)?;
+        Writes::Persistent(path) => {
+            Disk::Overlay(Arc::new(Overlay::open_or_create_file(path, params, reader)?))
+        }
+        Writes::Temporary(dir) => {
+            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+            let overlay = Overlay::temporary(dir, params, reader)?;
             tracing::info!(dir = %dir.display(), "writes go to a temporary overlay");
             Disk::Overlay(Arc::new(overlay))
         }
@@ -210,7 +305,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     if let Disk::Overlay(o) = &disk {
         watch_overlay(&metrics, o);
     }
-    let exporter = args.metrics.as_deref().map(|a| Exporter::start(a, Arc::clone(&metrics))).transpose()?;
+    let exporter = config.metrics.as_deref().map(|a| Exporter::start(a, Arc::clone(&metrics))).transpose()?;
     if let Some(e) = &exporter {
         eprintln!("metrics: {}", e.url());
     }
@@ -218,7 +313,7 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     // Signals are handled on their own thread from before the socket exists on, so a SIGTERM
     // right after readiness still removes the socket.
     let mut signals = Signals::new([SIGTERM, SIGINT]).context("installing signal handlers")?;
-    let server = Server::bind(&args.socket, args.socket_mode.unwrap_or(DEFAULT_SOCKET_MODE), device, disk)
+    let server = Server::bind(&config.socket, config.socket_mode, device, disk)
         .with_context(|| format!("serving {id}"))?
         .with_metrics(metrics);
     let stop = server.stop_handle();
@@ -229,8 +324,8 @@ pub fn serve(args: ServeArgs) -> Result<()> {
             stop.stop();
         }
     });
-    if let Some(mut f) = ready {
-        writeln!(f, "ready {}", args.socket.display()).context("writing to --ready-fd")?;
+    if let Some(mut f) = config.ready {
+        writeln!(f, "ready {}", config.socket.display()).context("writing to --ready-fd")?;
         if let Some(e) = &exporter {
             writeln!(f, "metrics {}", e.url()).context("writing to --ready-fd")?;
         }
@@ -294,4 +389,64 @@ fn take_fd(fd: i32) -> Result<File> {
     // SAFETY: the descriptor is open (checked above) and was handed to us by the caller for this
     // purpose; nothing else in the process uses or closes it, so the File may own it.
     Ok(unsafe { File::from_raw_fd(fd) })
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+
+    fn config(extra: &[&str]) -> Result<ServeConfig> {
+        let args = ["tessera", "img", "--socket", "/tmp/vm.sock"].iter().chain(extra);
+        ServeConfig::from_args(Cli::try_parse_from(args)?.serve)
+    }
+
+    #[test]
+    fn writes_follow_read_only_and_overlay() {
+        let c = config(&["--store", "./s", "--read-only"]).unwrap();
+        assert_eq!(c.writes, Writes::Refused);
+        assert!(c.writes.read_only());
+        let c = config(&["--store", "./s", "--read-only", "--overlay", "/o"]).unwrap();
+        assert_eq!(c.writes, Writes::RefusedOverOverlay("/o".into()));
+        assert!(c.writes.read_only());
+        let c = config(&["--store", "./s", "--overlay", "/o"]).unwrap();
+        assert_eq!(c.writes, Writes::Persistent("/o".into()));
+        assert!(!c.writes.read_only());
+        let c = config(&["--store", "./s", "--cache-dir", "/c"]).unwrap();
+        assert_eq!(c.writes, Writes::Temporary("/c".into()));
+        let c = config(&["--store", "./s"]).unwrap();
+        assert_eq!(c.writes, Writes::Temporary(std::env::temp_dir()));
+    }
+
+    #[test]
+    fn defaults_resolved_once() {
+        let local = config(&["--store", "./s"]).unwrap();
+        assert_eq!(local.fetch_jobs, DEFAULT_LOCAL_FETCH_JOBS);
+        assert_eq!(local.socket_mode, DEFAULT_SOCKET_MODE);
+        assert_eq!((local.mem_cache, local.readahead, local.queues), (256 << 20, 2 << 20, 1));
+        assert!(local.prefetch && local.prefetch_rate.is_none() && local.cache.is_none());
+        let remote = config(&["--store", "http://h/s", "--prefetch-rate", "0", "--no-prefetch"]).unwrap();
+        assert_eq!(remote.fetch_jobs, DEFAULT_REMOTE_FETCH_JOBS);
+        assert!(!remote.prefetch && remote.prefetch_rate.is_none(), "a rate of 0 is no cap");
+        let c = config(&["--store", "docker://h/r", "--fetch-jobs", "7", "--prefetch-rate", "1M"]).unwrap();
+        assert_eq!((c.fetch_jobs, c.prefetch_rate), (7, Some(1 << 20)));
+        let c = config(&["--store", "./s", "--socket-mode", "0660", "--metrics", "127.0.0.1:0"]).unwrap();
+        assert_eq!((c.socket_mode, c.metrics.as_deref()), (0o660, Some("127.0.0.1:0")));
+    }
+
+    #[test]
+    fn a_standard_stream_as_ready_fd_is_a_usage_error() {
+        for fd in ["0", "1", "2"] {
+            let e = config(&["--store", "./s", "--ready-fd", fd]).unwrap_err();
+            assert!(e.chain().any(|c| c.is::<UsageError>()), "{e:#}");
+            assert!(e.to_string().contains("other than stdin, stdout or stderr"), "{e:#}");
+        }
+    }
 }
