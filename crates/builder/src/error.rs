@@ -6,7 +6,7 @@ use thiserror::Error;
 #[derive(Debug, Error)]
 #[non_exhaustive]
 pub enum BuildError {
-    #[error("{path}: {op}: {source}")]
+    #[error("{path}: {op}")]
     Io { path: PathBuf, op: &'static str, source: std::io::Error },
     #[error("{path}: source is not a directory")]
     NotADirectory { path: PathBuf },
@@ -26,7 +26,7 @@ pub enum BuildError {
     Ext4(#[from] tessera_ext4::Ext4Error),
     #[error(transparent)]
     Store(#[from] tessera_store::StoreError),
-    #[error("internal error: {0}")]
+    #[error("internal error")]
     Contract(#[from] tessera_image::Error),
     #[error("internal error: {what} (chunk {chunk:?})")]
     Internal { what: &'static str, chunk: Option<tessera_image::ChunkId> },

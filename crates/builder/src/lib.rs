@@ -23,7 +23,7 @@ pub use chunk::{BATCH_BYTES, PACK_TARGET_BYTES};
 pub use error::BuildError;
 pub use image::{build_image, flatten};
 pub use pipeline::{
-    build_dir, build_source, default_fs_time, BuildConfig, BuildOutput, DEFAULT_CHUNK_SIZE, DEFAULT_FS_TIME,
+    build_dir, build_source, fs_time, BuildConfig, BuildOutput, DEFAULT_CHUNK_SIZE, DEFAULT_FS_TIME,
 };
 pub use walk::{walk_dir, SourceTree};
 

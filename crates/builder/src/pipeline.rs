@@ -21,14 +21,15 @@ use crate::Progress;
 
 /// Default chunk size: 512 KiB.
 pub const DEFAULT_CHUNK_SIZE: u32 = 512 * 1024;
-/// Filesystem time used when `SOURCE_DATE_EPOCH` is not set: 2024-01-01T00:00:00Z.
+/// Filesystem time used when no source date is given: 2024-01-01T00:00:00Z.
 pub const DEFAULT_FS_TIME: i64 = 1_704_067_200;
 
-/// The filesystem time T: `SOURCE_DATE_EPOCH` clamped to now, else [`DEFAULT_FS_TIME`]. Never a
-/// file time, so a file dated 2100 cannot put the superblock in the future.
-pub fn default_fs_time() -> i64 {
+/// The filesystem time T: `source_date_epoch` (the caller's `SOURCE_DATE_EPOCH`; this library
+/// reads no environment) clamped to now, else [`DEFAULT_FS_TIME`]. Never a file time, so a file
+/// dated 2100 cannot put the superblock in the future.
+pub fn fs_time(source_date_epoch: Option<i64>) -> i64 {
     let now = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0);
-    match std::env::var("SOURCE_DATE_EPOCH").ok().and_then(|v| v.trim().parse::<i64>().ok()) {
+    match source_date_epoch {
         Some(t) => t.clamp(0, now),
         None => DEFAULT_FS_TIME.min(now),
     }
@@ -43,7 +44,7 @@ pub struct BuildConfig {
     pub size: SizePolicy,
     /// Minimum total inodes (default: used + max(4096, 25% of used)).
     pub inodes: Option<u64>,
-    /// Filesystem time T.
+    /// Filesystem time T (default: [`fs_time`]`(None)`).
     pub fs_time: i64,
     /// Text recorded as the source in the provenance blob (not part of the ID).
     pub source_ref: String,
@@ -57,7 +58,7 @@ impl Default for BuildConfig {
             chunk_size: DEFAULT_CHUNK_SIZE,
             size: SizePolicy::Free(None),
             inodes: None,
-            fs_time: default_fs_time(),
+            fs_time: fs_time(None),
             source_ref: String::new(),
             max_size: None,
         }

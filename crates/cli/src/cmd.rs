@@ -32,8 +32,30 @@ fn open_store(store: &StoreLocation, cache: &CacheArgs) -> Result<Arc<dyn ReadSt
     Ok(store.open_read_store(&crate::origin_args::origin_options()?, cache.config().as_ref())?)
 }
 
+/// `SOURCE_DATE_EPOCH` (<https://reproducible-builds.org/specs/source-date-epoch/>): a Unix time
+/// in whole seconds, the build's filesystem time. Unset or empty: none. Anything else that is not
+/// a non-negative integer is a usage error, never silently ignored.
+pub fn source_date_epoch(value: Option<&std::ffi::OsStr>) -> Result<Option<i64>, UsageError> {
+    let Some(value) = value else { return Ok(None) };
+    let malformed = || {
+        UsageError(format!(
+            "SOURCE_DATE_EPOCH={value:?}: expected a Unix time in seconds (a non-negative integer)"
+        ))
+    };
+    let text = value.to_str().ok_or_else(malformed)?.trim();
+    if text.is_empty() {
+        return Ok(None);
+    }
+    if !text.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(malformed());
+    }
+    text.parse::<i64>().map(Some).map_err(|_| malformed())
+}
+
 pub fn build(args: BuildArgs) -> Result<()> {
-    let mut spec = SourceSpec::parse(&args.source).map_err(|e| UsageError(e.to_string()))?;
+    // The environment is read here, in the binary, and handed to the library as configuration.
+    let source_date_epoch = source_date_epoch(std::env::var_os("SOURCE_DATE_EPOCH").as_deref())?;
+    let mut spec = SourceSpec::parse(&args.source).map_err(|e| UsageError(crate::error_text(e)))?;
     match &mut spec {
         SourceSpec::Registry(r) => {
             r.creds = args.creds.clone();
@@ -59,7 +81,7 @@ pub fn build(args: BuildArgs) -> Result<()> {
         inodes: args.inodes,
         source_ref,
         max_size: args.max_size,
-        ..BuildConfig::default()
+        fs_time: tessera_builder::fs_time(source_date_epoch),
     };
     let bar = Bar::new("building");
     let out = tessera_builder::build_source(&spec, &args.platform, &store, &config, &bar)?;
@@ -184,53 +206,9 @@ struct InspectGeometry {
     data_end_block: u64,
 }
 
-fn ratio(a: u64, b: u64) -> f64 {
-    if b == 0 {
-        1.0
-    } else {
-        a as f64 / b as f64
-    }
-}
-
-pub fn inspect(args: InspectArgs) -> Result<()> {
-    let store = open_store(&args.store, &args.cache)?;
-    let id: ImageId = store.resolve(&args.image)?;
-    let entry = store.get_entry(&id)?;
-    let record = ImageRecord::decode(&store.read_blob(&entry.record)?)
-        .with_context(|| format!("image {id}: decoding the record"))?;
-    let index = PackIndex::decode(&store.read_blob(&entry.pack_index)?)
-        .with_context(|| format!("image {id}: decoding the pack index"))?;
-    let tags: Vec<String> = store
-        .list_refs()?
-        .into_iter()
-        .filter(|(_, target)| *target == id)
-        .map(|(tag, _)| tag)
-        .collect::<BTreeSet<_>>()
-        .into_iter()
-        .collect();
-    let g = &record.geometry;
-    let s = &record.stats;
-    let unique_chunk_bytes: u64 = record.block_map.chunks().iter().map(|c| u64::from(c.len)).sum();
-    let stored_chunk_bytes = index.stored_bytes();
-    let prefix_stored_bytes = match store.as_local() {
-        Some(local) => local.blob_len(&entry.prefix)?,
-        None => store.read_blob(&entry.prefix)?.len() as u64,
-    };
-    let profile = read_profile(store.as_ref(), &id, &entry, &record.block_map)?.map(|(digest, p)| {
-        let c = p.coverage(&record.block_map);
-        InspectProfile {
-            digest: digest.to_string(),
-            traces: p.traces(),
-            min_runs: p.min_runs(),
-            chunks: c.chunks,
-            bytes: c.bytes,
-            percent_of_data: c.percent_of_data(),
-        }
-    });
-    let doc = Inspect {
-        id: id.to_string(),
-        tags,
-        geometry: InspectGeometry {
+impl From<&tessera_image::Geometry> for InspectGeometry {
+    fn from(g: &tessera_image::Geometry) -> Self {
+        Self {
             block_size: g.block_size,
             blocks: g.blocks,
             size_bytes: g.blocks * u64::from(g.block_size),
@@ -242,93 +220,186 @@ pub fn inspect(args: InspectArgs) -> Result<()> {
             free_inodes: g.free_inodes,
             data_start_block: g.data_start_block,
             data_end_block: g.data_end_block,
-        },
-        files: s.files,
-        directories: s.directories,
-        symlinks: s.symlinks,
-        other_nodes: s.other_nodes,
-        inodes_used: s.inodes_used,
-        logical_bytes: s.logical_bytes,
-        data_bytes: s.data_bytes,
-        unique_chunk_bytes,
-        stored_bytes: stored_chunk_bytes + prefix_stored_bytes,
-        stored_chunk_bytes,
-        chunks: record.block_map.chunks().len() as u64,
-        packs: index.packs().len() as u64,
-        dedup_ratio: ratio(s.data_bytes, unique_chunk_bytes),
-        compression_ratio: ratio(unique_chunk_bytes, stored_chunk_bytes),
-        prefix_bytes: record.prefix.blocks * 4096,
-        prefix_stored_bytes,
-        chunk_size: record.options.chunk_size,
-        has_profile: entry.profile.is_some(),
-        profile,
-        config: InspectConfig::from(&record.config),
-    };
+        }
+    }
+}
+
+fn ratio(a: u64, b: u64) -> f64 {
+    if b == 0 {
+        1.0
+    } else {
+        a as f64 / b as f64
+    }
+}
+
+pub fn inspect(args: InspectArgs) -> Result<()> {
+    let store = open_store(&args.store, &args.cache)?;
+    let doc = Inspect::gather(store.as_ref(), &args.image)?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&doc)?);
-        return Ok(());
-    }
-    let tags = if doc.tags.is_empty() { "-".to_owned() } else { doc.tags.join(", ") };
-    println!("Image      {}", doc.id);
-    println!("Tags       {tags}");
-    println!(
-        "Device     {} ({} blocks of 4 KiB, {} groups, journal {})",
-        HumanBytes(doc.geometry.size_bytes),
-        doc.geometry.blocks,
-        doc.geometry.groups,
-        HumanBytes(doc.geometry.journal_blocks * 4096)
-    );
-    println!(
-        "Free       {} and {} inodes",
-        HumanBytes(doc.geometry.free_blocks * 4096),
-        doc.geometry.free_inodes
-    );
-    println!(
-        "Contents   {} files, {} directories, {} symlinks, {} other; {} of {} inodes used",
-        doc.files, doc.directories, doc.symlinks, doc.other_nodes, doc.inodes_used, doc.geometry.inodes
-    );
-    println!(
-        "Data       {} logical, {} mapped, {} in {} unique chunks (dedup {:.2}x)",
-        HumanBytes(doc.logical_bytes),
-        HumanBytes(doc.data_bytes),
-        HumanBytes(doc.unique_chunk_bytes),
-        doc.chunks,
-        doc.dedup_ratio
-    );
-    println!(
-        "Stored     {} in {} packs (compression {:.2}x) + metadata prefix {} ({} uncompressed)",
-        HumanBytes(doc.stored_chunk_bytes),
-        doc.packs,
-        doc.compression_ratio,
-        HumanBytes(doc.prefix_stored_bytes),
-        HumanBytes(doc.prefix_bytes)
-    );
-    match &doc.profile {
-        Some(p) => println!(
-            "Profile    {} chunks, {} ({:.1}% of the data) from {} traces (kept if in >= {})",
-            p.chunks,
-            HumanBytes(p.bytes),
-            p.percent_of_data,
-            p.traces,
-            p.min_runs
-        ),
-        None => println!("Profile    none"),
-    }
-    let c = &doc.config;
-    let list = |v: &Option<Vec<String>>| match v {
-        Some(v) => serde_json::to_string(v).unwrap_or_default(),
-        None => "-".to_owned(),
-    };
-    let or_dash = |s: &str| if s.is_empty() { "-".to_owned() } else { s.to_owned() };
-    println!("Entrypoint {}", list(&c.entrypoint));
-    println!("Cmd        {}", list(&c.cmd));
-    println!("WorkingDir {}", or_dash(&c.working_dir));
-    println!("User       {}", or_dash(&c.user));
-    for (i, e) in c.env.iter().enumerate() {
-        println!("{} {e}", if i == 0 { "Env       " } else { "          " });
-    }
-    for (i, (k, v)) in c.labels.iter().enumerate() {
-        println!("{} {k}={v}", if i == 0 { "Labels    " } else { "          " });
+    } else {
+        print!("{doc}");
     }
     Ok(())
+}
+
+impl Inspect {
+    /// Everything `inspect` shows about `reference` in `store`: read and decoded, nothing printed.
+    fn gather(store: &dyn ReadStore, reference: &str) -> Result<Self> {
+        let id: ImageId = store.resolve(reference)?;
+        let entry = store.get_entry(&id)?;
+        let record = ImageRecord::decode(&store.read_blob(&entry.record)?)
+            .with_context(|| format!("image {id}: decoding the record"))?;
+        let index = PackIndex::decode(&store.read_blob(&entry.pack_index)?)
+            .with_context(|| format!("image {id}: decoding the pack index"))?;
+        let tags: Vec<String> = store
+            .list_refs()?
+            .into_iter()
+            .filter(|(_, target)| *target == id)
+            .map(|(tag, _)| tag)
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        let g = &record.geometry;
+        let s = &record.stats;
+        let unique_chunk_bytes: u64 = record.block_map.chunks().iter().map(|c| u64::from(c.len)).sum();
+        let stored_chunk_bytes = index.stored_bytes();
+        let prefix_stored_bytes = match store.as_local() {
+            Some(local) => local.blob_len(&entry.prefix)?,
+            None => store.read_blob(&entry.prefix)?.len() as u64,
+        };
+        let profile = read_profile(store, &id, &entry, &record.block_map)?.map(|(digest, p)| {
+            let c = p.coverage(&record.block_map);
+            InspectProfile {
+                digest: digest.to_string(),
+                traces: p.traces(),
+                min_runs: p.min_runs(),
+                chunks: c.chunks,
+                bytes: c.bytes,
+                percent_of_data: c.percent_of_data(),
+            }
+        });
+        Ok(Inspect {
+            id: id.to_string(),
+            tags,
+            geometry: InspectGeometry::from(g),
+            files: s.files,
+            directories: s.directories,
+            symlinks: s.symlinks,
+            other_nodes: s.other_nodes,
+            inodes_used: s.inodes_used,
+            logical_bytes: s.logical_bytes,
+            data_bytes: s.data_bytes,
+            unique_chunk_bytes,
+            stored_bytes: stored_chunk_bytes + prefix_stored_bytes,
+            stored_chunk_bytes,
+            chunks: record.block_map.chunks().len() as u64,
+            packs: index.packs().len() as u64,
+            dedup_ratio: ratio(s.data_bytes, unique_chunk_bytes),
+            compression_ratio: ratio(unique_chunk_bytes, stored_chunk_bytes),
+            prefix_bytes: record.prefix.blocks * 4096,
+            prefix_stored_bytes,
+            chunk_size: record.options.chunk_size,
+            has_profile: entry.profile.is_some(),
+            profile,
+            config: InspectConfig::from(&record.config),
+        })
+    }
+}
+
+/// The text form of `inspect`: one labelled line per aspect.
+impl std::fmt::Display for Inspect {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let doc = self;
+        let tags = if doc.tags.is_empty() { "-".to_owned() } else { doc.tags.join(", ") };
+        writeln!(f, "Image      {}", doc.id)?;
+        writeln!(f, "Tags       {tags}")?;
+        writeln!(
+            f,
+            "Device     {} ({} blocks of 4 KiB, {} groups, journal {})",
+            HumanBytes(doc.geometry.size_bytes),
+            doc.geometry.blocks,
+            doc.geometry.groups,
+            HumanBytes(doc.geometry.journal_blocks * 4096)
+        )?;
+        writeln!(
+            f,
+            "Free       {} and {} inodes",
+            HumanBytes(doc.geometry.free_blocks * 4096),
+            doc.geometry.free_inodes
+        )?;
+        writeln!(
+            f,
+            "Contents   {} files, {} directories, {} symlinks, {} other; {} of {} inodes used",
+            doc.files, doc.directories, doc.symlinks, doc.other_nodes, doc.inodes_used, doc.geometry.inodes
+        )?;
+        writeln!(
+            f,
+            "Data       {} logical, {} mapped, {} in {} unique chunks (dedup {:.2}x)",
+            HumanBytes(doc.logical_bytes),
+            HumanBytes(doc.data_bytes),
+            HumanBytes(doc.unique_chunk_bytes),
+            doc.chunks,
+            doc.dedup_ratio
+        )?;
+        writeln!(
+            f,
+            "Stored     {} in {} packs (compression {:.2}x) + metadata prefix {} ({} uncompressed)",
+            HumanBytes(doc.stored_chunk_bytes),
+            doc.packs,
+            doc.compression_ratio,
+            HumanBytes(doc.prefix_stored_bytes),
+            HumanBytes(doc.prefix_bytes)
+        )?;
+        match &doc.profile {
+            Some(p) => writeln!(
+                f,
+                "Profile    {} chunks, {} ({:.1}% of the data) from {} traces (kept if in >= {})",
+                p.chunks,
+                HumanBytes(p.bytes),
+                p.percent_of_data,
+                p.traces,
+                p.min_runs
+            )?,
+            None => writeln!(f, "Profile    none")?,
+        }
+        let c = &doc.config;
+        let list = |v: &Option<Vec<String>>| match v {
+            Some(v) => serde_json::to_string(v).unwrap_or_default(),
+            None => "-".to_owned(),
+        };
+        let or_dash = |s: &str| if s.is_empty() { "-".to_owned() } else { s.to_owned() };
+        writeln!(f, "Entrypoint {}", list(&c.entrypoint))?;
+        writeln!(f, "Cmd        {}", list(&c.cmd))?;
+        writeln!(f, "WorkingDir {}", or_dash(&c.working_dir))?;
+        writeln!(f, "User       {}", or_dash(&c.user))?;
+        for (i, e) in c.env.iter().enumerate() {
+            writeln!(f, "{} {e}", if i == 0 { "Env       " } else { "          " })?;
+        }
+        for (i, (k, v)) in c.labels.iter().enumerate() {
+            writeln!(f, "{} {k}={v}", if i == 0 { "Labels    " } else { "          " })?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::ffi::OsStr;
+
+    use super::*;
+
+    #[test]
+    fn source_date_epoch_is_an_integer_or_a_usage_error() {
+        let sde = |v: &str| source_date_epoch(Some(OsStr::new(v)));
+        assert_eq!(source_date_epoch(None).unwrap(), None);
+        assert_eq!(sde("").unwrap(), None);
+        assert_eq!(sde("0").unwrap(), Some(0));
+        assert_eq!(sde("1700000000").unwrap(), Some(1_700_000_000));
+        assert_eq!(sde(" 1700000000\n").unwrap(), Some(1_700_000_000));
+        for bad in ["-1", "+5", "1.5", "1e9", "yesterday", "0x10", "99999999999999999999"] {
+            let e = sde(bad).unwrap_err();
+            assert!(e.0.contains("SOURCE_DATE_EPOCH") && e.0.contains(bad), "{bad}: {e}");
+        }
+    }
 }

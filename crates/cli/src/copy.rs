@@ -89,7 +89,7 @@ pub fn run(args: CopyArgs) -> Result<()> {
         StoreLocation::Registry(repo) => {
             let tag = tag.unwrap_or_else(|| format!("sha256-{}", id.digest().hex()));
             let reference =
-                Reference::parse(&format!("{repo}:{tag}")).map_err(|e| UsageError(e.to_string()))?;
+                Reference::parse(&format!("{repo}:{tag}")).map_err(|e| UsageError(crate::error_text(e)))?;
             let options = ClientOptions {
                 insecure: args.insecure,
                 credentials: CredentialSource::from_option(args.creds.clone()),

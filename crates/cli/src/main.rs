@@ -34,6 +34,12 @@ impl std::fmt::Display for UsageError {
 
 impl std::error::Error for UsageError {}
 
+/// An error and its causes on one line (`outer: cause: root cause`). Library errors do not repeat
+/// their source in their own message, so `to_string()` alone would drop the causes.
+pub fn error_text(e: impl std::error::Error + Send + Sync + 'static) -> String {
+    format!("{:#}", anyhow::Error::new(e))
+}
+
 #[derive(Debug, Parser)]
 #[command(
     name = "tessera",
@@ -76,8 +82,8 @@ space, rounded up to whole 128 MiB block groups; it has the used inodes plus at 
 25% of the used inodes) free. --size fixes the device size, --free the minimum free space, \
 --inodes the minimum total inode count.\n\
 \n\
-Times: the superblock and journal use SOURCE_DATE_EPOCH (clamped to now) if set, else \
-2024-01-01T00:00:00Z; files keep their mtime with nanoseconds; atime and ctime are set to mtime.\n\
+Times: the superblock and journal use SOURCE_DATE_EPOCH (Unix seconds, clamped to now; \
+anything but a non-negative integer is a usage error) if set, else 2024-01-01T00:00:00Z; files keep their mtime with nanoseconds; atime and ctime are set to mtime.\n\
 \n\
 Examples:\n  tessera build ./rootfs --store ./store\n  tessera build ./rootfs --store ./store --tag web --free 1G\n  \
 tessera build ./rootfs --store file:///var/lib/tessera --size 4G --inodes 200000 --chunk-size 1M\n  \
@@ -183,7 +189,7 @@ pub struct InspectArgs {
 
 /// Every SIZE option: `tessera_image::parse_size` (binary suffixes K, M, G, T, KiB … TiB).
 pub fn parse_size_arg(s: &str) -> Result<u64, String> {
-    tessera_image::parse_size(s).map_err(|e| e.to_string())
+    tessera_image::parse_size(s).map_err(crate::error_text)
 }
 
 fn parse_chunk_size(s: &str) -> Result<u32, String> {
@@ -195,17 +201,17 @@ fn parse_chunk_size(s: &str) -> Result<u32, String> {
 }
 
 fn parse_platform(s: &str) -> Result<tessera_builder::source::Platform, String> {
-    s.parse().map_err(|e: tessera_builder::source::SourceError| e.to_string())
+    s.parse().map_err(|e: tessera_builder::source::SourceError| crate::error_text(e))
 }
 
 pub(crate) fn parse_creds(s: &str) -> Result<tessera_registry::Credentials, String> {
-    tessera_registry::Credentials::parse(s).map_err(|e| e.to_string())
+    tessera_registry::Credentials::parse(s).map_err(crate::error_text)
 }
 
 /// Every `--store` / `--to`: a typed location, so a malformed one is a usage error (exit 2) at
 /// parse time, whatever the command.
 pub(crate) fn parse_store(s: &str) -> Result<StoreLocation, String> {
-    StoreLocation::parse(s).map_err(|e| e.to_string())
+    StoreLocation::parse(s).map_err(crate::error_text)
 }
 
 fn parse_tag(s: &str) -> Result<String, String> {

@@ -58,7 +58,7 @@ pub struct PushArgs {
 }
 
 fn parse_creds(s: &str) -> Result<Credentials, String> {
-    Credentials::parse(s).map_err(|e| e.to_string())
+    Credentials::parse(s).map_err(crate::error_text)
 }
 
 /// The `push --json` document.
@@ -82,7 +82,7 @@ fn parse_destination(text: &str) -> Result<Reference> {
     let rest = text.strip_prefix("docker://").ok_or_else(|| {
         UsageError(format!("{text:?}: the destination must be docker://HOST[:PORT]/REPO:TAG"))
     })?;
-    let r = Reference::parse(rest).map_err(|e| UsageError(e.to_string()))?;
+    let r = Reference::parse(rest).map_err(|e| UsageError(crate::error_text(e)))?;
     if r.digest.is_some() || r.tag.is_none() {
         bail!(UsageError(format!(
             "{text:?}: the destination must name a tag (docker://HOST[:PORT]/REPO:TAG)"

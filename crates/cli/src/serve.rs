@@ -347,10 +347,10 @@ fn start_prefetch<S: ChunkSource>(store: &dyn ReadStore, image: &OpenImage, tier
     let Some(digest) = image.entry().profile else { return };
     let profile = store
         .read_blob(&digest)
-        .map_err(|e| e.to_string())
-        .and_then(|bytes| Profile::decode(&bytes).map_err(|e| e.to_string()))
+        .map_err(crate::error_text)
+        .and_then(|bytes| Profile::decode(&bytes).map_err(crate::error_text))
         .and_then(|p| {
-            p.check_against(*image.id(), &image.record().block_map).map_err(|e| e.to_string())?;
+            p.check_against(*image.id(), &image.record().block_map).map_err(crate::error_text)?;
             Ok(p)
         });
     match profile {

@@ -52,8 +52,8 @@ pub enum DecodeError {
     BadLine { what: &'static str, line: usize, reason: &'static str },
     #[error("invalid digest {text:?}: expected `sha256:` and 64 lowercase hex digits")]
     BadDigest { text: String },
-    #[error("invalid block map: {0}")]
+    #[error("invalid block map")]
     BlockMap(#[from] Error),
-    #[error("invalid image entry JSON: {0}")]
+    #[error("invalid image entry JSON")]
     Json(#[from] serde_json::Error),
 }

@@ -20,7 +20,7 @@ const IO_TIMEOUT: Duration = Duration::from_secs(5);
 /// Why the endpoint could not start.
 #[derive(Debug, thiserror::Error)]
 pub enum ExporterError {
-    #[error("metrics address {addr:?}: {source}")]
+    #[error("metrics address {addr:?}")]
     Bind { addr: String, source: std::io::Error },
     #[error("starting the metrics thread: {0}")]
     Thread(std::io::Error),

@@ -5,7 +5,8 @@ use std::path::PathBuf;
 
 use thiserror::Error;
 
-/// Why a registry operation failed.
+/// Why a registry operation failed. A message never repeats its source (the transport or I/O
+/// error is [`std::error::Error::source`]): print the chain to see it.
 #[derive(Debug, Error)]
 #[non_exhaustive]
 pub enum RegistryError {
@@ -13,9 +14,9 @@ pub enum RegistryError {
     BadReference { reference: String, reason: &'static str },
     #[error("invalid credentials {0}: expected USER:PASS with a non-empty USER")]
     BadCredentials(&'static str),
-    #[error("{url}: {source}")]
+    #[error("{url}")]
     Transport { url: String, source: tessera_transport::TransportError },
-    #[error("{url}: reading the response: {source}")]
+    #[error("{url}: reading the response")]
     Read { url: String, source: std::io::Error },
     #[error("{url}: not found (HTTP 404){detail}")]
     NotFound { url: String, detail: String },

@@ -12,11 +12,14 @@ use thiserror::Error;
 /// [`StoreError::Full`]; writes refused by the filesystem (read-only mount, immutable directory,
 /// permissions) become [`StoreError::ReadOnly`] (a failure, exit 1). [`StoreError::is_usage_error`]
 /// tells the CLI which errors are usage errors (exit 2).
+///
+/// A message never repeats its source: the cause is [`std::error::Error::source`], so print the
+/// chain (anyhow's `{:#}`, or log `&e as &dyn Error`) to see it, each cause once.
 #[derive(Debug, Error)]
 #[non_exhaustive]
 pub enum StoreError {
     /// An I/O error not covered by a more specific variant.
-    #[error("{op} {}: {source}", path.display())]
+    #[error("{op} {}", path.display())]
     Io {
         op: &'static str,
         path: PathBuf,
@@ -51,7 +54,7 @@ pub enum StoreError {
     #[error("blob {digest} ({what}) is corrupt: {reason} ({})", path.display())]
     Corrupt { what: &'static str, digest: Sha256Digest, path: PathBuf, reason: String },
     /// A blob's bytes could not be decoded.
-    #[error("blob {digest} ({what}) cannot be decoded: {source}")]
+    #[error("blob {digest} ({what}) cannot be decoded")]
     Decode {
         what: &'static str,
         digest: Sha256Digest,
@@ -59,7 +62,7 @@ pub enum StoreError {
         source: DecodeError,
     },
     /// An image entry (`images/<id>.json`) that cannot be parsed.
-    #[error("image entry {} is corrupt: {source}", path.display())]
+    #[error("image entry {} is corrupt", path.display())]
     BadEntry {
         path: PathBuf,
         #[source]
@@ -90,7 +93,7 @@ pub enum StoreError {
     Inconsistent { image: ImageId, reason: String },
     /// A trace or profile that does not fit the image (made for another image, or naming chunks
     /// the image does not have).
-    #[error("image {image}: {source}")]
+    #[error("image {image}")]
     Profile {
         image: ImageId,
         #[source]
@@ -103,10 +106,10 @@ pub enum StoreError {
     #[error("chunk {chunk} in pack {pack} at offset {offset} is corrupt: {reason}")]
     CorruptChunk { chunk: ChunkId, pack: Sha256Digest, offset: u64, reason: &'static str },
     /// A read outside the device.
-    #[error("read outside the device: {0}")]
+    #[error("read outside the device")]
     OutOfRange(#[source] tessera_image::Error),
     /// A request to an HTTP origin failed (after the retries its policy allows).
-    #[error("{url}: {source}")]
+    #[error("{url}")]
     Http {
         url: String,
         #[source]
@@ -116,7 +119,7 @@ pub enum StoreError {
     #[error(transparent)]
     Registry(#[from] tessera_registry::RegistryError),
     /// A registry manifest is not a Tessera image, or disagrees with its image entry.
-    #[error("{location}: {source}")]
+    #[error("{location}")]
     Artifact {
         location: String,
         #[source]
@@ -126,7 +129,7 @@ pub enum StoreError {
     #[error("{name}={value:?}: expected {expected}")]
     BadSetting { name: String, value: String, expected: &'static str },
     /// The host disk cache (`--cache-dir`) cannot be used.
-    #[error("cache {op} {}: {source}", path.display())]
+    #[error("cache {op} {}", path.display())]
     Cache {
         op: &'static str,
         path: PathBuf,

@@ -508,7 +508,7 @@ impl LocalStore {
                 }) {
                 Ok(index) => index,
                 Err(e) => {
-                    warn!(image = %id, error = %e, "skipping an image whose pack index cannot be read");
+                    warn!(image = %id, error = &e as &dyn std::error::Error, "skipping an image whose pack index cannot be read");
                     continue;
                 }
             };

@@ -34,9 +34,14 @@ fn attach_then_read_keeps_the_id_and_refuses_strays() {
 
     let stray = ChunkId::of(b"not in the image");
     let err = attach_profile(&store, &id, &profile_of(id, &[chunks[0], stray])).unwrap_err();
-    assert!(err.to_string().contains(&stray.to_hex()), "{err}");
+    assert!(chain(&err).contains(&stray.to_hex()), "{}", chain(&err));
     let other = ImageId(Sha256Digest::of(b"another image"));
     let err = attach_profile(&store, &id, &profile_of(other, &[chunks[0]])).unwrap_err();
-    assert!(err.to_string().contains(&other.to_string()), "{err}");
+    assert!(chain(&err).contains(&other.to_string()), "{}", chain(&err));
     assert_eq!(store.get_entry(&id).unwrap(), entry, "a refused profile leaves the entry alone");
+}
+
+/// An error and its sources, as the CLI prints them (a message does not repeat its source).
+fn chain(e: &dyn std::error::Error) -> String {
+    std::iter::successors(Some(e), |e| e.source()).map(|e| e.to_string()).collect::<Vec<_>>().join(": ")
 }

@@ -44,17 +44,21 @@ pub enum TransportErrorKind {
 /// A request that did not complete (no HTTP answer, or a body that broke). The source is the
 /// HTTP implementation's own error.
 #[derive(Debug, thiserror::Error)]
-#[error("{}", describe(*.kind, source.as_ref()))]
+#[error("{}", describe(*.kind))]
 pub struct TransportError {
     kind: TransportErrorKind,
     #[source]
     source: Box<dyn std::error::Error + Send + Sync>,
 }
 
-fn describe(kind: TransportErrorKind, source: &(dyn std::error::Error + Send + Sync)) -> String {
+/// The failure's kind; the HTTP implementation's own message is the source (not repeated here).
+fn describe(kind: TransportErrorKind) -> &'static str {
     match kind {
-        TransportErrorKind::Timeout(t) => format!("{}: {source}", t.describe()),
-        _ => source.to_string(),
+        TransportErrorKind::Timeout(t) => t.describe(),
+        TransportErrorKind::Connection => "connection failed",
+        TransportErrorKind::Protocol => "protocol error",
+        TransportErrorKind::Tls => "TLS failed",
+        TransportErrorKind::Other => "request failed",
     }
 }
 

@@ -10,7 +10,7 @@ use thiserror::Error;
 #[derive(Debug, Error)]
 #[non_exhaustive]
 pub enum SourceError {
-    #[error("{path}: {op}: {source}")]
+    #[error("{path}: {op}")]
     Io { path: PathBuf, op: &'static str, source: io::Error },
     #[error("{layer}: entry {path:?}: `..` path components are not allowed")]
     DotDot { layer: String, path: String },
@@ -30,7 +30,7 @@ pub enum SourceError {
     UnsupportedEntry { layer: String, path: String, kind: char },
     #[error("{layer}: entry {path:?}: bad header field {field}: {reason}")]
     BadHeader { layer: String, path: String, field: &'static str, reason: String },
-    #[error("{layer}: corrupt or truncated stream: {source}")]
+    #[error("{layer}: corrupt or truncated stream")]
     Corrupt { layer: String, source: io::Error },
     #[error("{what}: digest mismatch: expected {expected}, got {actual}")]
     DigestMismatch { what: String, expected: String, actual: String },
@@ -42,7 +42,7 @@ pub enum SourceError {
     MissingBlob { digest: String, path: PathBuf },
     #[error("{what}: invalid digest {digest:?} (expected sha256:<64 hex>)")]
     BadDigest { what: String, digest: String },
-    #[error("{what}: {source}")]
+    #[error("{what}")]
     Json { what: String, source: serde_json::Error },
     #[error("{what}: larger than {limit} bytes")]
     DocumentTooLarge { what: String, limit: u64 },
@@ -64,9 +64,12 @@ pub enum SourceError {
     BadPlatform(String),
     #[error("invalid source {0:?}")]
     BadSource(String),
-    /// (`error` is not a `source`: its text is already in this message.)
-    #[error("{what}: {error}")]
-    Registry { what: String, error: tessera_registry::RegistryError },
+    #[error("{what}")]
+    Registry {
+        what: String,
+        #[source]
+        error: tessera_registry::RegistryError,
+    },
 }
 
 impl SourceError {

@@ -605,7 +605,11 @@ impl<O: Origin> CachedStore<O> {
             Ok(None) => Ok(None),
             Err(e) if origin_unavailable(&e) => match self.cache.get_ref(base, tag) {
                 Some(id) => {
-                    warn!(tag, error = %e, "origin unavailable; using the cached tag lookup");
+                    warn!(
+                        tag,
+                        error = &e as &dyn std::error::Error,
+                        "origin unavailable; using the cached tag lookup"
+                    );
                     Ok(Some(id))
                 }
                 None => Err(e),
@@ -641,7 +645,7 @@ impl<O: Origin> ReadStore for CachedStore<O> {
             }
             Err(e) if origin_unavailable(&e) => match self.cache.get_entry(base, id) {
                 Some(entry) => {
-                    warn!(image = %id, error = %e, "origin unavailable; using the cached image entry");
+                    warn!(image = %id, error = &e as &dyn std::error::Error, "origin unavailable; using the cached image entry");
                     Ok(entry)
                 }
                 None => Err(e),

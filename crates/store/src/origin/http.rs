@@ -43,7 +43,7 @@ pub enum HttpError {
     #[error("HTTP status {0}")]
     Status(u16),
     /// The request did not complete: connection refused or reset, timeout, TLS, protocol.
-    #[error("transport: {0}")]
+    #[error("transport")]
     Transport(#[source] TransportError),
     /// The answer to a ranged GET does not describe the bytes asked for.
     #[error("bad ranged answer: {0}")]
