@@ -6,6 +6,7 @@
 mod cache_args;
 mod cache_cmd;
 mod cmd;
+mod completions;
 mod copy;
 mod origin_args;
 mod profile;
@@ -71,6 +72,8 @@ enum Command {
     Profile(profile::ProfileArgs),
     Warm(warm::WarmArgs),
     Copy(copy::CopyArgs),
+    Completions(completions::CompletionsArgs),
+    Man(completions::ManArgs),
 }
 
 /// Build an image from a directory into a store; prints the image ID.
@@ -238,6 +241,8 @@ fn main() -> ExitCode {
         Command::Profile(a) => profile::profile(a),
         Command::Warm(a) => warm::run(a),
         Command::Copy(a) => copy::run(a),
+        Command::Completions(a) => completions::completions(a),
+        Command::Man(a) => completions::man(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -72,6 +72,8 @@ fn help_flags(help: &str) -> Vec<HelpFlag> {
 fn leaf_commands(path: Vec<String>, out: &mut BTreeMap<Vec<String>, Vec<HelpFlag>>) {
     let page = help(&path);
     let subs: Vec<String> = section(&page, "Commands:")
+        // A command's line is indented by two spaces; its wrapped description, further.
+        .filter(|l| l.as_bytes().get(2).is_some_and(|b| *b != b' '))
         .filter_map(|l| l.split_whitespace().next())
         .filter(|name| *name != "help")
         .map(str::to_owned)
