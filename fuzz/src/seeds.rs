@@ -3,9 +3,10 @@
 
 use std::sync::Arc;
 
+use tessera_builder::test_support::tar_header;
 use tessera_image::{
-    BlockMap, BuildOptions, ChunkId, Compression, Geometry, ImageEntry, ImageRecord, ImageStats, PackIndex,
-    PackLocation, PrefixInfo, RuntimeConfig, Sha256Digest,
+    BlockMap, ChunkId, Compression, ImageEntry, ImageRecord, PackIndex, PackLocation, RuntimeConfig,
+    Sha256Digest,
 };
 use tessera_vhost::{Overlay, OverlayMode, OverlayParams};
 use virtio_bindings::bindings::virtio_blk::{
@@ -145,7 +146,7 @@ pub fn image_record() -> Seeds {
         v.extend_from_slice(bytes);
         v
     };
-    let r = sample_record();
+    let r = ImageRecord::example();
     out.push(("record".into(), with_mode(MODE_RECORD, &r.encode())));
     let mut empty = r.clone();
     let mut b = BlockMap::builder(16);
@@ -175,14 +176,7 @@ pub fn image_record() -> Seeds {
     out.push(("pack-index".into(), with_mode(MODE_PACK_INDEX, &idx.encode())));
     out.push(("pack-index-empty".into(), with_mode(MODE_PACK_INDEX, &PackIndex::default().encode())));
 
-    let e = ImageEntry {
-        record: Sha256Digest::of(b"r"),
-        prefix: Sha256Digest::of(b"p"),
-        pack_index: Sha256Digest::of(b"i"),
-        profile: None,
-        provenance: Some(Sha256Digest::of(b"v")),
-    };
-    out.push(("entry".into(), with_mode(MODE_ENTRY, &e.to_json())));
+    out.push(("entry".into(), with_mode(MODE_ENTRY, &ImageEntry::example().to_json())));
 
     // Structured: a map with prefix and chunk runs, env and labels.
     let mut o = Output::default();
@@ -203,52 +197,6 @@ pub fn image_record() -> Seeds {
     }
     out.push(("structured-pack-index".into(), with_mode(MODE_STRUCTURED_PACK_INDEX, &o.buf)));
     out
-}
-
-/// A record like the builder makes (prefix, two chunks, config).
-pub fn sample_record() -> ImageRecord {
-    let mut b = BlockMap::builder(32768);
-    b.push_prefix(0, 10, 0).unwrap();
-    let c = b.add_chunk(ChunkId::of(b"data"), 4);
-    let d = b.add_chunk(ChunkId::of(b"more"), 3 * 4096 + 1);
-    b.push_chunk(100, 1, c, 0).unwrap();
-    b.push_chunk(101, 4, d, 0).unwrap();
-    b.push_prefix(20, 2, 10).unwrap();
-    let block_map = b.finish().unwrap();
-    ImageRecord {
-        options: BuildOptions { chunk_size: 512 * 1024 },
-        geometry: Geometry {
-            block_size: 4096,
-            blocks: 32768,
-            inodes: 8192,
-            inodes_per_group: 8192,
-            groups: 1,
-            journal_blocks: 1024,
-            free_blocks: 30000,
-            free_inodes: 8000,
-            data_start_block: 100,
-            data_end_block: 105,
-            uuid: [7; 16],
-        },
-        stats: ImageStats {
-            files: 2,
-            directories: 2,
-            inodes_used: 14,
-            logical_bytes: 12293,
-            data_bytes: 12293,
-            ..Default::default()
-        },
-        prefix: PrefixInfo { digest: Sha256Digest::of(b"prefix"), blocks: 12 },
-        block_map,
-        config: RuntimeConfig {
-            env: vec!["PATH=/bin".into()],
-            entrypoint: Some(vec!["/bin/sh".into()]),
-            cmd: None,
-            working_dir: "/".into(),
-            user: "0:0".into(),
-            labels: [("a".to_string(), "b".to_string())].into_iter().collect(),
-        },
-    }
 }
 
 /// Overlay files made by the overlay itself, in a few states.
@@ -334,19 +282,6 @@ pub fn make_overlay(bs: u32, device_bytes: u64, f: impl FnOnce(&Overlay)) -> Vec
     f(&o);
     drop(o);
     io.snapshot()
-}
-
-fn tar_header(path: &str, kind: tar::EntryType, size: u64, mode: u32) -> tar::Header {
-    let mut h = tar::Header::new_gnu();
-    h.set_entry_type(kind);
-    h.set_size(size);
-    h.set_mode(mode);
-    h.set_uid(1000);
-    h.set_gid(100);
-    h.set_mtime(1_600_000_000);
-    h.set_path(path).unwrap();
-    h.set_cksum();
-    h
 }
 
 /// A lower layer with every entry kind and header extension the reader knows.
