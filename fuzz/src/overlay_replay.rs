@@ -1,4 +1,4 @@
-//! `overlay_replay`: opening a copy-on-write overlay ([`tessera_vhost::Overlay::open`]) from
+//! `overlay_replay`: opening a copy-on-write overlay ([`tessera_overlay::Overlay::open`]) from
 //! arbitrary file bytes through an in-memory [`OverlayIo`], then using it.
 //!
 //! Input (little-endian; [`Case::encode`] writes it):
@@ -27,9 +27,10 @@ use std::io;
 use std::sync::{Arc, Mutex};
 
 use tessera_image::{ImageId, Sha256Digest};
-use tessera_vhost::overlay::format::{Header, HEADER_B_OFFSET, HEADER_LEN, MAGIC, RECORD_LEN};
-use tessera_vhost::overlay::io::OverlayIo;
-use tessera_vhost::{BlockSource, Overlay, OverlayMode, OverlayParams};
+use tessera_overlay::format::{Header, HEADER_B_OFFSET, HEADER_LEN, MAGIC, RECORD_LEN};
+use tessera_overlay::io::OverlayIo;
+use tessera_engine::BlockSource;
+use tessera_overlay::{Mode as OverlayMode, Overlay, OverlayParams};
 
 use crate::vhost_request::SectorPattern;
 use crate::{Input, Output};
@@ -269,7 +270,7 @@ pub fn run(data: &[u8]) {
     };
     let o = match Overlay::open(Box::new(io.clone()), params, base.clone(), OverlayMode::Durable) {
         Ok(o) => o,
-        Err(e) if e.to_string().contains("in-memory overlay file limit") => return,
+        Err(e) if tessera_engine::Chain(&e).to_string().contains("in-memory overlay file limit") => return,
         Err(e) => panic!("opens read-only but not read-write: {e}"),
     };
     let mut view = read_blocks(&o, &interesting, bs);
@@ -279,7 +280,7 @@ pub fn run(data: &[u8]) {
     // Use it: a block write at the start, zeroes at the end, a FLUSH.
     if blocks > 0 {
         let fill = vec![0xc3u8; bs];
-        let limit = |e: &tessera_vhost::OverlayError| e.to_string().contains("in-memory overlay file limit");
+        let limit = |e: &tessera_overlay::OverlayError| tessera_engine::Chain(e).to_string().contains("in-memory overlay file limit");
         match o
             .write_at(0, &fill)
             .and_then(|()| o.write_zeroes((blocks - 1) * bs as u64, bs as u64))
@@ -303,7 +304,7 @@ pub fn run(data: &[u8]) {
     // The file the overlay left behind must open again, with the same content.
     let again = match Overlay::open(Box::new(io.clone()), params, base, OverlayMode::Durable) {
         Ok(o) => o,
-        Err(e) if e.to_string().contains("in-memory overlay file limit") => return,
+        Err(e) if tessera_engine::Chain(&e).to_string().contains("in-memory overlay file limit") => return,
         Err(e) => panic!("reopening an overlay this process opened, wrote and flushed: {e}"),
     };
     let got = read_blocks(&again, &interesting, bs);

@@ -8,7 +8,7 @@ use tessera_image::{
     BlockMap, ChunkId, Compression, ImageEntry, ImageRecord, PackIndex, PackLocation, RuntimeConfig,
     Sha256Digest,
 };
-use tessera_vhost::{Overlay, OverlayMode, OverlayParams};
+use tessera_overlay::{Mode as OverlayMode, Overlay, OverlayParams};
 use virtio_bindings::bindings::virtio_blk::{
     VIRTIO_BLK_T_DISCARD, VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
     VIRTIO_BLK_T_WRITE_ZEROES, VIRTIO_BLK_WRITE_ZEROES_FLAG_UNMAP,

@@ -26,14 +26,13 @@
 use std::sync::Arc;
 
 use tessera_image::{ImageId, Sha256Digest};
-use tessera_store::StoreError;
 use tessera_vhost::plan::{plan, Plan};
 use tessera_vhost::request::{
     parse, GuestSeg, Parsed, RequestKind, HEADER_LEN, MAX_DESCRIPTORS, SECTOR_SIZE,
 };
-use tessera_vhost::{
-    serve_chain, BlockSource, DeviceConfig, Disk, Overlay, OverlayMode, OverlayParams, RequestError,
-};
+use tessera_engine::{BlockSource, ReadError};
+use tessera_overlay::{Mode as OverlayMode, Overlay, OverlayParams};
+use tessera_vhost::{serve_chain, DeviceConfig, Disk, RequestError};
 use virtio_queue::desc::split::Descriptor;
 use virtio_queue::desc::RawDescriptor;
 use virtio_queue::mock::MockSplitQueue;
@@ -152,7 +151,7 @@ pub fn segment(sector: u64, sectors: u32, flags: u32) -> Vec<u8> {
 pub struct SectorPattern;
 
 impl BlockSource for SectorPattern {
-    fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), StoreError> {
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), ReadError> {
         let mut at = offset;
         let mut rest = &mut buf[..];
         while !rest.is_empty() {

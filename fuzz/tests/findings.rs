@@ -10,8 +10,8 @@ use std::sync::Arc;
 use tessera_fuzz::overlay_replay::{image_id, MemIo};
 use tessera_fuzz::vhost_request::SectorPattern;
 use tessera_image::BlockMap;
-use tessera_vhost::overlay::format::{Header, Op, Record};
-use tessera_vhost::{Overlay, OverlayMode, OverlayParams};
+use tessera_overlay::format::{Header, Op, Record};
+use tessera_overlay::{Mode as OverlayMode, Overlay, OverlayParams};
 
 /// Records the largest single allocation (F5).
 struct Peak;

@@ -9,9 +9,13 @@ use serde::Serialize;
 use tessera_builder::source::SourceSpec;
 use tessera_builder::Progress;
 use tessera_builder::{BuildConfig, BuildError};
+use tessera_engine::{
+    export_raw, ExportError, ExportOptions, FetchLimits, MemTier, DEFAULT_LOCAL_FETCH_JOBS,
+    DEFAULT_REMOTE_FETCH_JOBS,
+};
 use tessera_ext4::SizePolicy;
 use tessera_image::{ImageId, ImageRecord, PackIndex, RuntimeConfig};
-use tessera_store::{export_raw, read_profile, ImageReader, ReadStore, StoreError, StoreLocation};
+use tessera_store::{read_profile, ImageReader, ReadStore, StoreError, StoreLocation};
 
 use crate::cache_args::CacheArgs;
 use crate::progress::Bar;
@@ -23,6 +27,7 @@ pub fn is_usage_error(e: &anyhow::Error) -> bool {
         c.downcast_ref::<StoreError>().is_some_and(StoreError::is_usage_error)
             || matches!(c.downcast_ref::<BuildError>(), Some(BuildError::Store(s)) if s.is_usage_error())
             || matches!(c.downcast_ref::<BuildError>(), Some(BuildError::Source(s)) if s.is_usage_error())
+            || matches!(c.downcast_ref::<ExportError>(), Some(ExportError::Output(s)) if s.is_usage_error())
     })
 }
 
@@ -110,9 +115,14 @@ pub fn export(args: ExportArgs) -> Result<()> {
     };
     let image = Arc::new(store.open_image(&id)?);
     let reader = ImageReader::new(Arc::clone(&image), store.chunk_source(&image));
+    // Through the read engine: the chunks ahead of the writer are fetched in parallel, each
+    // once (a remote store keeps up to 64 requests in flight, as `serve` does).
+    let jobs = if local.is_some() { DEFAULT_LOCAL_FETCH_JOBS } else { DEFAULT_REMOTE_FETCH_JOBS };
+    let options = ExportOptions::default();
+    let tier = MemTier::new(reader, 2 * options.ahead_bytes, FetchLimits::new(jobs))?;
     let bar = Bar::new("exporting");
     let mut started = false;
-    let stats = export_raw(&reader, &args.output, |p| {
+    let stats = export_raw(&image, &tier, options, &args.output, |p| {
         if !started {
             bar.start(p.total_bytes);
             started = true;

@@ -15,6 +15,7 @@ mod push;
 mod serve;
 mod trace;
 mod warm;
+mod watch;
 
 use std::path::PathBuf;
 use std::process::ExitCode;

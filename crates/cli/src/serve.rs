@@ -10,18 +10,19 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
+use tessera_engine::metrics::watch_mem_tier;
+use tessera_engine::{FetchLimits, MemTier, DEFAULT_LOCAL_FETCH_JOBS, DEFAULT_REMOTE_FETCH_JOBS};
 use tessera_image::Profile;
 use tessera_image::{ImageId, BLOCK_SIZE};
 use tessera_metrics::{Exporter, Metrics, Tier};
+use tessera_overlay::{Mode as OverlayMode, Overlay, OverlayParams};
 use tessera_store::{
     CacheConfig, ChunkSource, ImageReader, LocalStore, Metered, OpenImage, OriginOptions, ReadStore,
     StoreLocation,
 };
-use tessera_vhost::metrics::{describe_image, watch_mem_tier, watch_overlay, watch_store};
-use tessera_vhost::{
-    DeviceConfig, Disk, FetchLimits, MemTier, Overlay, OverlayMode, OverlayParams, Server,
-    DEFAULT_LOCAL_FETCH_JOBS, DEFAULT_REMOTE_FETCH_JOBS, DEFAULT_SOCKET_MODE, MAX_QUEUES,
-};
+use tessera_vhost::{DeviceConfig, Disk, Server, DEFAULT_SOCKET_MODE, MAX_QUEUES};
+
+use crate::watch::{describe_image, watch_overlay, watch_store};
 
 use crate::trace::TraceSession;
 use crate::UsageError;
@@ -272,9 +273,7 @@ pub fn run(config: ServeConfig) -> Result<()> {
     let trace = trace.transpose()?;
     let limits =
         FetchLimits { background_bytes_per_sec: config.prefetch_rate, ..FetchLimits::new(config.fetch_jobs) };
-    let mut tier = MemTier::new(ImageReader::new(Arc::clone(&image), source), config.mem_cache)
-        .with_fetcher(limits)
-        .context("starting the chunk fetch threads")?
+    let mut tier = MemTier::new(ImageReader::new(Arc::clone(&image), source), config.mem_cache, limits)?
         .with_readahead(config.readahead);
     if let Some(t) = &trace {
         tier = tier.with_trace(t.recorder());

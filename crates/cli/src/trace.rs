@@ -8,8 +8,8 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
+use tessera_engine::TraceRecorder;
 use tessera_image::{BlockMap, ImageId};
-use tessera_vhost::TraceRecorder;
 
 const FLUSH_EVERY: Duration = Duration::from_secs(1);
 

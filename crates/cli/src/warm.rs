@@ -1,5 +1,6 @@
 //! `tessera warm`: fill the host disk cache with an image before VMs need it.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Result};
@@ -7,11 +8,9 @@ use clap::Args;
 use indicatif::HumanBytes;
 use serde::Serialize;
 use tessera_builder::Progress;
+use tessera_engine::{warm, WarmOptions, WarmReport, DEFAULT_WARM_JOBS};
 use tessera_registry::ClientOptions;
-use tessera_store::{
-    warm, CachedStore, DiskCache, HttpStore, Origin, RegistryStore, StoreLocation, WarmOptions, WarmReport,
-    DEFAULT_WARM_JOBS,
-};
+use tessera_store::{CachedStore, DiskCache, HttpStore, Origin, RegistryStore, StoreLocation};
 
 use crate::cache_args::CacheArgs;
 use crate::progress::Bar;
@@ -151,9 +150,14 @@ pub fn run(args: WarmArgs) -> Result<()> {
     Ok(())
 }
 
-fn warm_with<O: Origin>(store: CachedStore<O>, image: &str, options: WarmOptions) -> Result<WarmReport> {
+fn warm_with<O: Origin + 'static>(
+    store: CachedStore<O>,
+    image: &str,
+    options: WarmOptions,
+) -> Result<WarmReport> {
     let bar = Bar::new("warming");
-    let report = warm(&store, image, options, &|total| bar.start(total), &|bytes| bar.advance(bytes))?;
+    let report =
+        warm(&Arc::new(store), image, options, &|total| bar.start(total), &|bytes| bar.advance(bytes))?;
     bar.finish();
     Ok(report)
 }

@@ -155,7 +155,7 @@ impl StoreError {
 
     /// Classify an error from a write-side operation: ENOSPC/EDQUOT → [`StoreError::Full`],
     /// EROFS/EACCES/EPERM → [`StoreError::ReadOnly`], anything else → [`StoreError::Io`].
-    pub(crate) fn write(op: &'static str, path: &Path, source: io::Error) -> Self {
+    pub fn write(op: &'static str, path: &Path, source: io::Error) -> Self {
         match source.raw_os_error() {
             Some(libc::ENOSPC) | Some(libc::EDQUOT) => StoreError::Full { op, path: path.to_owned() },
             Some(libc::EROFS) | Some(libc::EACCES) | Some(libc::EPERM) => {

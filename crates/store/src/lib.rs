@@ -12,23 +12,20 @@
 //!   the registry API; [`push_image`] publishes an image there (`docs/formats/registry.md`).
 //! - [`ChunkSource`]: where stored chunk bytes come from (one method); tiers slot in behind it;
 //!   [`Metered`] counts one tier's reads (`tessera-metrics`).
-//! - [`OpenImage`] + [`ImageReader`]: the verified read path used by `tessera export` and the
-//!   daemon: BlockMap plan → zeros / prefix bytes / chunk bytes (decompressed and checked against
+//! - [`OpenImage`] + [`ImageReader`]: the verified read path under the read engine
+//!   (`tessera-engine`, which serve, export and warm read through): BlockMap plan → zeros / prefix bytes / chunk bytes (decompressed and checked against
 //!   their blake3 id).
 //! - [`attach_profile`] / [`read_profile`]: an image's prefetch profile (`docs/formats/profile.md`).
 //! - [`copy_image`]: replicate an image (blobs, entry, tag) into a local store.
-//! - [`warm`]: fill the host disk cache with an image (all of it, or its profile's chunks).
-//! - [`export_raw`]: the full device as a sparse raw file.
 //!
 //! ```no_run
-//! use tessera_store::{export_raw, ImageReader, LocalStore, OpenImage};
+//! use tessera_store::{ImageReader, LocalStore, OpenImage};
 //! # fn main() -> Result<(), tessera_store::StoreError> {
 //! let store = LocalStore::open("/var/lib/tessera")?;
 //! let id = store.resolve("latest")?;
 //! let reader = ImageReader::new(OpenImage::open(&store, &id)?, store.clone());
 //! let mut first_block = vec![0u8; 4096];
 //! reader.read_at(0, &mut first_block)?;
-//! export_raw(&reader, "disk.raw".as_ref(), |p| eprintln!("{}/{}", p.done_bytes, p.total_bytes))?;
 //! # Ok(()) }
 //! ```
 #![forbid(unsafe_code)]
@@ -37,7 +34,6 @@ pub mod artifact;
 mod cache;
 mod copy;
 mod error;
-mod export;
 mod local;
 mod location;
 mod metered;
@@ -46,14 +42,12 @@ mod profile;
 mod read_store;
 mod reader;
 mod source;
-mod warm;
 
 pub use cache::{
     CacheConfig, CacheStats, CachedSource, CachedStore, DiskCache, Evicted, GcReport, Leftovers, Origin,
 };
 pub use copy::{copy_image, CopyReport};
 pub use error::StoreError;
-pub use export::{export_raw, ExportProgress, ExportStats};
 pub use local::{BlobWriter, KnownChunks, LocalStore};
 pub use location::{OriginOptions, StoreLocation};
 pub use metered::Metered;
@@ -65,11 +59,12 @@ pub use origin::registry::{
 };
 pub use profile::{attach_profile, read_profile};
 pub use read_store::ReadStore;
-pub use reader::{decode_stored_chunk, ImageReader, OpenImage, DEFAULT_CHUNK_CACHE, MAX_CHUNK_LEN};
+pub use reader::{
+    decode_stored_chunk, ImageReader, OpenImage, Piece, ReadAt, Visit, DEFAULT_CHUNK_CACHE, MAX_CHUNK_LEN,
+};
 pub use source::ChunkSource;
 pub use tessera_registry::PushOptions;
 /// An origin's request counters (the same meaning for HTTP and registry stores).
 pub use tessera_transport::{
     ErrorCounts as OriginErrorCounts, ErrorKind as OriginErrorKind, Stats as OriginStats,
 };
-pub use warm::{warm, WarmFailure, WarmOptions, WarmReport, DEFAULT_WARM_JOBS};

@@ -5,11 +5,13 @@
 //! just been checked against its [`ChunkId`]. A chunk that fails verification is an error, never
 //! wrong bytes.
 
+use std::collections::HashMap;
 use std::io::Read;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use tessera_image::{
-    ChunkRef, Compression, ImageEntry, ImageId, ImageRecord, PackIndex, PackLocation, SegmentSource,
+    ChunkId, ChunkRef, Compression, ImageEntry, ImageId, ImageRecord, PackIndex, PackLocation, SegmentSource,
     Sha256Digest, BLOCK_SIZE,
 };
 use tracing::{debug, trace, warn};
@@ -36,6 +38,58 @@ pub struct OpenImage {
     pack_index: PackIndex,
     /// Pack and location of each BlockMap chunk, by chunk index.
     locations: Vec<(Sha256Digest, PackLocation)>,
+    /// BlockMap chunk index of each chunk id (its first use), built on first need.
+    index_of: OnceLock<HashMap<ChunkId, u32>>,
+}
+
+/// One piece of a read, in device order ([`OpenImage::walk`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Piece<'a> {
+    /// These bytes (of the metadata prefix or of a verified chunk).
+    Bytes(&'a [u8]),
+    /// This many zero bytes (unmapped blocks, or past a chunk's end).
+    Zeros(u64),
+}
+
+impl Piece<'_> {
+    /// Bytes this piece covers.
+    pub fn len(&self) -> u64 {
+        match self {
+            Piece::Bytes(b) => b.len() as u64,
+            Piece::Zeros(n) => *n,
+        }
+    }
+
+    /// Whether it covers no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// The outcome of a walk over device bytes ([`OpenImage::walk`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Visit {
+    /// Every byte went out.
+    Done,
+    /// A chunk was not at hand (the chunk function said so): a prefix of the range went out;
+    /// walk again once it is.
+    Missing,
+}
+
+/// The image itself could not serve a read at `offset`: the range is outside the device, or
+/// the record's plan disagrees with the prefix it holds.
+#[derive(Debug, thiserror::Error)]
+#[error("reading the image at byte {offset}")]
+pub struct ReadAt {
+    pub offset: u64,
+    #[source]
+    pub source: StoreError,
+}
+
+impl From<ReadAt> for StoreError {
+    fn from(e: ReadAt) -> Self {
+        e.source
+    }
 }
 
 impl OpenImage {
@@ -160,7 +214,7 @@ impl OpenImage {
             }
             locations.push((pack, loc));
         }
-        Ok(Self { id, entry, record, prefix, pack_index, locations })
+        Ok(Self { id, entry, record, prefix, pack_index, locations, index_of: OnceLock::new() })
     }
 
     /// The image ID.
@@ -198,6 +252,73 @@ impl OpenImage {
         let c = *self.record.block_map.chunks().get(index as usize)?;
         let (pack, loc) = *self.locations.get(index as usize)?;
         Some((c, pack, loc))
+    }
+}
+
+impl OpenImage {
+    /// The BlockMap index of chunk `id` (its first use, when the image holds it several times).
+    pub fn chunk_index(&self, id: &ChunkId) -> Option<u32> {
+        self.index_of
+            .get_or_init(|| {
+                let mut map = HashMap::with_capacity(self.record.block_map.chunks().len());
+                for (i, c) in self.record.block_map.chunks().iter().enumerate() {
+                    if let Ok(i) = u32::try_from(i) {
+                        map.entry(c.id).or_insert(i);
+                    }
+                }
+                map
+            })
+            .get(id)
+            .copied()
+    }
+
+    /// The read path's one segment walk: hand the device bytes `[offset, offset + len)` to
+    /// `out` in order — zeros for unmapped blocks, bytes of the metadata prefix, and bytes of
+    /// the chunks `chunk(index, device_offset)` supplies (verified, uncompressed; bytes a
+    /// segment wants past a chunk's end read as zeros). When `chunk` returns `None` the walk
+    /// stops with [`Visit::Missing`] (`out` has then had a prefix of the range).
+    pub fn walk<E: From<ReadAt>>(
+        &self,
+        offset: u64,
+        len: u64,
+        mut chunk: impl FnMut(u32, u64) -> Result<Option<Arc<[u8]>>, E>,
+        mut out: impl FnMut(Piece<'_>) -> Result<(), E>,
+    ) -> Result<Visit, E> {
+        let plan = self
+            .record
+            .block_map
+            .plan(offset, len)
+            .map_err(|e| ReadAt { offset, source: StoreError::OutOfRange(e) })?;
+        let mut at = offset;
+        for seg in plan {
+            match seg.source {
+                SegmentSource::Zero => out(Piece::Zeros(seg.len))?,
+                SegmentSource::Prefix { offset: p } => {
+                    let bytes = usize::try_from(p)
+                        .ok()
+                        .zip(usize::try_from(seg.len).ok())
+                        .and_then(|(p, n)| self.prefix.get(p..p.checked_add(n)?));
+                    let Some(bytes) = bytes else {
+                        let reason = format!("prefix read {p}+{} out of bounds", seg.len);
+                        return Err(ReadAt { offset: at, source: inconsistent(&self.id, reason) }.into());
+                    };
+                    out(Piece::Bytes(bytes))?;
+                }
+                SegmentSource::Chunk { chunk: index, offset: within } => {
+                    let Some(data) = chunk(index, at)? else { return Ok(Visit::Missing) };
+                    let start = usize::try_from(within).unwrap_or(usize::MAX).min(data.len());
+                    let avail = (data.len() - start).min(usize::try_from(seg.len).unwrap_or(usize::MAX));
+                    if avail > 0 {
+                        out(Piece::Bytes(&data[start..start + avail]))?;
+                    }
+                    if (avail as u64) < seg.len {
+                        out(Piece::Zeros(seg.len - avail as u64))?;
+                    }
+                }
+            }
+            at += seg.len;
+        }
+        Ok(Visit::Done)
     }
 }
 
@@ -260,12 +381,18 @@ pub struct ImageReader<S> {
     image: Arc<OpenImage>,
     source: S,
     cache: Mutex<ChunkCache>,
+    refetches: AtomicU64,
 }
 
 impl<S: ChunkSource> ImageReader<S> {
     /// A reader of `image` fetching chunks from `source`.
     pub fn new(image: impl Into<Arc<OpenImage>>, source: S) -> Self {
-        Self { image: image.into(), source, cache: Mutex::new(ChunkCache::new(DEFAULT_CHUNK_CACHE)) }
+        Self {
+            image: image.into(),
+            source,
+            cache: Mutex::new(ChunkCache::new(DEFAULT_CHUNK_CACHE)),
+            refetches: AtomicU64::new(0),
+        }
     }
 
     /// Keep up to `chunks` decompressed chunks (0 disables the cache).
@@ -298,14 +425,13 @@ impl<S: ChunkSource> ImageReader<S> {
         let map = &self.image.record.block_map;
         let plan = map.plan(offset, buf.len() as u64).map_err(StoreError::OutOfRange)?;
         let mut wanted: Vec<u32> = plan
-            .clone()
             .filter_map(|seg| match seg.source {
                 SegmentSource::Chunk { chunk, .. } => Some(chunk),
                 _ => None,
             })
             .collect();
         wanted.dedup();
-        let prefetched = if wanted.len() > 1 {
+        let prefetched: Vec<(u32, Arc<[u8]>)> = if wanted.len() > 1 {
             let missing: Vec<u32> = {
                 let cache = self.lock_cache();
                 wanted.into_iter().filter(|&i| !cache.contains(i)).collect()
@@ -317,7 +443,7 @@ impl<S: ChunkSource> ImageReader<S> {
                     .into_iter()
                     .zip(chunks)
                     .map(|(i, data)| {
-                        let data = Arc::new(data);
+                        let data: Arc<[u8]> = data.into();
                         cache.insert(i, Arc::clone(&data));
                         (i, data)
                     })
@@ -329,69 +455,80 @@ impl<S: ChunkSource> ImageReader<S> {
             Vec::new()
         };
         let mut pos = 0usize;
-        for seg in plan {
-            // Segments add up to buf.len(), so each fits in usize.
-            let len = usize::try_from(seg.len).unwrap_or(usize::MAX).min(buf.len() - pos);
-            let out = &mut buf[pos..pos + len];
-            match seg.source {
-                SegmentSource::Zero => out.fill(0),
-                SegmentSource::Prefix { offset } => {
-                    let src = usize::try_from(offset)
-                        .ok()
-                        .and_then(|o| self.image.prefix.get(o..o.checked_add(len)?))
-                        .ok_or_else(|| {
-                            inconsistent(&self.image.id, format!("prefix read {offset}+{len} out of bounds"))
-                        })?;
-                    out.copy_from_slice(src);
-                }
-                SegmentSource::Chunk { chunk, offset } => {
-                    let data = match prefetched.iter().find(|(i, _)| *i == chunk) {
-                        Some((_, d)) => Arc::clone(d),
-                        None => self.chunk(chunk)?,
-                    };
-                    let start = usize::try_from(offset).unwrap_or(usize::MAX).min(data.len());
-                    let avail = (data.len() - start).min(len);
-                    out[..avail].copy_from_slice(&data[start..start + avail]);
-                    out[avail..].fill(0);
-                }
+        let chunk = |index: u32, _at: u64| match prefetched.iter().find(|(i, _)| *i == index) {
+            Some((_, d)) => Ok(Some(Arc::clone(d))),
+            None => self.chunk(index).map(Some),
+        };
+        let image = self.image.id;
+        self.image.walk(offset, buf.len() as u64, chunk, |piece| {
+            let n = usize::try_from(piece.len()).ok().filter(|n| pos + n <= buf.len());
+            let Some(n) = n else {
+                return Err(inconsistent(&image, "the read plan overran the buffer".into()));
+            };
+            let out = &mut buf[pos..pos + n];
+            match piece {
+                Piece::Bytes(b) => out.copy_from_slice(b),
+                Piece::Zeros(_) => out.fill(0),
             }
-            pos += len;
-        }
+            pos += n;
+            Ok(())
+        })?;
         Ok(())
     }
 
-    /// The verified, uncompressed bytes of BlockMap chunk `index` (through the cache). Bytes
-    /// that fail verification are fetched once more (a bit flipped in transit); if they fail
-    /// again the read fails — never wrong bytes.
-    pub fn chunk(&self, index: u32) -> Result<Arc<Vec<u8>>, StoreError> {
+    /// The verified, uncompressed bytes of BlockMap chunk `index` (through the reader's small
+    /// cache; fetched with [`Self::fetch_chunk`] on a miss).
+    pub fn chunk(&self, index: u32) -> Result<Arc<[u8]>, StoreError> {
         if let Some(hit) = self.lock_cache().get(index) {
             return Ok(hit);
         }
-        let data = match self.fetch_chunk(index) {
-            Err(e @ StoreError::CorruptChunk { .. }) => {
-                warn!(index, error = %e, "refetching a chunk that failed verification");
-                self.fetch_chunk(index)?
-            }
-            other => other?,
-        };
-        let data = Arc::new(data);
+        let data: Arc<[u8]> = self.fetch_chunk(index)?.into();
         self.lock_cache().insert(index, Arc::clone(&data));
         Ok(data)
     }
 
-    /// Fetch, decompress and verify chunk `index` once, bypassing the cache (a
-    /// [`StoreError::CorruptChunk`] may be worth one more fetch: see [`Self::chunk`]).
+    /// Fetch, decompress and verify chunk `index`, bypassing the cache. Bytes that fail
+    /// verification are fetched once more (a bit flipped in transit; a tier below drops a copy
+    /// that fails, so the second fetch reaches the origin); if they fail again the read fails —
+    /// never wrong bytes. This is the read path's one refetch policy.
     pub fn fetch_chunk(&self, index: u32) -> Result<Vec<u8>, StoreError> {
+        let first = self.fetch_once(index);
+        self.refetch_if_corrupt(index, first)
+    }
+
+    /// One fetch and check of chunk `index`.
+    fn fetch_once(&self, index: u32) -> Result<Vec<u8>, StoreError> {
         let (chunk, pack, loc) = self.locate(index)?;
         trace!(index, chunk = %chunk.id, %pack, offset = loc.offset, len = loc.stored_len, "fetch chunk");
         let stored = self.source.read_stored(&pack, loc.offset, loc.stored_len)?;
         decode_stored_chunk(&chunk, &pack, &loc, &stored)
     }
 
+    /// The refetch-once policy: a first attempt that failed verification is fetched once more.
+    fn refetch_if_corrupt(
+        &self,
+        index: u32,
+        first: Result<Vec<u8>, StoreError>,
+    ) -> Result<Vec<u8>, StoreError> {
+        match first {
+            Err(e @ StoreError::CorruptChunk { .. }) => {
+                warn!(index, error = %e, "chunk failed verification; fetching it once more");
+                self.refetches.fetch_add(1, Ordering::Relaxed);
+                self.fetch_once(index)
+            }
+            other => other,
+        }
+    }
+
+    /// Chunks fetched a second time because the first copy failed verification.
+    pub fn refetches(&self) -> u64 {
+        self.refetches.load(Ordering::Relaxed)
+    }
+
     /// Fetch, decompress and verify the chunks `indexes` (bypassing the cache), asking the
     /// source for the chunks of each pack in one call ([`ChunkSource::read_stored_many`]).
     /// Returned in the order asked; a chunk failing verification is fetched once more, as in
-    /// [`Self::chunk`].
+    /// [`Self::fetch_chunk`].
     pub fn fetch_chunks(&self, indexes: &[u32]) -> Result<Vec<Vec<u8>>, StoreError> {
         let located: Vec<_> = indexes.iter().map(|&i| self.locate(i)).collect::<Result<_, _>>()?;
         let mut out: Vec<Option<Vec<u8>>> = vec![None; indexes.len()];
@@ -411,7 +548,9 @@ impl<S: ChunkSource> ImageReader<S> {
                 ));
             }
             for (k, bytes) in members.into_iter().zip(stored) {
-                out[k] = Some(self.decode_or_refetch(indexes[k], bytes)?);
+                let (chunk, pack, loc) = &located[k];
+                let first = decode_stored_chunk(chunk, pack, loc, &bytes);
+                out[k] = Some(self.refetch_if_corrupt(indexes[k], first)?);
             }
         }
         out.into_iter()
@@ -425,18 +564,6 @@ impl<S: ChunkSource> ImageReader<S> {
             .ok_or_else(|| inconsistent(&self.image.id, format!("chunk #{index} is not in the block map")))
     }
 
-    /// Verify stored bytes of chunk `index`; on failure fetch them once more.
-    fn decode_or_refetch(&self, index: u32, stored: Vec<u8>) -> Result<Vec<u8>, StoreError> {
-        let (chunk, pack, loc) = self.locate(index)?;
-        match decode_stored_chunk(&chunk, &pack, &loc, &stored) {
-            Err(e @ StoreError::CorruptChunk { .. }) => {
-                warn!(index, error = %e, "refetching a chunk that failed verification");
-                self.fetch_chunk(index)
-            }
-            other => other,
-        }
-    }
-
     fn lock_cache(&self) -> std::sync::MutexGuard<'_, ChunkCache> {
         // The cache holds only verified data; a panic elsewhere cannot leave it inconsistent.
         self.cache.lock().unwrap_or_else(|p| p.into_inner())
@@ -447,7 +574,7 @@ impl<S: ChunkSource> ImageReader<S> {
 #[derive(Debug)]
 struct ChunkCache {
     capacity: usize,
-    entries: Vec<(u32, Arc<Vec<u8>>)>,
+    entries: Vec<(u32, Arc<[u8]>)>,
 }
 
 impl ChunkCache {
@@ -459,7 +586,7 @@ impl ChunkCache {
         self.entries.iter().any(|e| e.0 == index)
     }
 
-    fn get(&mut self, index: u32) -> Option<Arc<Vec<u8>>> {
+    fn get(&mut self, index: u32) -> Option<Arc<[u8]>> {
         let i = self.entries.iter().rposition(|e| e.0 == index)?;
         let e = self.entries.remove(i);
         let data = Arc::clone(&e.1);
@@ -467,7 +594,7 @@ impl ChunkCache {
         Some(data)
     }
 
-    fn insert(&mut self, index: u32, data: Arc<Vec<u8>>) {
+    fn insert(&mut self, index: u32, data: Arc<[u8]>) {
         if self.capacity == 0 {
             return;
         }
@@ -487,15 +614,15 @@ mod tests {
     #[test]
     fn lru_evicts_least_recent() {
         let mut c = ChunkCache::new(2);
-        c.insert(1, Arc::new(vec![1]));
-        c.insert(2, Arc::new(vec![2]));
+        c.insert(1, Arc::from(vec![1u8]));
+        c.insert(2, Arc::from(vec![2u8]));
         assert!(c.get(1).is_some()); // 1 is now most recent
-        c.insert(3, Arc::new(vec![3]));
+        c.insert(3, Arc::from(vec![3u8]));
         assert!(c.get(2).is_none());
         assert!(c.get(1).is_some());
         assert!(c.get(3).is_some());
         let mut off = ChunkCache::new(0);
-        off.insert(1, Arc::new(vec![1]));
+        off.insert(1, Arc::from(vec![1u8]));
         assert!(off.get(1).is_none());
     }
 

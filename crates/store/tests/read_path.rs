@@ -1,14 +1,15 @@
-//! End-to-end read path: a hand-built image read back through OpenImage / ImageReader / export_raw.
+//! End-to-end read path: a hand-built image read back through OpenImage / ImageReader (the
+//! export of the same image through the read engine: crates/engine/tests/export.rs).
 
 mod common;
 
 use std::fs::OpenOptions;
-use std::os::unix::fs::{FileExt, MetadataExt};
+use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use common::{build_image, Rng, BS};
 use tessera_image::{ImageEntry, PackIndex, Sha256Digest};
-use tessera_store::{export_raw, ChunkSource, ImageReader, LocalStore, OpenImage, StoreError};
+use tessera_store::{ChunkSource, ImageReader, LocalStore, OpenImage, StoreError};
 
 /// Counts fetches, to prove the chunk cache works.
 struct Counting<S> {
@@ -110,39 +111,7 @@ fn corrupt_chunk_bytes_are_an_error_never_data() {
         assert_eq!(&buf[..], &img.device[..BS]);
         reader.read_at(50 * BS as u64, &mut buf).unwrap();
         assert_eq!(&buf[..], &img.device[50 * BS..51 * BS]);
-        // Export fails and leaves no output behind.
-        let out = dir.path().join("out.raw");
-        assert!(matches!(export_raw(&reader, &out, |_| {}), Err(StoreError::CorruptChunk { .. })));
-        assert!(!out.exists());
     }
-}
-
-#[test]
-fn export_is_exact_and_sparse() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = LocalStore::create_or_open(dir.path().join("store")).unwrap();
-    let blocks = 64 * 256; // 64 MiB device, ~100 KiB of data
-    let img = build_image(&store, blocks);
-    let reader = ImageReader::new(OpenImage::open(&store, &img.id).unwrap(), store.clone());
-    let out = dir.path().join("disk.raw");
-    std::fs::write(&out, vec![0xffu8; 3 * BS]).unwrap(); // old content must not survive
-    let mut last = None;
-    let stats = export_raw(&reader, &out, |p| {
-        assert!(p.done_bytes <= p.total_bytes);
-        last = Some(p);
-    })
-    .unwrap();
-    let last = last.unwrap();
-    assert_eq!(last.done_bytes, last.total_bytes);
-    assert_eq!(stats.device_bytes, blocks * BS as u64);
-    assert_eq!(stats.mapped_bytes, (5 + 4 + 2 + 4 + 2 + 8 + 1) * BS as u64);
-    assert!(stats.written_bytes < stats.mapped_bytes, "the zero prefix block is skipped");
-    let meta = std::fs::metadata(&out).unwrap();
-    assert_eq!(meta.len(), blocks * BS as u64);
-    let allocated = meta.blocks() * 512;
-    assert!(allocated <= 256 * 1024, "export is not sparse: {allocated} bytes allocated");
-    let bytes = std::fs::read(&out).unwrap();
-    assert!(bytes == img.device, "exported bytes differ from the reference device");
 }
 
 #[test]

@@ -18,7 +18,6 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::config::{DeviceConfig, MAX_QUEUE_SIZE};
 use crate::execute::{start_chain, DeferredRead, Disk, Started};
-use crate::fetch::FetchHandle;
 
 /// Guest memory as the framework hands it over (no dirty-page bitmap).
 pub type GuestMem = GuestMemoryAtomic<GuestMemoryMmap<()>>;
@@ -38,8 +37,9 @@ struct Inner {
     disk: Disk,
     event_idx: AtomicBool,
     mem: Mutex<Option<GuestMem>>,
-    /// Where reads missing the memory tier go; `None`: they are fetched inline.
-    fetch: Option<FetchHandle>,
+    /// Whether reads missing the memory tier complete out of order (finished on the read
+    /// engine's threads) rather than inline on the queue thread.
+    deferred: bool,
     /// The connection this backend serves (for logs; late completions of an earlier
     /// connection reach that connection's backend, never this one).
     connection: u64,
@@ -61,7 +61,7 @@ struct QueueState {
     vring: Mutex<Option<VringRwLock<GuestMem>>>,
 }
 
-/// Reads finished by the fetch pool, waiting to be added to the used ring.
+/// Reads finished on the read engine's threads, waiting to be added to the used ring.
 #[derive(Default)]
 struct Completions {
     /// Bumped by `stop_vring`: a completion of an older generation never reaches the ring.
@@ -85,16 +85,25 @@ impl BlkBackend {
     /// A backend for `device` served from `disk`; reads missing the memory tier are fetched
     /// inline on the queue thread.
     pub fn new(device: DeviceConfig, disk: Disk) -> io::Result<Self> {
-        Self::with_fetch(device, disk, None, 0, Metrics::unregistered())
+        Self::build(device, disk, false, 0, Metrics::unregistered())
     }
 
-    /// A backend whose reads missing the memory tier are finished by the fetch pool behind
-    /// `fetch` and complete out of order; `connection` numbers the client. Requests are counted
-    /// in `metrics`.
-    pub fn with_fetch(
+    /// A backend whose reads missing the memory tier complete out of order, once the read
+    /// engine has fetched what they need ([`tessera_engine::BlockSource::fetch_ahead`]);
+    /// `connection` numbers the client. Requests are counted in `metrics`.
+    pub fn deferring(
         device: DeviceConfig,
         disk: Disk,
-        fetch: Option<FetchHandle>,
+        connection: u64,
+        metrics: Arc<Metrics>,
+    ) -> io::Result<Self> {
+        Self::build(device, disk, true, connection, metrics)
+    }
+
+    fn build(
+        device: DeviceConfig,
+        disk: Disk,
+        deferred: bool,
         connection: u64,
         metrics: Arc<Metrics>,
     ) -> io::Result<Self> {
@@ -115,7 +124,7 @@ impl BlkBackend {
                 disk,
                 event_idx: AtomicBool::new(false),
                 mem: Mutex::new(None),
-                fetch,
+                deferred,
                 connection,
                 queues,
                 metrics,
@@ -152,8 +161,8 @@ impl BlkBackend {
     }
 
     /// Drain every available chain of `vring` (queue `queue`), signalling the guest once per
-    /// batch, before notifications are re-enabled. Reads missing the memory tier go to the
-    /// fetch pool and complete later ([`Self::process_completions`]). Queue errors (a
+    /// batch, before notifications are re-enabled. Reads missing the memory tier are deferred
+    /// to the read engine and complete later ([`Self::process_completions`]). Queue errors (a
     /// guest-corrupted ring) are logged, not returned: returning an error would kill the worker
     /// for good.
     fn process_queue(&self, vring: &VringRwLock<GuestMem>, queue: usize) {
@@ -171,7 +180,7 @@ impl BlkBackend {
         }
         let mut bounce = lock(&qs.bounce);
         let event_idx = self.inner.event_idx.load(Ordering::Relaxed);
-        let inline = self.inner.fetch.is_none();
+        let inline = !self.inner.deferred;
         let requests = &self.inner.metrics.requests;
         let _span = debug_span!("queue", queue).entered();
         let mut state = vring.get_mut();
@@ -220,7 +229,7 @@ impl BlkBackend {
         }
     }
 
-    /// Hand a read missing the memory tier to the fetch pool; it completes through the queue's
+    /// Hand a read missing the memory tier to the read engine; it completes through the queue's
     /// completion eventfd.
     /// `taken`: when the chain came off the ring.
     fn defer(
@@ -241,38 +250,27 @@ impl BlkBackend {
         self.inner.metrics.fetch.deferred_reads.inc();
         let inner = Arc::clone(&self.inner);
         let (offset, len) = read.range();
-        // The chunks the read needs are fetched in the background (in parallel, once each,
-        // when the source can); then the fetch pool copies them into the guest's buffers.
+        // The read engine fetches the chunks the read needs (in parallel, once each) and then
+        // calls back on one of its threads, where the read is copied into the guest's buffers
+        // (or at once here, when nothing needs fetching any more).
         self.inner.disk.fetch_ahead(
             offset,
             len,
             Box::new(move |fetched| {
-                let fetch = inner.fetch.clone();
-                let job: crate::fetch::Job = Box::new(move || {
-                    let done = debug_span!("queue", queue).in_scope(|| match fetched {
-                        Ok(()) => read.finish(&*mem, &inner.disk),
-                        Err(e) => read.fail(&*mem, e),
-                    });
-                    drop(mem);
-                    let requests = &inner.metrics.requests;
-                    requests.in_flight.dec();
-                    requests.of(done.kind).record(done.metric_status(), done.bytes, taken.elapsed());
-                    inner.complete(queue, generation, head, done.used_len);
+                let done = debug_span!("queue", queue).in_scope(|| match fetched {
+                    Ok(()) => read.finish(&*mem, &inner.disk),
+                    Err(e) => read.fail(&*mem, e),
                 });
-                match fetch {
-                    Some(pool) => {
-                        if let Err(job) = pool.submit(job) {
-                            // The pool is gone (shutting down): finish it here.
-                            job();
-                        }
-                    }
-                    None => job(),
-                }
+                drop(mem);
+                let requests = &inner.metrics.requests;
+                requests.in_flight.dec();
+                requests.of(done.kind).record(done.metric_status(), done.bytes, taken.elapsed());
+                inner.complete(queue, generation, head, done.used_len);
             }),
         );
     }
 
-    /// Add the reads the fetch pool finished to the used ring, under one lock, and signal once.
+    /// Add the deferred reads that finished to the used ring, under one lock, and signal once.
     fn process_completions(&self, vring: &VringRwLock<GuestMem>, queue: usize) {
         let Some(qs) = self.inner.queues.get(queue) else { return };
         // Consume the event first: a completion queued after this read writes it again.

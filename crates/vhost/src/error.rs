@@ -3,9 +3,8 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use tessera_store::StoreError;
-
-use crate::overlay::OverlayError;
+use tessera_engine::{ReadError, SinkError};
+use tessera_overlay::OverlayError;
 
 use thiserror::Error;
 use virtio_bindings::bindings::virtio_blk::{VIRTIO_BLK_S_IOERR, VIRTIO_BLK_S_OK, VIRTIO_BLK_S_UNSUPP};
@@ -65,12 +64,22 @@ pub enum RequestError {
     OutOfRange { sector: u64, sectors: u64, capacity: u64 },
     #[error("the device is read-only")]
     ReadOnly,
-    #[error("reading the image at byte {offset}")]
-    Read { offset: u64, source: Arc<StoreError> },
+    #[error(transparent)]
+    Read(#[from] ReadError),
     #[error("guest buffer {addr:#x}+{len} could not be accessed")]
     GuestMemory { addr: u64, len: u32 },
     #[error("overlay access at byte {offset}")]
-    Overlay { offset: u64, source: Arc<OverlayError> },
+    Overlay {
+        offset: u64,
+        #[source]
+        source: Arc<OverlayError>,
+    },
+}
+
+impl From<SinkError> for RequestError {
+    fn from(e: SinkError) -> Self {
+        RequestError::GuestMemory { addr: e.addr, len: e.len }
+    }
 }
 
 impl RequestError {
@@ -87,7 +96,7 @@ impl RequestError {
             | RequestError::TooManyDiscardSegments { .. }
             | RequestError::OutOfRange { .. }
             | RequestError::ReadOnly
-            | RequestError::Read { .. }
+            | RequestError::Read(_)
             | RequestError::GuestMemory { .. }
             | RequestError::Overlay { .. } => Status::IoErr,
         }
@@ -98,15 +107,23 @@ impl RequestError {
 #[derive(Debug, Error)]
 #[non_exhaustive]
 pub enum ServeError {
-    #[error("socket {path}: {source}")]
-    Socket { path: PathBuf, source: std::io::Error },
+    #[error("socket {path}")]
+    Socket {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("invalid configuration: {0}")]
     Config(&'static str),
     /// The vhost-user framework failed (its error type is not `Sync`, so it is kept as text).
     #[error("vhost-user daemon: {what}: {message}")]
     Daemon { what: &'static str, message: String },
-    #[error("{what}: {source}")]
-    Io { what: &'static str, source: std::io::Error },
+    #[error("{what}")]
+    Io {
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
     #[error(transparent)]
     Overlay(#[from] OverlayError),
 }

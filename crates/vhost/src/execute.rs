@@ -10,12 +10,11 @@ use vm_memory::{Bytes, GuestAddress, GuestMemory};
 
 use crate::config::DeviceConfig;
 use crate::error::{RequestError, Status};
-use crate::fetcher::FetchDone;
-use crate::overlay::{Overlay, OverlayError};
 use crate::plan::{plan, Plan};
 use crate::request::{parse, GuestSeg, Parsed, RequestKind};
-pub use crate::source::BlockSource;
-use crate::source::{Sink, Visit};
+pub use tessera_engine::BlockSource;
+use tessera_engine::{FetchDone, Sink, SinkError, Visit};
+use tessera_overlay::{Overlay, OverlayError};
 
 /// Largest piece of a write gathered from guest memory at once.
 pub const BOUNCE_MAX: usize = 1 << 20;
@@ -41,9 +40,7 @@ impl Disk {
     /// Fill `buf` with the device bytes at `offset`.
     pub fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), RequestError> {
         match self {
-            Disk::ReadOnly(s) => {
-                s.read_at(offset, buf).map_err(|e| RequestError::Read { offset, source: Arc::new(e) })
-            }
+            Disk::ReadOnly(s) => Ok(s.read_at(offset, buf)?),
             Disk::Overlay(o) => o.read_at(offset, buf).map_err(|e| overlay_err(offset, e)),
         }
     }
@@ -57,8 +54,8 @@ impl Disk {
         sink: &mut dyn Sink,
     ) -> Result<Visit, RequestError> {
         match self {
-            Disk::ReadOnly(s) => s.visit(offset, len, fetch, sink),
-            Disk::Overlay(o) => o.visit(offset, len, fetch, sink),
+            Disk::ReadOnly(s) => Ok(s.visit(offset, len, fetch, sink)?),
+            Disk::Overlay(o) => o.visit(offset, len, fetch, sink).map_err(|e| overlay_err(offset, e)),
         }
     }
 
@@ -178,11 +175,11 @@ struct GuestSink<'a, M: ?Sized> {
 }
 
 impl<M: GuestMemory + ?Sized> Sink for GuestSink<'_, M> {
-    fn put(&mut self, bytes: &[u8]) -> Result<(), RequestError> {
+    fn put(&mut self, bytes: &[u8]) -> Result<(), SinkError> {
         self.cursor.write(self.mem, bytes)
     }
 
-    fn zeros(&mut self, mut n: u64) -> Result<(), RequestError> {
+    fn zeros(&mut self, mut n: u64) -> Result<(), SinkError> {
         while n > 0 {
             let k = usize::try_from(n).unwrap_or(usize::MAX).min(ZEROS.len());
             self.cursor.write(self.mem, &ZEROS[..k])?;
@@ -201,10 +198,10 @@ struct Cursor<'a> {
 
 impl Cursor<'_> {
     /// The next piece of at most `max` bytes, advancing the cursor.
-    fn next(&mut self, max: usize) -> Result<(GuestAddress, usize), RequestError> {
+    fn next(&mut self, max: usize) -> Result<(GuestAddress, usize), SinkError> {
         let Some(s) = self.segs.get(self.index) else {
             // The plan's length is the sum of the segments: cannot happen.
-            return Err(RequestError::GuestMemory { addr: 0, len: u32::try_from(max).unwrap_or(u32::MAX) });
+            return Err(SinkError { addr: 0, len: u32::try_from(max).unwrap_or(u32::MAX) });
         };
         let room = (s.len - self.within) as usize;
         let n = room.min(max);
@@ -218,23 +215,21 @@ impl Cursor<'_> {
     }
 
     /// Scatter `bytes` into the guest buffers.
-    fn write<M: GuestMemory + ?Sized>(&mut self, mem: &M, mut bytes: &[u8]) -> Result<(), RequestError> {
+    fn write<M: GuestMemory + ?Sized>(&mut self, mem: &M, mut bytes: &[u8]) -> Result<(), SinkError> {
         while !bytes.is_empty() {
             let (addr, n) = self.next(bytes.len())?;
-            mem.write_slice(&bytes[..n], addr)
-                .map_err(|_| RequestError::GuestMemory { addr: addr.0, len: n as u32 })?;
+            mem.write_slice(&bytes[..n], addr).map_err(|_| SinkError { addr: addr.0, len: n as u32 })?;
             bytes = &bytes[n..];
         }
         Ok(())
     }
 
     /// Gather the guest buffers into `buf`.
-    fn read<M: GuestMemory + ?Sized>(&mut self, mem: &M, mut buf: &mut [u8]) -> Result<(), RequestError> {
+    fn read<M: GuestMemory + ?Sized>(&mut self, mem: &M, mut buf: &mut [u8]) -> Result<(), SinkError> {
         while !buf.is_empty() {
             let (addr, n) = self.next(buf.len())?;
             let (head, rest) = buf.split_at_mut(n);
-            mem.read_slice(head, addr)
-                .map_err(|_| RequestError::GuestMemory { addr: addr.0, len: n as u32 })?;
+            mem.read_slice(head, addr).map_err(|_| SinkError { addr: addr.0, len: n as u32 })?;
             buf = rest;
         }
         Ok(())
@@ -312,7 +307,7 @@ impl DeferredRead {
         complete(
             mem,
             self.status,
-            Err(RequestError::Read { offset: self.offset, source: error }),
+            Err(RequestError::Read(tessera_engine::ReadError::Store { offset: self.offset, source: error })),
             RequestType::Read,
             self.len,
         )
@@ -401,10 +396,8 @@ fn complete<M: GuestMemory + ?Sized>(
         Ok(Executed::Missing) => (Status::IoErr, 0),
         Err(e) => {
             match &e {
-                RequestError::Read { .. }
-                | RequestError::GuestMemory { .. }
-                | RequestError::Overlay { .. } => {
-                    warn!(error = %e, "request failed")
+                RequestError::Read(_) | RequestError::GuestMemory { .. } | RequestError::Overlay { .. } => {
+                    warn!(error = %tessera_engine::Chain(&e), "request failed")
                 }
                 _ => debug!(error = %e, "request refused"),
             }

@@ -13,22 +13,25 @@
 //! queue) and [`Server`] owns the socket: one client at a time, a fresh daemon per connection,
 //! so a VMM may disconnect and reconnect.
 //!
-//! A writable device writes into the copy-on-write [`overlay`] (one file, durable at each FLUSH
-//! with one `fdatasync`); a read-only device serves the base image alone. Reads are served from the
-//! [`MemTier`] (decoded chunks in memory) straight into guest memory on the queue's worker
-//! thread; a read missing it is finished by the [`FetchPool`] and completes out of order
-//! (`docs/daemon.md`).
+//! A writable device writes into the copy-on-write overlay (`tessera-overlay`: one file, durable
+//! at each FLUSH with one `fdatasync`); a read-only device serves the base image alone. Reads are
+//! served by the read engine (`tessera-engine`: decoded chunks in memory) straight into guest
+//! memory on the queue's worker thread; a read missing memory is deferred, finished on the
+//! engine's threads once its chunks are fetched, and completes out of order (`docs/daemon.md`).
+//! This crate owns no cache: it is virtio only.
 //!
 //! ```no_run
 //! use std::sync::Arc;
+//! use tessera_engine::{FetchLimits, MemTier};
 //! use tessera_store::{ImageReader, LocalStore, OpenImage};
 //! use tessera_vhost::{DeviceConfig, Disk, Server, DEFAULT_SOCKET_MODE};
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let store = LocalStore::open("/var/lib/tessera")?;
 //! let id = store.resolve("web")?;
 //! let reader = ImageReader::new(OpenImage::open(&store, &id)?, store.clone());
-//! let device = DeviceConfig::new(&id, reader.device_bytes(), 1, true);
-//! let disk = Disk::ReadOnly(Arc::new(reader));
+//! let tier = MemTier::new(reader, 256 << 20, FetchLimits::new(4))?;
+//! let device = DeviceConfig::new(&id, tier.device_bytes(), 1, true);
+//! let disk = Disk::ReadOnly(Arc::new(tier));
 //! let server = Server::bind("/run/web.sock".as_ref(), DEFAULT_SOCKET_MODE, device, disk)?;
 //! let stop = server.stop_handle(); // stop.stop() from a signal thread
 //! server.run()?;
@@ -39,30 +42,14 @@ pub mod backend;
 pub mod config;
 pub mod error;
 pub mod execute;
-pub mod fetch;
-pub mod fetcher;
-pub mod metrics;
-pub mod overlay;
 pub mod plan;
 pub mod request;
 pub mod server;
-pub mod source;
-pub mod tier;
-pub mod trace;
 
 pub use backend::{BlkBackend, GuestMem, DRAIN_TIMEOUT};
 pub use config::{serial_for, DeviceConfig, BLK_SIZE, MAX_QUEUES, MAX_QUEUE_SIZE};
 pub use error::{DropReason, RequestError, ServeError, Status};
 pub use execute::{serve_chain, start_chain, Completion, DeferredRead, Disk, Executed, Started};
-pub use fetch::{FetchHandle, FetchPool, DEFAULT_FETCH_THREADS};
-pub use fetcher::{
-    ChunkFetcher, FetchDone, FetchLimits, FetchResult, FetcherStats, Priority, DEFAULT_LOCAL_FETCH_JOBS,
-    DEFAULT_REMOTE_FETCH_JOBS,
-};
-pub use overlay::{Mode as OverlayMode, Overlay, OverlayError, OverlayParams};
 pub use request::{Parsed, Request, RequestKind};
 pub use server::{Server, StopHandle, DEFAULT_SOCKET_MODE};
-pub use source::{BlockSource, BufSink, Sink, Visit};
 pub use tessera_metrics::{Metrics, RequestStatus, RequestType};
-pub use tier::{MemTier, TierStats, DEFAULT_MEM_CACHE, DEFAULT_READAHEAD};
-pub use trace::{TraceError, TraceRecorder};

@@ -20,7 +20,6 @@ use crate::backend::{BlkBackend, DRAIN_TIMEOUT};
 use crate::config::{DeviceConfig, MAX_QUEUES};
 use crate::error::ServeError;
 use crate::execute::Disk;
-use crate::fetch::{FetchPool, DEFAULT_FETCH_THREADS};
 use crate::request::SECTOR_SIZE;
 use tessera_metrics::Metrics;
 
@@ -38,8 +37,6 @@ pub struct Server {
     disk: Disk,
     stop: StopHandle,
     connections: Arc<AtomicU64>,
-    /// Finishes reads that miss the memory tier (shared by the connections).
-    fetch: FetchPool,
     metrics: Arc<Metrics>,
 }
 
@@ -162,8 +159,6 @@ impl Server {
             disk,
             stop: StopHandle::new()?,
             connections: Arc::new(AtomicU64::new(0)),
-            fetch: FetchPool::new(DEFAULT_FETCH_THREADS)
-                .map_err(|source| ServeError::Io { what: "starting the fetch threads", source })?,
             metrics: Metrics::unregistered(),
         })
     }
@@ -229,14 +224,9 @@ impl Server {
 
     fn serve_connection(&mut self) -> Result<(), ServeError> {
         let n = self.connections.load(Ordering::SeqCst) + 1;
-        let backend = BlkBackend::with_fetch(
-            self.device.clone(),
-            self.disk.clone(),
-            self.fetch.handle(),
-            n,
-            Arc::clone(&self.metrics),
-        )
-        .map_err(|source| ServeError::Io { what: "creating the completion events", source })?;
+        let backend =
+            BlkBackend::deferring(self.device.clone(), self.disk.clone(), n, Arc::clone(&self.metrics))
+                .map_err(|source| ServeError::Io { what: "creating the completion events", source })?;
         let mem = GuestMemoryAtomic::new(GuestMemoryMmap::new());
         let daemon_err = |what| move |e: DaemonError| ServeError::Daemon { what, message: e.to_string() };
         let mut daemon = VhostUserDaemon::new("tessera-vhost".to_owned(), backend.clone(), mem)

@@ -11,9 +11,10 @@ use std::sync::{Arc, Condvar, Mutex};
 
 use blkio::ReqFlags;
 use common::{fixture, reader, Client, Running};
+use tessera_engine::{FetchLimits, MemTier};
 use tessera_image::{SegmentSource, Sha256Digest};
 use tessera_store::{ChunkSource, ImageReader, LocalStore, OpenImage, StoreError};
-use tessera_vhost::{DeviceConfig, Disk, FetchLimits, MemTier};
+use tessera_vhost::{DeviceConfig, Disk};
 
 /// A chunk source whose read of one pack range blocks until [`Gate::open`].
 struct Gated {
@@ -66,11 +67,13 @@ fn chunk_at(r: &ImageReader<LocalStore>, offset: u64) -> Option<u32> {
     }
 }
 
-/// The memory tier over `source`: reads missing it fetch inline on the fetch pool, or (with
-/// `fetcher`) on the chunk fetcher's threads.
+/// The memory tier over `source`. With `fetcher`, the chunks of a read missing memory are
+/// fetched ahead on the chunk fetcher's threads; without it the tier keeps nothing in memory
+/// and such a read is finished (fetching inline) as a job on those threads.
 fn tier(f: &common::Fixture, source: Gated, fetcher: bool) -> Arc<MemTier<Gated>> {
-    let t = MemTier::new(ImageReader::new(OpenImage::open(&f.store, &f.id).unwrap(), source), 64 << 20);
-    Arc::new(if fetcher { t.with_fetcher(FetchLimits::new(4)).unwrap() } else { t })
+    let image = OpenImage::open(&f.store, &f.id).unwrap();
+    let memory = if fetcher { 64 << 20 } else { 0 };
+    Arc::new(MemTier::new(ImageReader::new(image, source), memory, FetchLimits::new(4)).unwrap())
 }
 
 #[test]

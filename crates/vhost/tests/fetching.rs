@@ -14,9 +14,10 @@ use std::time::{Duration, Instant};
 
 use blkio::ReqFlags;
 use common::{fixture, reader, Client, Fixture, Running};
+use tessera_engine::{FetchLimits, MemTier};
 use tessera_image::{SegmentSource, Sha256Digest};
 use tessera_store::{ChunkSource, ImageReader, LocalStore, OpenImage, StoreError};
-use tessera_vhost::{DeviceConfig, Disk, FetchLimits, MemTier};
+use tessera_vhost::{DeviceConfig, Disk};
 
 /// A chunk source counting reads per pack range and how many run at once; with `rendezvous`
 /// set, each read waits (at most 10 s) until that many are in flight together.
@@ -79,8 +80,7 @@ fn tier_with_memory(
     memory: u64,
 ) -> Arc<MemTier<Arc<Counting>>> {
     let image = OpenImage::open(&f.store, &f.id).unwrap();
-    let t = MemTier::new(ImageReader::new(image, Arc::clone(source)), memory)
-        .with_fetcher(FetchLimits::new(jobs))
+    let t = MemTier::new(ImageReader::new(image, Arc::clone(source)), memory, FetchLimits::new(jobs))
         .unwrap()
         .with_readahead(readahead);
     Arc::new(t)
@@ -309,7 +309,7 @@ fn readahead_chunks_are_used_when_read_and_wasted_when_evicted_unread() {
     // Room for eight chunks: what the guest reads later pushes the unread readahead out.
     let t = tier_with_memory(&f, &source, 8, 4 * CHUNK, 8 * CHUNK);
     let metrics = tessera_metrics::Metrics::new();
-    tessera_vhost::metrics::watch_mem_tier(&metrics, &t);
+    tessera_engine::metrics::watch_mem_tier(&metrics, &t);
     let server = serve(&f, &t, "waste.sock");
     let mut c = Client::connect(&server.socket, 1);
     // Two sequential reads: readahead brings the next four chunks (first+2 … first+5).

@@ -4,10 +4,12 @@
 
 use rand::{Rng, SeedableRng};
 use std::sync::Arc;
+use tessera_engine::ReadError;
 use tessera_image::{ImageId, Sha256Digest};
 use tessera_store::StoreError;
 
-use tessera_vhost::{serve_chain, BlockSource, Completion, DeviceConfig, Disk, RequestType, Status};
+use tessera_engine::BlockSource;
+use tessera_vhost::{serve_chain, Completion, DeviceConfig, Disk, RequestType, Status};
 use virtio_queue::desc::split::Descriptor;
 use virtio_queue::desc::RawDescriptor;
 use virtio_queue::mock::MockSplitQueue;
@@ -24,7 +26,7 @@ const STATUS: u64 = 0x80000;
 struct Pattern;
 
 impl BlockSource for Pattern {
-    fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), StoreError> {
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), ReadError> {
         for (i, b) in buf.iter_mut().enumerate() {
             *b = ((offset + i as u64) % 251) as u8;
         }
@@ -35,8 +37,10 @@ impl BlockSource for Pattern {
 struct Failing;
 
 impl BlockSource for Failing {
-    fn read_at(&self, _: u64, _: &mut [u8]) -> Result<(), StoreError> {
-        Err(StoreError::OutOfRange(tessera_image::Error::OutOfRange { offset: 0, len: 0, device_bytes: 0 }))
+    fn read_at(&self, _: u64, _: &mut [u8]) -> Result<(), ReadError> {
+        let e =
+            StoreError::OutOfRange(tessera_image::Error::OutOfRange { offset: 0, len: 0, device_bytes: 0 });
+        Err(ReadError::store(0, e))
     }
 }
 

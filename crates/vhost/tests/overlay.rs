@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use common::{fixture, overlay_params, reader, Client, Running};
 use rand::{Rng, SeedableRng};
-use tessera_vhost::{Overlay, OverlayError, OverlayMode, OverlayParams};
+use tessera_overlay::{Mode as OverlayMode, Overlay, OverlayError, OverlayParams};
 
 /// Read the whole device through the client and compare with `model`.
 fn check_device(c: &mut Client, model: &[u8]) {
@@ -95,7 +95,9 @@ fn writes_flush_discard_zeroes_and_restart() {
     let base = Arc::new(reader(&f.store, &f.id));
     let o = Overlay::open_file(&overlay, overlay_params(&f), base, OverlayMode::ReadOnly).unwrap();
     let export = f.dir.path().join("export.img");
-    tessera_store::export_raw(&reader(&f.store, &f.id), &export, |_| {}).unwrap();
+    let r = reader(&f.store, &f.id);
+    tessera_engine::export_raw(r.image(), &r, tessera_engine::ExportOptions::default(), &export, |_| {})
+        .unwrap();
     let file = std::fs::OpenOptions::new().write(true).open(&export).unwrap();
     o.apply_to(&file).unwrap();
     drop(file);
@@ -113,7 +115,8 @@ fn an_overlay_of_another_image_is_refused() {
     };
     drop(Overlay::open_or_create_file(&overlay, other, base.clone()).unwrap());
     let e = Overlay::open_or_create_file(&overlay, overlay_params(&f), base.clone()).unwrap_err();
-    assert!(e.to_string().contains("was made for image"), "{e}");
+    let msg = tessera_engine::Chain(&e).to_string();
+    assert!(msg.contains("was made for image"), "{msg}");
     assert!(
         matches!(e, OverlayError::At { ref source, .. } if matches!(**source, OverlayError::ImageMismatch { .. }))
     );
@@ -123,7 +126,8 @@ fn an_overlay_of_another_image_is_refused() {
             .unwrap();
     let e = Overlay::open_or_create_file(&f.dir.path().join("held.overlay"), overlay_params(&f), base)
         .unwrap_err();
-    assert!(e.to_string().contains("in use"), "{e}");
+    let msg = tessera_engine::Chain(&e).to_string();
+    assert!(msg.contains("in use"), "{msg}");
     drop(held);
 }
 

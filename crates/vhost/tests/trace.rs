@@ -8,8 +8,9 @@ mod common;
 use std::sync::Arc;
 
 use common::{fixture, reader, Client, Running};
+use tessera_engine::{FetchLimits, MemTier, TraceRecorder};
 use tessera_image::{ChunkId, SegmentSource, Trace};
-use tessera_vhost::{DeviceConfig, Disk, MemTier, TraceRecorder};
+use tessera_vhost::{DeviceConfig, Disk};
 
 #[test]
 fn the_trace_lists_first_touches_in_order() {
@@ -35,7 +36,9 @@ fn the_trace_lists_first_touches_in_order() {
 
     let trace_path = f.dir.path().join("boot.trace");
     let recorder = Arc::new(TraceRecorder::create(&trace_path, f.id, &map).unwrap());
-    let tier = MemTier::new(reader(&f.store, &f.id), 64 << 20).with_trace(recorder.clone());
+    let tier = MemTier::new(reader(&f.store, &f.id), 64 << 20, FetchLimits::new(4))
+        .unwrap()
+        .with_trace(recorder.clone());
     let device = DeviceConfig::new(&f.id, tier.device_bytes(), 1, true);
     let server = Running::serve(&f.dir.path().join("trace.sock"), device, Disk::ReadOnly(Arc::new(tier)));
     let mut c = Client::connect(&server.socket, 1);

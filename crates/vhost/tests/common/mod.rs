@@ -12,9 +12,10 @@ use std::time::Duration;
 use blkio::{Blkio, Blkioq, Completion, MemoryRegion, ReqFlags};
 use rand::{Rng, SeedableRng};
 use tessera_builder::{build_dir, BuildConfig, NoProgress};
+use tessera_engine::{export_raw, ExportOptions};
 use tessera_ext4::SizePolicy;
 use tessera_image::ImageId;
-use tessera_store::{export_raw, ImageReader, LocalStore, OpenImage};
+use tessera_store::{ImageReader, LocalStore, OpenImage};
 use tessera_vhost::{DeviceConfig, Disk, Server, StopHandle, DEFAULT_SOCKET_MODE};
 
 /// A built image, its exported raw bytes, and the directory holding everything.
@@ -47,13 +48,14 @@ pub fn fixture() -> Fixture {
         BuildConfig { chunk_size: 64 << 10, size: SizePolicy::Exact(64 << 20), ..BuildConfig::default() };
     let out = build_dir(&src, &store, &config, &NoProgress).unwrap();
     let raw_path = dir.path().join("raw.img");
-    export_raw(&reader(&store, &out.id), &raw_path, |_| {}).unwrap();
+    let r = reader(&store, &out.id);
+    export_raw(r.image(), &r, ExportOptions::default(), &raw_path, |_| {}).unwrap();
     let raw = fs::read(&raw_path).unwrap();
     Fixture { dir, store, id: out.id, raw }
 }
 
-pub fn overlay_params(f: &Fixture) -> tessera_vhost::OverlayParams {
-    tessera_vhost::OverlayParams {
+pub fn overlay_params(f: &Fixture) -> tessera_overlay::OverlayParams {
+    tessera_overlay::OverlayParams {
         image_id: f.id,
         block_size: tessera_image::BLOCK_SIZE,
         device_bytes: f.raw.len() as u64,
@@ -85,7 +87,7 @@ impl Running {
         let r = Arc::new(reader(&f.store, &f.id));
         let device = DeviceConfig::new(&f.id, r.device_bytes(), queues, false);
         let params = overlay_params(f);
-        let o = tessera_vhost::Overlay::open_or_create_file(overlay, params, r).unwrap();
+        let o = tessera_overlay::Overlay::open_or_create_file(overlay, params, r).unwrap();
         Self::serve(&socket, device, Disk::Overlay(Arc::new(o)))
     }
 

@@ -8,13 +8,12 @@ use std::sync::{Arc, Mutex};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tessera_image::{ImageId, Sha256Digest};
-use tessera_store::StoreError;
 
 use super::format::{Header, HEADER_LEN};
 use super::io::OverlayIo;
 use super::*;
 
-const BS: u64 = 4096;
+const BS: u64 = tessera_image::BLOCK_SIZE as u64;
 const BLOCKS: u64 = 96;
 const DEV: u64 = BS * BLOCKS;
 
@@ -22,7 +21,7 @@ const DEV: u64 = BS * BLOCKS;
 struct Pattern;
 
 impl BlockSource for Pattern {
-    fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), StoreError> {
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), ReadError> {
         for (i, b) in buf.iter_mut().enumerate() {
             *b = (((offset + i as u64) / 7) % 251 + 1) as u8;
         }

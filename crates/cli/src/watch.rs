@@ -1,48 +1,13 @@
-//! Ties the daemon's parts to [`Metrics`]: values they already keep (the memory tier's counters,
-//! the overlay's block map) are copied in at each scrape, so their hot paths pay nothing more.
-//! Requests are counted by the backend itself ([`crate::Server::with_metrics`]).
+//! Ties the daemon's parts to [`Metrics`]: values they already keep (the store's tiers, the
+//! overlay's block map; the memory tier publishes itself, `tessera_engine::metrics`) are copied in at each scrape, so their hot paths pay nothing more.
+//! Requests are counted by the backend itself (`tessera_vhost::Server::with_metrics`).
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use tessera_metrics::{mirror, Metrics, Tier};
-use tessera_store::{ChunkSource, OpenImage, ReadStore};
+use tessera_store::{OpenImage, ReadStore};
 
-use crate::overlay::Overlay;
-use crate::tier::MemTier;
-
-/// Publish `tier`'s hits, misses, fills and size (as `tier="memory"`).
-pub fn watch_mem_tier<S: ChunkSource + 'static>(metrics: &Arc<Metrics>, tier: &Arc<MemTier<S>>) {
-    metrics.memory_tier.capacity_bytes.set(gauge_value(tier.capacity()));
-    let m = Arc::clone(metrics);
-    let tier = Arc::downgrade(tier);
-    metrics.on_scrape(move || {
-        let Some(tier) = tier.upgrade() else { return };
-        // First: delivers moka's pending evictions (prefetched chunks evicted unused).
-        m.memory_tier.bytes.set(gauge_value(tier.weighted_size()));
-        m.prefetch.unused_bytes.set(gauge_value(tier.prefetch_unused_bytes()));
-        let stats = tier.stats();
-        let memory = m.tiers.of(Tier::Memory);
-        mirror(&memory.hits, stats.hits.load(Ordering::Relaxed));
-        mirror(&memory.misses, stats.misses.load(Ordering::Relaxed));
-        mirror(&m.memory_tier.fills, stats.fetches.load(Ordering::Relaxed));
-        mirror(&m.memory_tier.fill_bytes, stats.fetched_bytes.load(Ordering::Relaxed));
-        mirror(&m.memory_tier.refetches, stats.refetches.load(Ordering::Relaxed));
-        mirror(&m.prefetch.readahead_queued, stats.readahead_chunks.load(Ordering::Relaxed));
-        mirror(&m.prefetch.profile_queued, stats.prefetch_chunks.load(Ordering::Relaxed));
-        mirror(&m.prefetch.chunks, stats.prefetched_chunks.load(Ordering::Relaxed));
-        mirror(&m.prefetch.bytes, stats.prefetched_bytes.load(Ordering::Relaxed));
-        mirror(&m.prefetch.used_bytes, stats.prefetch_used_bytes.load(Ordering::Relaxed));
-        mirror(&m.prefetch.wasted_bytes, stats.prefetch_wasted_bytes.load(Ordering::Relaxed));
-        m.memory_tier.chunks.set(gauge_value(tier.chunks()));
-        m.fetch.queue_depth.set(gauge_value(tier.pending_fetches() as u64));
-        if let Some(f) = tier.fetcher_stats() {
-            mirror(&m.fetch.demand_fetches, f.demand.load(Ordering::Relaxed));
-            mirror(&m.fetch.background_fetches, f.background.load(Ordering::Relaxed));
-            mirror(&m.fetch.joined, f.joined.load(Ordering::Relaxed));
-        }
-    });
-}
+use tessera_overlay::Overlay;
 
 /// Publish the counters of `store`'s tiers below memory: the host disk cache (hits, misses,
 /// bytes, corrupt entries; what it fetched from the origin counts as origin reads) and the HTTP

@@ -3,24 +3,23 @@
 //! the guest's buffers ([`BlockSource::visit`]); a read that needs a chunk not in memory is
 //! reported as [`Visit::Missing`] so the daemon can fetch it off the queue thread.
 //!
-//! With a [`ChunkFetcher`] ([`MemTier::with_fetcher`]) the chunks a deferred read needs are
+//! On its [`ChunkFetcher`] the chunks a deferred read needs are
 //! fetched in parallel, once each however many reads wait for them
 //! ([`BlockSource::fetch_ahead`]); sequential reads within a file fetch the next chunks ahead
 //! ([`MemTier::with_readahead`]); and a prefetch profile's chunks can be fetched in the
 //! background ([`MemTier::prefetch`]). Demand fetches always go first.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use moka::notification::RemovalCause;
 use moka::sync::Cache;
 use tessera_image::{ChunkId, SegmentSource};
-use tessera_store::{ChunkSource, ImageReader, StoreError};
+use tessera_store::{ChunkSource, ImageReader, Piece, StoreError, Visit};
 
-use crate::error::RequestError;
+use crate::error::{ReadError, StartError};
 use crate::fetcher::{ChunkFetcher, FetchDone, FetchLimits, FetcherStats, Priority};
-use crate::source::{BlockSource, BufSink, Sink, Visit};
+use crate::source::{BlockSource, BufSink, Sink};
 use crate::trace::TraceRecorder;
 
 /// `--mem-cache` unless told otherwise: 256 MiB of decoded chunks.
@@ -43,8 +42,6 @@ pub struct TierStats {
     pub fetches: AtomicU64,
     /// Bytes read from the chunk source (decoded bytes of the chunks fetched).
     pub fetched_bytes: AtomicU64,
-    /// Chunks fetched a second time because the first copy failed verification.
-    pub refetches: AtomicU64,
     /// Chunks queued for readahead.
     pub readahead_chunks: AtomicU64,
     /// Chunks queued for profile prefetch.
@@ -89,7 +86,7 @@ impl PrefetchFlags {
 /// An image's device bytes with a byte-weighted memory tier of decoded chunks.
 pub struct MemTier<S> {
     core: Arc<Core<S>>,
-    fetcher: Option<ChunkFetcher>,
+    fetcher: ChunkFetcher,
     readahead: u64,
     /// End offsets of recent reads: a read starting at one of them is sequential.
     streams: Mutex<Streams>,
@@ -157,17 +154,9 @@ impl<S: ChunkSource> Core<S> {
             return Ok(hit);
         }
         self.cache.try_get_with(index, || {
-            let data = match self.reader.fetch_chunk(index) {
-                // A chunk failing its check in any tier below was dropped from it (the disk
-                // cache removes a corrupt entry, bad origin bytes never enter it): fetch once
-                // more, which now reaches the origin. A second failure fails the read.
-                Err(e @ StoreError::CorruptChunk { .. }) => {
-                    tracing::warn!(index, error = %e, "chunk failed verification; fetching it once more");
-                    self.stats.refetches.fetch_add(1, Ordering::Relaxed);
-                    self.reader.fetch_chunk(index)?
-                }
-                other => other?,
-            };
+            // The read path's refetch policy applies (a copy failing verification is fetched
+            // once more, which reaches the origin: the tiers below drop a corrupt copy).
+            let data = self.reader.fetch_chunk(index)?;
             self.stats.fetches.fetch_add(1, Ordering::Relaxed);
             self.stats.fetched_bytes.fetch_add(data.len() as u64, Ordering::Relaxed);
             if background {
@@ -242,10 +231,14 @@ impl<S: ChunkSource> Core<S> {
 
 impl<S: ChunkSource> MemTier<S> {
     /// Serve `reader`'s image keeping up to `capacity` bytes of decoded chunks in memory (0
-    /// keeps none: every chunk read goes to the source). The reader's own small chunk cache is
-    /// turned off. Without [`Self::with_fetcher`], reads missing memory fetch their chunks one
-    /// by one on the daemon's fetch pool, and there is no readahead or prefetch.
-    pub fn new(reader: ImageReader<S>, capacity: u64) -> Self {
+    /// keeps none: every chunk read goes to the source), fetching chunks on a [`ChunkFetcher`]
+    /// with `limits`: the chunks of a read missing memory in parallel, each once, demand before
+    /// background. The reader's own small chunk cache is turned off. No readahead or prefetch
+    /// until asked ([`Self::with_readahead`], [`Self::prefetch`]).
+    pub fn new(reader: ImageReader<S>, capacity: u64, limits: FetchLimits) -> Result<Self, StartError>
+    where
+        S: 'static,
+    {
         let stats = Arc::new(TierStats::default());
         let prefetched = Arc::new(PrefetchFlags::new(reader.image().record().block_map.chunks().len()));
         let (listener_stats, listener_flags) = (Arc::clone(&stats), Arc::clone(&prefetched));
@@ -258,8 +251,16 @@ impl<S: ChunkSource> MemTier<S> {
                 }
             })
             .build();
-        let core = Core { reader: reader.with_cache_capacity(0), cache, capacity, stats, prefetched };
-        Self { core: Arc::new(core), fetcher: None, readahead: 0, streams: Mutex::default(), trace: None }
+        let core =
+            Arc::new(Core { reader: reader.with_cache_capacity(0), cache, capacity, stats, prefetched });
+        let (fetch_core, cost_core) = (Arc::clone(&core), Arc::clone(&core));
+        let fetcher = ChunkFetcher::start(
+            limits,
+            move |c, background| fetch_core.fill(c, background).map(|_| ()),
+            move |c| cost_core.stored_len(c),
+        )
+        .map_err(StartError)?;
+        Ok(Self { core, fetcher, readahead: 0, streams: Mutex::default(), trace: None })
     }
 
     /// Record the first touch of every chunk a read needs (`--record-trace`).
@@ -267,23 +268,8 @@ impl<S: ChunkSource> MemTier<S> {
         Self { trace: Some(trace), ..self }
     }
 
-    /// Fetch chunks on a [`ChunkFetcher`] with `limits`: the chunks of a read missing memory in
-    /// parallel, each once, demand before background.
-    pub fn with_fetcher(self, limits: FetchLimits) -> std::io::Result<Self>
-    where
-        S: 'static,
-    {
-        let (fetch_core, cost_core) = (Arc::clone(&self.core), Arc::clone(&self.core));
-        let fetcher = ChunkFetcher::start(
-            limits,
-            move |c, background| fetch_core.fill(c, background).map(|_| ()),
-            move |c| cost_core.stored_len(c),
-        )?;
-        Ok(Self { fetcher: Some(fetcher), ..self })
-    }
-
     /// Fetch up to `bytes` of the following chunks of the same file in the background when a
-    /// read continues the previous one (needs a fetcher; 0 turns readahead off).
+    /// read continues the previous one (0 turns readahead off).
     pub fn with_readahead(self, bytes: u64) -> Self {
         Self { readahead: bytes, ..self }
     }
@@ -303,14 +289,24 @@ impl<S: ChunkSource> MemTier<S> {
         &self.core.stats
     }
 
-    /// The fetcher's counters, if there is one.
-    pub fn fetcher_stats(&self) -> Option<&FetcherStats> {
-        self.fetcher.as_ref().map(ChunkFetcher::stats)
+    /// The fetcher's counters.
+    pub fn fetcher_stats(&self) -> &FetcherStats {
+        self.fetcher.stats()
+    }
+
+    /// The chunk fetcher (its threads also run the jobs of frontends: [`ChunkFetcher::run`]).
+    pub fn fetcher(&self) -> &ChunkFetcher {
+        &self.fetcher
     }
 
     /// Chunk fetches queued or running.
     pub fn pending_fetches(&self) -> usize {
-        self.fetcher.as_ref().map_or(0, ChunkFetcher::pending)
+        self.fetcher.pending()
+    }
+
+    /// Chunks fetched a second time because the first copy failed verification.
+    pub fn refetches(&self) -> u64 {
+        self.core.reader.refetches()
     }
 
     /// Chunks held.
@@ -360,22 +356,15 @@ impl<S: ChunkSource> MemTier<S> {
     /// Queue the chunks `ids` names (a prefetch profile, in fetch order) for background fetching
     /// behind demand and readahead fetches. Chunks the image lacks or memory holds are skipped;
     /// at most half the memory tier's capacity is queued, so prefetching never evicts what it
-    /// fetched (nor much of what the guest read). Returns the number of chunks queued; 0 without
-    /// a fetcher.
+    /// fetched (nor much of what the guest read). Returns the number of chunks queued.
     pub fn prefetch(&self, ids: impl IntoIterator<Item = ChunkId>) -> usize {
-        let Some(f) = &self.fetcher else { return 0 };
-        let map = &self.core.reader.image().record().block_map;
-        let mut index: HashMap<ChunkId, u32> = HashMap::with_capacity(map.chunks().len());
-        for (i, c) in map.chunks().iter().enumerate() {
-            if let Ok(i) = u32::try_from(i) {
-                index.entry(c.id).or_insert(i);
-            }
-        }
+        let image = self.core.reader.image();
+        let map = &image.record().block_map;
         let budget = self.core.capacity / 2;
         let mut bytes = 0u64;
         let mut queued = Vec::new();
         for id in ids {
-            let Some(&i) = index.get(&id) else { continue };
+            let Some(i) = image.chunk_index(&id) else { continue };
             if self.contains(i) {
                 continue;
             }
@@ -386,7 +375,7 @@ impl<S: ChunkSource> MemTier<S> {
             bytes += len;
             queued.push(i);
         }
-        f.fetch(&queued, Priority::Prefetch, None);
+        self.fetcher.fetch(&queued, Priority::Prefetch, None);
         self.core.stats.prefetch_chunks.fetch_add(queued.len() as u64, Ordering::Relaxed);
         queued.len()
     }
@@ -394,7 +383,6 @@ impl<S: ChunkSource> MemTier<S> {
     /// A read of `[offset, offset + len)` arrived: if it continues an earlier one, queue the
     /// next chunks of the file for readahead.
     fn note_read(&self, offset: u64, len: u64) {
-        let Some(f) = &self.fetcher else { return };
         if self.readahead == 0 || len == 0 || self.core.capacity == 0 {
             return;
         }
@@ -407,88 +395,56 @@ impl<S: ChunkSource> MemTier<S> {
             self.core.chunks_after(end, self.readahead).into_iter().filter(|&c| !self.contains(c)).collect();
         if !ahead.is_empty() {
             self.core.stats.readahead_chunks.fetch_add(ahead.len() as u64, Ordering::Relaxed);
-            f.fetch(&ahead, Priority::Readahead, None);
+            self.fetcher.fetch(&ahead, Priority::Readahead, None);
         }
     }
 }
 
 impl<S: ChunkSource> BlockSource for MemTier<S> {
-    fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), StoreError> {
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), ReadError> {
         let len = buf.len() as u64;
-        let image = *self.core.reader.image().id();
-        match self.visit(offset, len, true, &mut BufSink::new(buf)) {
-            Ok(_) => Ok(()),
-            Err(RequestError::Read { source, .. }) => Err(Arc::try_unwrap(source)
-                .unwrap_or_else(|e| StoreError::Inconsistent { image, reason: e.to_string() })),
-            Err(e) => Err(StoreError::Inconsistent { image, reason: e.to_string() }),
-        }
+        self.visit(offset, len, true, &mut BufSink::new(buf)).map(|_| ())
     }
 
-    fn visit(&self, offset: u64, len: u64, fetch: bool, sink: &mut dyn Sink) -> Result<Visit, RequestError> {
-        let image = self.core.reader.image();
-        let read_err = |at: u64, e: StoreError| RequestError::Read { offset: at, source: Arc::new(e) };
-        let plan = image
-            .record()
-            .block_map
-            .plan(offset, len)
-            .map_err(|e| read_err(offset, StoreError::OutOfRange(e)))?;
+    fn visit(&self, offset: u64, len: u64, fetch: bool, sink: &mut dyn Sink) -> Result<Visit, ReadError> {
         // Readahead looks at reads of file data only, on their first visit (the queue thread's,
         // without `fetch`; a deferred read's second visit must not count twice).
         let mut noted = fetch;
-        let mut at = offset;
-        for seg in plan {
-            match seg.source {
-                SegmentSource::Zero => sink.zeros(seg.len)?,
-                SegmentSource::Prefix { offset: p } => {
-                    let bytes = usize::try_from(p)
-                        .ok()
-                        .zip(usize::try_from(seg.len).ok())
-                        .and_then(|(p, n)| image.prefix().get(p..p.checked_add(n)?));
-                    let Some(bytes) = bytes else {
-                        let reason = format!("prefix read {p}+{} out of bounds", seg.len);
-                        return Err(read_err(at, StoreError::Inconsistent { image: *image.id(), reason }));
-                    };
-                    sink.put(bytes)?;
-                }
-                SegmentSource::Chunk { chunk, offset: within } => {
-                    if !noted {
-                        noted = true;
-                        self.note_read(offset, len);
-                    }
-                    if let Some(trace) = &self.trace {
-                        trace.touch(chunk);
-                    }
-                    let data = if fetch {
-                        self.core.chunk(chunk).map_err(|source| RequestError::Read { offset: at, source })?
-                    } else {
-                        match self.core.cached(chunk) {
-                            Some(d) => d,
-                            None => return Ok(Visit::Missing),
-                        }
-                    };
-                    if self.core.prefetched.take(chunk) {
-                        self.core.stats.prefetch_used_bytes.fetch_add(data.len() as u64, Ordering::Relaxed);
-                    }
-                    // Bytes past the chunk's end read as zeros.
-                    let start = usize::try_from(within).unwrap_or(usize::MAX).min(data.len());
-                    let avail = (data.len() - start).min(usize::try_from(seg.len).unwrap_or(usize::MAX));
-                    sink.put(&data[start..start + avail])?;
-                    if (avail as u64) < seg.len {
-                        sink.zeros(seg.len - avail as u64)?;
-                    }
-                }
+        let chunk = |chunk: u32, at: u64| {
+            if !noted {
+                noted = true;
+                self.note_read(offset, len);
             }
-            at += seg.len;
-        }
-        Ok(Visit::Done)
+            if let Some(trace) = &self.trace {
+                trace.touch(chunk);
+            }
+            let data = if fetch {
+                self.core.chunk(chunk).map_err(|source| ReadError::Store { offset: at, source })?
+            } else {
+                match self.core.cached(chunk) {
+                    Some(d) => d,
+                    None => return Ok(None),
+                }
+            };
+            if self.core.prefetched.take(chunk) {
+                self.core.stats.prefetch_used_bytes.fetch_add(data.len() as u64, Ordering::Relaxed);
+            }
+            Ok(Some(data))
+        };
+        self.core.reader.image().walk(offset, len, chunk, |piece| match piece {
+            Piece::Bytes(b) => sink.put(b).map_err(ReadError::from),
+            Piece::Zeros(n) => sink.zeros(n).map_err(ReadError::from),
+        })
     }
 
     fn fetch_ahead(&self, offset: u64, len: u64, done: FetchDone) {
-        // Without memory to keep them in, chunks fetched ahead would be gone before the read
-        // copies them: the read fetches inline instead.
-        let Some(f) = self.fetcher.as_ref().filter(|_| self.core.capacity > 0) else { return done(Ok(())) };
+        if self.core.capacity == 0 {
+            // Without memory to keep them in, chunks fetched ahead would be gone before the read
+            // copies them: the read fetches inline, on a fetch thread.
+            return self.fetcher.run(Box::new(move || done(Ok(()))));
+        }
         match self.core.missing(offset, len) {
-            Ok(chunks) => f.fetch(&chunks, Priority::Demand, Some(done)),
+            Ok(chunks) => self.fetcher.fetch(&chunks, Priority::Demand, Some(done)),
             Err(e) => done(Err(Arc::new(e))),
         }
     }

@@ -1,58 +1,48 @@
-//! The base device bytes a device serves (and the overlay writes over), and how a read visits
-//! them without a bounce buffer.
+//! The device bytes a frontend serves (the daemon's guest reads, an export, the overlay's base),
+//! and how a read visits them without a bounce buffer.
 
 use std::sync::Arc;
 
-use tessera_store::{ChunkSource, ImageReader, StoreError};
+use tessera_store::{ChunkSource, ImageReader, Visit};
 
-use crate::error::RequestError;
+use crate::error::{ReadError, SinkError};
 use crate::fetcher::FetchDone;
 
 /// Where the bytes of a read go, in device order (the guest's buffers, or a plain buffer).
 pub trait Sink {
     /// The next `bytes.len()` bytes of the read.
-    fn put(&mut self, bytes: &[u8]) -> Result<(), RequestError>;
+    fn put(&mut self, bytes: &[u8]) -> Result<(), SinkError>;
     /// The next `n` bytes of the read are zeros.
-    fn zeros(&mut self, n: u64) -> Result<(), RequestError>;
-}
-
-/// The outcome of [`BlockSource::visit`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Visit {
-    /// Every byte went to the sink.
-    Done,
-    /// Without `fetch`: some bytes need a chunk that is not in memory. The sink may have
-    /// received a prefix of the range; visit again with `fetch` to get all of it.
-    Missing,
+    fn zeros(&mut self, n: u64) -> Result<(), SinkError>;
 }
 
 /// Device bytes to serve: the image read path (or a test double).
 pub trait BlockSource: Send + Sync {
     /// Fill `buf` with the device bytes at `offset` (the range is within the device).
-    fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), StoreError>;
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), ReadError>;
 
     /// Hand the device bytes `[offset, offset + len)` to `sink` in order. Without `fetch`,
     /// return [`Visit::Missing`] instead of blocking on a slow fetch (a source that never
     /// blocks ignores it). The default reads through [`Self::read_at`] in pieces of 1 MiB.
-    fn visit(&self, offset: u64, len: u64, fetch: bool, sink: &mut dyn Sink) -> Result<Visit, RequestError> {
+    fn visit(&self, offset: u64, len: u64, fetch: bool, sink: &mut dyn Sink) -> Result<Visit, ReadError> {
         let _ = fetch;
         let mut buf = vec![0u8; usize::try_from(len.min(1 << 20)).unwrap_or(1 << 20)];
         let mut pos = 0u64;
         while pos < len {
             let n = usize::try_from(len - pos).unwrap_or(usize::MAX).min(buf.len());
-            let at = offset + pos;
-            self.read_at(at, &mut buf[..n])
-                .map_err(|e| RequestError::Read { offset: at, source: Arc::new(e) })?;
+            self.read_at(offset + pos, &mut buf[..n])?;
             sink.put(&buf[..n])?;
             pos += n as u64;
         }
         Ok(Visit::Done)
     }
 
-    /// Start fetching, off the calling thread, what `[offset, offset + len)` needs that is not
-    /// in memory, and call `done` once it all is (with the error if a fetch failed, after its
-    /// retry). A source that cannot fetch in the background calls `done(Ok(()))` at once, and the
-    /// read then fetches inline (a [`Self::visit`] with `fetch`).
+    /// Arrange for `done` to be called once a read of `[offset, offset + len)` can finish without
+    /// waiting: when the chunks it needs that are not in memory have been fetched (with the
+    /// error if a fetch failed, after the refetch policy), on an engine thread — or at once on
+    /// the calling thread when nothing needs fetching. A source that cannot fetch in the
+    /// background runs `done(Ok(()))` at once and the read then fetches inline (a
+    /// [`Self::visit`] with `fetch`), on the caller's thread.
     fn fetch_ahead(&self, offset: u64, len: u64, done: FetchDone) {
         let _ = (offset, len);
         done(Ok(()))
@@ -60,17 +50,17 @@ pub trait BlockSource: Send + Sync {
 }
 
 impl<S: ChunkSource> BlockSource for ImageReader<S> {
-    fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), StoreError> {
-        ImageReader::read_at(self, offset, buf)
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), ReadError> {
+        ImageReader::read_at(self, offset, buf).map_err(|e| ReadError::store(offset, e))
     }
 }
 
 impl<T: BlockSource + ?Sized> BlockSource for Arc<T> {
-    fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), StoreError> {
+    fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), ReadError> {
         (**self).read_at(offset, buf)
     }
 
-    fn visit(&self, offset: u64, len: u64, fetch: bool, sink: &mut dyn Sink) -> Result<Visit, RequestError> {
+    fn visit(&self, offset: u64, len: u64, fetch: bool, sink: &mut dyn Sink) -> Result<Visit, ReadError> {
         (**self).visit(offset, len, fetch, sink)
     }
 
@@ -97,11 +87,11 @@ impl<'a> BufSink<'a> {
         Self { buf, pos: 0 }
     }
 
-    fn next(&mut self, n: u64) -> Result<&mut [u8], RequestError> {
+    fn next(&mut self, n: u64) -> Result<&mut [u8], SinkError> {
         let end =
             usize::try_from(n).ok().and_then(|n| self.pos.checked_add(n)).filter(|&e| e <= self.buf.len());
         let Some(end) = end else {
-            return Err(RequestError::GuestMemory { addr: 0, len: u32::try_from(n).unwrap_or(u32::MAX) });
+            return Err(SinkError { addr: self.pos as u64, len: u32::try_from(n).unwrap_or(u32::MAX) });
         };
         let out = &mut self.buf[self.pos..end];
         self.pos = end;
@@ -110,12 +100,12 @@ impl<'a> BufSink<'a> {
 }
 
 impl Sink for BufSink<'_> {
-    fn put(&mut self, bytes: &[u8]) -> Result<(), RequestError> {
+    fn put(&mut self, bytes: &[u8]) -> Result<(), SinkError> {
         self.next(bytes.len() as u64)?.copy_from_slice(bytes);
         Ok(())
     }
 
-    fn zeros(&mut self, n: u64) -> Result<(), RequestError> {
+    fn zeros(&mut self, n: u64) -> Result<(), SinkError> {
         self.next(n)?.fill(0);
         Ok(())
     }

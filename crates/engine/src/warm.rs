@@ -4,21 +4,18 @@
 //!
 //! Each chunk is first looked up in the cache (present and verified: nothing is fetched), else
 //! fetched through the cache's fetch-once path and published atomically. So a second run asks the
-//! origin for no data, and a run killed at any point resumes where it stopped.
+//! origin for no data, and a run killed at any point resumes where it stopped. The chunks are
+//! warmed on the engine's [`ChunkFetcher`] (the pool `serve` fetches on), `--jobs` at a time.
 
-use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::collections::HashSet;
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tessera_image::{ChunkId, ChunkRef, ImageId, PackLocation, Sha256Digest};
+use tessera_store::{decode_stored_chunk, read_profile, CachedStore, Origin, ReadStore, StoreError};
 use tracing::{debug, warn};
 
-use crate::cache::{CachedStore, Origin};
-use crate::error::StoreError;
-use crate::profile::read_profile;
-use crate::read_store::ReadStore;
-use crate::reader::decode_stored_chunk;
+use crate::fetcher::{ChunkFetcher, FetchLimits, Priority};
 
 /// `--jobs` unless told otherwise: chunk fetches in flight at once.
 pub const DEFAULT_WARM_JOBS: usize = 8;
@@ -74,6 +71,9 @@ struct Target {
     loc: PackLocation,
 }
 
+/// A warmed target: its position and outcome.
+type Done = (usize, Result<Outcome, StoreError>);
+
 enum Outcome {
     Present,
     Fetched,
@@ -83,12 +83,12 @@ enum Outcome {
 /// chunks with `options.jobs` workers, in profile order first. `progress` is called with the
 /// stored bytes of each chunk done (present, fetched or failed). Metadata failures are errors;
 /// chunk failures are collected in the report.
-pub fn warm<O: Origin>(
-    store: &CachedStore<O>,
+pub fn warm<O: Origin + 'static>(
+    store: &Arc<CachedStore<O>>,
     reference: &str,
     options: WarmOptions,
     start: &(dyn Fn(u64) + Sync),
-    progress: &(dyn Fn(u64) + Sync),
+    progress: &dyn Fn(u64),
 ) -> Result<WarmReport, StoreError> {
     let began = Instant::now();
     // Each of these goes through the cache: the tag lookup and the entry are cached as the
@@ -96,15 +96,13 @@ pub fn warm<O: Origin>(
     let id = store.resolve(reference)?;
     let image = store.open_image(&id)?;
     let map = &image.record().block_map;
-    let profile = read_profile(store, &id, image.entry(), map)?.map(|(_, p)| p);
+    let profile = read_profile(&**store, &id, image.entry(), map)?.map(|(_, p)| p);
     if options.profile_only && profile.is_none() {
         return Err(StoreError::NoProfile { image: id });
     }
 
-    let index_of: HashMap<ChunkId, u32> =
-        map.chunks().iter().enumerate().filter_map(|(i, c)| Some((c.id, u32::try_from(i).ok()?))).collect();
     let mut order: Vec<u32> =
-        profile.iter().flat_map(|p| p.entries()).filter_map(|e| index_of.get(&e.chunk).copied()).collect();
+        profile.iter().flat_map(|p| p.entries()).filter_map(|e| image.chunk_index(&e.chunk)).collect();
     if !options.profile_only {
         order.extend(0..u32::try_from(map.chunks().len()).unwrap_or(u32::MAX));
     }
@@ -124,21 +122,39 @@ pub fn warm<O: Origin>(
     start(bytes);
     debug!(image = %id, chunks = targets.len(), bytes, "warming");
 
-    let next = AtomicUsize::new(0);
-    let results: Mutex<Vec<(usize, Result<Outcome, StoreError>)>> =
-        Mutex::new(Vec::with_capacity(targets.len()));
-    let worker = || loop {
-        let i = next.fetch_add(1, Ordering::Relaxed);
-        let Some(t) = targets.get(i) else { break };
-        let outcome = warm_chunk(store, t);
-        progress(u64::from(t.loc.stored_len));
-        results.lock().unwrap_or_else(std::sync::PoisonError::into_inner).push((i, outcome));
+    // Each target is one fetcher job keyed by its position in `targets`: the fetcher runs
+    // `options.jobs` at once and each once; outcomes are collected by position.
+    let targets = Arc::new(targets);
+    let results: Arc<Mutex<Vec<Done>>> = Arc::new(Mutex::new(Vec::with_capacity(targets.len())));
+    let (tx, rx) = mpsc::channel::<u64>();
+    let fetcher = {
+        let (store, targets, results) = (Arc::clone(store), Arc::clone(&targets), Arc::clone(&results));
+        let limits = FetchLimits::new(options.jobs.clamp(1, targets.len().max(1)));
+        ChunkFetcher::start(
+            limits,
+            move |i, _| {
+                if let Some(t) = targets.get(i as usize) {
+                    let outcome = warm_chunk(&store, t);
+                    lock(&results).push((i as usize, outcome));
+                    let _ = tx.send(u64::from(t.loc.stored_len));
+                }
+                Ok(())
+            },
+            |_| 0,
+        )
+        .map_err(|source| StoreError::Io {
+            op: "starting the warm threads",
+            path: Default::default(),
+            source,
+        })?
     };
-    std::thread::scope(|s| {
-        for _ in 0..options.jobs.clamp(1, targets.len().max(1)) {
-            s.spawn(worker);
-        }
-    });
+    let all: Vec<u32> = (0..u32::try_from(targets.len()).unwrap_or(u32::MAX)).collect();
+    fetcher.fetch(&all, Priority::Demand, None);
+    // Every target reports once (single flight); progress is reported on this thread.
+    for bytes in rx.iter().take(targets.len()) {
+        progress(bytes);
+    }
+    drop(fetcher);
 
     let mut report = WarmReport {
         image: id,
@@ -152,7 +168,7 @@ pub fn warm<O: Origin>(
         has_profile: profile.is_some(),
         elapsed: Duration::ZERO,
     };
-    let mut results = results.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let mut results = std::mem::take(&mut *lock(&results));
     results.sort_by_key(|r| r.0);
     for (i, outcome) in results {
         let t = &targets[i];
@@ -190,4 +206,8 @@ fn warm_chunk<O: Origin>(store: &CachedStore<O>, t: &Target) -> Result<Outcome, 
     // that does not decode to its id is a failure, not a warmed chunk.
     decode_stored_chunk(&t.chunk, &t.pack, &t.loc, &stored)?;
     Ok(Outcome::Fetched)
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }

@@ -1,4 +1,6 @@
-//! The chunk fetcher: a pool of threads fetching chunks into the memory tier, by priority.
+//! The chunk fetcher: the engine's one pool of worker threads. It fetches chunks by priority,
+//! and runs the frontends' jobs (finishing a deferred guest read, an export's piece) beside the
+//! demand fetches, so serve, export and warm need no thread pool of their own.
 //!
 //! - **Demand** fetches (a guest read is waiting) always go first; any free thread takes one.
 //! - **Background** fetches (readahead, profile prefetch) run only when no demand fetch is
@@ -24,6 +26,9 @@ pub type FetchResult = Result<(), Arc<StoreError>>;
 
 /// Called once the chunks a read needs are all fetched (or one failed), on a fetcher thread.
 pub type FetchDone = Box<dyn FnOnce(FetchResult) + Send>;
+
+/// Work a frontend runs on the fetcher's threads ([`ChunkFetcher::run`]).
+pub type Job = Box<dyn FnOnce() + Send>;
 
 /// Default number of fetcher threads for a local store (a `pread` each).
 pub const DEFAULT_LOCAL_FETCH_JOBS: usize = 4;
@@ -126,6 +131,8 @@ struct State {
     /// One queue per [`Priority`] (a promoted chunk also stays in its old queue, where it is
     /// skipped once started).
     queues: [VecDeque<u32>; 3],
+    /// Frontend jobs, run with demand priority (after the queued demand fetches).
+    jobs: VecDeque<Job>,
     entries: HashMap<u32, Entry>,
     running: usize,
     running_background: usize,
@@ -185,6 +192,7 @@ impl ChunkFetcher {
             cost: Box::new(cost),
             state: Mutex::new(State {
                 queues: Default::default(),
+                jobs: VecDeque::new(),
                 entries: HashMap::new(),
                 running: 0,
                 running_background: 0,
@@ -220,6 +228,14 @@ impl ChunkFetcher {
     /// Fetches queued or running.
     pub fn pending(&self) -> usize {
         lock(&self.shared.state).entries.len()
+    }
+
+    /// Run `job` on a fetcher thread with demand priority (behind the demand fetches queued
+    /// before it, ahead of every background fetch). Jobs queued when the fetcher is dropped
+    /// still run.
+    pub fn run(&self, job: Job) {
+        lock(&self.shared.state).jobs.push_back(job);
+        self.shared.wake.notify_one();
     }
 
     /// Fetch `chunks` (the caller has checked they are not in memory; one that arrived meanwhile
@@ -282,6 +298,14 @@ impl Shared {
                 if claim(&mut st, c) {
                     st = self.fetch_one(st, c, false);
                 }
+                continue;
+            }
+            if let Some(job) = st.jobs.pop_front() {
+                st.running += 1;
+                drop(st);
+                job();
+                st = lock(&self.state);
+                st.running -= 1;
                 continue;
             }
             if st.stopped {
@@ -530,6 +554,32 @@ mod tests {
         let (done, rx) = done_channel();
         f.fetch(&[], Priority::Demand, Some(done));
         assert!(rx.try_recv().unwrap().is_ok(), "no chunks: done at once");
+    }
+
+    #[test]
+    fn jobs_run_on_fetch_threads_ahead_of_queued_background_fetches() {
+        let gates = Gates::new();
+        // 2 threads, 1 background slot: 100 runs, 101 waits for the slot.
+        let f = fetcher(FetchLimits { jobs: 2, background_jobs: 1, background_bytes_per_sec: None }, &gates);
+        f.fetch(&[100, 101], Priority::Prefetch, None);
+        assert_eq!(gates.wait_started(1), vec![100]);
+        let (tx, rx) = mpsc::channel();
+        f.run(Box::new(move || {
+            let _ = tx.send(std::thread::current().name().map(str::to_owned));
+        }));
+        let thread = rx.recv_timeout(Duration::from_secs(10)).unwrap().unwrap();
+        assert!(thread.starts_with("tessera-chunk-"), "ran on {thread}");
+        assert_eq!(gates.state.lock().unwrap().0, vec![100], "101 still waits for the background slot");
+        gates.release(100);
+        assert_eq!(gates.wait_started(2), vec![100, 101]);
+        gates.release(101);
+        // A job queued when the fetcher is dropped still runs.
+        let (tx, rx) = mpsc::channel();
+        f.run(Box::new(move || {
+            let _ = tx.send(());
+        }));
+        drop(f);
+        assert!(rx.recv_timeout(Duration::from_secs(10)).is_ok());
     }
 
     #[test]

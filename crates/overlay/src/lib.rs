@@ -25,18 +25,16 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
+use tessera_engine::{BlockSource, FetchDone, ReadError, Sink, SinkError, Visit};
 use tessera_image::ImageId;
-use tessera_store::StoreError;
 use thiserror::Error;
 use tracing::{debug, info, warn};
 
-use self::extents::{ExtentMap, FreeSpace, Mapping};
-use self::format::{
+use crate::extents::{ExtentMap, FreeSpace, Mapping};
+use crate::format::{
     Header, HeaderProblem, Op, Record, RecordProblem, HEADER_B_OFFSET, HEADER_LEN, RECORD_LEN,
 };
-use self::io::{FileIo, OverlayIo};
-use crate::error::RequestError;
-use crate::source::{BlockSource, Sink, Visit};
+use crate::io::{FileIo, OverlayIo};
 
 /// What an overlay belongs to; an overlay made for other parameters is refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,10 +49,17 @@ pub struct OverlayParams {
 #[derive(Debug, Error)]
 #[non_exhaustive]
 pub enum OverlayError {
-    #[error("{what} at byte {offset} of the overlay: {source}")]
-    Io { what: &'static str, offset: u64, source: stdio::Error },
-    #[error("reading the base image at byte {offset}: {source}")]
-    Base { offset: u64, source: StoreError },
+    #[error("{what} at byte {offset} of the overlay")]
+    Io {
+        what: &'static str,
+        offset: u64,
+        #[source]
+        source: stdio::Error,
+    },
+    #[error("reading the base image")]
+    Base(#[from] ReadError),
+    #[error(transparent)]
+    Sink(#[from] SinkError),
     #[error("not a Tessera overlay ({0})")]
     NotAnOverlay(&'static str),
     #[error("overlay format version {0} is not supported (this tessera reads version 1)")]
@@ -77,8 +82,12 @@ pub enum OverlayError {
     ReadOnly,
     #[error("the overlay is in use by another process")]
     InUse,
-    #[error("overlay {}: {source}", path.display())]
-    At { path: PathBuf, source: Box<OverlayError> },
+    #[error("overlay {}", path.display())]
+    At {
+        path: PathBuf,
+        #[source]
+        source: Box<OverlayError>,
+    },
 }
 
 impl OverlayError {
@@ -576,7 +585,7 @@ impl Overlay {
         }
         for (lo, n) in base_ranges {
             let out = &mut buf[(lo - offset) as usize..(lo - offset + n) as usize];
-            self.base.read_at(lo, out).map_err(|source| OverlayError::Base { offset: lo, source })?;
+            self.base.read_at(lo, out)?;
         }
         Ok(())
     }
@@ -588,7 +597,7 @@ impl Overlay {
     /// reused before it is read), so with `fetch` a writer waits for the base's fetch.
     /// Fetch ahead what the base needs for `[offset, offset + len)` (see
     /// [`BlockSource::fetch_ahead`]; blocks the overlay holds may be fetched needlessly).
-    pub fn fetch_ahead(&self, offset: u64, len: u64, done: crate::fetcher::FetchDone) {
+    pub fn fetch_ahead(&self, offset: u64, len: u64, done: FetchDone) {
         self.base.fetch_ahead(offset, len, done)
     }
 
@@ -598,14 +607,14 @@ impl Overlay {
         len: u64,
         fetch: bool,
         sink: &mut dyn Sink,
-    ) -> Result<Visit, RequestError> {
-        self.check_range(offset, len).map_err(|e| RequestError::Overlay { offset, source: Arc::new(e) })?;
+    ) -> Result<Visit, OverlayError> {
+        self.check_range(offset, len)?;
         if len == 0 {
             return Ok(Visit::Done);
         }
         let st = read_state(&self.state);
         if st.map.is_empty() {
-            return self.base.visit(offset, len, fetch, sink);
+            return Ok(self.base.visit(offset, len, fetch, sink)?);
         }
         let first = offset / self.bs;
         let end = (offset + len).div_ceil(self.bs);
@@ -623,10 +632,7 @@ impl Overlay {
                 Some(Mapping::Slot(s)) => {
                     let at = s * self.bs + (lo - piece.block * self.bs);
                     buf.resize(usize::try_from(hi - lo).unwrap_or(usize::MAX), 0);
-                    self.io.read_at(&mut buf, at).map_err(|e| RequestError::Overlay {
-                        offset: lo,
-                        source: Arc::new(OverlayError::io("reading", at)(e)),
-                    })?;
+                    self.io.read_at(&mut buf, at).map_err(OverlayError::io("reading", at))?;
                     sink.put(&buf)?;
                 }
             }

@@ -1,0 +1,46 @@
+//! Publishes the memory tier's figures in [`Metrics`]: the counters it already keeps are copied
+//! in at each scrape, so its hot paths pay nothing more.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use tessera_metrics::{mirror, Metrics, Tier};
+use tessera_store::ChunkSource;
+
+use crate::tier::MemTier;
+
+/// Publish `tier`'s hits, misses, fills and size (as `tier="memory"`).
+pub fn watch_mem_tier<S: ChunkSource + 'static>(metrics: &Arc<Metrics>, tier: &Arc<MemTier<S>>) {
+    metrics.memory_tier.capacity_bytes.set(gauge_value(tier.capacity()));
+    let m = Arc::clone(metrics);
+    let tier = Arc::downgrade(tier);
+    metrics.on_scrape(move || {
+        let Some(tier) = tier.upgrade() else { return };
+        // First: delivers moka's pending evictions (prefetched chunks evicted unused).
+        m.memory_tier.bytes.set(gauge_value(tier.weighted_size()));
+        m.prefetch.unused_bytes.set(gauge_value(tier.prefetch_unused_bytes()));
+        let stats = tier.stats();
+        let memory = m.tiers.of(Tier::Memory);
+        mirror(&memory.hits, stats.hits.load(Ordering::Relaxed));
+        mirror(&memory.misses, stats.misses.load(Ordering::Relaxed));
+        mirror(&m.memory_tier.fills, stats.fetches.load(Ordering::Relaxed));
+        mirror(&m.memory_tier.fill_bytes, stats.fetched_bytes.load(Ordering::Relaxed));
+        mirror(&m.memory_tier.refetches, tier.refetches());
+        mirror(&m.prefetch.readahead_queued, stats.readahead_chunks.load(Ordering::Relaxed));
+        mirror(&m.prefetch.profile_queued, stats.prefetch_chunks.load(Ordering::Relaxed));
+        mirror(&m.prefetch.chunks, stats.prefetched_chunks.load(Ordering::Relaxed));
+        mirror(&m.prefetch.bytes, stats.prefetched_bytes.load(Ordering::Relaxed));
+        mirror(&m.prefetch.used_bytes, stats.prefetch_used_bytes.load(Ordering::Relaxed));
+        mirror(&m.prefetch.wasted_bytes, stats.prefetch_wasted_bytes.load(Ordering::Relaxed));
+        m.memory_tier.chunks.set(gauge_value(tier.chunks()));
+        m.fetch.queue_depth.set(gauge_value(tier.pending_fetches() as u64));
+        let f = tier.fetcher_stats();
+        mirror(&m.fetch.demand_fetches, f.demand.load(Ordering::Relaxed));
+        mirror(&m.fetch.background_fetches, f.background.load(Ordering::Relaxed));
+        mirror(&m.fetch.joined, f.joined.load(Ordering::Relaxed));
+    });
+}
+
+fn gauge_value(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
