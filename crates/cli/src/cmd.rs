@@ -9,10 +9,7 @@ use serde::Serialize;
 use tessera_builder::source::SourceSpec;
 use tessera_builder::Progress;
 use tessera_builder::{BuildConfig, BuildError};
-use tessera_engine::{
-    export_raw, ExportError, ExportOptions, FetchLimits, MemTier, DEFAULT_LOCAL_FETCH_JOBS,
-    DEFAULT_REMOTE_FETCH_JOBS,
-};
+use tessera_engine::{export_raw, ExportError, ExportOptions};
 use tessera_ext4::SizePolicy;
 use tessera_image::{ImageId, ImageRecord, PackIndex, RuntimeConfig};
 use tessera_store::{read_profile, ImageReader, ReadStore, StoreError, StoreLocation};
@@ -115,14 +112,13 @@ pub fn export(args: ExportArgs) -> Result<()> {
     };
     let image = Arc::new(store.open_image(&id)?);
     let reader = ImageReader::new(Arc::clone(&image), store.chunk_source(&image));
-    // Through the read engine: the chunks ahead of the writer are fetched in parallel, each
-    // once (a remote store keeps up to 64 requests in flight, as `serve` does).
-    let jobs = if local.is_some() { DEFAULT_LOCAL_FETCH_JOBS } else { DEFAULT_REMOTE_FETCH_JOBS };
+    // Read serially through the verified read path, 4 MiB pieces whose chunks of one pack are
+    // fetched in one ranged request (the engine's parallel per-chunk fetch, `MemTier`, does not
+    // coalesce ranges yet: docs/daemon.md).
     let options = ExportOptions::default();
-    let tier = MemTier::new(reader, 2 * options.ahead_bytes, FetchLimits::new(jobs))?;
     let bar = Bar::new("exporting");
     let mut started = false;
-    let stats = export_raw(&image, &tier, options, &args.output, |p| {
+    let stats = export_raw(&image, &reader, options, &args.output, |p| {
         if !started {
             bar.start(p.total_bytes);
             started = true;
