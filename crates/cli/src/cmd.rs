@@ -303,7 +303,7 @@ impl Inspect {
             packs: index.packs().len() as u64,
             dedup_ratio: ratio(s.data_bytes, unique_chunk_bytes),
             compression_ratio: ratio(unique_chunk_bytes, stored_chunk_bytes),
-            prefix_bytes: record.prefix.blocks * 4096,
+            prefix_bytes: record.prefix.blocks * tessera_image::BlockSize::U64,
             prefix_stored_bytes,
             chunk_size: record.options.chunk_size,
             has_profile: entry.profile.is_some(),
@@ -326,12 +326,12 @@ impl std::fmt::Display for Inspect {
             HumanBytes(doc.geometry.size_bytes),
             doc.geometry.blocks,
             doc.geometry.groups,
-            HumanBytes(doc.geometry.journal_blocks * 4096)
+            HumanBytes(doc.geometry.journal_blocks * tessera_image::BlockSize::U64)
         )?;
         writeln!(
             f,
             "Free       {} and {} inodes",
-            HumanBytes(doc.geometry.free_blocks * 4096),
+            HumanBytes(doc.geometry.free_blocks * tessera_image::BlockSize::U64),
             doc.geometry.free_inodes
         )?;
         writeln!(

@@ -1,7 +1,7 @@
 //! The device's identity and limits: virtio feature bits, the virtio-blk configuration space
 //! (`struct virtio_blk_config`, 96 bytes, little-endian) and the GET_ID serial.
 
-use tessera_image::ImageId;
+use tessera_image::{BlockSize, ImageId};
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use virtio_bindings::bindings::virtio_blk::{
     VIRTIO_BLK_F_BLK_SIZE, VIRTIO_BLK_F_DISCARD, VIRTIO_BLK_F_FLUSH, VIRTIO_BLK_F_MQ, VIRTIO_BLK_F_RO,
@@ -14,8 +14,6 @@ use crate::request::{MAX_DISCARD_SEGMENTS, SECTOR_SIZE, SEG_MAX};
 
 /// Size of `struct virtio_blk_config` (up to and including the zoned fields).
 pub const CONFIG_SPACE_LEN: usize = 96;
-/// Logical block size advertised to the guest (`blk_size`): the ext4 block size.
-pub const BLK_SIZE: u32 = 4096;
 /// Largest single data buffer the guest may use (`size_max`).
 pub const SIZE_MAX: u32 = 1 << 20;
 /// Ring size the backend accepts; microvm uses 1024-entry rings whatever `queue-size` says.
@@ -84,11 +82,11 @@ impl DeviceConfig {
         put(8, &SIZE_MAX.to_le_bytes()); // size_max
         put(12, &SEG_MAX.to_le_bytes()); // seg_max
                                          // 16..20 geometry: not offered
-        put(20, &BLK_SIZE.to_le_bytes()); // blk_size
+        put(20, &BlockSize::U32.to_le_bytes()); // blk_size: the image's block size
                                           // 24..32 topology: not offered; 32 writeback: no CONFIG_WCE
         put(34, &self.queues.to_le_bytes()); // num_queues
         if !self.read_only {
-            let align = BLK_SIZE / SECTOR_SIZE as u32;
+            let align = BlockSize::U32 / SECTOR_SIZE as u32;
             put(36, &MAX_DISCARD_SECTORS.to_le_bytes()); // max_discard_sectors
             put(40, &MAX_DISCARD_SEGMENTS.to_le_bytes()); // max_discard_seg
             put(44, &align.to_le_bytes()); // discard_sector_alignment

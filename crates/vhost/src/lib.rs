@@ -47,7 +47,7 @@ pub mod request;
 pub mod server;
 
 pub use backend::{BlkBackend, GuestMem, DRAIN_TIMEOUT};
-pub use config::{serial_for, DeviceConfig, BLK_SIZE, MAX_QUEUES, MAX_QUEUE_SIZE};
+pub use config::{serial_for, DeviceConfig, MAX_QUEUES, MAX_QUEUE_SIZE};
 pub use error::{DropReason, RequestError, ServeError, Status};
 pub use execute::{serve_chain, start_chain, Completion, DeferredRead, Disk, Executed, Started};
 pub use request::{Parsed, Request, RequestKind};
