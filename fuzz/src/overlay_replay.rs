@@ -29,7 +29,7 @@ use std::sync::{Arc, Mutex};
 use tessera_image::{ImageId, Sha256Digest};
 use tessera_overlay::format::{Header, HEADER_B_OFFSET, HEADER_LEN, MAGIC, RECORD_LEN};
 use tessera_overlay::io::OverlayIo;
-use tessera_engine::BlockSource;
+use tessera_engine::BlockDevice;
 use tessera_overlay::{Mode as OverlayMode, Overlay, OverlayParams};
 
 use crate::vhost_request::SectorPattern;
@@ -248,7 +248,7 @@ pub fn run(data: &[u8]) {
     reseal(&mut file, case.flags, bs);
     let blocks = params.device_bytes / bs as u64;
     let interesting = blocks_of_interest(&file, bs, blocks);
-    let base: Arc<dyn BlockSource> = Arc::new(SectorPattern);
+    let base: Arc<dyn BlockDevice> = Arc::new(SectorPattern);
     let io = MemIo::new(file.clone());
 
     if case.flags & F_READ_ONLY != 0 {

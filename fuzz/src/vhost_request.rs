@@ -30,7 +30,7 @@ use tessera_vhost::plan::{plan, Plan};
 use tessera_vhost::request::{
     parse, GuestSeg, Parsed, RequestKind, HEADER_LEN, MAX_DESCRIPTORS, SECTOR_SIZE,
 };
-use tessera_engine::{BlockSource, ReadError};
+use tessera_engine::{BlockDevice, ReadError};
 use tessera_overlay::{Mode as OverlayMode, Overlay, OverlayParams};
 use tessera_vhost::{serve_chain, DeviceConfig, Disk, RequestError};
 use virtio_queue::desc::split::Descriptor;
@@ -150,7 +150,7 @@ pub fn segment(sector: u64, sectors: u32, flags: u32) -> Vec<u8> {
 #[derive(Debug)]
 pub struct SectorPattern;
 
-impl BlockSource for SectorPattern {
+impl BlockDevice for SectorPattern {
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), ReadError> {
         let mut at = offset;
         let mut rest = &mut buf[..];
@@ -228,9 +228,9 @@ pub fn run(data: &[u8]) {
     check_parse(&parsed, &descs, &mem, &device, &mut serve);
 
     if serve {
-        let base: Arc<dyn BlockSource> = Arc::new(SectorPattern);
+        let base: Arc<dyn BlockDevice> = Arc::new(SectorPattern);
         let disk = if read_only {
-            Disk::ReadOnly(base)
+            Disk::Base(base)
         } else {
             let params = OverlayParams { image_id: device_id(), block_size: 4096, device_bytes: capacity };
             let o = Overlay::create(Box::new(MemIo::default()), params, base, OverlayMode::Volatile).unwrap();

@@ -287,7 +287,7 @@ pub fn run(config: ServeConfig) -> Result<()> {
     let device = DeviceConfig::new(&id, reader.device_bytes(), config.queues, config.writes.read_only());
     let params = OverlayParams { image_id: id, block_size: BLOCK_SIZE, device_bytes: reader.device_bytes() };
     let disk = match &config.writes {
-        Writes::Refused => Disk::ReadOnly(reader),
+        Writes::Refused => Disk::Base(reader),
         Writes::RefusedOverOverlay(path) => {
             Disk::Overlay(Arc::new(Overlay::open_file(path, params, reader, OverlayMode::ReadOnly)?))
         }

@@ -2,7 +2,7 @@
 //!
 //! The device is cut into pieces (contiguous chunk runs joined up to 4 MiB, prefix runs split
 //! into 4 MiB); the chunks of the pieces ahead of the writer are fetched in parallel by the
-//! source ([`BlockSource::fetch_ahead`]: the memory tier's chunk fetcher, each chunk once, so a
+//! source ([`BlockDevice::fetch_ahead`]: the memory tier's chunk fetcher, each chunk once, so a
 //! remote store keeps many requests in flight), and the calling thread copies each piece out of
 //! memory into the file in device order, skipping all-zero blocks.
 
@@ -17,9 +17,9 @@ use tessera_store::{OpenImage, StoreError};
 use thiserror::Error;
 use tracing::debug;
 
+use crate::device::BlockDevice;
 use crate::error::ReadError;
 use crate::fetcher::FetchResult;
-use crate::source::BlockSource;
 
 const BS: usize = BLOCK_SIZE as usize;
 /// The most bytes of contiguous chunk runs joined into one piece.
@@ -88,7 +88,7 @@ impl Default for ExportOptions {
 /// returning; on error it is removed.
 pub fn export_raw(
     image: &OpenImage,
-    source: &dyn BlockSource,
+    source: &dyn BlockDevice,
     options: ExportOptions,
     path: &Path,
     mut progress: impl FnMut(ExportProgress),
@@ -130,7 +130,7 @@ fn pieces(image: &OpenImage) -> Vec<Piece> {
 
 fn export_inner(
     image: &OpenImage,
-    source: &dyn BlockSource,
+    source: &dyn BlockDevice,
     options: ExportOptions,
     path: &Path,
     progress: &mut dyn FnMut(ExportProgress),

@@ -2,8 +2,8 @@
 //!
 //! - [`MemTier`]: decoded, verified chunks in memory (moka, weighted by bytes) in front of the
 //!   store's verified read path (`tessera_store::ImageReader`: disk cache, origin). Reads are
-//!   handed to a [`Sink`] straight out of memory ([`BlockSource::visit`]); a read missing memory
-//!   says so ([`Visit::Missing`]) instead of blocking, and [`BlockSource::fetch_ahead`] calls
+//!   handed to a [`Sink`] straight out of memory ([`BlockDevice::visit`]); a read missing memory
+//!   says so ([`Visit::Missing`]) instead of blocking, and [`BlockDevice::fetch_ahead`] calls
 //!   back once it can finish.
 //! - [`ChunkFetcher`]: the one pool of worker threads — demand fetches, then readahead, then
 //!   profile prefetch; each chunk fetched once however many readers want it (single flight);
@@ -19,7 +19,7 @@
 //! `tessera export` and `tessera warm`.
 //!
 //! ```no_run
-//! use tessera_engine::{BlockSource, FetchLimits, MemTier};
+//! use tessera_engine::{BlockDevice, FetchLimits, MemTier};
 //! use tessera_store::{ImageReader, LocalStore, OpenImage};
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let store = LocalStore::open("/var/lib/tessera")?;
@@ -31,22 +31,22 @@
 //! # Ok(()) }
 //! ```
 
+pub mod device;
 pub mod error;
 pub mod export;
 pub mod fetcher;
 pub mod metrics;
-pub mod source;
 pub mod tier;
 pub mod trace;
 pub mod warm;
 
+pub use device::{BlockDevice, BufSink, Sink};
 pub use error::{Chain, ReadError, SinkError, StartError};
 pub use export::{export_raw, ExportError, ExportOptions, ExportProgress, ExportStats};
 pub use fetcher::{
     ChunkFetcher, FetchDone, FetchLimits, FetchResult, FetcherStats, Job, Priority, DEFAULT_LOCAL_FETCH_JOBS,
     DEFAULT_REMOTE_FETCH_JOBS,
 };
-pub use source::{BlockSource, BufSink, Sink};
 pub use tessera_store::Visit;
 pub use tier::{MemTier, TierStats, DEFAULT_MEM_CACHE, DEFAULT_READAHEAD};
 pub use trace::{TraceError, TraceRecorder};

@@ -1,11 +1,11 @@
 //! The memory tier: decoded, verified chunks kept in memory (moka, weighted by bytes), in front
 //! of an [`ImageReader`]'s chunk source. Reads are served straight out of the cached chunks into
-//! the guest's buffers ([`BlockSource::visit`]); a read that needs a chunk not in memory is
+//! the guest's buffers ([`BlockDevice::visit`]); a read that needs a chunk not in memory is
 //! reported as [`Visit::Missing`] so the daemon can fetch it off the queue thread.
 //!
 //! On its [`ChunkFetcher`] the chunks a deferred read needs are
 //! fetched in parallel, once each however many reads wait for them
-//! ([`BlockSource::fetch_ahead`]); sequential reads within a file fetch the next chunks ahead
+//! ([`BlockDevice::fetch_ahead`]); sequential reads within a file fetch the next chunks ahead
 //! ([`MemTier::with_readahead`]); and a prefetch profile's chunks can be fetched in the
 //! background ([`MemTier::prefetch`]). Demand fetches always go first.
 
@@ -17,9 +17,9 @@ use moka::sync::Cache;
 use tessera_image::{ChunkId, SegmentSource};
 use tessera_store::{ChunkSource, ImageReader, Piece, StoreError, Visit};
 
+use crate::device::{BlockDevice, BufSink, Sink};
 use crate::error::{ReadError, StartError};
 use crate::fetcher::{ChunkFetcher, FetchDone, FetchLimits, FetcherStats, Priority};
-use crate::source::{BlockSource, BufSink, Sink};
 use crate::trace::TraceRecorder;
 
 /// `--mem-cache` unless told otherwise: 256 MiB of decoded chunks.
@@ -400,7 +400,7 @@ impl<S: ChunkSource> MemTier<S> {
     }
 }
 
-impl<S: ChunkSource> BlockSource for MemTier<S> {
+impl<S: ChunkSource> BlockDevice for MemTier<S> {
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), ReadError> {
         let len = buf.len() as u64;
         self.visit(offset, len, true, &mut BufSink::new(buf)).map(|_| ())

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use common::{build_image, BS};
-use tessera_engine::{export_raw, BlockSource, ExportError, ExportOptions, FetchLimits, MemTier, ReadError};
+use tessera_engine::{export_raw, BlockDevice, ExportError, ExportOptions, FetchLimits, MemTier, ReadError};
 use tessera_image::Sha256Digest;
 use tessera_store::{ChunkSource, ImageReader, LocalStore, OpenImage, StoreError};
 
@@ -45,7 +45,7 @@ fn export_is_exact_and_sparse_serial_and_parallel() {
         FetchLimits::new(8),
     )
     .unwrap();
-    let sources: [(&str, &dyn BlockSource); 2] = [("serial", &serial), ("parallel", &tier)];
+    let sources: [(&str, &dyn BlockDevice); 2] = [("serial", &serial), ("parallel", &tier)];
     for (name, source_under_test) in sources {
         let out = dir.path().join(format!("{name}.raw"));
         std::fs::write(&out, vec![0xffu8; 3 * BS]).unwrap(); // old content must not survive
@@ -91,7 +91,7 @@ fn a_corrupt_chunk_fails_the_export_and_leaves_nothing() {
     let tier =
         MemTier::new(ImageReader::new(Arc::clone(&image), store.clone()), 64 << 20, FetchLimits::new(4))
             .unwrap();
-    let sources: [(&str, &dyn BlockSource); 2] = [("serial", &serial), ("parallel", &tier)];
+    let sources: [(&str, &dyn BlockDevice); 2] = [("serial", &serial), ("parallel", &tier)];
     for (name, source) in sources {
         let out = dir.path().join(format!("{name}.raw"));
         // One piece in flight at a time: the export stops at the first failure, so the chunk is

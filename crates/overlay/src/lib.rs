@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-use tessera_engine::{BlockSource, FetchDone, ReadError, Sink, SinkError, Visit};
+use tessera_engine::{BlockDevice, FetchDone, ReadError, Sink, SinkError, Visit};
 use tessera_image::ImageId;
 use thiserror::Error;
 use tracing::{debug, info, warn};
@@ -133,7 +133,7 @@ pub struct OverlayStats {
 /// The copy-on-write overlay of one device.
 pub struct Overlay {
     io: Box<dyn OverlayIo>,
-    base: Arc<dyn BlockSource>,
+    base: Arc<dyn BlockDevice>,
     params: OverlayParams,
     bs: u64,
     mode: Mode,
@@ -188,7 +188,7 @@ impl Overlay {
     pub fn create_file(
         path: &Path,
         params: OverlayParams,
-        base: Arc<dyn BlockSource>,
+        base: Arc<dyn BlockDevice>,
     ) -> Result<Self, OverlayError> {
         let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
         let tmp = path.with_file_name(format!(".{name}.{}.tmp", std::process::id()));
@@ -223,7 +223,7 @@ impl Overlay {
     pub fn open_or_create_file(
         path: &Path,
         params: OverlayParams,
-        base: Arc<dyn BlockSource>,
+        base: Arc<dyn BlockDevice>,
     ) -> Result<Self, OverlayError> {
         if path.exists() {
             Self::open_file(path, params, base, Mode::Durable)
@@ -236,7 +236,7 @@ impl Overlay {
     pub fn open_file(
         path: &Path,
         params: OverlayParams,
-        base: Arc<dyn BlockSource>,
+        base: Arc<dyn BlockDevice>,
         mode: Mode,
     ) -> Result<Self, OverlayError> {
         let writable = mode != Mode::ReadOnly;
@@ -253,7 +253,7 @@ impl Overlay {
     pub fn temporary(
         dir: &Path,
         params: OverlayParams,
-        base: Arc<dyn BlockSource>,
+        base: Arc<dyn BlockDevice>,
     ) -> Result<Self, OverlayError> {
         let file = tempfile::tempfile_in(dir).map_err(|e| OverlayError::io("creating", 0)(e).at(dir))?;
         Self::create(Box::new(FileIo::new(file)), params, base, Mode::Volatile)
@@ -263,7 +263,7 @@ impl Overlay {
     pub fn create(
         io: Box<dyn OverlayIo>,
         params: OverlayParams,
-        base: Arc<dyn BlockSource>,
+        base: Arc<dyn BlockDevice>,
         mode: Mode,
     ) -> Result<Self, OverlayError> {
         let bs = check_params(&params)?;
@@ -296,7 +296,7 @@ impl Overlay {
     pub fn open(
         io: Box<dyn OverlayIo>,
         params: OverlayParams,
-        base: Arc<dyn BlockSource>,
+        base: Arc<dyn BlockDevice>,
         mode: Mode,
     ) -> Result<Self, OverlayError> {
         let bs = check_params(&params)?;
@@ -394,7 +394,7 @@ impl Overlay {
 
     fn assemble(
         io: Box<dyn OverlayIo>,
-        base: Arc<dyn BlockSource>,
+        base: Arc<dyn BlockDevice>,
         params: OverlayParams,
         mode: Mode,
         map: ExtentMap,
@@ -591,12 +591,12 @@ impl Overlay {
     }
 
     /// Hand the device bytes `[offset, offset + len)` to `sink` in order: overlay slots (read
-    /// from the file), zeros, or the base's [`BlockSource::visit`] (straight from its memory
+    /// from the file), zeros, or the base's [`BlockDevice::visit`] (straight from its memory
     /// tier). Without `fetch`, [`Visit::Missing`] when the base would have to fetch a chunk.
     /// The map's read lock is held throughout (a slot released meanwhile could otherwise be
     /// reused before it is read), so with `fetch` a writer waits for the base's fetch.
     /// Fetch ahead what the base needs for `[offset, offset + len)` (see
-    /// [`BlockSource::fetch_ahead`]; blocks the overlay holds may be fetched needlessly).
+    /// [`BlockDevice::fetch_ahead`]; blocks the overlay holds may be fetched needlessly).
     pub fn fetch_ahead(&self, offset: u64, len: u64, done: FetchDone) {
         self.base.fetch_ahead(offset, len, done)
     }

@@ -20,7 +20,7 @@ const DEV: u64 = BS * BLOCKS;
 /// Base device byte `o` is `(o / 7) % 251 + 1` (never all zeros).
 struct Pattern;
 
-impl BlockSource for Pattern {
+impl BlockDevice for Pattern {
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), ReadError> {
         for (i, b) in buf.iter_mut().enumerate() {
             *b = (((offset + i as u64) / 7) % 251 + 1) as u8;

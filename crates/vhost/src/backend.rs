@@ -89,7 +89,7 @@ impl BlkBackend {
     }
 
     /// A backend whose reads missing the memory tier complete out of order, once the read
-    /// engine has fetched what they need ([`tessera_engine::BlockSource::fetch_ahead`]);
+    /// engine has fetched what they need ([`tessera_engine::BlockDevice::fetch_ahead`]);
     /// `connection` numbers the client. Requests are counted in `metrics`.
     pub fn deferring(
         device: DeviceConfig,

@@ -83,7 +83,7 @@ impl DeviceConfig {
         put(12, &SEG_MAX.to_le_bytes()); // seg_max
                                          // 16..20 geometry: not offered
         put(20, &BlockSize::U32.to_le_bytes()); // blk_size: the image's block size
-                                          // 24..32 topology: not offered; 32 writeback: no CONFIG_WCE
+                                                // 24..32 topology: not offered; 32 writeback: no CONFIG_WCE
         put(34, &self.queues.to_le_bytes()); // num_queues
         if !self.read_only {
             let align = BlockSize::U32 / SECTOR_SIZE as u32;

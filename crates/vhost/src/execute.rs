@@ -12,25 +12,29 @@ use crate::config::DeviceConfig;
 use crate::error::{RequestError, Status};
 use crate::plan::{plan, Plan};
 use crate::request::{parse, GuestSeg, Parsed, RequestKind};
-pub use tessera_engine::BlockSource;
+pub use tessera_engine::BlockDevice;
 use tessera_engine::{FetchDone, Sink, SinkError, Visit};
 use tessera_overlay::{Overlay, OverlayError};
 
 /// Largest piece of a write gathered from guest memory at once.
 pub const BOUNCE_MAX: usize = 1 << 20;
 
-/// What requests execute against: the base image alone (read-only device) or the
-/// copy-on-write overlay over it.
+/// What requests execute against: the image's device bytes alone, or the copy-on-write overlay
+/// over them. Whether the guest may write is the device's `read_only` ([`DeviceConfig`]), not
+/// this: a read-only device can serve an overlay opened read-only (`serve --read-only --overlay`),
+/// only a writable one needs [`Disk::Overlay`].
 #[derive(Clone)]
 pub enum Disk {
-    ReadOnly(Arc<dyn BlockSource>),
+    /// The base image with no overlay: writes, discards and write-zeroes are refused.
+    Base(Arc<dyn BlockDevice>),
+    /// The copy-on-write overlay over the base image.
     Overlay(Arc<Overlay>),
 }
 
 impl std::fmt::Debug for Disk {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Disk::ReadOnly(_) => f.write_str("Disk::ReadOnly"),
+            Disk::Base(_) => f.write_str("Disk::Base"),
             Disk::Overlay(o) => write!(f, "Disk::Overlay({o:?})"),
         }
     }
@@ -40,12 +44,12 @@ impl Disk {
     /// Fill `buf` with the device bytes at `offset`.
     pub fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), RequestError> {
         match self {
-            Disk::ReadOnly(s) => Ok(s.read_at(offset, buf)?),
+            Disk::Base(s) => Ok(s.read_at(offset, buf)?),
             Disk::Overlay(o) => o.read_at(offset, buf).map_err(|e| overlay_err(offset, e)),
         }
     }
 
-    /// Hand the device bytes `[offset, offset + len)` to `sink` (see [`BlockSource::visit`]).
+    /// Hand the device bytes `[offset, offset + len)` to `sink` (see [`BlockDevice::visit`]).
     pub fn visit(
         &self,
         offset: u64,
@@ -54,23 +58,23 @@ impl Disk {
         sink: &mut dyn Sink,
     ) -> Result<Visit, RequestError> {
         match self {
-            Disk::ReadOnly(s) => Ok(s.visit(offset, len, fetch, sink)?),
+            Disk::Base(s) => Ok(s.visit(offset, len, fetch, sink)?),
             Disk::Overlay(o) => o.visit(offset, len, fetch, sink).map_err(|e| overlay_err(offset, e)),
         }
     }
 
     /// Fetch ahead what a read of `[offset, offset + len)` needs (see
-    /// [`BlockSource::fetch_ahead`]).
+    /// [`BlockDevice::fetch_ahead`]).
     pub fn fetch_ahead(&self, offset: u64, len: u64, done: FetchDone) {
         match self {
-            Disk::ReadOnly(s) => s.fetch_ahead(offset, len, done),
+            Disk::Base(s) => s.fetch_ahead(offset, len, done),
             Disk::Overlay(o) => o.fetch_ahead(offset, len, done),
         }
     }
 
     fn overlay(&self) -> Result<&Overlay, RequestError> {
         match self {
-            Disk::ReadOnly(_) => Err(RequestError::ReadOnly),
+            Disk::Base(_) => Err(RequestError::ReadOnly),
             Disk::Overlay(o) => Ok(o),
         }
     }
@@ -78,7 +82,7 @@ impl Disk {
     /// Make completed writes durable (nothing to do without an overlay).
     pub fn flush(&self) -> Result<(), RequestError> {
         match self {
-            Disk::ReadOnly(_) => Ok(()),
+            Disk::Base(_) => Ok(()),
             Disk::Overlay(o) => o.flush().map_err(|e| overlay_err(0, e)),
         }
     }
@@ -98,7 +102,7 @@ pub enum Executed {
     Missing,
 }
 
-/// Execute `plan`. Reads are copied straight from the source (the memory tier, the prefix,
+/// Execute `plan`. Reads are copied straight from the disk (the memory tier, the prefix,
 /// zeros, overlay slots) into the guest's buffers; without `fetch`, a read that would wait for
 /// a chunk fetch returns [`Executed::Missing`] instead.
 pub fn execute<M: GuestMemory + ?Sized>(

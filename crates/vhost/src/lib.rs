@@ -5,7 +5,7 @@
 //!   and overflow checks; hostile input becomes a typed [`RequestError`], never a panic, and
 //!   never an access outside guest memory);
 //! - [`plan::plan`] checks it against the device (range, read-only) without I/O;
-//! - [`execute::execute`] copies image bytes (through a [`BlockSource`], normally
+//! - [`execute::execute`] copies image bytes (through a [`BlockDevice`], normally
 //!   `tessera_store::ImageReader`) into guest memory;
 //! - [`RequestError::status`] is the one mapping from errors to the virtio status byte.
 //!
@@ -31,7 +31,7 @@
 //! let reader = ImageReader::new(OpenImage::open(&store, &id)?, store.clone());
 //! let tier = MemTier::new(reader, 256 << 20, FetchLimits::new(4))?;
 //! let device = DeviceConfig::new(&id, tier.device_bytes(), 1, true);
-//! let disk = Disk::ReadOnly(Arc::new(tier));
+//! let disk = Disk::Base(Arc::new(tier));
 //! let server = Server::bind("/run/web.sock".as_ref(), DEFAULT_SOCKET_MODE, device, disk)?;
 //! let stop = server.stop_handle(); // stop.stop() from a signal thread
 //! server.run()?;

@@ -125,7 +125,7 @@ impl Server {
         if device.capacity_bytes % SECTOR_SIZE != 0 {
             return Err(ServeError::Config("the device size must be a multiple of 512 bytes"));
         }
-        if !device.read_only && matches!(disk, Disk::ReadOnly(_)) {
+        if !device.read_only && matches!(disk, Disk::Base(_)) {
             return Err(ServeError::Config("a writable device needs a copy-on-write overlay"));
         }
         let name = path

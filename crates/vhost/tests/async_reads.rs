@@ -108,7 +108,7 @@ fn slow_fetch(fetcher: bool) {
     let source = Gated { inner: f.store.clone(), held: (pack, loc.offset), gate: Arc::clone(&gate) };
     let tier = tier(&f, source, fetcher);
     let device = DeviceConfig::new(&f.id, tier.device_bytes(), 1, true);
-    let server = Running::serve(&f.dir.path().join("async.sock"), device, Disk::ReadOnly(tier.clone()));
+    let server = Running::serve(&f.dir.path().join("async.sock"), device, Disk::Base(tier.clone()));
 
     let mut c = Client::connect(&server.socket, 1);
     // The slow read first, then eight reads of other chunks (misses too) and one of the
@@ -165,7 +165,7 @@ fn client_leaving(fetcher: bool) {
     let source = Gated { inner: f.store.clone(), held: (pack, loc.offset), gate: Arc::clone(&gate) };
     let tier = tier(&f, source, fetcher);
     let device = DeviceConfig::new(&f.id, tier.device_bytes(), 1, true);
-    let server = Running::serve(&f.dir.path().join("leave.sock"), device, Disk::ReadOnly(tier));
+    let server = Running::serve(&f.dir.path().join("leave.sock"), device, Disk::Base(tier));
 
     let mut c = Client::connect(&server.socket, 1);
     let ptr = c.ptr(0);

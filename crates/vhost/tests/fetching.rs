@@ -88,7 +88,7 @@ fn tier_with_memory(
 
 fn serve(f: &Fixture, t: &Arc<MemTier<Arc<Counting>>>, name: &str) -> Running {
     let device = DeviceConfig::new(&f.id, t.device_bytes(), 1, true);
-    Running::serve(&f.dir.path().join(name), device, Disk::ReadOnly(t.clone()))
+    Running::serve(&f.dir.path().join(name), device, Disk::Base(t.clone()))
 }
 
 /// `(device offset of the chunk's first block, chunk index)` for every chunk, in device order.

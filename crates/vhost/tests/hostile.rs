@@ -8,7 +8,7 @@ use tessera_engine::ReadError;
 use tessera_image::{ImageId, Sha256Digest};
 use tessera_store::StoreError;
 
-use tessera_engine::BlockSource;
+use tessera_engine::BlockDevice;
 use tessera_vhost::{serve_chain, Completion, DeviceConfig, Disk, RequestType, Status};
 use virtio_queue::desc::split::Descriptor;
 use virtio_queue::desc::RawDescriptor;
@@ -25,7 +25,7 @@ const STATUS: u64 = 0x80000;
 /// Device byte `o` is `o % 251`.
 struct Pattern;
 
-impl BlockSource for Pattern {
+impl BlockDevice for Pattern {
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), ReadError> {
         for (i, b) in buf.iter_mut().enumerate() {
             *b = ((offset + i as u64) % 251) as u8;
@@ -36,7 +36,7 @@ impl BlockSource for Pattern {
 
 struct Failing;
 
-impl BlockSource for Failing {
+impl BlockDevice for Failing {
     fn read_at(&self, _: u64, _: &mut [u8]) -> Result<(), ReadError> {
         let e =
             StoreError::OutOfRange(tessera_image::Error::OutOfRange { offset: 0, len: 0, device_bytes: 0 });
@@ -63,16 +63,16 @@ fn header(mem: &GuestMemoryMmap<()>, at: u64, kind: u32, sector: u64) {
     mem.write_slice(&h, GuestAddress(at)).unwrap();
 }
 
-/// Serve one chain made of `descs` (NEXT links added) with `source`.
+/// Serve one chain made of `descs` (NEXT links added) with `base`.
 fn run_with(
     mem: &GuestMemoryMmap<()>,
     descs: &[RawDescriptor],
-    source: impl BlockSource + 'static,
+    base: impl BlockDevice + 'static,
 ) -> Completion {
     let q = MockSplitQueue::new(mem, 512);
     let chain = q.build_desc_chain(descs).unwrap();
     mem.write_obj(0xffu8, GuestAddress(STATUS)).unwrap();
-    serve_chain(chain, mem, &Disk::ReadOnly(Arc::new(source)), &device(), &mut Vec::new())
+    serve_chain(chain, mem, &Disk::Base(Arc::new(base)), &device(), &mut Vec::new())
 }
 
 fn run(mem: &GuestMemoryMmap<()>, descs: &[RawDescriptor]) -> Completion {
@@ -225,7 +225,7 @@ fn chains_without_a_usable_status_are_dropped() {
     let q = MockSplitQueue::new(&m, 16);
     let broken = [RawDescriptor::from(Descriptor::new(HDR, 16, 1, 1000))];
     let chain = q.build_multiple_desc_chains(&broken).unwrap();
-    let c = serve_chain(chain, &m, &Disk::ReadOnly(Arc::new(Pattern)), &device(), &mut Vec::new());
+    let c = serve_chain(chain, &m, &Disk::Base(Arc::new(Pattern)), &device(), &mut Vec::new());
     assert_eq!(c, Completion { used_len: 0, status: None, kind: RequestType::Invalid, bytes: 0 });
     untouched(&m);
 }
@@ -265,7 +265,7 @@ fn random_chains_never_panic() {
             .filter(|x| x.flags() & W != 0)
             .map(|x| u64::from(x.len()))
             .sum();
-        let c = serve_chain(chain, &m, &Disk::ReadOnly(Arc::new(Pattern)), &device(), &mut Vec::new());
+        let c = serve_chain(chain, &m, &Disk::Base(Arc::new(Pattern)), &device(), &mut Vec::new());
         assert!(u64::from(c.used_len) <= writable);
     }
 }

@@ -40,7 +40,7 @@ fn the_trace_lists_first_touches_in_order() {
         .unwrap()
         .with_trace(recorder.clone());
     let device = DeviceConfig::new(&f.id, tier.device_bytes(), 1, true);
-    let server = Running::serve(&f.dir.path().join("trace.sock"), device, Disk::ReadOnly(Arc::new(tier)));
+    let server = Running::serve(&f.dir.path().join("trace.sock"), device, Disk::Base(Arc::new(tier)));
     let mut c = Client::connect(&server.socket, 1);
     let (a, b, d) = (chunk_offsets[2], chunk_offsets[0], chunk_offsets[1]);
     // Superblock (prefix), zeros: no chunk. Then chunk a, a again, b; a flush in between; then d.

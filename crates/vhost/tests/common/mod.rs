@@ -78,7 +78,7 @@ impl Running {
         let socket = f.dir.path().join(format!("vhost-{queues}.sock"));
         let r = reader(&f.store, &f.id);
         let device = DeviceConfig::new(&f.id, r.device_bytes(), queues, true);
-        Self::serve(&socket, device, Disk::ReadOnly(Arc::new(r)))
+        Self::serve(&socket, device, Disk::Base(Arc::new(r)))
     }
 
     /// A writable device over the overlay file `overlay` (created if missing).

@@ -16,13 +16,14 @@ pub trait Sink {
     fn zeros(&mut self, n: u64) -> Result<(), SinkError>;
 }
 
-/// Device bytes to serve: the image read path (or a test double).
-pub trait BlockSource: Send + Sync {
+/// A block device's bytes to serve: the image read path, the memory tier over it (or a test
+/// double). The overlay reads its base through one; a frontend serves, exports or warms one.
+pub trait BlockDevice: Send + Sync {
     /// Fill `buf` with the device bytes at `offset` (the range is within the device).
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), ReadError>;
 
     /// Hand the device bytes `[offset, offset + len)` to `sink` in order. Without `fetch`,
-    /// return [`Visit::Missing`] instead of blocking on a slow fetch (a source that never
+    /// return [`Visit::Missing`] instead of blocking on a slow fetch (a device that never
     /// blocks ignores it). The default reads through [`Self::read_at`] in pieces of 1 MiB.
     fn visit(&self, offset: u64, len: u64, fetch: bool, sink: &mut dyn Sink) -> Result<Visit, ReadError> {
         let _ = fetch;
@@ -40,7 +41,7 @@ pub trait BlockSource: Send + Sync {
     /// Arrange for `done` to be called once a read of `[offset, offset + len)` can finish without
     /// waiting: when the chunks it needs that are not in memory have been fetched (with the
     /// error if a fetch failed, after the refetch policy), on an engine thread — or at once on
-    /// the calling thread when nothing needs fetching. A source that cannot fetch in the
+    /// the calling thread when nothing needs fetching. A device that cannot fetch in the
     /// background runs `done(Ok(()))` at once and the read then fetches inline (a
     /// [`Self::visit`] with `fetch`), on the caller's thread.
     fn fetch_ahead(&self, offset: u64, len: u64, done: FetchDone) {
@@ -49,13 +50,13 @@ pub trait BlockSource: Send + Sync {
     }
 }
 
-impl<S: ChunkSource> BlockSource for ImageReader<S> {
+impl<S: ChunkSource> BlockDevice for ImageReader<S> {
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), ReadError> {
         ImageReader::read_at(self, offset, buf).map_err(|e| ReadError::store(offset, e))
     }
 }
 
-impl<T: BlockSource + ?Sized> BlockSource for Arc<T> {
+impl<T: BlockDevice + ?Sized> BlockDevice for Arc<T> {
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), ReadError> {
         (**self).read_at(offset, buf)
     }
@@ -69,9 +70,9 @@ impl<T: BlockSource + ?Sized> BlockSource for Arc<T> {
     }
 }
 
-impl std::fmt::Debug for dyn BlockSource {
+impl std::fmt::Debug for dyn BlockDevice {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("BlockSource")
+        f.write_str("BlockDevice")
     }
 }
 
