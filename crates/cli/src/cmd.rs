@@ -30,7 +30,7 @@ pub fn is_usage_error(e: &anyhow::Error) -> bool {
 
 /// Open a store for reading: a local directory or an http(s) origin (behind `--cache-dir` if
 /// given).
-fn open_store(store: &StoreLocation, cache: &CacheArgs) -> Result<Arc<dyn ReadStore>> {
+fn open_store(store: &StoreLocation, cache: &CacheArgs) -> Result<tessera_store::OpenedStore> {
     Ok(store.open_read_store(&crate::origin_args::origin_options()?, cache.config().as_ref())?)
 }
 
@@ -102,13 +102,13 @@ pub fn build(args: BuildArgs) -> Result<()> {
 }
 
 pub fn export(args: ExportArgs) -> Result<()> {
-    let store = open_store(&args.store, &args.cache)?;
+    let tessera_store::OpenedStore { store, local, .. } = open_store(&args.store, &args.cache)?;
     let id = store.resolve(&args.image)?;
-    let local = match (&args.overlay, store.as_local()) {
+    let local = match (&args.overlay, local) {
         (Some(_), None) => {
             bail!("--overlay is only supported with a local store so far (store {})", store.describe())
         }
-        (_, local) => local.cloned(),
+        (_, local) => local,
     };
     let image = Arc::new(store.open_image(&id)?);
     let reader = ImageReader::new(Arc::clone(&image), store.chunk_source(&image));
@@ -239,7 +239,7 @@ fn ratio(a: u64, b: u64) -> f64 {
 }
 
 pub fn inspect(args: InspectArgs) -> Result<()> {
-    let store = open_store(&args.store, &args.cache)?;
+    let store = open_store(&args.store, &args.cache)?.store;
     let doc = Inspect::gather(store.as_ref(), &args.image)?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&doc)?);
@@ -270,10 +270,7 @@ impl Inspect {
         let s = &record.stats;
         let unique_chunk_bytes: u64 = record.block_map.chunks().iter().map(|c| u64::from(c.len)).sum();
         let stored_chunk_bytes = index.stored_bytes();
-        let prefix_stored_bytes = match store.as_local() {
-            Some(local) => local.blob_len(&entry.prefix)?,
-            None => store.read_blob(&entry.prefix)?.len() as u64,
-        };
+        let prefix_stored_bytes = store.blob_len(&entry.prefix)?;
         let profile = read_profile(store, &id, &entry, &record.block_map)?.map(|(digest, p)| {
             let c = p.coverage(&record.block_map);
             InspectProfile {

@@ -72,8 +72,10 @@ pub fn run(args: CopyArgs) -> Result<()> {
     if let StoreLocation::Http(url) = dest {
         bail!(StoreError::ReadOnlyStore { location: url.clone() });
     }
-    let source =
-        args.store.open_read_store(&crate::origin_args::origin_options()?, args.cache.config().as_ref())?;
+    let source = args
+        .store
+        .open_read_store(&crate::origin_args::origin_options()?, args.cache.config().as_ref())?
+        .store;
     let id = source.resolve(&args.image).with_context(|| format!("store {}", source.describe()))?;
     let tag = (!args.image.starts_with("sha256:") && validate_tag(&args.image)).then(|| args.image.clone());
     let bar = Bar::new("copying");

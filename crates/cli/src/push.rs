@@ -117,7 +117,7 @@ pub fn push(args: PushArgs) -> Result<()> {
                 std::sync::Arc::new(store)
             }
         }
-        _ => location.open_read_store(&crate::origin_args::origin_options()?, None)?,
+        _ => location.open_read_store(&crate::origin_args::origin_options()?, None)?.store,
     };
     let id = source.resolve(&args.image)?;
     let target = PushTarget { client, repo: dest.repository.clone(), tag };

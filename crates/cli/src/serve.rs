@@ -256,7 +256,8 @@ pub fn serve(args: ServeArgs) -> Result<()> {
 /// Serve `config` until SIGTERM / SIGINT.
 pub fn run(config: ServeConfig) -> Result<()> {
     let location = &config.store;
-    let store = location.open_read_store(&config.origin, config.cache.as_ref())?;
+    let opened = location.open_read_store(&config.origin, config.cache.as_ref())?;
+    let store = Arc::clone(&opened.store);
     let id = store.resolve(&config.image).with_context(|| format!("store {}", store.describe()))?;
     let image = Arc::new(store.open_image(&id).with_context(|| format!("store {}", store.describe()))?);
     let metrics = Metrics::new();
@@ -283,7 +284,7 @@ pub fn run(config: ServeConfig) -> Result<()> {
     }
     let reader = Arc::new(tier);
     watch_mem_tier(&metrics, &reader);
-    watch_store(&metrics, &store);
+    watch_store(&metrics, &opened);
     let device = DeviceConfig::new(&id, reader.device_bytes(), config.queues, config.writes.read_only());
     let params = OverlayParams { image_id: id, block_size: BLOCK_SIZE, device_bytes: reader.device_bytes() };
     let disk = match &config.writes {

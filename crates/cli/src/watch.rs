@@ -5,23 +5,22 @@
 use std::sync::Arc;
 
 use tessera_metrics::{mirror, Metrics, Tier};
-use tessera_store::{OpenImage, ReadStore};
+use tessera_store::{OpenImage, OpenedStore};
 
 use tessera_overlay::Overlay;
 
 /// Publish the counters of `store`'s tiers below memory: the host disk cache (hits, misses,
-/// bytes, corrupt entries; what it fetched from the origin counts as origin reads) and the HTTP
-/// origin (requests, retries, bytes, errors by kind; its request-duration histogram is adopted
-/// now).
-pub fn watch_store(metrics: &Arc<Metrics>, store: &Arc<dyn ReadStore>) {
-    if let Some(h) = store.origin_latency() {
-        metrics.adopt_origin_latency(h);
+/// bytes, corrupt entries; what it fetched from the origin counts as origin reads) and the
+/// remote origin's transport (requests, retries, bytes, errors by kind; its request-duration
+/// histogram is adopted now).
+pub fn watch_store(metrics: &Arc<Metrics>, store: &OpenedStore) {
+    if let Some(t) = &store.origin {
+        metrics.adopt_origin_latency(t.latency_histogram());
     }
     let m = Arc::clone(metrics);
-    let store = Arc::downgrade(store);
+    let (cache, origin) = (store.cache.clone(), store.origin.clone());
     metrics.on_scrape(move || {
-        let Some(store) = store.upgrade() else { return };
-        if let Some(cache) = store.disk_cache() {
+        if let Some(cache) = &cache {
             let c = cache.stats();
             let disk = m.tiers.of(Tier::DiskCache);
             mirror(&disk.hits, c.hits);
@@ -39,7 +38,7 @@ pub fn watch_store(metrics: &Arc<Metrics>, store: &Arc<dyn ReadStore>) {
                 Err(e) => tracing::debug!(error = %e, "disk cache size"),
             }
         }
-        if let Some(h) = store.http_stats() {
+        if let Some(h) = origin.as_ref().map(|t| t.stats()) {
             mirror(&m.origin.requests, h.requests);
             mirror(&m.origin.retries, h.retries);
             mirror(&m.origin.bytes, h.bytes);

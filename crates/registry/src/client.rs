@@ -294,7 +294,8 @@ impl Client {
         self.inner.transport.latency_histogram()
     }
 
-    pub(crate) fn transport(&self) -> &Transport {
+    /// The transport (its counters and duration histogram).
+    pub fn transport(&self) -> &Transport {
         &self.inner.transport
     }
 

@@ -23,6 +23,21 @@ pub struct OriginOptions {
     pub registry: ClientOptions,
 }
 
+/// A store opened for reading ([`StoreLocation::open_read_store`]), with what only some kinds
+/// have, typed: the local directory, the host disk cache in front of a remote store, and the
+/// remote origin's transport (its counters and request-duration histogram).
+#[derive(Debug, Clone)]
+pub struct OpenedStore {
+    /// The store, whatever its kind.
+    pub store: Arc<dyn ReadStore>,
+    /// The local store, when the location is a local directory.
+    pub local: Option<LocalStore>,
+    /// The host disk cache in front of a remote store (`--cache-dir`).
+    pub cache: Option<DiskCache>,
+    /// A remote store's origin transport (`http(s)://` or `docker://`).
+    pub origin: Option<tessera_transport::Transport>,
+}
+
 /// Where a store lives, as given by `--store`.
 ///
 /// - `PATH` or `file://PATH`: a local directory (read-write, the embedded default);
@@ -100,27 +115,43 @@ impl StoreLocation {
         &self,
         origins: &OriginOptions,
         cache: Option<&CacheConfig>,
-    ) -> Result<Arc<dyn ReadStore>, StoreError> {
+    ) -> Result<OpenedStore, StoreError> {
+        fn remote<O: crate::Origin>(
+            origin: O,
+            transport: tessera_transport::Transport,
+            cache: Option<&CacheConfig>,
+        ) -> Result<OpenedStore, StoreError> {
+            let (store, cache): (Arc<dyn ReadStore>, _) = match cache {
+                Some(config) => {
+                    let cache = DiskCache::open(config)?;
+                    (Arc::new(CachedStore::new(origin, cache.clone())), Some(cache))
+                }
+                None => (Arc::new(origin), None),
+            };
+            Ok(OpenedStore { store, local: None, cache, origin: Some(transport) })
+        }
         match self {
             StoreLocation::Local(p) => {
                 if cache.is_some() {
                     tracing::debug!("--cache-dir is ignored for a local store");
                 }
-                Ok(Arc::new(LocalStore::open(p)?))
+                let local = LocalStore::open(p)?;
+                Ok(OpenedStore {
+                    store: Arc::new(local.clone()),
+                    local: Some(local),
+                    cache: None,
+                    origin: None,
+                })
             }
             StoreLocation::Http(url) => {
                 let origin = HttpStore::new(url, origins.http.clone());
-                match cache {
-                    Some(config) => Ok(Arc::new(CachedStore::new(origin, DiskCache::open(config)?))),
-                    None => Ok(Arc::new(origin)),
-                }
+                let transport = origin.transport().clone();
+                remote(origin, transport, cache)
             }
             StoreLocation::Registry(r) => {
                 let origin = RegistryStore::new(r, origins.registry.clone())?;
-                match cache {
-                    Some(config) => Ok(Arc::new(CachedStore::new(origin, DiskCache::open(config)?))),
-                    None => Ok(Arc::new(origin)),
-                }
+                let transport = origin.client().transport().clone();
+                remote(origin, transport, cache)
             }
         }
     }

@@ -1,4 +1,7 @@
 //! One small trait over every store kind that can be read: image metadata plus a chunk source.
+//! What only some kinds have (a local directory, a disk cache, an origin's transport) is not
+//! probed through it: [`crate::StoreLocation::open_read_store`] returns it typed, in
+//! [`crate::OpenedStore`].
 
 use std::io::Read;
 use std::sync::Arc;
@@ -51,29 +54,6 @@ pub trait ReadStore: Send + Sync + std::fmt::Debug {
     fn open_blob(&self, digest: &Sha256Digest) -> Result<Box<dyn Read + Send>, StoreError> {
         Ok(Box::new(std::io::Cursor::new(self.read_blob(digest)?)))
     }
-
-    /// The local store, when this is one (for operations only local stores support yet).
-    fn as_local(&self) -> Option<&LocalStore> {
-        None
-    }
-
-    /// The host disk cache in front of this store, if any (for its counters and size:
-    /// [`crate::DiskCache::stats`], [`crate::DiskCache::size`]).
-    fn disk_cache(&self) -> Option<&crate::DiskCache> {
-        None
-    }
-
-    /// The HTTP origin's request counters, for a store read over HTTP (directly or behind the
-    /// disk cache).
-    fn http_stats(&self) -> Option<crate::OriginStats> {
-        None
-    }
-
-    /// The origin client's request-duration histogram (every attempt), for a store read over
-    /// HTTP or from a registry (directly or behind the disk cache).
-    fn origin_latency(&self) -> Option<tessera_metrics::Histogram> {
-        None
-    }
 }
 
 impl ReadStore for LocalStore {
@@ -120,23 +100,11 @@ impl ReadStore for LocalStore {
             Err(e) => Err(StoreError::Io { op: "open blob", path, source: e }),
         }
     }
-
-    fn as_local(&self) -> Option<&LocalStore> {
-        Some(self)
-    }
 }
 
 impl ReadStore for HttpStore {
     fn describe(&self) -> String {
         self.base().to_owned()
-    }
-
-    fn http_stats(&self) -> Option<crate::OriginStats> {
-        Some(self.stats())
-    }
-
-    fn origin_latency(&self) -> Option<tessera_metrics::Histogram> {
-        Some(self.latency_histogram())
     }
 
     fn resolve(&self, reference: &str) -> Result<ImageId, StoreError> {

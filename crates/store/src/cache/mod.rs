@@ -624,14 +624,6 @@ impl<O: Origin> ReadStore for CachedStore<O> {
         format!("{} (cache {})", self.origin.describe(), self.cache.root().display())
     }
 
-    fn http_stats(&self) -> Option<crate::OriginStats> {
-        self.origin.http_stats()
-    }
-
-    fn origin_latency(&self) -> Option<tessera_metrics::Histogram> {
-        self.origin.origin_latency()
-    }
-
     fn resolve(&self, reference: &str) -> Result<ImageId, StoreError> {
         resolve_with(reference, |tag| self.read_ref(tag), |id| self.get_entry(id).map(|_| ()))
     }
@@ -664,10 +656,6 @@ impl<O: Origin> ReadStore for CachedStore<O> {
 
     fn chunk_source(&self, image: &OpenImage) -> Arc<dyn ChunkSource> {
         Arc::new(CachedSource::new(self.cache.clone(), self.origin.clone(), image))
-    }
-
-    fn disk_cache(&self) -> Option<&DiskCache> {
-        Some(&self.cache)
     }
 }
 

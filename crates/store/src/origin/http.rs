@@ -371,6 +371,11 @@ impl HttpStore {
         self.inner.transport.stats()
     }
 
+    /// The transport (its counters and duration histogram).
+    pub fn transport(&self) -> &Transport {
+        &self.inner.transport
+    }
+
     /// The transport's request-duration histogram ([`Transport::latency_histogram`]).
     pub fn latency_histogram(&self) -> Histogram {
         self.inner.transport.latency_histogram()

@@ -191,14 +191,6 @@ impl ReadStore for RegistryStore {
         self.location()
     }
 
-    fn origin_latency(&self) -> Option<tessera_metrics::Histogram> {
-        Some(self.inner.client.latency_histogram())
-    }
-
-    fn http_stats(&self) -> Option<crate::OriginStats> {
-        Some(self.inner.client.stats())
-    }
-
     fn resolve(&self, reference: &str) -> Result<ImageId, StoreError> {
         if reference.starts_with("sha256:") {
             let id: ImageId = reference
