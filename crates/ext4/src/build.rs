@@ -124,14 +124,13 @@ pub fn synthesize(tree: &Tree, opts: &Options) -> Result<Ext4Image, Ext4Error> {
     }
     let ns = namespace::number(tree)?;
     let (uuid, hash_seed) = derive_ids(&opts.seed);
-    let fs_seed = crate::checksum::fs_seed(&uuid);
-    let (objs, xblocks) = prepare(tree, &ns, opts, &hash_seed, fs_seed)?;
+    let ids = Ids { uuid, hash_seed, fs_seed: crate::checksum::fs_seed(&uuid) };
+    let (objs, xblocks) = Nodes { tree, ns: &ns, ids: &ids }.prepare(opts)?;
     // Regular files' data goes in NodeId order.
     let mut files: Vec<usize> =
         (0..objs.len()).filter(|&i| matches!(objs[i].kind, ObjKind::File { .. })).collect();
     files.sort_by_key(|&i| objs[i].node);
     let lay = size_and_layout(&objs, xblocks.len(), &files, ns.last_ino() as u64, opts)?;
-    let ids = Ids { uuid, hash_seed, fs_seed };
     Ok(render(&RenderInput { tree, objs: &objs, xblocks: &xblocks, lay: &lay, ns: &ns, opts, ids }))
 }
 
@@ -154,51 +153,6 @@ fn file_type(kind: &NodeKind) -> u8 {
     }
 }
 
-/// Validate every node and build its inode content (directory blocks, xattrs, extents-to-be).
-fn prepare(
-    tree: &Tree,
-    ns: &Namespace,
-    opts: &Options,
-    hash_seed: &[u32; 4],
-    fs_seed: u32,
-) -> Result<(Vec<Obj>, Vec<XBlock>), Ext4Error> {
-    let t = Timestamp { sec: opts.fs_time, nsec: 0 };
-    let mut order: Vec<Option<usize>> = vec![Some(0)];
-    order.extend(ns.slots.iter().map(|s| match s {
-        Slot::Node(n) => Some(*n),
-        Slot::CreatedLostFound => None,
-    }));
-    let mut objs = Vec::with_capacity(order.len());
-    let mut xblocks: Vec<XBlock> = Vec::new();
-    // Sharing index: block body → xblocks index of the newest block with that body.
-    let mut shared: BTreeMap<Vec<u8>, usize> = BTreeMap::new();
-
-    for (k, node) in order.into_iter().enumerate() {
-        let ino = if k == 0 { namespace::ROOT_INO } else { LOST_FOUND_INO + k as u32 - 1 };
-        let Some(n) = node else {
-            objs.push(created_lost_found(ino, t, fs_seed));
-            continue;
-        };
-        let src = &tree.nodes[n];
-        let path = || ns.path(n);
-        for ts in [src.meta.atime, src.meta.mtime, src.meta.ctime] {
-            check_time(ts, path)?;
-        }
-        let (kind, links) = node_kind(tree, ns, n, ino, hash_seed, fs_seed)?;
-        let (xattr_area, xattr_block) = place_xattrs(src, ns, n, &mut xblocks, &mut shared)?;
-        objs.push(Obj {
-            ino,
-            node: Some(n),
-            meta: src.meta,
-            kind,
-            links: links as u16,
-            xattr_area,
-            xattr_block,
-        });
-    }
-    Ok((objs, xblocks))
-}
-
 /// mke2fs's lost+found: 0700 root:root, 4 empty blocks so e2fsck can reconnect without allocating.
 fn created_lost_found(ino: u32, t: Timestamp, fs_seed: u32) -> Obj {
     let blocks = dir::render_linear(ino, namespace::ROOT_INO, &[], 4, fs_seed);
@@ -213,79 +167,117 @@ fn created_lost_found(ino: u32, t: Timestamp, fs_seed: u32) -> Obj {
     }
 }
 
-/// A directory node's blocks (linear, or hash-indexed from 3 blocks on) and its link count.
-fn dir_kind(
-    tree: &Tree,
-    ns: &Namespace,
-    n: usize,
-    ino: u32,
-    hash_seed: &[u32; 4],
-    fs_seed: u32,
-) -> (ObjKind, u64) {
-    let parent = match ns.parent[n] {
-        Some((p, _)) => ns.ino[p],
-        None => namespace::ROOT_INO,
-    };
-    let mut children: Vec<DirEnt<'_>> = ns.sorted_entries[n]
-        .iter()
-        .map(|(name, c)| DirEnt { ino: ns.ino[*c], file_type: file_type(&tree.nodes[*c].kind), name })
-        .collect();
-    if n == 0 && ns.tree_lost_found.is_none() {
-        children.push(DirEnt { ino: LOST_FOUND_INO, file_type: dir::FT_DIR, name: b"lost+found" });
-    }
-    let subdirs = children.iter().filter(|c| c.file_type == dir::FT_DIR).count() as u64;
-    // dir_nlink: a directory with too many subdirectories stores 1.
-    let links = if 2 + subdirs > LINK_MAX { 1 } else { 2 + subdirs };
-    // Linear blocks are ordered by inode number (then name), like e2fsck writes them.
-    children.sort_by(|a, b| a.ino.cmp(&b.ino).then_with(|| a.name.cmp(b.name)));
-    let is_lf = ino == LOST_FOUND_INO;
-    let min_blocks = if is_lf { 4 } else { 1 };
-    let mut blocks = dir::render_linear(ino, parent, &children, min_blocks, fs_seed);
-    let mut htree = false;
-    // e2fsck -fp would index any linear directory of 3+ blocks (except lost+found); do it
-    // ourselves so a later fsck has nothing to change.
-    if blocks.len() >= 3 && !is_lf {
-        if let Some(h) = crate::htree::render_htree(ino, parent, &children, hash_seed, fs_seed) {
-            blocks = h;
-            htree = true;
-        }
-    }
-    (ObjKind::Dir { blocks, htree }, links)
+/// What turning tree nodes into inode content reads: the tree, its numbering and the
+/// filesystem's identifiers (directory blocks are checksummed and hash-indexed with them).
+struct Nodes<'a> {
+    tree: &'a Tree,
+    ns: &'a Namespace,
+    ids: &'a Ids,
 }
 
-/// A tree node's inode content, validated, and its link count.
-fn node_kind(
-    tree: &Tree,
-    ns: &Namespace,
-    n: usize,
-    ino: u32,
-    hash_seed: &[u32; 4],
-    fs_seed: u32,
-) -> Result<(ObjKind, u64), Ext4Error> {
-    let path = || ns.path(n);
-    let kind = match &tree.nodes[n].kind {
-        NodeKind::Directory { .. } => return Ok(dir_kind(tree, ns, n, ino, hash_seed, fs_seed)),
-        NodeKind::Regular { size, data } => {
-            ObjKind::File { size: *size, ranges: file_ranges(*size, data, path)? }
-        }
-        NodeKind::Symlink { target } => {
-            if target.is_empty() || target.len() > 4095 || target.contains(&0) {
-                return Err(Ext4Error::BadSymlink { path: path(), len: target.len() });
+impl Nodes<'_> {
+    /// Validate every node and build its inode content (directory blocks, xattrs, extents-to-be).
+    fn prepare(&self, opts: &Options) -> Result<(Vec<Obj>, Vec<XBlock>), Ext4Error> {
+        let Self { tree, ns, ids } = *self;
+        let t = Timestamp { sec: opts.fs_time, nsec: 0 };
+        let mut order: Vec<Option<usize>> = vec![Some(0)];
+        order.extend(ns.slots.iter().map(|s| match s {
+            Slot::Node(n) => Some(*n),
+            Slot::CreatedLostFound => None,
+        }));
+        let mut objs = Vec::with_capacity(order.len());
+        let mut xblocks: Vec<XBlock> = Vec::new();
+        // Sharing index: block body → xblocks index of the newest block with that body.
+        let mut shared: BTreeMap<Vec<u8>, usize> = BTreeMap::new();
+
+        for (k, node) in order.into_iter().enumerate() {
+            let ino = if k == 0 { namespace::ROOT_INO } else { LOST_FOUND_INO + k as u32 - 1 };
+            let Some(n) = node else {
+                objs.push(created_lost_found(ino, t, ids.fs_seed));
+                continue;
+            };
+            let src = &tree.nodes[n];
+            let path = || ns.path(n);
+            for ts in [src.meta.atime, src.meta.mtime, src.meta.ctime] {
+                check_time(ts, path)?;
             }
-            ObjKind::Symlink { target: target.clone() }
+            let (kind, links) = self.node_kind(n, ino)?;
+            let (xattr_area, xattr_block) = place_xattrs(src, ns, n, &mut xblocks, &mut shared)?;
+            objs.push(Obj {
+                ino,
+                node: Some(n),
+                meta: src.meta,
+                kind,
+                links: links as u16,
+                xattr_area,
+                xattr_block,
+            });
         }
-        &NodeKind::CharDevice { major, minor } => {
-            check_device(major, minor, path)?;
-            ObjKind::Chr { major, minor }
+        Ok((objs, xblocks))
+    }
+
+    /// A directory node's blocks (linear, or hash-indexed from 3 blocks on) and its link count.
+    fn dir_kind(&self, n: usize, ino: u32) -> (ObjKind, u64) {
+        let Self { tree, ns, ids } = *self;
+        let parent = match ns.parent[n] {
+            Some((p, _)) => ns.ino[p],
+            None => namespace::ROOT_INO,
+        };
+        let mut children: Vec<DirEnt<'_>> = ns.sorted_entries[n]
+            .iter()
+            .map(|(name, c)| DirEnt { ino: ns.ino[*c], file_type: file_type(&tree.nodes[*c].kind), name })
+            .collect();
+        if n == 0 && ns.tree_lost_found.is_none() {
+            children.push(DirEnt { ino: LOST_FOUND_INO, file_type: dir::FT_DIR, name: b"lost+found" });
         }
-        &NodeKind::BlockDevice { major, minor } => {
-            check_device(major, minor, path)?;
-            ObjKind::Blk { major, minor }
+        let subdirs = children.iter().filter(|c| c.file_type == dir::FT_DIR).count() as u64;
+        // dir_nlink: a directory with too many subdirectories stores 1.
+        let links = if 2 + subdirs > LINK_MAX { 1 } else { 2 + subdirs };
+        // Linear blocks are ordered by inode number (then name), like e2fsck writes them.
+        children.sort_by(|a, b| a.ino.cmp(&b.ino).then_with(|| a.name.cmp(b.name)));
+        let is_lf = ino == LOST_FOUND_INO;
+        let min_blocks = if is_lf { 4 } else { 1 };
+        let mut blocks = dir::render_linear(ino, parent, &children, min_blocks, ids.fs_seed);
+        let mut htree = false;
+        // e2fsck -fp would index any linear directory of 3+ blocks (except lost+found); do it
+        // ourselves so a later fsck has nothing to change.
+        if blocks.len() >= 3 && !is_lf {
+            if let Some(h) = crate::htree::render_htree(ino, parent, &children, &ids.hash_seed, ids.fs_seed) {
+                blocks = h;
+                htree = true;
+            }
         }
-        NodeKind::Fifo => ObjKind::Fifo,
-        NodeKind::Socket => ObjKind::Sock,
-    };
-    Ok((kind, ns.refs[n]))
+        (ObjKind::Dir { blocks, htree }, links)
+    }
+
+    /// A tree node's inode content, validated, and its link count.
+    fn node_kind(&self, n: usize, ino: u32) -> Result<(ObjKind, u64), Ext4Error> {
+        let ns = self.ns;
+        let path = || ns.path(n);
+        let kind = match &self.tree.nodes[n].kind {
+            NodeKind::Directory { .. } => return Ok(self.dir_kind(n, ino)),
+            NodeKind::Regular { size, data } => {
+                ObjKind::File { size: *size, ranges: file_ranges(*size, data, path)? }
+            }
+            NodeKind::Symlink { target } => {
+                if target.is_empty() || target.len() > 4095 || target.contains(&0) {
+                    return Err(Ext4Error::BadSymlink { path: path(), len: target.len() });
+                }
+                ObjKind::Symlink { target: target.clone() }
+            }
+            &NodeKind::CharDevice { major, minor } => {
+                check_device(major, minor, path)?;
+                ObjKind::Chr { major, minor }
+            }
+            &NodeKind::BlockDevice { major, minor } => {
+                check_device(major, minor, path)?;
+                ObjKind::Blk { major, minor }
+            }
+            NodeKind::Fifo => ObjKind::Fifo,
+            NodeKind::Socket => ObjKind::Sock,
+        };
+        Ok((kind, ns.refs[n]))
+    }
 }
 
 /// Linux dev_t: 12-bit major, 20-bit minor.
