@@ -83,19 +83,19 @@ pub struct TierSet {
 
 impl TierSet {
     pub(crate) fn new(r: &mut Reg) -> Self {
-        let hits = r.counter_vec("tessera_tier_hits_total", "Chunk reads served by the tier", &["tier"]);
-        let misses = r.counter_vec(
-            "tessera_tier_misses_total",
-            "Chunk lookups the tier could not serve (passed to the tier below)",
-            &["tier"],
-        );
-        let bytes = r.counter_vec(
-            "tessera_tier_bytes_total",
-            "Bytes the tier returned for chunk reads (stored bytes below the memory tier)",
-            &["tier"],
-        );
-        let errors =
-            r.counter_vec("tessera_tier_errors_total", "Chunk reads that failed in the tier", &["tier"]);
+        let [hits, misses, bytes, errors] = [
+            ("tessera_tier_hits_total", "Chunk reads served by the tier"),
+            (
+                "tessera_tier_misses_total",
+                "Chunk lookups the tier could not serve (passed to the tier below)",
+            ),
+            (
+                "tessera_tier_bytes_total",
+                "Bytes the tier returned for chunk reads (stored bytes below the memory tier)",
+            ),
+            ("tessera_tier_errors_total", "Chunk reads that failed in the tier"),
+        ]
+        .map(|(name, help)| r.counter_vec(name, help, &["tier"]));
         let latency = r.histogram_vec(
             "tessera_tier_read_duration_seconds",
             "Time to serve one chunk read from the tier (memory hits are not timed)",
