@@ -4,7 +4,8 @@
 //! (tier `disk_cache`) without a byte from the origin.
 
 use std::fs;
-use std::process::{Child, Stdio};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
 
 use anyhow::{ensure, Context, Result};
 use tessera_e2e::daemon::BlkClient;
@@ -27,18 +28,44 @@ impl Drop for Serving {
     }
 }
 
-/// Serve `url` with `--cache-dir cache`, read the whole device through libblkio, scrape.
-fn serve_and_read(url: &str, cache: &std::path::Path, socket: &std::path::Path) -> Result<(Scrape, usize)> {
-    let _ = fs::remove_file(socket);
-    let mut cmd = tessera::command(["serve", "demo", "--read-only", "--store", url]);
-    cmd.arg("--cache-dir").arg(cache).arg("--socket").arg(socket).stdout(Stdio::null());
-    let (child, addr) = spawn_with_metrics(&mut cmd)?;
+/// Run `cmd` (a `serve --socket socket` without `--metrics`), read the whole device through
+/// libblkio, scrape: the metrics and the device's bytes.
+fn read_and_scrape(cmd: &mut Command, socket: &Path) -> Result<(Scrape, Vec<u8>)> {
+    let (child, addr) = spawn_with_metrics(cmd.arg("--socket").arg(socket).stdout(Stdio::null()))?;
     let _serving = Serving(child);
     let mut c = BlkClient::connect(socket, 1, true)?;
     let (bytes, failed) = c.read_device(MIB, 8)?;
     ensure!(failed.is_empty(), "failed reads {failed:?}");
     drop(c);
-    Ok((scrape(&addr)?, bytes.len()))
+    Ok((scrape(&addr)?, bytes))
+}
+
+/// Serve `url` (tag `demo`, read-only), with `--cache-dir cache` if given; read it all, scrape.
+fn serve_and_read(url: &str, cache: Option<&Path>, socket: &Path) -> Result<(Scrape, usize)> {
+    let _ = fs::remove_file(socket);
+    let mut cmd = tessera::command(["serve", "demo", "--read-only", "--store", url]);
+    if let Some(cache) = cache {
+        cmd.arg("--cache-dir").arg(cache);
+    }
+    let (m, bytes) = read_and_scrape(&mut cmd, socket)?;
+    Ok((m, bytes.len()))
+}
+
+/// Build a store `store` in `t` of one random file of `len` bytes (label `label`, tag `tag`,
+/// 64 KiB chunks): the store and the names of its blobs, the pack (the largest) first.
+fn build_random(t: &Path, label: &str, len: usize, tag: &str) -> Result<(PathBuf, String, Vec<String>)> {
+    let (src, store) = (t.join("src"), t.join("store"));
+    fs::create_dir_all(&src)?;
+    fs::write(src.join("random.bin"), Prng::from_label(label).bytes(len))?;
+    tessera::build(&src, &store, &["--tag", tag, "--chunk-size", "64K", "--size", "32M"])?;
+    let mut blobs: Vec<(u64, String)> = Vec::new();
+    for e in fs::read_dir(store.join("blobs/sha256"))? {
+        let e = e?;
+        blobs.push((e.metadata()?.len(), e.file_name().to_string_lossy().into_owned()));
+    }
+    blobs.sort();
+    let (_, pack) = blobs.pop().context("no blobs")?;
+    Ok((store, pack, blobs.into_iter().map(|(_, b)| b).collect()))
 }
 
 #[test]
@@ -55,7 +82,7 @@ fn origin_and_disk_cache_metrics_match_nginx() -> Result<()> {
     let socket = t.path().join("vm.sock");
 
     // Cold: everything comes from nginx once, through the cache.
-    let (m, device) = serve_and_read(&origin.url(), &cache, &socket)?;
+    let (m, device) = serve_and_read(&origin.url(), Some(&cache), &socket)?;
     let logged = origin.requests()?;
     let sent: u64 = logged.iter().map(|r| r.body_bytes).sum();
     let v = |name: &str, labels: &[(&str, &str)]| m.value(name, labels);
@@ -78,7 +105,7 @@ fn origin_and_disk_cache_metrics_match_nginx() -> Result<()> {
 
     // Warm: a second daemon on the same cache reads every chunk from it, none from nginx.
     let before = origin.requests()?.len();
-    let (m, _) = serve_and_read(&origin.url(), &cache, &socket)?;
+    let (m, _) = serve_and_read(&origin.url(), Some(&cache), &socket)?;
     let v = |name: &str, labels: &[(&str, &str)]| m.value(name, labels);
     ensure!(v("tessera_tier_hits_total", &[("tier", "origin")])? == 0.0, "nothing filled from the origin");
     ensure!(v("tessera_tier_hits_total", &[("tier", "disk_cache")])? >= chunks, "chunks from the disk cache");
@@ -92,36 +119,11 @@ fn origin_and_disk_cache_metrics_match_nginx() -> Result<()> {
     Ok(())
 }
 
-/// Serve `url` without a disk cache, read the whole device through libblkio, scrape.
-fn serve_uncached_and_read(url: &str, socket: &std::path::Path) -> Result<Scrape> {
-    let _ = fs::remove_file(socket);
-    let mut cmd = tessera::command(["serve", "demo", "--read-only", "--store", url]);
-    cmd.arg("--socket").arg(socket).stdout(Stdio::null());
-    let (child, addr) = spawn_with_metrics(&mut cmd)?;
-    let _serving = Serving(child);
-    let mut c = BlkClient::connect(socket, 1, true)?;
-    let (_, failed) = c.read_device(MIB, 8)?;
-    ensure!(failed.is_empty(), "failed reads {failed:?}");
-    drop(c);
-    scrape(&addr)
-}
-
 #[test]
 fn origin_errors_and_durations_match_the_faults_injected() -> Result<()> {
     let t = tmp("metrics-origin-errors")?;
-    let (src, store) = (t.path().join("src"), t.path().join("store"));
-    let mut rng = Prng::from_label("metrics-origin-errors");
-    fs::create_dir_all(&src)?;
-    fs::write(src.join("random.bin"), rng.bytes(1_000_000))?;
-    tessera::build(&src, &store, &["--tag", "demo", "--chunk-size", "64K", "--size", "32M"])?;
     // The pack is the largest blob; the others (image record and the like) are read whole.
-    let mut blobs: Vec<(u64, String)> = Vec::new();
-    for e in fs::read_dir(store.join("blobs/sha256"))? {
-        let e = e?;
-        blobs.push((e.metadata()?.len(), e.file_name().to_string_lossy().into_owned()));
-    }
-    blobs.sort();
-    let (_, pack) = blobs.pop().context("no blobs")?;
+    let (store, pack, blobs) = build_random(t.path(), "metrics-origin-errors", 1_000_000, "demo")?;
     let origin = Nginx::serve(&store, "store")?;
     let proxy = Proxy::start(origin.addr(), ProxyConfig::default())?;
     // Two 503s and two resets mid-body on the pack's ranged GETs; one flipped byte in each
@@ -129,10 +131,10 @@ fn origin_errors_and_durations_match_the_faults_injected() -> Result<()> {
     let blob_path = |hex: &str| format!("blobs/sha256/{hex}");
     proxy.inject(&blob_path(&pack), Fault::Status(503), 2);
     proxy.inject(&blob_path(&pack), Fault::Reset { after: 1000 }, 2);
-    for (_, b) in &blobs {
+    for b in &blobs {
         proxy.inject(&blob_path(b), Fault::Corrupt { at: 0 }, 1);
     }
-    let m = serve_uncached_and_read(&proxy.url("store"), &t.path().join("vm.sock"))?;
+    let (m, _) = serve_and_read(&proxy.url("store"), None, &t.path().join("vm.sock"))?;
     let log = proxy.log();
     let applied =
         |f: fn(&Fault) -> bool| log.iter().filter(|r| r.fault.as_ref().is_some_and(f)).count() as f64;
@@ -164,18 +166,7 @@ fn origin_errors_and_durations_match_the_faults_injected() -> Result<()> {
 fn registry_origin_counts_requests_retries_and_errors() -> Result<()> {
     tessera_e2e::registry::require_registry()?;
     let t = tmp("metrics-registry")?;
-    let (src, store) = (t.path().join("src"), t.path().join("store"));
-    let mut rng = Prng::from_label("metrics-registry");
-    fs::create_dir_all(&src)?;
-    fs::write(src.join("random.bin"), rng.bytes(800_000))?;
-    tessera::build(&src, &store, &["--tag", "v1", "--chunk-size", "64K", "--size", "32M"])?;
-    let mut blobs: Vec<(u64, String)> = Vec::new();
-    for e in fs::read_dir(store.join("blobs/sha256"))? {
-        let e = e?;
-        blobs.push((e.metadata()?.len(), e.file_name().to_string_lossy().into_owned()));
-    }
-    blobs.sort();
-    let (_, pack) = blobs.pop().context("no blobs")?;
+    let (store, pack, _) = build_random(t.path(), "metrics-registry", 800_000, "v1")?;
     let reg = tessera_e2e::registry::Registry::start()?;
     let store_arg = store.to_str().context("utf-8 path")?;
     let dest = format!("docker://{}/metrics:v1", reg.addr());
@@ -184,17 +175,9 @@ fn registry_origin_counts_requests_retries_and_errors() -> Result<()> {
     let proxy = Proxy::start(reg.addr(), ProxyConfig::default())?;
     proxy.inject(&format!("/blobs/sha256:{pack}"), Fault::Status(503), 2);
 
-    let socket = t.path().join("vm.sock");
     let mut cmd = tessera::command(["serve", "v1", "--read-only", "--store"]);
     cmd.arg(format!("docker://{}/metrics", proxy.addr()));
-    cmd.arg("--socket").arg(&socket).stdout(Stdio::null());
-    let (child, addr) = spawn_with_metrics(&mut cmd)?;
-    let _serving = Serving(child);
-    let mut c = BlkClient::connect(&socket, 1, true)?;
-    let (device, failed) = c.read_device(MIB, 8)?;
-    ensure!(failed.is_empty(), "failed reads {failed:?}");
-    drop(c);
-    let m = scrape(&addr)?;
+    let (m, device) = read_and_scrape(&mut cmd, &t.path().join("vm.sock"))?;
     ensure!(proxy.faults_left() == 0, "the 503s were not all met");
     let v = |name: &str, labels: &[(&str, &str)]| m.value(name, labels);
     let errors = |kind: &str| v("tessera_origin_errors_total", &[("kind", kind)]);
