@@ -4,14 +4,14 @@
 #![allow(clippy::unwrap_used)]
 
 use std::fs;
-use std::mem::MaybeUninit;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+mod blk;
 mod common;
 
-use blkio::{Blkio, Blkioq, Completion, MemoryRegion, ReqFlags};
+use blk::Client;
 use common::{tessera, TESSERA};
 
 struct Daemon {
@@ -61,59 +61,6 @@ impl Daemon {
     }
 }
 
-struct Client {
-    _blkio: Blkio,
-    q: Blkioq,
-    region: MemoryRegion,
-}
-
-impl Client {
-    fn connect(socket: &Path) -> Client {
-        let mut b = Blkio::new("virtio-blk-vhost-user").unwrap();
-        b.set_str("path", socket.to_str().unwrap()).unwrap();
-        b.connect().unwrap();
-        b.set_i32("num-queues", 1).unwrap();
-        let mut started = b.start().unwrap();
-        let region = b.alloc_mem_region(2 << 20).unwrap();
-        b.map_mem_region(&region).unwrap();
-        Client { q: started.queues.remove(0), _blkio: b, region }
-    }
-
-    fn buf(&mut self, len: usize) -> &mut [u8] {
-        assert!(len <= self.region.len);
-        // SAFETY: a live mapping of `region.len` bytes owned by the Blkio instance; no request
-        // is in flight while the test touches it.
-        unsafe { std::slice::from_raw_parts_mut(self.region.addr as *mut u8, len) }
-    }
-
-    fn wait(&mut self) -> i32 {
-        let mut c = [MaybeUninit::<Completion>::uninit()];
-        let mut timeout = Duration::from_secs(20);
-        assert_eq!(self.q.do_io(&mut c, 1, Some(&mut timeout), None).unwrap(), 1);
-        // SAFETY: do_io initialized one completion.
-        unsafe { c[0].assume_init_ref() }.ret
-    }
-
-    fn write(&mut self, off: u64, data: &[u8]) {
-        self.buf(data.len()).copy_from_slice(data);
-        let ptr = self.region.addr as *mut u8;
-        self.q.write(off, ptr, data.len(), 0, ReqFlags::empty());
-        assert_eq!(self.wait(), 0, "write at {off}");
-    }
-
-    fn read(&mut self, off: u64, len: usize) -> Vec<u8> {
-        let ptr = self.region.addr as *mut u8;
-        self.q.read(off, ptr, len, 0, ReqFlags::empty());
-        assert_eq!(self.wait(), 0, "read at {off}");
-        self.buf(len).to_vec()
-    }
-
-    fn flush(&mut self) {
-        self.q.flush(0, ReqFlags::empty());
-        assert_eq!(self.wait(), 0, "flush");
-    }
-}
-
 fn pattern(seed: u8, len: usize) -> Vec<u8> {
     (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
 }
@@ -145,10 +92,10 @@ fn overlay_survives_kill_9_and_exports() {
         ((32 << 20) - 512, pattern(5, 512)),
     ];
     for (off, data) in &writes {
-        c.write(*off, data);
+        assert_eq!(c.write(*off, data), 0, "write at {off}");
         apply(&mut model, *off, data);
     }
-    c.flush();
+    assert_eq!(c.flush(), 0, "flush");
     drop(c);
     d.kill9();
     assert!(overlay.exists());
@@ -157,12 +104,11 @@ fn overlay_survives_kill_9_and_exports() {
     let d = Daemon::start(dir.path(), &overlay);
     let mut c = Client::connect(&d.socket);
     for (off, data) in &writes {
-        assert!(
-            c.read(*off & !511, data.len()) == model[(*off & !511) as usize..][..data.len()],
-            "after kill -9 at {off}"
-        );
+        let at = *off & !511;
+        assert_eq!(c.read(at, data.len()), 0, "read at {at}");
+        assert!(c.buf(data.len()) == &model[at as usize..][..data.len()], "after kill -9 at {off}");
     }
-    c.write(8 << 20, &pattern(6, 65536));
+    assert_eq!(c.write(8 << 20, &pattern(6, 65536)), 0, "write at 8 MiB");
     apply(&mut model, 8 << 20, &pattern(6, 65536));
     drop(c);
     d.terminate();
