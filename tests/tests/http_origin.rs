@@ -73,10 +73,23 @@ fn export_over_http_equals_local_export() -> Result<()> {
     let f = fixture("http-export")?;
     let origin = Nginx::serve(&f.store, "store")?;
     let url = origin.url();
-    for image in ["demo", f.id.as_str()] {
+    let cache = f.t.path().join("cache");
+    for (image, cache) in [("demo", None), (f.id.as_str(), None), ("demo", Some(cache.as_path()))] {
         let out = f.t.path().join("http.raw");
-        ok(export_http(image, &url, &out, None)?, "export over http")?;
+        let before = origin.requests()?.len();
+        ok(export_http(image, &url, &out, cache)?, "export over http")?;
         same_bytes(&f.local_raw, &out, &format!("export {image} over http"))?;
+        // Resolving the reference and opening the image fetch the entry once (and a tag's ref
+        // once), with or without the disk cache.
+        let gets = |uri: &str| origin.requests().map(|r| r[before..].iter().filter(|r| r.uri == uri).count());
+        let entry = format!("/store/images/{}.json", f.id.hex());
+        ensure!(gets(&entry)? == 1, "export {image} (cache {cache:?}): {} GETs of {entry}", gets(&entry)?);
+        let refs = usize::from(image == "demo");
+        ensure!(
+            gets("/store/refs/demo")? == refs,
+            "export {image}: {} GETs of the ref",
+            gets("/store/refs/demo")?
+        );
     }
     // A trailing slash on the base URL is the same store.
     let out = f.t.path().join("slash.raw");

@@ -15,6 +15,7 @@ use std::path::{Path, PathBuf};
 use std::process::Output;
 
 use anyhow::{ensure, Context, Result};
+use sha2::{Digest, Sha256};
 use tessera_e2e::prng::Prng;
 use tessera_e2e::registry::{require_registry, Registry, PASSWORD, USER};
 use tessera_e2e::tessera::{self, ImageId};
@@ -146,6 +147,15 @@ fn push_then_read_back_by_tag_and_id_and_push_again_uploads_nothing() -> Result<
             .filter(|(m, p)| m == "GET" && p.contains("/blobs/"))
             .count();
         ensure!(gets > 4 && (gets as u64) < chunks, "export {image}: {gets} blob GETs for {chunks} chunks");
+        // Resolving the reference and opening the image fetch its manifest and its entry (the
+        // config blob: the local entry's bytes) once each.
+        let requests = reg.requests().split_off(before);
+        let count = |want: &str| requests.iter().filter(|(m, p)| m == "GET" && p.ends_with(want)).count();
+        let manifests = requests.iter().filter(|(m, p)| m == "GET" && p.contains("/manifests/")).count();
+        ensure!(manifests == 1, "export {image}: {manifests} manifest GETs: {requests:?}");
+        let entry = fs::read(f.store.join("images").join(format!("{}.json", f.id.hex())))?;
+        let config = format!("/blobs/sha256:{}", hex::encode(Sha256::digest(&entry)));
+        ensure!(count(&config) == 1, "export {image}: {} GETs of the entry {config}", count(&config));
     }
 
     // Again: only existence checks; no upload request, no manifest written.

@@ -331,6 +331,9 @@ struct Inner {
     batches: Mutex<std::collections::HashMap<Sha256Digest, Arc<Batch>>>,
     /// Tags resolved through this store (an HTTP server cannot list `refs/`).
     seen_refs: Mutex<Vec<(String, ImageId)>>,
+    /// Image entries fetched so far, by ID: an ID names its content, so resolving a reference
+    /// and then opening the image fetch the entry once.
+    entries: Mutex<std::collections::HashMap<ImageId, ImageEntry>>,
 }
 
 impl std::fmt::Debug for HttpStore {
@@ -352,6 +355,7 @@ impl HttpStore {
                 config,
                 batches: Mutex::new(Default::default()),
                 seen_refs: Mutex::new(Vec::new()),
+                entries: Mutex::new(Default::default()),
             }),
         }
     }
@@ -423,12 +427,19 @@ impl HttpStore {
         })
     }
 
-    /// The entry of image `id` ([`StoreError::UnknownImage`] on 404).
+    /// The entry of image `id` ([`StoreError::UnknownImage`] on 404), fetched once per store:
+    /// later calls answer from memory.
     pub fn get_entry(&self, id: &ImageId) -> Result<ImageEntry, StoreError> {
+        if let Some(entry) = self.inner.entries.lock().unwrap_or_else(|p| p.into_inner()).get(id) {
+            return Ok(entry.clone());
+        }
         let url = self.entry_url(id);
         let bytes =
             self.get_small(&url)?.ok_or_else(|| StoreError::UnknownImage { reference: id.to_string() })?;
-        ImageEntry::from_json(&bytes).map_err(|source| StoreError::BadEntry { path: url.into(), source })
+        let entry = ImageEntry::from_json(&bytes)
+            .map_err(|source| StoreError::BadEntry { path: url.into(), source })?;
+        self.inner.entries.lock().unwrap_or_else(|p| p.into_inner()).insert(*id, entry.clone());
+        Ok(entry)
     }
 
     /// Read `refs/<tag>` (`None` on 404).
