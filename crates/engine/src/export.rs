@@ -96,7 +96,7 @@ pub fn export_raw(
     let result = export_inner(image, source, options, path, &mut progress);
     if result.is_err() && fs::metadata(path).is_ok_and(|m| m.is_file()) {
         if let Err(e) = fs::remove_file(path) {
-            debug!(path = %path.display(), error = %e, "could not remove a failed export");
+            debug!(path = %path.display(), error = &e as &dyn std::error::Error, "could not remove a failed export");
         }
     }
     result

@@ -382,7 +382,7 @@ impl Shared {
         if let Err(e) = &result {
             if background {
                 // Nobody may be waiting; a demand read of the chunk tries again.
-                warn!(chunk = c, error = %e, "background chunk fetch failed");
+                warn!(chunk = c, error = &**e as &dyn std::error::Error, "background chunk fetch failed");
             }
         }
         let mut st = lock(&self.state);

@@ -183,7 +183,7 @@ pub fn warm<O: Origin + 'static>(
                 report.fetched_bytes += len;
             }
             Err(error) => {
-                warn!(chunk = %t.chunk.id, error = %error, "cannot warm a chunk");
+                warn!(chunk = %t.chunk.id, error = &error as &dyn std::error::Error, "cannot warm a chunk");
                 report.failed.push(WarmFailure { chunk: t.chunk.id, error });
             }
         }

@@ -22,8 +22,8 @@ const IO_TIMEOUT: Duration = Duration::from_secs(5);
 pub enum ExporterError {
     #[error("metrics address {addr:?}")]
     Bind { addr: String, source: std::io::Error },
-    #[error("starting the metrics thread: {0}")]
-    Thread(std::io::Error),
+    #[error("starting the metrics thread")]
+    Thread(#[source] std::io::Error),
 }
 
 /// Serves [`Metrics::render`] at `http://ADDR/metrics` on its own thread until dropped.
@@ -84,11 +84,11 @@ fn accept_loop(listener: &TcpListener, metrics: &Metrics, stop: &AtomicBool) {
         match conn {
             Ok(stream) => {
                 if let Err(e) = answer(stream, metrics) {
-                    debug!(error = %e, "metrics client");
+                    debug!(error = &e as &dyn std::error::Error, "metrics client");
                 }
             }
             Err(e) => {
-                warn!(error = %e, "accepting a metrics client");
+                warn!(error = &e as &dyn std::error::Error, "accepting a metrics client");
                 // EMFILE and the like: do not spin.
                 std::thread::sleep(Duration::from_millis(100));
             }

@@ -126,10 +126,16 @@ impl Metrics {
     pub fn adopt_origin_latency(&self, h: Histogram) {
         let mut current = self.origin_latency.lock().unwrap_or_else(|p| p.into_inner());
         if let Err(e) = self.registry.unregister(Box::new(current.clone())) {
-            tracing::error!(error = %e, "cannot unregister the origin latency histogram");
+            tracing::error!(
+                error = &e as &dyn std::error::Error,
+                "cannot unregister the origin latency histogram"
+            );
         }
         if let Err(e) = self.registry.register(Box::new(h.clone())) {
-            tracing::error!(error = %e, "cannot register the origin latency histogram");
+            tracing::error!(
+                error = &e as &dyn std::error::Error,
+                "cannot register the origin latency histogram"
+            );
         }
         *current = h;
     }
@@ -143,7 +149,7 @@ impl Metrics {
         let mut out = Vec::new();
         // Encoding into a Vec fails only on a malformed family, which registration rules out.
         if let Err(e) = TextEncoder::new().encode(&self.registry.gather(), &mut out) {
-            tracing::warn!(error = %e, "cannot encode the metrics");
+            tracing::warn!(error = &e as &dyn std::error::Error, "cannot encode the metrics");
         }
         String::from_utf8(out).unwrap_or_default()
     }
@@ -168,7 +174,7 @@ impl Reg {
     fn register<C: Collector + Clone + 'static>(&mut self, c: C) -> C {
         if let Err(e) = self.registry.register(Box::new(c.clone())) {
             // Only a programming error (a duplicate name) gets here; the metric still counts.
-            tracing::error!(error = %e, "metric registration failed");
+            tracing::error!(error = &e as &dyn std::error::Error, "metric registration failed");
         }
         c
     }

@@ -141,3 +141,13 @@ fn bad_addresses_are_errors() {
     let again = Exporter::start(&taken.local_addr().to_string(), Metrics::new());
     assert!(matches!(again, Err(ExporterError::Bind { .. })), "{again:?}");
 }
+
+#[test]
+fn exporter_errors_keep_their_cause_once() {
+    use std::error::Error as _;
+    let e = ExporterError::Thread(std::io::Error::other("no threads left"));
+    assert_eq!(e.to_string(), "starting the metrics thread", "the cause is not in the message");
+    assert_eq!(e.source().map(|c| c.to_string()).as_deref(), Some("no threads left"));
+    let e = Exporter::start("nonsense", Metrics::new()).unwrap_err();
+    assert!(e.source().is_some() && !e.to_string().contains(&e.source().unwrap().to_string()), "{e}");
+}

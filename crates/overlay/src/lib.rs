@@ -74,7 +74,7 @@ pub enum OverlayError {
     Corrupt { what: &'static str, slot: u64 },
     #[error("bytes {offset}+{len} are beyond the end of the device ({device_bytes} bytes)")]
     OutOfRange { offset: u64, len: u64, device_bytes: u64 },
-    #[error("unsupported block size {0} (a power of two from 512 to 65536)")]
+    #[error("unsupported block size {0} (a power of two from 4096 to 65536)")]
     BadBlockSize(u32),
     #[error("an earlier overlay write or flush failed; the overlay refuses writes until restarted")]
     Failed,
@@ -590,17 +590,17 @@ impl Overlay {
         Ok(())
     }
 
-    /// Hand the device bytes `[offset, offset + len)` to `sink` in order: overlay slots (read
-    /// from the file), zeros, or the base's [`BlockDevice::visit`] (straight from its memory
-    /// tier). Without `fetch`, [`Visit::Missing`] when the base would have to fetch a chunk.
-    /// The map's read lock is held throughout (a slot released meanwhile could otherwise be
-    /// reused before it is read), so with `fetch` a writer waits for the base's fetch.
     /// Fetch ahead what the base needs for `[offset, offset + len)` (see
     /// [`BlockDevice::fetch_ahead`]; blocks the overlay holds may be fetched needlessly).
     pub fn fetch_ahead(&self, offset: u64, len: u64, done: FetchDone) {
         self.base.fetch_ahead(offset, len, done)
     }
 
+    /// Hand the device bytes `[offset, offset + len)` to `sink` in order: overlay slots (read
+    /// from the file), zeros, or the base's [`BlockDevice::visit`] (straight from its memory
+    /// tier). Without `fetch`, [`Visit::Missing`] when the base would have to fetch a chunk.
+    /// The map's read lock is held throughout (a slot released meanwhile could otherwise be
+    /// reused before it is read), so with `fetch` a writer waits for the base's fetch.
     pub fn visit(
         &self,
         offset: u64,
@@ -767,7 +767,7 @@ impl Overlay {
             Ok(())
         });
         if let Err(e) = result {
-            warn!(error = %e, "overlay flush failed; refusing further writes");
+            warn!(error = &e as &dyn std::error::Error, "overlay flush failed; refusing further writes");
             self.failed.store(true, Ordering::Release);
             return Err(e);
         }

@@ -215,7 +215,7 @@ impl BlkBackend {
                     trace!(queue, served, "batch");
                     if state.get_queue_mut().needs_notification(&*mem)? {
                         if let Err(e) = state.signal_used_queue() {
-                            warn!(queue, error = %e, "cannot signal the guest");
+                            warn!(queue, error = &e as &dyn std::error::Error, "cannot signal the guest");
                         }
                     }
                 }
@@ -225,7 +225,7 @@ impl BlkBackend {
             }
         })();
         if let Err(e) = result {
-            warn!(queue, error = %e, "virtqueue error; waiting for the next kick");
+            warn!(queue, error = &e as &dyn std::error::Error, "virtqueue error; waiting for the next kick");
         }
     }
 
@@ -295,13 +295,13 @@ impl BlkBackend {
             trace!(queue, completed = done.len(), "out-of-order completions");
             if state.get_queue_mut().needs_notification(&*mem)? {
                 if let Err(e) = state.signal_used_queue() {
-                    warn!(queue, error = %e, "cannot signal the guest");
+                    warn!(queue, error = &e as &dyn std::error::Error, "cannot signal the guest");
                 }
             }
             Ok(())
         })();
         if let Err(e) = result {
-            warn!(queue, error = %e, "virtqueue error adding completions");
+            warn!(queue, error = &e as &dyn std::error::Error, "virtqueue error adding completions");
         }
     }
 }
@@ -320,7 +320,7 @@ impl Inner {
         drop(c);
         qs.drained.notify_all();
         if let Err(e) = qs.event.write(1) {
-            warn!(queue, error = %e, "cannot wake the queue worker");
+            warn!(queue, error = &e as &dyn std::error::Error, "cannot wake the queue worker");
         }
     }
 }
@@ -395,7 +395,7 @@ impl VhostUserBackend for BlkBackend {
         match new_event_consumer_and_notifier(EventFlag::NONBLOCK | EventFlag::CLOEXEC) {
             Ok(pair) => Some(pair),
             Err(e) => {
-                warn!(error = %e, "cannot create a worker exit event");
+                warn!(error = &e as &dyn std::error::Error, "cannot create a worker exit event");
                 None
             }
         }

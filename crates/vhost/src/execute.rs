@@ -403,7 +403,7 @@ fn complete<M: GuestMemory + ?Sized>(
                 RequestError::Read(_) | RequestError::GuestMemory { .. } | RequestError::Overlay { .. } => {
                     warn!(error = %tessera_engine::Chain(&e), "request failed")
                 }
-                _ => debug!(error = %e, "request refused"),
+                _ => debug!(error = &e as &dyn std::error::Error, "request refused"),
             }
             (e.status(), 0)
         }

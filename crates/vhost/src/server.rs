@@ -96,7 +96,7 @@ impl StopHandle {
     pub fn stop(&self) {
         self.inner.stopped.store(true, Ordering::SeqCst);
         if let Err(e) = (&self.inner.wake_tx).write(&[1]) {
-            warn!(error = %e, "cannot signal the stop event");
+            warn!(error = &e as &dyn std::error::Error, "cannot signal the stop event");
         }
         if let Some(h) = self.current().as_ref() {
             h.0.shutdown();
@@ -255,7 +255,10 @@ impl Server {
             | Err(DaemonError::HandleRequest(VhostUserError::PartialMessage)) => {
                 info!(connection = n, "client disconnected")
             }
-            Err(e) => warn!(connection = n, error = %e, "connection ended with an error"),
+            Err(e) => {
+                // vhost_user_backend::Error implements Display only (no std::error::Error).
+                warn!(connection = n, error = %e, "connection ended with an error")
+            }
         }
         // Reads still in flight finish (into this connection's guest memory, which they hold)
         // before the overlay may be flushed on stop.
@@ -277,7 +280,7 @@ impl Drop for Server {
     fn drop(&mut self) {
         if let Err(e) = fs::remove_file(&self.path) {
             if e.kind() != std::io::ErrorKind::NotFound {
-                warn!(socket = %self.path.display(), error = %e, "cannot remove the socket");
+                warn!(socket = %self.path.display(), error = &e as &dyn std::error::Error, "cannot remove the socket");
             }
         }
     }
