@@ -302,6 +302,24 @@ fn basic_auth_push_and_read() -> Result<()> {
     let o = c.env("HOME", &home).env("REGISTRY_AUTH_FILE", &auth_file).output()?;
     ok(o, "export with REGISTRY_AUTH_FILE")?;
     same_file(&f.local_raw, &out, "behind basic auth")?;
+    // Every command that reads a registry takes --creds (here without any auth file), and
+    // refuses the read without them.
+    let store = format!("docker://{addr}/private");
+    let cache = f.t.path().join("cache");
+    for args in [
+        vec!["export", "v1", "--store", &store, "-o", s(&out)?],
+        vec!["inspect", "v1", "--store", &store],
+        vec!["warm", "v1", "--store", &store, "--cache-dir", s(&cache)?],
+    ] {
+        let run = |extra: &[&str]| {
+            let mut c = tessera::command(args.iter().chain(extra));
+            c.env("HOME", &home).env_remove("REGISTRY_AUTH_FILE").env_remove("DOCKER_CONFIG").output()
+        };
+        let o = run(&[])?;
+        ensure!(o.status.code() == Some(1), "{} without credentials: {o:?}", args[0]);
+        ok(run(&["--creds", &creds])?, &format!("{} --creds", args[0]))?;
+    }
+    same_file(&f.local_raw, &out, "export --creds behind basic auth")?;
     Ok(())
 }
 

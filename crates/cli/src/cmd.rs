@@ -15,6 +15,7 @@ use tessera_image::{ImageId, ImageRecord, PackIndex, RuntimeConfig};
 use tessera_store::{read_profile, ImageReader, ReadStore, StoreError, StoreLocation};
 
 use crate::cache_args::CacheArgs;
+use crate::origin_args::OriginArgs;
 use crate::progress::Bar;
 use crate::{BuildArgs, ExportArgs, InspectArgs, UsageError};
 
@@ -28,10 +29,14 @@ pub fn is_usage_error(e: &anyhow::Error) -> bool {
     })
 }
 
-/// Open a store for reading: a local directory or an http(s) origin (behind `--cache-dir` if
+/// Open a store for reading: a local directory or a remote origin (behind `--cache-dir` if
 /// given).
-fn open_store(store: &StoreLocation, cache: &CacheArgs) -> Result<tessera_store::OpenedStore> {
-    Ok(store.open_read_store(&crate::origin_args::origin_options()?, cache.config().as_ref())?)
+fn open_store(
+    store: &StoreLocation,
+    origin: &OriginArgs,
+    cache: &CacheArgs,
+) -> Result<tessera_store::OpenedStore> {
+    Ok(store.open_read_store(&origin.options()?, cache.config().as_ref())?)
 }
 
 /// `SOURCE_DATE_EPOCH` (<https://reproducible-builds.org/specs/source-date-epoch/>): a Unix time
@@ -59,12 +64,9 @@ pub fn build(args: BuildArgs) -> Result<()> {
     let source_date_epoch = source_date_epoch(std::env::var_os("SOURCE_DATE_EPOCH").as_deref())?;
     let mut spec = SourceSpec::parse(&args.source).map_err(|e| UsageError(crate::error_text(e)))?;
     match &mut spec {
-        SourceSpec::Registry(r) => {
-            r.creds = args.creds.clone();
-            r.insecure = args.insecure;
-        }
-        _ if args.creds.is_some() || args.insecure => {
-            bail!(UsageError("--creds and --insecure apply to docker:// sources only".into()))
+        SourceSpec::Registry(r) => r.options = args.origin.registry(),
+        _ if args.origin.any() => {
+            bail!(UsageError("--ca-file, --insecure and --creds apply to docker:// sources only".into()))
         }
         _ => {}
     }
@@ -102,7 +104,7 @@ pub fn build(args: BuildArgs) -> Result<()> {
 }
 
 pub fn export(args: ExportArgs) -> Result<()> {
-    let tessera_store::OpenedStore { store, local, .. } = open_store(&args.store, &args.cache)?;
+    let tessera_store::OpenedStore { store, local, .. } = open_store(&args.store, &args.origin, &args.cache)?;
     let id = store.resolve(&args.image)?;
     let local = match (&args.overlay, local) {
         (Some(_), None) => {
@@ -239,7 +241,7 @@ fn ratio(a: u64, b: u64) -> f64 {
 }
 
 pub fn inspect(args: InspectArgs) -> Result<()> {
-    let store = open_store(&args.store, &args.cache)?.store;
+    let store = open_store(&args.store, &args.origin, &args.cache)?.store;
     let doc = Inspect::gather(store.as_ref(), &args.image)?;
     if args.json {
         println!("{}", serde_json::to_string_pretty(&doc)?);

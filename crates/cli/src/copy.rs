@@ -6,7 +6,7 @@ use indicatif::HumanBytes;
 use serde::Serialize;
 use tessera_builder::Progress;
 use tessera_image::validate_tag;
-use tessera_registry::{Client, ClientOptions, CredentialSource, Credentials, Reference};
+use tessera_registry::{Client, Reference};
 use tessera_store::{copy_image, push_image, PushOptions, PushTarget, StoreError, StoreLocation};
 
 use crate::cache_args::CacheArgs;
@@ -42,13 +42,9 @@ pub struct CopyArgs {
     to: StoreLocation,
     #[command(flatten)]
     cache: CacheArgs,
-    /// Registry credentials for a docker:// destination (default: REGISTRY_AUTH_FILE, then
-    /// ~/.docker/config.json, else anonymous).
-    #[arg(long, value_name = "USER:PASS", value_parser = crate::parse_creds)]
-    creds: Option<Credentials>,
-    /// Allow plain HTTP and unverified TLS for a docker:// destination (loopback always is).
-    #[arg(long)]
-    insecure: bool,
+    /// For a remote --store and a docker:// destination alike.
+    #[command(flatten)]
+    origin: crate::origin_args::OriginArgs,
     /// Print one JSON object instead of a line of text.
     #[arg(long)]
     json: bool,
@@ -72,10 +68,8 @@ pub fn run(args: CopyArgs) -> Result<()> {
     if let StoreLocation::Http(url) = dest {
         bail!(StoreError::ReadOnlyStore { location: url.clone() });
     }
-    let source = args
-        .store
-        .open_read_store(&crate::origin_args::origin_options()?, args.cache.config().as_ref())?
-        .store;
+    let origins = args.origin.options()?;
+    let source = args.store.open_read_store(&origins, args.cache.config().as_ref())?.store;
     let id = source.resolve(&args.image).with_context(|| format!("store {}", source.describe()))?;
     let tag = (!args.image.starts_with("sha256:") && validate_tag(&args.image)).then(|| args.image.clone());
     let bar = Bar::new("copying");
@@ -92,13 +86,8 @@ pub fn run(args: CopyArgs) -> Result<()> {
             let tag = tag.unwrap_or_else(|| format!("sha256-{}", id.digest().hex()));
             let reference =
                 Reference::parse(&format!("{repo}:{tag}")).map_err(|e| UsageError(crate::error_text(e)))?;
-            let options = ClientOptions {
-                insecure: args.insecure,
-                credentials: CredentialSource::from_option(args.creds.clone()),
-                ..ClientOptions::default()
-            };
             let target = PushTarget {
-                client: Client::for_reference(&reference, options),
+                client: Client::for_reference(&reference, origins.registry.clone()),
                 repo: reference.repository,
                 tag,
             };
@@ -118,9 +107,6 @@ pub fn run(args: CopyArgs) -> Result<()> {
             }
         }
         _ => {
-            if args.creds.is_some() || args.insecure {
-                bail!(UsageError("--creds and --insecure apply to a docker:// destination only".into()));
-            }
             let store = dest.open_for_write()?;
             let report = copy_image(source.as_ref(), &id, &store, tag.as_deref(), &mut progress)
                 .with_context(|| format!("copying {id} to {}", args.to))?;

@@ -137,13 +137,9 @@ pub struct BuildArgs {
     /// limit).
     #[arg(long, value_parser = parse_size_arg)]
     max_size: Option<u64>,
-    /// Registry credentials for docker:// sources (default: REGISTRY_AUTH_FILE, then
-    /// ~/.docker/config.json, else anonymous).
-    #[arg(long, value_name = "USER:PASS", value_parser = parse_creds)]
-    creds: Option<tessera_registry::Credentials>,
-    /// Allow plain HTTP and unverified TLS for docker:// sources (loopback registries always are).
-    #[arg(long)]
-    insecure: bool,
+    /// For a docker:// source.
+    #[command(flatten)]
+    origin: origin_args::OriginArgs,
 }
 
 /// Write the whole device as a sparse raw file, assembled through the read path.
@@ -162,6 +158,8 @@ pub struct ExportArgs {
     store: StoreLocation,
     #[command(flatten)]
     cache: cache_args::CacheArgs,
+    #[command(flatten)]
+    origin: origin_args::OriginArgs,
     /// Output file (created or truncated; written sparse).
     #[arg(short = 'o', long = "output")]
     output: PathBuf,
@@ -186,6 +184,8 @@ pub struct InspectArgs {
     store: StoreLocation,
     #[command(flatten)]
     cache: cache_args::CacheArgs,
+    #[command(flatten)]
+    origin: origin_args::OriginArgs,
     /// Print JSON instead of text.
     #[arg(long)]
     json: bool,
@@ -206,10 +206,6 @@ fn parse_chunk_size(s: &str) -> Result<u32, String> {
 
 fn parse_platform(s: &str) -> Result<tessera_builder::source::Platform, String> {
     s.parse().map_err(|e: tessera_builder::source::SourceError| crate::error_text(e))
-}
-
-pub(crate) fn parse_creds(s: &str) -> Result<tessera_registry::Credentials, String> {
-    tessera_registry::Credentials::parse(s).map_err(crate::error_text)
 }
 
 /// Every `--store` / `--to`: a typed location, so a malformed one is a usage error (exit 2) at

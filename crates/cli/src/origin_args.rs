@@ -1,11 +1,110 @@
-//! How remote stores (`http(s)://`, `docker://`) are reached: the settings are read here, in
-//! the binary, from the environment (`TESSERA_HTTP_*`), and passed down typed.
+//! How remote origins (`http(s)://` and `docker://` stores, `docker://` build sources and push
+//! destinations) are reached: one set of flags, [`OriginArgs`], flattened into every command
+//! that talks to one, and the environment (`TESSERA_HTTP_*`, `REGISTRY_AUTH_FILE`,
+//! `DOCKER_CONFIG`, `HOME`), read here in the binary; both are passed down typed
+//! ([`OriginOptions`]).
 
 use anyhow::Result;
+use clap::Args;
+use tessera_registry::{auth_file_paths, ClientOptions, CredentialSource, Credentials, TlsOptions};
 use tessera_store::{HttpConfig, OriginOptions};
 
-/// The origin settings from the process environment.
-pub fn origin_options() -> Result<OriginOptions> {
-    let http = HttpConfig::from_vars(|name| std::env::var(name).ok())?;
-    Ok(OriginOptions { http, ..OriginOptions::default() })
+/// `[--ca-file PEM] [--insecure] [--creds USER:PASS]`.
+#[derive(Debug, Clone, Default, Args)]
+pub struct OriginArgs {
+    /// Trust the CA certificates in this PEM file, instead of the built-in public roots, for
+    /// https:// and docker:// origins (like curl's --cacert).
+    #[arg(long, value_name = "PEM", value_parser = parse_ca_file)]
+    pub ca_file: Option<CaFile>,
+    /// Do not verify the TLS certificates of https:// and docker:// origins (like curl's -k),
+    /// and let registries be reached over plain HTTP (like docker's insecure registries;
+    /// loopback registries always may).
+    #[arg(long)]
+    pub insecure: bool,
+    /// Registry credentials for docker:// origins (default: REGISTRY_AUTH_FILE, then
+    /// $DOCKER_CONFIG/config.json or ~/.docker/config.json, else anonymous).
+    #[arg(long, value_name = "USER:PASS", value_parser = parse_creds)]
+    pub creds: Option<Credentials>,
+}
+
+/// The certificates of a `--ca-file`, read and checked when the arguments are parsed, so a
+/// missing or malformed file is a usage error.
+#[derive(Debug, Clone)]
+pub struct CaFile(TlsOptions);
+
+fn parse_ca_file(s: &str) -> Result<CaFile, String> {
+    let pem = std::fs::read(s).map_err(|e| format!("cannot read {s}: {e}"))?;
+    TlsOptions::default().with_ca_pem(&pem).map(CaFile).map_err(|e| format!("{s}: {e}"))
+}
+
+/// `--creds USER:PASS`.
+pub fn parse_creds(s: &str) -> Result<Credentials, String> {
+    Credentials::parse(s).map_err(crate::error_text)
+}
+
+impl OriginArgs {
+    /// Whether any of the flags was given (for commands where they cannot apply).
+    pub fn any(&self) -> bool {
+        self.ca_file.is_some() || self.insecure || self.creds.is_some()
+    }
+
+    /// The TLS roots and verification of every origin.
+    fn tls(&self) -> TlsOptions {
+        let tls = self.ca_file.as_ref().map(|c| c.0.clone()).unwrap_or_default();
+        TlsOptions { skip_verify: self.insecure, ..tls }
+    }
+
+    /// The registry client options: `--insecure`, the TLS roots, and `--creds` or the auth files
+    /// the environment names.
+    pub fn registry(&self) -> ClientOptions {
+        ClientOptions {
+            insecure: self.insecure,
+            credentials: CredentialSource::new(self.creds.clone(), auth_file_paths(env)),
+            tls: self.tls(),
+            ..ClientOptions::default()
+        }
+    }
+
+    /// Every origin setting: the flags and the environment (`TESSERA_HTTP_*`, a malformed value
+    /// is a usage error).
+    pub fn options(&self) -> Result<OriginOptions> {
+        let http = HttpConfig { tls: self.tls(), ..HttpConfig::from_vars(env)? };
+        Ok(OriginOptions { http, registry: self.registry() })
+    }
+}
+
+fn env(name: &str) -> Option<String> {
+    std::env::var(name).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_missing_or_malformed_ca_file_is_refused_when_parsed() {
+        let dir = tempfile::tempdir().unwrap();
+        let missing = dir.path().join("missing.pem");
+        let e = parse_ca_file(missing.to_str().unwrap()).unwrap_err();
+        assert!(e.contains("missing.pem") && e.contains("No such file"), "{e}");
+        let bad = dir.path().join("bad.pem");
+        std::fs::write(&bad, "not a certificate\n").unwrap();
+        let e = parse_ca_file(bad.to_str().unwrap()).unwrap_err();
+        assert!(e.contains("bad.pem") && e.contains("no CA certificate"), "{e}");
+    }
+
+    #[test]
+    fn insecure_and_creds_reach_both_origin_kinds() {
+        let args = OriginArgs {
+            insecure: true,
+            creds: Some(Credentials::parse("u:p").unwrap()),
+            ..OriginArgs::default()
+        };
+        let o = args.options().unwrap();
+        assert!(o.http.tls.skip_verify && o.registry.tls.skip_verify && o.registry.insecure);
+        assert!(matches!(o.registry.credentials, CredentialSource::Explicit(ref c) if c.username == "u"));
+        let o = OriginArgs::default().options().unwrap();
+        assert!(!o.http.tls.skip_verify && !o.registry.insecure);
+        assert!(matches!(o.registry.credentials, CredentialSource::AuthFiles(_)));
+    }
 }

@@ -5,7 +5,7 @@ use clap::Args;
 use indicatif::HumanBytes;
 use serde::Serialize;
 use tessera_builder::Progress;
-use tessera_registry::{Client, ClientOptions, CredentialSource, Credentials, Reference};
+use tessera_registry::{Client, Reference};
 use tessera_store::{push_image, PushOptions, PushTarget, ReadStore, StoreLocation};
 
 use crate::progress::Bar;
@@ -41,13 +41,9 @@ pub struct PushArgs {
     /// Where to push: docker://HOST[:PORT]/REPO:TAG.
     #[arg(value_name = "docker://HOST[:PORT]/REPO:TAG")]
     destination: String,
-    /// Registry credentials (default: REGISTRY_AUTH_FILE, then ~/.docker/config.json, else
-    /// anonymous); also used for a docker:// --store on the same registry.
-    #[arg(long, value_name = "USER:PASS", value_parser = parse_creds)]
-    creds: Option<Credentials>,
-    /// Allow plain HTTP and unverified TLS (loopback registries always are).
-    #[arg(long)]
-    insecure: bool,
+    /// For the destination and a remote --store alike.
+    #[command(flatten)]
+    origin: crate::origin_args::OriginArgs,
     /// Another repository of the destination registry that may hold the blobs (repeatable):
     /// blobs found there are mounted instead of uploaded.
     #[arg(long, value_name = "REPO")]
@@ -55,10 +51,6 @@ pub struct PushArgs {
     /// Print one JSON object instead of a line of text.
     #[arg(long)]
     json: bool,
-}
-
-fn parse_creds(s: &str) -> Result<Credentials, String> {
-    Credentials::parse(s).map_err(crate::error_text)
 }
 
 /// The `push --json` document.
@@ -94,11 +86,8 @@ fn parse_destination(text: &str) -> Result<Reference> {
 pub fn push(args: PushArgs) -> Result<()> {
     let dest = parse_destination(&args.destination)?;
     let tag = dest.tag.clone().unwrap_or_default();
-    let options = ClientOptions {
-        insecure: args.insecure,
-        credentials: CredentialSource::from_option(args.creds.clone()),
-        ..ClientOptions::default()
-    };
+    let origins = args.origin.options()?;
+    let options = origins.registry.clone();
     let client = Client::for_reference(&dest, options.clone());
     let location = &args.store;
     let mut mount_from = args.mount_from.clone();
@@ -117,7 +106,7 @@ pub fn push(args: PushArgs) -> Result<()> {
                 std::sync::Arc::new(store)
             }
         }
-        _ => location.open_read_store(&crate::origin_args::origin_options()?, None)?.store,
+        _ => location.open_read_store(&origins, None)?.store,
     };
     let id = source.resolve(&args.image)?;
     let target = PushTarget { client, repo: dest.repository.clone(), tag };

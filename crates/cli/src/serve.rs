@@ -81,6 +81,8 @@ pub struct ServeArgs {
     // --cache-dir DIR, --cache-size SIZE (the temporary overlay also goes into DIR).
     #[command(flatten)]
     cache: crate::cache_args::CacheArgs,
+    #[command(flatten)]
+    origin: crate::origin_args::OriginArgs,
     /// The vhost-user socket to create.
     #[arg(long)]
     socket: PathBuf,
@@ -230,7 +232,7 @@ impl ServeConfig {
         };
         Ok(Self {
             image: args.image,
-            origin: crate::origin_args::origin_options()?,
+            origin: args.origin.options()?,
             cache: args.cache.config(),
             store: args.store,
             socket: args.socket,

@@ -9,7 +9,6 @@ use indicatif::HumanBytes;
 use serde::Serialize;
 use tessera_builder::Progress;
 use tessera_engine::{warm, WarmOptions, WarmReport, DEFAULT_WARM_JOBS};
-use tessera_registry::ClientOptions;
 use tessera_store::{CachedStore, DiskCache, HttpStore, Origin, RegistryStore, StoreLocation};
 
 use crate::cache_args::CacheArgs;
@@ -45,6 +44,8 @@ pub struct WarmArgs {
     store: StoreLocation,
     #[command(flatten)]
     cache: CacheArgs,
+    #[command(flatten)]
+    origin: crate::origin_args::OriginArgs,
     /// Only the chunks of the image's prefetch profile.
     #[arg(long)]
     profile_only: bool,
@@ -91,11 +92,11 @@ pub fn run(args: WarmArgs) -> Result<()> {
             path.display()
         ))),
         StoreLocation::Http(url) => {
-            let origin = HttpStore::new(url, crate::origin_args::origin_options()?.http);
+            let origin = HttpStore::new(url, args.origin.options()?.http);
             warm_with(CachedStore::new(origin, DiskCache::open(&config)?), &args.image, options)?
         }
         StoreLocation::Registry(repo) => {
-            let origin = RegistryStore::new(repo, ClientOptions::default())?;
+            let origin = RegistryStore::new(repo, args.origin.registry())?;
             warm_with(CachedStore::new(origin, DiskCache::open(&config)?), &args.image, options)?
         }
     };

@@ -2,7 +2,8 @@
 //! (`USER:PASS`, auth files) and where credentials come from.
 //!
 //! Credential sources, first match wins: `--creds USER:PASS`; the file named by
-//! `REGISTRY_AUTH_FILE`; `$DOCKER_CONFIG/config.json`, else `~/.docker/config.json`. In a file,
+//! `REGISTRY_AUTH_FILE`; `$DOCKER_CONFIG/config.json`, else `~/.docker/config.json` (the binary
+//! reads those variables, [`auth_file_paths`], and passes a [`CredentialSource`]). In a file,
 //! `auths.<key>.auth` is `base64(USER:PASS)` (or `username` + `password` fields); `<key>` is the
 //! registry `HOST[:PORT]`, optionally with a scheme, a `/v1/`/`/v2/` suffix, or a repository
 //! path prefix (the longest matching key wins, as podman does).
@@ -233,37 +234,41 @@ pub fn auth_file_paths(env: impl Fn(&str) -> Option<String>) -> Vec<PathBuf> {
     out
 }
 
-/// Where a client's credentials come from; see the module docs for the order.
-#[derive(Debug, Clone, Default)]
+/// Where a client's credentials come from; see the module docs for the order. The binary builds
+/// it from `--creds` and its environment ([`auth_file_paths`]); this crate reads no environment.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub enum CredentialSource {
-    /// `--creds USER:PASS`, then the auth files.
-    #[default]
-    Default,
-    /// These credentials only (the auth files are not read).
+    /// `--creds USER:PASS`: these credentials only (the auth files are not read).
     Explicit(Credentials),
-    /// Anonymous access only.
+    /// The first of these auth files (in order) with an entry for the registry; none: anonymous.
+    AuthFiles(Vec<PathBuf>),
+    /// Anonymous access only (the default).
+    #[default]
     Anonymous,
 }
 
 impl CredentialSource {
-    /// `Explicit` when `creds` is given, else `Default`.
-    pub fn from_option(creds: Option<Credentials>) -> Self {
-        creds.map_or(Self::Default, Self::Explicit)
+    /// `Explicit` when `creds` is given, else the auth files `auth_files`.
+    pub fn new(creds: Option<Credentials>, auth_files: Vec<PathBuf>) -> Self {
+        creds.map_or(Self::AuthFiles(auth_files), Self::Explicit)
     }
 
-    /// Resolve to credentials for `registry`/`repository` (reads the auth files for `Default`).
+    /// Resolve to credentials for `registry`/`repository` (reads the auth files for `AuthFiles`;
+    /// a missing file is skipped).
     pub fn resolve(&self, registry: &str, repository: &str) -> Result<Option<Credentials>, RegistryError> {
         match self {
             Self::Explicit(c) => Ok(Some(c.clone())),
             Self::Anonymous => Ok(None),
-            Self::Default => {
-                for path in auth_file_paths(|k| std::env::var(k).ok()) {
-                    let text = match std::fs::read(&path) {
+            Self::AuthFiles(paths) => {
+                for path in paths {
+                    let text = match std::fs::read(path) {
                         Ok(t) => t,
                         Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-                        Err(e) => return Err(RegistryError::AuthFile { path, reason: e.to_string() }),
+                        Err(e) => {
+                            return Err(RegistryError::AuthFile { path: path.clone(), reason: e.to_string() })
+                        }
                     };
-                    if let Some(c) = lookup_auth_file(&text, &path, registry, repository)? {
+                    if let Some(c) = lookup_auth_file(&text, path, registry, repository)? {
                         tracing::debug!(path = %path.display(), registry, "credentials from auth file");
                         return Ok(Some(c));
                     }
@@ -354,6 +359,22 @@ mod tests {
         ));
         assert!(matches!(lookup_auth_file(b"{", p, "h", "r"), Err(RegistryError::AuthFile { .. })));
         assert_eq!(lookup_auth_file(b"{}", p, "h", "r").unwrap(), None);
+    }
+
+    #[test]
+    fn auth_files_are_read_in_order_and_missing_ones_skipped() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (dir.path().join("a.json"), dir.path().join("b.json"));
+        std::fs::write(&a, br#"{"auths": {"other.example": {"username": "ua", "password": "pa"}}}"#).unwrap();
+        std::fs::write(&b, br#"{"auths": {"reg.example": {"username": "ub", "password": "pb"}}}"#).unwrap();
+        let files = CredentialSource::new(None, vec![dir.path().join("missing.json"), a.clone(), b]);
+        let user = |src: &CredentialSource, reg: &str| src.resolve(reg, "r").unwrap().map(|c| c.username);
+        assert_eq!(user(&files, "reg.example"), Some("ub".into()));
+        assert_eq!(user(&files, "other.example"), Some("ua".into()));
+        assert_eq!(user(&files, "nowhere.example"), None);
+        let explicit = CredentialSource::new(Some(Credentials::parse("me:pw").unwrap()), vec![a]);
+        assert_eq!(user(&explicit, "other.example"), Some("me".into()), "--creds wins over the files");
+        assert_eq!(user(&CredentialSource::default(), "reg.example"), None, "the default is anonymous");
     }
 
     #[test]

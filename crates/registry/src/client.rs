@@ -49,12 +49,13 @@ impl Default for Timeouts {
 }
 
 /// How a [`Client`] connects and authenticates. Every field documents its default.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ClientOptions {
     /// Allow plain HTTP and unverified TLS (default false). Loopback registries (`localhost`,
     /// 127.0.0.0/8, `::1`) are always treated as insecure, as docker does.
     pub insecure: bool,
-    /// Where credentials come from (default: `--creds`-less lookup in the auth files).
+    /// Where credentials come from (default: anonymous; the binary passes `--creds` or the auth
+    /// files its environment names).
     pub credentials: CredentialSource,
     /// Retries (default: 5 attempts, 100 ms doubling to at most 4 s, with jitter).
     pub retry: RetryPolicy,

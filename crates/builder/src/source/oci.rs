@@ -31,7 +31,7 @@ pub enum SourceSpec {
         path: PathBuf,
         reference: Option<String>,
     },
-    Registry(super::registry::RegistrySpec),
+    Registry(Box<super::registry::RegistrySpec>),
 }
 
 impl SourceSpec {
@@ -66,7 +66,7 @@ impl SourceSpec {
             return Ok(parse_docker_archive(rest));
         }
         if let Some(rest) = s.strip_prefix("docker://") {
-            return Ok(Self::Registry(super::registry::RegistrySpec::parse(rest)?));
+            return Ok(Self::Registry(Box::new(super::registry::RegistrySpec::parse(rest)?)));
         }
         Ok(Self::Dir(s.into()))
     }

@@ -9,7 +9,7 @@
 use std::io::Read;
 use std::path::PathBuf;
 
-use tessera_registry::{Client, ClientOptions, CredentialSource, Credentials, Reference, Target};
+use tessera_registry::{Client, ClientOptions, Reference, Target};
 
 use super::error::SourceError;
 use super::layer::{Digest, Opener};
@@ -19,10 +19,9 @@ use super::oci::{assemble, resolve_document, Descriptor, Documents, ImageSource,
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RegistrySpec {
     pub reference: Reference,
-    /// `--creds USER:PASS`; without it the auth files are consulted (see `tessera-registry`).
-    pub creds: Option<Credentials>,
-    /// `--insecure`: plain HTTP and unverified TLS allowed (loopback registries always are).
-    pub insecure: bool,
+    /// Credentials, `--insecure` and TLS roots (the binary builds them from its flags and
+    /// environment; default: anonymous, HTTPS verified, loopback registries insecure).
+    pub options: ClientOptions,
 }
 
 impl RegistrySpec {
@@ -30,7 +29,7 @@ impl RegistrySpec {
     pub fn parse(s: &str) -> Result<Self, SourceError> {
         let reference = Reference::parse(s)
             .map_err(|error| SourceError::Registry { what: format!("docker://{s}"), error })?;
-        Ok(Self { reference, creds: None, insecure: false })
+        Ok(Self { reference, options: ClientOptions::default() })
     }
 }
 
@@ -93,13 +92,8 @@ impl Documents for Remote {
 /// Resolve `spec` (and `platform`, for an index) to an image whose layers stream from the
 /// registry.
 pub fn open_registry(spec: &RegistrySpec, platform: &Platform) -> Result<ImageSource, SourceError> {
-    let options = ClientOptions {
-        insecure: spec.insecure,
-        credentials: CredentialSource::from_option(spec.creds.clone()),
-        ..ClientOptions::default()
-    };
     let reference = spec.reference.clone();
-    let remote = Remote { client: Client::for_reference(&reference, options), reference };
+    let remote = Remote { client: Client::for_reference(&reference, spec.options.clone()), reference };
     let shown = format!("docker://{}", remote.reference);
     let top = remote
         .client
