@@ -9,6 +9,7 @@
 //! - [`oci`]: OCI images made with umoci/skopeo and hand-written layers.
 //! - [`nginx`]: nginx as a real HTTP origin; [`proxy`]: the latency/bandwidth/fault proxy in
 //!   front of it (the network model).
+//! - [`tls`]: a throwaway CA and server certificate (openssl CLI).
 //! - [`reference`]: the same pipeline with `mkfs.ext4 -d`, to validate the harness itself.
 //!
 //! ```no_run
@@ -42,4 +43,5 @@ pub mod reference;
 pub mod registry;
 pub mod tessera;
 pub mod testutil;
+pub mod tls;
 pub mod token_server;

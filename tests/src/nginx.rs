@@ -30,12 +30,29 @@ pub struct Nginx {
     child: Option<Child>,
     port: u16,
     prefix: String,
+    scheme: &'static str,
     dir: tempfile::TempDir,
+}
+
+/// A server certificate and its key (PEM files), for [`Nginx::serve_tls`].
+#[derive(Debug, Clone, Copy)]
+pub struct ServerCert<'a> {
+    pub cert: &'a Path,
+    pub key: &'a Path,
 }
 
 impl Nginx {
     /// Serve `root` at `http://127.0.0.1:PORT/<prefix>/` (prefix without slashes; may be empty).
     pub fn serve(root: &Path, prefix: &str) -> Result<Self> {
+        Self::start(root, prefix, None)
+    }
+
+    /// Serve `root` at `https://127.0.0.1:PORT/<prefix>/` with `cert`.
+    pub fn serve_tls(root: &Path, prefix: &str, cert: ServerCert<'_>) -> Result<Self> {
+        Self::start(root, prefix, Some(cert))
+    }
+
+    fn start(root: &Path, prefix: &str, tls: Option<ServerCert<'_>>) -> Result<Self> {
         let root = root.canonicalize().with_context(|| format!("canonicalize {}", root.display()))?;
         let dir = crate::testutil::tmp("nginx")?;
         let conf_path = dir.path().join("nginx.conf");
@@ -44,7 +61,7 @@ impl Nginx {
         // A free port can be taken between probing and nginx binding it: try a few.
         for _ in 0..5 {
             let port = free_port()?;
-            fs::write(&conf_path, config(dir.path(), &root, prefix, port))?;
+            fs::write(&conf_path, config(dir.path(), &root, prefix, port, tls))?;
             let mut child = Command::new(nginx_bin())
                 .arg("-p")
                 .arg(dir.path())
@@ -60,7 +77,8 @@ impl Nginx {
             match wait_ready(&mut child, port, &error_log, Duration::from_secs(10)) {
                 Ok(()) => {
                     let prefix = prefix.trim_matches('/').to_owned();
-                    return Ok(Nginx { child: Some(child), port, prefix, dir });
+                    let scheme = if tls.is_some() { "https" } else { "http" };
+                    return Ok(Nginx { child: Some(child), port, prefix, scheme, dir });
                 }
                 Err(e) => {
                     let _ = child.kill();
@@ -72,12 +90,12 @@ impl Nginx {
         Err(last_err.unwrap_or_else(|| anyhow::anyhow!("nginx did not start")))
     }
 
-    /// The base URL: `http://127.0.0.1:PORT/<prefix>`.
+    /// The base URL: `http://127.0.0.1:PORT/<prefix>` (`https://` with TLS).
     pub fn url(&self) -> String {
         if self.prefix.is_empty() {
-            format!("http://127.0.0.1:{}", self.port)
+            format!("{}://127.0.0.1:{}", self.scheme, self.port)
         } else {
-            format!("http://127.0.0.1:{}/{}", self.port, self.prefix)
+            format!("{}://127.0.0.1:{}/{}", self.scheme, self.port, self.prefix)
         }
     }
 
@@ -223,8 +241,19 @@ fn free_port() -> Result<u16> {
     Ok(l.local_addr()?.port())
 }
 
-fn config(dir: &Path, root: &Path, prefix: &str, port: u16) -> String {
+fn config(dir: &Path, root: &Path, prefix: &str, port: u16, tls: Option<ServerCert<'_>>) -> String {
     let d = dir.display();
+    let (ssl, certs) = match tls {
+        Some(c) => (
+            " ssl",
+            format!(
+                "ssl_certificate {};\n        ssl_certificate_key {};\n",
+                c.cert.display(),
+                c.key.display()
+            ),
+        ),
+        None => ("", String::new()),
+    };
     let prefix = prefix.trim_matches('/');
     let location = if prefix.is_empty() { "/".to_owned() } else { format!("/{prefix}/") };
     format!(
@@ -246,8 +275,8 @@ http {{
     sendfile on;
     keepalive_requests 10000;
     server {{
-        listen 127.0.0.1:{port};
-        location {location} {{
+        listen 127.0.0.1:{port}{ssl};
+        {certs}location {location} {{
             alias {root}/;
         }}
     }}

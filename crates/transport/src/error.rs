@@ -35,7 +35,10 @@ pub enum TransportErrorKind {
     Connection,
     /// The server broke the HTTP protocol.
     Protocol,
-    /// TLS failed (handshake, certificate).
+    /// The server's certificate failed verification (unknown issuer, wrong name, expired):
+    /// `--ca-file` or `--insecure` may help, another attempt will not.
+    Certificate,
+    /// TLS failed otherwise (handshake, protocol).
     Tls,
     /// Anything else (a malformed URL, a bad header): not worth retrying.
     Other,
@@ -57,6 +60,7 @@ fn describe(kind: TransportErrorKind) -> &'static str {
         TransportErrorKind::Timeout(t) => t.describe(),
         TransportErrorKind::Connection => "connection failed",
         TransportErrorKind::Protocol => "protocol error",
+        TransportErrorKind::Certificate => "TLS certificate verification failed",
         TransportErrorKind::Tls => "TLS failed",
         TransportErrorKind::Other => "request failed",
     }
@@ -90,8 +94,30 @@ impl TransportError {
         Self { kind, source: Box::new(e) }
     }
 
+    /// A request that failed in ureq. A TLS failure keeps rustls's own error as the source (what
+    /// ureq wraps around it says nothing more).
     pub(crate) fn from_ureq(e: ureq::Error) -> Self {
+        if let Some(tls) = rustls_error(&e) {
+            return Self { kind: tls_kind(tls), source: Box::new(tls.clone()) };
+        }
         Self { kind: ureq_kind(&e), source: Box::new(e) }
+    }
+}
+
+/// The rustls error under a ureq error (ureq reports a failed handshake as an I/O error
+/// wrapping it).
+fn rustls_error(e: &ureq::Error) -> Option<&rustls::Error> {
+    match e {
+        ureq::Error::Rustls(r) => Some(r),
+        ureq::Error::Io(io) => io.get_ref()?.downcast_ref::<rustls::Error>(),
+        _ => None,
+    }
+}
+
+fn tls_kind(e: &rustls::Error) -> TransportErrorKind {
+    match e {
+        rustls::Error::InvalidCertificate(_) => TransportErrorKind::Certificate,
+        _ => TransportErrorKind::Tls,
     }
 }
 
@@ -123,6 +149,9 @@ fn ureq_kind(e: &ureq::Error) -> TransportErrorKind {
 fn io_kind(e: &io::Error) -> TransportErrorKind {
     if let Some(inner) = e.get_ref().and_then(|r| r.downcast_ref::<ureq::Error>()) {
         return ureq_kind(inner);
+    }
+    if let Some(tls) = e.get_ref().and_then(|r| r.downcast_ref::<rustls::Error>()) {
+        return tls_kind(tls);
     }
     match e.kind() {
         io::ErrorKind::TimedOut => TransportErrorKind::Timeout(TimeoutKind::Stall),

@@ -1,0 +1,78 @@
+//! TLS with real parts: a throwaway CA and server certificate (openssl CLI), nginx serving a
+//! store over https. `export --ca-file CA` reads it byte for byte; without the CA (or with
+//! another CA) the export fails, naming certificate verification once; `--insecure` skips
+//! verification (curl's `-k`).
+
+use std::fs;
+use std::path::Path;
+use std::process::Output;
+
+use anyhow::{ensure, Context, Result};
+use tessera_e2e::nginx::{Nginx, ServerCert};
+use tessera_e2e::prng::Prng;
+use tessera_e2e::tessera;
+use tessera_e2e::testutil::tmp;
+use tessera_e2e::tls::TestPki;
+
+fn s(p: &Path) -> Result<&str> {
+    p.to_str().context("utf-8 path")
+}
+
+fn export(url: &str, out: &Path, extra: &[&str]) -> Result<Output> {
+    let mut args = vec!["export", "demo", "--store", url, "-o", s(out)?];
+    args.extend(extra);
+    tessera::run(&args)
+}
+
+#[test]
+fn https_store_is_verified_against_the_ca_file() -> Result<()> {
+    let t = tmp("tls-origin")?;
+    let (src, store) = (t.path().join("src"), t.path().join("store"));
+    fs::create_dir_all(&src)?;
+    let mut rng = Prng::from_label("tls-origin");
+    fs::write(src.join("random.bin"), rng.bytes(600_000))?;
+    fs::write(src.join("text.txt"), rng.text(200_000))?;
+    tessera::build(&src, &store, &["--tag", "demo", "--chunk-size", "64K"])?;
+    let local = t.path().join("local.raw");
+    tessera::export("demo", &store, &local)?;
+    let expected = fs::read(&local)?;
+
+    let pki = TestPki::generate(&t.path().join("pki"), "tessera test CA")?;
+    let other = TestPki::generate(&t.path().join("other"), "another CA")?;
+    let origin = Nginx::serve_tls(&store, "store", ServerCert { cert: &pki.cert, key: &pki.key })?;
+    let url = origin.url();
+    ensure!(url.starts_with("https://"), "{url}");
+    let out = t.path().join("out.raw");
+
+    // Trusting the CA: the export succeeds with the same bytes.
+    let o = export(&url, &out, &["--ca-file", s(&pki.ca)?])?;
+    ensure!(o.status.success(), "export --ca-file: {} — {}", o.status, String::from_utf8_lossy(&o.stderr));
+    ensure!(fs::read(&out)? == expected, "export over https differs from the local export");
+
+    // The public roots (no --ca-file) or another CA: a failure (exit 1) that names the URL and
+    // certificate verification, each cause once, and fetched nothing.
+    for extra in [vec![], vec!["--ca-file", s(&other.ca)?]] {
+        let before = origin.requests()?.len();
+        let o = export(&url, &out, &extra)?;
+        let err = String::from_utf8_lossy(&o.stderr);
+        ensure!(o.status.code() == Some(1), "export {extra:?}: {} — {err}", o.status);
+        let line = err.lines().find(|l| l.starts_with("tessera: error:")).context("no error line")?;
+        ensure!(line.contains(&url), "the error names the URL: {line}");
+        ensure!(
+            line.matches("certificate verification failed").count() == 1,
+            "names certificate verification once: {line}"
+        );
+        let causes: Vec<&str> = line.split(": ").collect();
+        for (i, c) in causes.iter().enumerate() {
+            ensure!(!causes[i + 1..].contains(c), "{c:?} repeats: {line}");
+        }
+        ensure!(origin.requests()?.len() == before, "a request got through: {}", origin.access_log());
+    }
+
+    // --insecure skips verification (curl's -k), on HTTPS still.
+    fs::remove_file(&out)?;
+    let o = export(&url, &out, &["--insecure"])?;
+    ensure!(o.status.success(), "export --insecure: {} — {}", o.status, String::from_utf8_lossy(&o.stderr));
+    ensure!(fs::read(&out)? == expected, "export --insecure differs from the local export");
+    Ok(())
+}
