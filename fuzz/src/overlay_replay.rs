@@ -26,10 +26,10 @@
 use std::io;
 use std::sync::{Arc, Mutex};
 
+use tessera_engine::BlockDevice;
 use tessera_image::{ImageId, Sha256Digest};
 use tessera_overlay::format::{Header, HEADER_B_OFFSET, HEADER_LEN, MAGIC, RECORD_LEN};
 use tessera_overlay::io::OverlayIo;
-use tessera_engine::BlockDevice;
 use tessera_overlay::{Mode as OverlayMode, Overlay, OverlayParams};
 
 use crate::vhost_request::SectorPattern;
@@ -280,7 +280,9 @@ pub fn run(data: &[u8]) {
     // Use it: a block write at the start, zeroes at the end, a FLUSH.
     if blocks > 0 {
         let fill = vec![0xc3u8; bs];
-        let limit = |e: &tessera_overlay::OverlayError| tessera_engine::Chain(e).to_string().contains("in-memory overlay file limit");
+        let limit = |e: &tessera_overlay::OverlayError| {
+            tessera_engine::Chain(e).to_string().contains("in-memory overlay file limit")
+        };
         match o
             .write_at(0, &fill)
             .and_then(|()| o.write_zeroes((blocks - 1) * bs as u64, bs as u64))

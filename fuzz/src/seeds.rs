@@ -348,7 +348,7 @@ pub fn oci_layers() -> Seeds {
     use crate::oci_layers::encode;
     let (lower, upper) = (lower_layer(), upper_layer());
     vec![
-        ("lower".into(), encode(&[lower.clone()])),
+        ("lower".into(), encode(std::slice::from_ref(&lower))),
         ("two-layers".into(), encode(&[lower.clone(), upper.clone()])),
         ("gzip-zstd".into(), encode(&[gzip(&lower), zstd::bulk::compress(&upper, 3).unwrap()])),
         ("three-layers".into(), encode(&[lower, upper.clone(), upper])),

@@ -25,13 +25,13 @@
 
 use std::sync::Arc;
 
+use tessera_engine::{BlockDevice, ReadError};
 use tessera_image::{ImageId, Sha256Digest};
+use tessera_overlay::{Mode as OverlayMode, Overlay, OverlayParams};
 use tessera_vhost::plan::{plan, Plan};
 use tessera_vhost::request::{
     parse, GuestSeg, Parsed, RequestKind, HEADER_LEN, MAX_DESCRIPTORS, SECTOR_SIZE,
 };
-use tessera_engine::{BlockDevice, ReadError};
-use tessera_overlay::{Mode as OverlayMode, Overlay, OverlayParams};
 use tessera_vhost::{serve_chain, DeviceConfig, Disk, RequestError};
 use virtio_queue::desc::split::Descriptor;
 use virtio_queue::desc::RawDescriptor;

@@ -1,5 +1,5 @@
 //! Runs every fuzz target's body on its seeds, on stable Rust, in the gate (`cargo xtask test`
-//! runs `cargo test --manifest-path fuzz/Cargo.toml`). Also replays anything found in
+//! runs it with the workspace's unit tests; alone: `cargo test -p tessera-fuzz`). Also replays anything found in
 //! `corpus/` and `artifacts/` (e.g. after a fuzzing run) when `TESSERA_FUZZ_CORPUS=1`.
 #![allow(clippy::unwrap_used)]
 
