@@ -101,3 +101,31 @@ pub fn check_counts(v: &serde_json::Value, src: &Path) -> Result<()> {
     );
     Ok(())
 }
+
+/// A local store holding one image built from a generated tree, and its raw export (what a
+/// remote read must give back byte for byte). `t` holds `src/`, `store/` and `local.raw`.
+#[derive(Debug)]
+pub struct BuiltStore {
+    pub t: tempfile::TempDir,
+    pub store: std::path::PathBuf,
+    pub id: crate::tessera::ImageId,
+    pub local_raw: Vec<u8>,
+}
+
+/// [`BuiltStore`]: `tree` writes the source into the directory it is given; the image is built
+/// with `--tag tag --chunk-size chunk_size` and exported locally.
+pub fn built_store(
+    name: &str,
+    tag: &str,
+    chunk_size: &str,
+    tree: impl FnOnce(&Path) -> Result<()>,
+) -> Result<BuiltStore> {
+    let t = tmp(name)?;
+    let (src, store) = (t.path().join("src"), t.path().join("store"));
+    tree(&src)?;
+    let id = crate::tessera::build(&src, &store, &["--tag", tag, "--chunk-size", chunk_size])?;
+    let local = t.path().join("local.raw");
+    crate::tessera::export(tag, &store, &local)?;
+    let local_raw = std::fs::read(&local)?;
+    Ok(BuiltStore { t, store, id, local_raw })
+}

@@ -3,14 +3,14 @@
 //! healing a corrupted cached chunk.
 
 use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Output;
 
 use anyhow::{ensure, Context, Result};
 use tessera_e2e::nginx::Nginx;
 use tessera_e2e::prng::Prng;
-use tessera_e2e::tessera::{self, ImageId};
-use tessera_e2e::testutil::{cached_chunks, tmp};
+use tessera_e2e::tessera;
+use tessera_e2e::testutil::{built_store, cached_chunks, BuiltStore};
 
 /// A tree whose data spans many chunks (64 KiB chunks), compressible and not.
 fn tree(dir: &Path) -> Result<()> {
@@ -23,22 +23,8 @@ fn tree(dir: &Path) -> Result<()> {
     Ok(())
 }
 
-struct Fixture {
-    t: tempfile::TempDir,
-    store: PathBuf,
-    id: ImageId,
-    local_raw: Vec<u8>,
-}
-
-fn fixture(name: &str) -> Result<Fixture> {
-    let t = tmp(name)?;
-    let (src, store) = (t.path().join("src"), t.path().join("store"));
-    tree(&src)?;
-    let id = tessera::build(&src, &store, &["--tag", "demo", "--chunk-size", "64K"])?;
-    let local = t.path().join("local.raw");
-    tessera::export("demo", &store, &local)?;
-    let local_raw = fs::read(&local)?;
-    Ok(Fixture { t, store, id, local_raw })
+fn fixture(name: &str) -> Result<BuiltStore> {
+    built_store(name, "demo", "64K", tree)
 }
 
 fn run(args: &[&str]) -> Result<Output> {

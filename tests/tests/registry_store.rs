@@ -11,15 +11,15 @@
 //! test` installs them).
 
 use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Output;
 
 use anyhow::{ensure, Context, Result};
 use sha2::{Digest, Sha256};
 use tessera_e2e::prng::Prng;
 use tessera_e2e::registry::{require_registry, Registry, PASSWORD, USER};
-use tessera_e2e::tessera::{self, ImageId};
-use tessera_e2e::testutil::tmp;
+use tessera_e2e::tessera;
+use tessera_e2e::testutil::{built_store, tmp, BuiltStore};
 
 /// A tree with one file big enough for a pack of more than one 16 MiB upload piece (so the pack
 /// goes up in PATCH pieces) and a few small ones.
@@ -81,23 +81,9 @@ fn uploads(requests: &[(String, String)]) -> Vec<String> {
         .collect()
 }
 
-struct Fixture {
-    t: tempfile::TempDir,
-    store: PathBuf,
-    id: ImageId,
-    local_raw: Vec<u8>,
-}
-
-fn fixture(name: &str) -> Result<Fixture> {
+fn fixture(name: &str) -> Result<BuiltStore> {
     require_registry()?;
-    let t = tmp(name)?;
-    let (src, store) = (t.path().join("src"), t.path().join("store"));
-    tree(&src, name, 20 << 20)?;
-    let id = tessera::build(&src, &store, &["--tag", "v1", "--chunk-size", "1M"])?;
-    let local = t.path().join("local.raw");
-    tessera::export("v1", &store, &local)?;
-    let local_raw = fs::read(&local)?;
-    Ok(Fixture { t, store, id, local_raw })
+    built_store(name, "v1", "1M", |src| tree(src, name, 20 << 20))
 }
 
 #[test]

@@ -11,7 +11,7 @@ use anyhow::{ensure, Context, Result};
 use tessera_e2e::nginx::{Nginx, ServerCert};
 use tessera_e2e::prng::Prng;
 use tessera_e2e::tessera;
-use tessera_e2e::testutil::tmp;
+use tessera_e2e::testutil::{built_store, BuiltStore};
 use tessera_e2e::tls::TestPki;
 
 fn s(p: &Path) -> Result<&str> {
@@ -26,16 +26,12 @@ fn export(url: &str, out: &Path, extra: &[&str]) -> Result<Output> {
 
 #[test]
 fn https_store_is_verified_against_the_ca_file() -> Result<()> {
-    let t = tmp("tls-origin")?;
-    let (src, store) = (t.path().join("src"), t.path().join("store"));
-    fs::create_dir_all(&src)?;
-    let mut rng = Prng::from_label("tls-origin");
-    fs::write(src.join("random.bin"), rng.bytes(600_000))?;
-    fs::write(src.join("text.txt"), rng.text(200_000))?;
-    tessera::build(&src, &store, &["--tag", "demo", "--chunk-size", "64K"])?;
-    let local = t.path().join("local.raw");
-    tessera::export("demo", &store, &local)?;
-    let expected = fs::read(&local)?;
+    let BuiltStore { t, store, local_raw: expected, .. } = built_store("tls-origin", "demo", "64K", |src| {
+        fs::create_dir_all(src)?;
+        let mut rng = Prng::from_label("tls-origin");
+        fs::write(src.join("random.bin"), rng.bytes(600_000))?;
+        Ok(fs::write(src.join("text.txt"), rng.text(200_000))?)
+    })?;
 
     let pki = TestPki::generate(&t.path().join("pki"), "tessera test CA")?;
     let other = TestPki::generate(&t.path().join("other"), "another CA")?;

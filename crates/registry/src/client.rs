@@ -347,18 +347,6 @@ impl Client {
         })
     }
 
-    /// [`Self::exchange`] returning the answer, whatever its status.
-    fn call(
-        &self,
-        method: Method,
-        url: &str,
-        headers: &[(&str, String)],
-        auth: Option<&str>,
-        body: &[u8],
-    ) -> Result<Response, RegistryError> {
-        self.exchange(method, url, headers, auth, body, false, Ok)
-    }
-
     /// The base URL, choosing the scheme with a `GET /v2/` ping the first time: HTTPS; for an
     /// insecure (or loopback) registry, HTTPS without verification and then plain HTTP.
     fn base(&self) -> Result<String, RegistryError> {
@@ -375,13 +363,14 @@ impl Client {
                 Err(e) => {
                     debug!(registry, error = %e, "registry: no TLS, trying plain HTTP");
                     let http = format!("http://{registry}/v2/");
-                    self.call(Method::Get, &http, &[], None, &[])
+                    self.exchange(Method::Get, &http, &[], None, &[], false, Ok)
                         .map(|r| (format!("http://{registry}"), http, r))
                 }
             }
         } else {
             let https = format!("https://{registry}/v2/");
-            self.call(Method::Get, &https, &[], None, &[]).map(|r| (format!("https://{registry}"), https, r))
+            self.exchange(Method::Get, &https, &[], None, &[], false, Ok)
+                .map(|r| (format!("https://{registry}"), https, r))
         };
         let (base, url, resp) = resp?;
         match resp.status() {
@@ -458,7 +447,7 @@ impl Client {
             param("scope", w);
         }
         let auth = creds.map(Credentials::basic_header);
-        let resp = self.call(Method::Get, &url, &[], auth.as_deref(), &[])?;
+        let resp = self.exchange(Method::Get, &url, &[], auth.as_deref(), &[], false, Ok)?;
         if resp.status() != 200 {
             let status = resp.status();
             if matches!(status, 401 | 403) {
@@ -489,7 +478,7 @@ impl Client {
     }
 
     /// Send a request for `path` (after the base URL) in `repo` with pull access; see
-    /// [`Self::send_with`].
+    /// [`Self::send_then`].
     pub(crate) fn send(
         &self,
         method: Method,
@@ -498,7 +487,7 @@ impl Client {
         headers: &[(&str, String)],
     ) -> Result<(String, Response), RegistryError> {
         let base = self.base()?;
-        self.send_with(method, repo, &format!("{base}{path}"), headers, &[], Access::Pull)
+        self.send_then(method, repo, &format!("{base}{path}"), headers, &[], Access::Pull, Ok)
     }
 
     /// The absolute URL of `location` (a `Location` header: absolute, or a path on the registry).
@@ -513,20 +502,6 @@ impl Client {
     /// Whether `url` is on the registry itself (credentials are only ever sent there).
     fn on_registry(&self, url: &str, base: &str) -> bool {
         url.strip_prefix(base).is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
-    }
-
-    /// Send a request to `url` in `repo`, authenticating as `access` needs; returns the URL and
-    /// the response, whatever its status. See [`Self::send_then`].
-    pub(crate) fn send_with(
-        &self,
-        method: Method,
-        repo: &str,
-        url: &str,
-        headers: &[(&str, String)],
-        body: &[u8],
-        access: Access<'_>,
-    ) -> Result<(String, Response), RegistryError> {
-        self.send_then(method, repo, url, headers, body, access, Ok)
     }
 
     /// Send a request to `url` in `repo`, authenticating as `access` needs, and judge each

@@ -113,7 +113,7 @@ impl Client {
     /// Whether `repo` holds blob `digest` (`HEAD`).
     pub fn blob_exists(&self, repo: &str, digest: &Digest) -> Result<bool, RegistryError> {
         let url = format!("{}/v2/{repo}/blobs/{digest}", self.base_url()?);
-        let (url, resp) = self.send_with(Method::Head, repo, &url, &[], &[], self.push_access())?;
+        let (url, resp) = self.send_then(Method::Head, repo, &url, &[], &[], self.push_access(), Ok)?;
         match resp.status() {
             200 => Ok(true),
             404 => Ok(false),
@@ -133,7 +133,7 @@ impl Client {
     /// Open an upload in `repo`.
     pub fn start_upload(&self, repo: &str) -> Result<UploadSession, RegistryError> {
         let url = format!("{}/v2/{repo}/blobs/uploads/", self.base_url()?);
-        let (url, resp) = self.send_with(Method::Post, repo, &url, &[], &[], self.push_access())?;
+        let (url, resp) = self.send_then(Method::Post, repo, &url, &[], &[], self.push_access(), Ok)?;
         if resp.status() != 202 {
             return Err(status_error(&url, resp, self.has_credentials(repo)));
         }
@@ -151,7 +151,7 @@ impl Client {
     ) -> Result<Option<UploadSession>, RegistryError> {
         let url = format!("{}/v2/{repo}/blobs/uploads/?mount={digest}&from={from}", self.base_url()?);
         let access = Access::Push { mount_from: Some(from) };
-        let (url, resp) = self.send_with(Method::Post, repo, &url, &[], &[], access)?;
+        let (url, resp) = self.send_then(Method::Post, repo, &url, &[], &[], access, Ok)?;
         match resp.status() {
             201 => {
                 debug!(repo, from, %digest, "registry: mounted");
@@ -165,7 +165,7 @@ impl Client {
     /// How many bytes the registry holds of an upload (`GET` on its URL), and its new URL.
     fn upload_status(&self, session: &UploadSession) -> Result<(u64, UploadSession), RegistryError> {
         let (url, resp) =
-            self.send_with(Method::Get, &session.repo, &session.url, &[], &[], self.push_access())?;
+            self.send_then(Method::Get, &session.repo, &session.url, &[], &[], self.push_access(), Ok)?;
         if resp.status() != 204 {
             return Err(status_error(&url, resp, self.has_credentials(&session.repo)));
         }
@@ -214,13 +214,14 @@ impl Client {
                 }
                 let end = sent + n as u64;
                 let headers = [octets.clone(), ("Content-Range", format!("{sent}-{}", end - 1))];
-                let (url, resp) = self.send_with(
+                let (url, resp) = self.send_then(
                     Method::Patch,
                     &repo,
                     &session.url,
                     &headers,
                     &buf[..n],
                     self.push_access(),
+                    Ok,
                 )?;
                 match resp.status() {
                     202 => session = self.session_from(&repo, &url, &resp)?,
@@ -281,7 +282,7 @@ impl Client {
     ) -> Result<(), RegistryError> {
         let url = with_query(&session.url, "digest", &digest.to_string());
         let (url, resp) =
-            self.send_with(Method::Put, &session.repo, &url, headers, body, self.push_access())?;
+            self.send_then(Method::Put, &session.repo, &url, headers, body, self.push_access(), Ok)?;
         match resp.status() {
             201 => {
                 if let Some(claimed) = header(&resp, "docker-content-digest").and_then(Digest::parse) {
@@ -344,7 +345,7 @@ impl Client {
     pub fn manifest_digest(&self, repo: &str, reference: &str) -> Result<Option<Digest>, RegistryError> {
         let url = format!("{}/v2/{repo}/manifests/{reference}", self.base_url()?);
         let accept = [("Accept", accept_header(ACCEPT_ALL))];
-        let (url, resp) = self.send_with(Method::Head, repo, &url, &accept, &[], self.push_access())?;
+        let (url, resp) = self.send_then(Method::Head, repo, &url, &accept, &[], self.push_access(), Ok)?;
         match resp.status() {
             200 => Ok(header(&resp, "docker-content-digest").and_then(Digest::parse)),
             404 => Ok(None),
@@ -363,7 +364,7 @@ impl Client {
     ) -> Result<Digest, RegistryError> {
         let url = format!("{}/v2/{repo}/manifests/{reference}", self.base_url()?);
         let headers = [("Content-Type", media_type.to_owned())];
-        let (url, resp) = self.send_with(Method::Put, repo, &url, &headers, bytes, self.push_access())?;
+        let (url, resp) = self.send_then(Method::Put, repo, &url, &headers, bytes, self.push_access(), Ok)?;
         if resp.status() != 201 {
             return Err(status_error(&url, resp, self.has_credentials(repo)));
         }

@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use sha2::{Digest as _, Sha256};
 use tessera_registry::{
-    unwrap_io, Client, ClientOptions, CredentialSource, Credentials, Digest, ManifestKind, RegistryError,
-    RetryPolicy, Target,
+    unwrap_io, BlobPush, Client, ClientOptions, CredentialSource, Credentials, Digest, ManifestKind,
+    PushOptions, RegistryError, RetryPolicy, Target,
 };
 
 #[derive(Debug, Clone)]
@@ -418,7 +418,6 @@ struct Uploads {
 /// (the retry gets 404; a HEAD settles it), and a manifest PUT with its media type.
 #[test]
 fn push_mounts_uploads_in_pieces_and_settles_ambiguous_answers() {
-    use tessera_registry::{BlobPush, PushOptions};
     let blob: Vec<u8> = (0..2_500_000u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
     let d = digest_of(&blob);
     let mounted = digest_of(b"in the base repository");
@@ -525,16 +524,7 @@ fn push_mounts_uploads_in_pieces_and_settles_ambiguous_answers() {
 
     let mut progress = 0u64;
     let options = PushOptions { mount_from: Vec::new(), piece: 1 << 20 };
-    let how = c
-        .push_blob(
-            "app",
-            &d,
-            blob.len() as u64,
-            &options,
-            || Ok(std::io::Cursor::new(blob.clone())),
-            &mut |n| progress += n,
-        )
-        .unwrap();
+    let how = push_bytes(&c, &d, blob.len() as u64, &options, &blob, &mut |n| progress += n).unwrap();
     assert_eq!(how, BlobPush::Uploaded);
     assert_eq!(progress, blob.len() as u64);
     let s = state.lock().unwrap();
@@ -546,28 +536,10 @@ fn push_mounts_uploads_in_pieces_and_settles_ambiguous_answers() {
     assert!(s.scopes.iter().any(|p| p.contains("scope=repository%3Abase%3Apull")), "{:?}", s.scopes);
     drop(s);
     // Pushing it again: HEAD says it is there.
-    let how = c
-        .push_blob(
-            "app",
-            &d,
-            blob.len() as u64,
-            &options,
-            || Ok(std::io::Cursor::new(Vec::new())),
-            &mut |_| {},
-        )
-        .unwrap();
+    let how = push_bytes(&c, &d, blob.len() as u64, &options, b"", &mut |_| {}).unwrap();
     assert_eq!(how, BlobPush::Present);
     // A source shorter than announced is an error, not a short blob.
-    let e = c
-        .push_blob(
-            "app",
-            &digest_of(b"other"),
-            10,
-            &options,
-            || Ok(std::io::Cursor::new(b"short".to_vec())),
-            &mut |_| {},
-        )
-        .unwrap_err();
+    let e = push_bytes(&c, &digest_of(b"other"), 10, &options, b"short", &mut |_| {}).unwrap_err();
     assert!(matches!(e, RegistryError::SizeMismatch { .. }), "{e}");
 
     let media = "application/vnd.oci.image.manifest.v1+json";
@@ -575,6 +547,19 @@ fn push_mounts_uploads_in_pieces_and_settles_ambiguous_answers() {
     assert_eq!(c.manifest_digest("app", "v1").unwrap(), None, "this fake never answers HEAD 200");
     let s = state.lock().unwrap();
     assert_eq!(s.manifests, vec![("/v2/app/manifests/v1".to_owned(), media.to_owned(), MANIFEST.to_vec())]);
+}
+
+/// `push_blob` into `app` of `bytes`, announced as `size` bytes.
+fn push_bytes(
+    c: &Client,
+    d: &Digest,
+    size: u64,
+    options: &PushOptions,
+    bytes: &[u8],
+    progress: &mut dyn FnMut(u64),
+) -> Result<BlobPush, RegistryError> {
+    let bytes = bytes.to_vec();
+    c.push_blob("app", d, size, options, move || Ok(std::io::Cursor::new(bytes)), progress)
 }
 
 /// Range reads from many threads sharing one client: at most `max_ranges` are in flight at once,

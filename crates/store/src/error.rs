@@ -139,6 +139,21 @@ pub enum StoreError {
 }
 
 impl StoreError {
+    /// `bytes` (`what`, read from `path`) must hash to `digest`; else [`StoreError::Corrupt`].
+    pub fn check_sha256(
+        what: &'static str,
+        digest: &Sha256Digest,
+        bytes: &[u8],
+        path: impl FnOnce() -> PathBuf,
+    ) -> Result<(), StoreError> {
+        let actual = Sha256Digest::of(bytes);
+        if actual == *digest {
+            return Ok(());
+        }
+        let reason = format!("its content hashes to {actual}");
+        Err(StoreError::Corrupt { what, digest: *digest, path: path(), reason })
+    }
+
     /// Whether the error is a usage error (exit status 2): a write to a store that is read-only by
     /// nature (http), an invalid store location, tag or reference. Unknown images, corruption and a
     /// store whose filesystem refuses writes (full, read-only mount) are failures (exit 1).

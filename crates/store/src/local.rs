@@ -284,15 +284,7 @@ impl LocalStore {
             }
             Err(e) => return Err(StoreError::read("read blob", &path, e)),
         };
-        let actual = Sha256Digest::of(&bytes);
-        if actual != *digest {
-            return Err(StoreError::Corrupt {
-                what,
-                digest: *digest,
-                path,
-                reason: format!("its content hashes to {actual}"),
-            });
-        }
+        StoreError::check_sha256(what, digest, &bytes, || path)?;
         Ok(bytes)
     }
 

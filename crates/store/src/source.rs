@@ -28,44 +28,23 @@ pub trait ChunkSource: Send + Sync {
     }
 }
 
-impl<T: ChunkSource + ?Sized> ChunkSource for &T {
-    fn read_stored(&self, pack: &Sha256Digest, offset: u64, len: u32) -> Result<Vec<u8>, StoreError> {
-        (**self).read_stored(pack, offset, len)
-    }
+/// A reference or smart pointer to a source is that source.
+macro_rules! forward_chunk_source {
+    ($($ptr:ty),*) => {$(
+        impl<T: ChunkSource + ?Sized> ChunkSource for $ptr {
+            fn read_stored(&self, pack: &Sha256Digest, offset: u64, len: u32) -> Result<Vec<u8>, StoreError> {
+                (**self).read_stored(pack, offset, len)
+            }
 
-    fn read_stored_many(
-        &self,
-        pack: &Sha256Digest,
-        ranges: &[(u64, u32)],
-    ) -> Result<Vec<Vec<u8>>, StoreError> {
-        (**self).read_stored_many(pack, ranges)
-    }
+            fn read_stored_many(
+                &self,
+                pack: &Sha256Digest,
+                ranges: &[(u64, u32)],
+            ) -> Result<Vec<Vec<u8>>, StoreError> {
+                (**self).read_stored_many(pack, ranges)
+            }
+        }
+    )*};
 }
 
-impl<T: ChunkSource + ?Sized> ChunkSource for Arc<T> {
-    fn read_stored(&self, pack: &Sha256Digest, offset: u64, len: u32) -> Result<Vec<u8>, StoreError> {
-        (**self).read_stored(pack, offset, len)
-    }
-
-    fn read_stored_many(
-        &self,
-        pack: &Sha256Digest,
-        ranges: &[(u64, u32)],
-    ) -> Result<Vec<Vec<u8>>, StoreError> {
-        (**self).read_stored_many(pack, ranges)
-    }
-}
-
-impl<T: ChunkSource + ?Sized> ChunkSource for Box<T> {
-    fn read_stored(&self, pack: &Sha256Digest, offset: u64, len: u32) -> Result<Vec<u8>, StoreError> {
-        (**self).read_stored(pack, offset, len)
-    }
-
-    fn read_stored_many(
-        &self,
-        pack: &Sha256Digest,
-        ranges: &[(u64, u32)],
-    ) -> Result<Vec<Vec<u8>>, StoreError> {
-        (**self).read_stored_many(pack, ranges)
-    }
-}
+forward_chunk_source!(&T, Arc<T>, Box<T>);

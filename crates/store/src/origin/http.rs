@@ -480,16 +480,8 @@ impl HttpStore {
                 return Err(status_failure(&url, resp.status()));
             }
             let bytes = read_body(&url, &mut resp, MAX_HTTP_BLOB)?;
-            let actual = Sha256Digest::of(&bytes);
-            if actual != *digest {
-                let e = StoreError::Corrupt {
-                    what: "blob",
-                    digest: *digest,
-                    path: url.clone().into(),
-                    reason: format!("its content hashes to {actual}"),
-                };
-                return Err(Failure::retry(ErrorKind::Digest, e));
-            }
+            StoreError::check_sha256("blob", digest, &bytes, || url.clone().into())
+                .map_err(|e| Failure::retry(ErrorKind::Digest, e))?;
             Ok(bytes)
         })?;
         trace!(%digest, len = bytes.len(), "fetched blob");
