@@ -105,6 +105,8 @@ pub struct LoggedRequest {
     pub fault: Option<Fault>,
     /// When its head was received.
     pub at: Instant,
+    /// The client connection it came on (1 for the first accepted, and so on).
+    pub connection: u64,
 }
 
 /// Counters of a [`Proxy`].
@@ -228,10 +230,10 @@ impl Proxy {
                     break;
                 }
                 let Ok(conn) = conn else { continue };
-                s.connections.fetch_add(1, Ordering::SeqCst);
+                let id = s.connections.fetch_add(1, Ordering::SeqCst) + 1;
                 let s = Arc::clone(&s);
                 let _ = std::thread::Builder::new().name("proxy-conn".into()).spawn(move || {
-                    let _ = serve_connection(conn, &s);
+                    let _ = serve_connection(conn, id, &s);
                 });
             }
         })?;
@@ -410,7 +412,7 @@ fn status_text(code: u16) -> &'static str {
     }
 }
 
-fn serve_connection(client: TcpStream, s: &Shared) -> std::io::Result<()> {
+fn serve_connection(client: TcpStream, id: u64, s: &Shared) -> std::io::Result<()> {
     let accepted = Instant::now();
     client.set_nodelay(true)?;
     // The handshake round trip: nothing the client sent is seen before it.
@@ -436,6 +438,7 @@ fn serve_connection(client: TcpStream, s: &Shared) -> std::io::Result<()> {
             range: req.header("range").map(str::to_owned),
             fault,
             at: received,
+            connection: id,
         });
         // Half a round trip to the origin, half back: the answer starts one RTT after the ask.
         let answer_at = received + s.config.rtt;

@@ -406,23 +406,40 @@ fn bearer_token_push_asks_for_push_and_mount_scopes() -> Result<()> {
 }
 
 /// Connections are reused: an export through a counting proxy in front of the registry makes
-/// many requests (manifest, blobs, Range GETs) over a handful of connections — every ranged
-/// answer is read to its end, so its connection goes back to the pool.
+/// many requests (manifest, blobs, Range GETs); every ranged answer is read to its end, so its
+/// connection goes back to the pool. One fetch at a time (`--fetch-jobs 1`), every request after
+/// the scheme probe (TLS first, then plain HTTP) rides one connection; with the
+/// default parallel fetches, a connection is opened only for a request that runs beside others,
+/// and the sequential ones (manifest, entry, record, prefix, pack index) share one.
 #[test]
 fn reads_reuse_connections() -> Result<()> {
     let f = fixture("reg-conns")?;
     let reg = Registry::start()?;
     push("v1", s(&f.store)?, &format!("docker://{}/conns:v1", reg.addr()), &[])?;
-    let proxy = tessera_e2e::proxy::Proxy::start(reg.addr(), tessera_e2e::proxy::ProxyConfig::default())?;
-    let out = f.t.path().join("conns.raw");
-    ok(export("v1", &format!("docker://{}/conns", proxy.addr()), &out, None)?, "export through the proxy")?;
-    same_file(&f.local_raw, &out, "through the proxy")?;
-    let stats = proxy.stats();
-    eprintln!("export through the proxy: {stats:?}");
-    ensure!(stats.requests >= 8, "{stats:?}");
-    // The scheme probe (TLS first, then plain HTTP) costs one connection; parallel span fetches
-    // may each open one.
-    ensure!(stats.connections * 2 <= stats.requests, "connections are not reused: {stats:?}");
+    for jobs in [Some("1"), None] {
+        let proxy = tessera_e2e::proxy::Proxy::start(reg.addr(), tessera_e2e::proxy::ProxyConfig::default())?;
+        let out = f.t.path().join("conns.raw");
+        let store = format!("docker://{}/conns", proxy.addr());
+        let mut args = vec!["export", "v1", "--store", &store, "-o", s(&out)?];
+        if let Some(j) = jobs {
+            args.extend(["--fetch-jobs", j]);
+        }
+        ok(run(&args)?, "export through the proxy")?;
+        same_file(&f.local_raw, &out, "through the proxy")?;
+        let stats = proxy.stats();
+        eprintln!("export through the proxy, --fetch-jobs {jobs:?}: {stats:?}");
+        for r in proxy.log() {
+            eprintln!("  connection {}: {} {} {:?}", r.connection, r.method, r.path, r.range);
+        }
+        ensure!(stats.requests >= 8, "{stats:?}");
+        match jobs {
+            // The TLS probe and the plain-HTTP probe (`GET /v2/`) have a connection each today.
+            Some(_) => {
+                ensure!(stats.connections <= 3, "one fetch at a time, connections not reused: {stats:?}")
+            }
+            None => ensure!(stats.connections + 4 <= stats.requests, "connections are not reused: {stats:?}"),
+        }
+    }
     Ok(())
 }
 

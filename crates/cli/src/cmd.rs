@@ -9,7 +9,7 @@ use serde::Serialize;
 use tessera_builder::source::SourceSpec;
 use tessera_builder::Progress;
 use tessera_builder::{BuildConfig, BuildError};
-use tessera_engine::{export_raw, ExportError, ExportOptions};
+use tessera_engine::{export_raw, ExportError, ExportOptions, FetchLimits, MemTier};
 use tessera_ext4::SizePolicy;
 use tessera_image::{ImageId, ImageRecord, PackIndex, RuntimeConfig};
 use tessera_store::{read_profile, ImageReader, ReadStore, StoreError, StoreLocation};
@@ -114,13 +114,15 @@ pub fn export(args: ExportArgs) -> Result<()> {
     };
     let image = Arc::new(store.open_image(&id)?);
     let reader = ImageReader::new(Arc::clone(&image), store.chunk_source(&image));
-    // Read serially through the verified read path, 4 MiB pieces whose chunks of one pack are
-    // fetched in one ranged request (the engine's parallel per-chunk fetch, `MemTier`, does not
-    // coalesce ranges yet: docs/daemon.md).
+    // Through the read engine: the chunks ahead of the writer are fetched in parallel, each
+    // once, chunks stored back to back in one request (up to 4 MiB), so a remote store keeps
+    // several large requests in flight.
+    let limits = FetchLimits::for_store(local.is_none(), args.fetch_jobs.map(usize::from));
     let options = ExportOptions::default();
+    let tier = MemTier::new(reader, 2 * options.ahead_bytes, limits)?;
     let bar = Bar::new("exporting");
     let mut started = false;
-    let stats = export_raw(&image, &reader, options, &args.output, |p| {
+    let stats = export_raw(&image, &tier, options, &args.output, |p| {
         if !started {
             bar.start(p.total_bytes);
             started = true;

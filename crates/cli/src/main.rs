@@ -166,6 +166,11 @@ pub struct ExportArgs {
     /// Apply this copy-on-write overlay (`tessera serve --overlay FILE`) over the image.
     #[arg(long, value_name = "FILE")]
     overlay: Option<PathBuf>,
+    /// Concurrent chunk fetches (threads) ahead of the writer, each one request for a run of
+    /// chunks stored back to back (up to 4 MiB). Default: 4 for a local store, 64 for a remote
+    /// one (`serve --fetch-jobs`).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=1024))]
+    fetch_jobs: Option<u16>,
 }
 
 /// Show an image's geometry, counts, sizes, chunks and dedup.

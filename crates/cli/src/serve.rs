@@ -274,8 +274,10 @@ pub fn run(config: ServeConfig) -> Result<()> {
     }
     let trace = config.record_trace.as_deref().map(|p| TraceSession::start(p, id, &image.record().block_map));
     let trace = trace.transpose()?;
-    let limits =
-        FetchLimits { background_bytes_per_sec: config.prefetch_rate, ..FetchLimits::new(config.fetch_jobs) };
+    let limits = FetchLimits {
+        background_bytes_per_sec: config.prefetch_rate,
+        ..FetchLimits::for_store(location.local_path().is_none(), Some(config.fetch_jobs))
+    };
     let mut tier = MemTier::new(ImageReader::new(Arc::clone(&image), source), config.mem_cache, limits)?
         .with_readahead(config.readahead);
     if let Some(t) = &trace {

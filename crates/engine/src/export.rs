@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::fs::{self, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc};
 
 use tessera_image::{RunSource, BLOCK_SIZE};
 use tessera_store::{OpenImage, StoreError};
@@ -19,7 +19,7 @@ use tracing::debug;
 
 use crate::device::BlockDevice;
 use crate::error::ReadError;
-use crate::fetcher::FetchResult;
+use crate::fetcher::{no_outcome, FetchResult};
 
 const BS: usize = BLOCK_SIZE as usize;
 /// The most bytes of contiguous chunk runs joined into one piece.
@@ -158,10 +158,9 @@ fn export_inner(
     let mut buf = Vec::new();
     for (i, piece) in pieces.iter().enumerate() {
         while next < pieces.len() && (next <= i || ahead + pieces[next].len <= options.ahead_bytes) {
-            let tx = tx.clone();
-            let k = next;
-            source.fetch_ahead(pieces[k].offset, pieces[k].len, Box::new(move |r| drop(tx.send((k, r)))));
-            ahead += pieces[k].len;
+            let report = PieceDone { piece: next, tx: Some(tx.clone()) };
+            source.fetch_ahead(pieces[next].offset, pieces[next].len, Box::new(move |r| report.send(r)));
+            ahead += pieces[next].len;
             next += 1;
         }
         let fetched = loop {
@@ -172,8 +171,8 @@ fn export_inner(
                 Ok((k, r)) => {
                     ready.insert(k, r);
                 }
-                // Every sender is held by this loop or a pending callback: cannot happen.
-                Err(_) => break Ok(()),
+                // `tx` is alive, so this cannot happen; if it did, it is an error, not a success.
+                Err(_) => break Err(Arc::new(no_outcome())),
             }
         };
         fetched.map_err(|e| ReadError::store(piece.offset, e))?;
@@ -191,6 +190,30 @@ fn export_inner(
     file.sync_all().map_err(|e| out("fsync export file", e))?;
     debug!(path = %path.display(), ?stats, "exported raw device");
     Ok(stats)
+}
+
+/// Reports the outcome of one piece's fetch to the writer; dropped without reporting (a
+/// callback the source lost), it reports a failure, so the writer never waits forever nor takes
+/// a lost fetch for a success.
+struct PieceDone {
+    piece: usize,
+    tx: Option<mpsc::Sender<(usize, FetchResult)>>,
+}
+
+impl PieceDone {
+    fn send(mut self, result: FetchResult) {
+        if let Some(tx) = self.tx.take() {
+            let _ = tx.send((self.piece, result));
+        }
+    }
+}
+
+impl Drop for PieceDone {
+    fn drop(&mut self) {
+        if let Some(tx) = self.tx.take() {
+            let _ = tx.send((self.piece, Err(Arc::new(no_outcome()))));
+        }
+    }
 }
 
 /// Write the blocks of `data` (device bytes at `base`) that are not all zeros, consecutive

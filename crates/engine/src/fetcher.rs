@@ -9,9 +9,14 @@
 //! - **Single flight**: a chunk is fetched once however many reads (and background requests)
 //!   want it at the same time; every waiter is told when it arrives. A demand request for a chunk
 //!   still queued in the background promotes it.
+//! - **Batches**: a thread taking a chunk off a queue also takes the chunks queued right behind
+//!   it that are stored right behind it in the same pack, up to [`FetchLimits::batch_bytes`]:
+//!   one request to the origin brings the run (an export's pieces, a large guest read, a
+//!   readahead window), and the threads keep separate runs in flight in parallel.
 //!
-//! The fetcher knows chunks only by BlockMap index; what "fetch" means (the memory tier's
-//! verified fetch through the disk cache to the origin) is the closure it is built with.
+//! The fetcher knows chunks only by BlockMap index and where they are stored ([`ChunkPlace`]);
+//! what "fetch" means (the memory tier's verified fetch through the disk cache to the origin) is
+//! the closure it is built with.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -29,6 +34,10 @@ pub type FetchDone = Box<dyn FnOnce(FetchResult) + Send>;
 
 /// Work a frontend runs on the fetcher's threads ([`ChunkFetcher::run`]).
 pub type Job = Box<dyn FnOnce() + Send>;
+
+/// [`FetchLimits::batch_bytes`] for a remote store: stored bytes one fetch (one request) may
+/// bring.
+pub const DEFAULT_BATCH_BYTES: u64 = 4 << 20;
 
 /// Default number of fetcher threads for a local store (a `pread` each).
 pub const DEFAULT_LOCAL_FETCH_JOBS: usize = 4;
@@ -67,13 +76,29 @@ pub struct FetchLimits {
     pub background_jobs: usize,
     /// Stored bytes per second background fetches may start (`None`: unlimited).
     pub background_bytes_per_sec: Option<u64>,
+    /// Most stored bytes of adjacent chunks one fetch takes together (a chunk larger than it
+    /// is fetched alone; 0: one chunk per fetch).
+    pub batch_bytes: u64,
 }
 
 impl FetchLimits {
-    /// `jobs` threads; a quarter of them (at least 1) for background fetches; no bandwidth cap.
+    /// `jobs` threads; a quarter of them (at least 1) for background fetches; no bandwidth cap;
+    /// one chunk per fetch (a local store: a `pread` each).
     pub fn new(jobs: usize) -> Self {
         let jobs = jobs.max(1);
-        Self { jobs, background_jobs: (jobs / 4).max(1), background_bytes_per_sec: None }
+        Self { jobs, background_jobs: (jobs / 4).max(1), background_bytes_per_sec: None, batch_bytes: 0 }
+    }
+
+    /// The limits for a store of this kind: [`DEFAULT_LOCAL_FETCH_JOBS`], one chunk per fetch
+    /// for a local one; [`DEFAULT_REMOTE_FETCH_JOBS`] and batches of [`DEFAULT_BATCH_BYTES`] for
+    /// a remote one (a request costs a round trip); `jobs` overrides the thread count.
+    pub fn for_store(remote: bool, jobs: Option<usize>) -> Self {
+        let (default_jobs, batch_bytes) = if remote {
+            (DEFAULT_REMOTE_FETCH_JOBS, DEFAULT_BATCH_BYTES)
+        } else {
+            (DEFAULT_LOCAL_FETCH_JOBS, 0)
+        };
+        Self { batch_bytes, ..Self::new(jobs.unwrap_or(default_jobs)) }
     }
 
     fn background_cap(&self) -> usize {
@@ -89,9 +114,9 @@ impl FetchLimits {
 /// Counters of a [`ChunkFetcher`].
 #[derive(Debug, Default)]
 pub struct FetcherStats {
-    /// Demand fetches run.
+    /// Chunks fetched for demand.
     pub demand: std::sync::atomic::AtomicU64,
-    /// Background fetches run.
+    /// Chunks fetched in the background.
     pub background: std::sync::atomic::AtomicU64,
     /// Requests for a chunk already being fetched or queued (single flight).
     pub joined: std::sync::atomic::AtomicU64,
@@ -99,11 +124,33 @@ pub struct FetcherStats {
     pub promoted: std::sync::atomic::AtomicU64,
     /// Most fetches running at the same time.
     pub max_running: AtomicUsize,
+    /// Chunks fetched in a batch behind another chunk (a request saved: fetches run are
+    /// `demand + background - batched`).
+    pub batched: std::sync::atomic::AtomicU64,
 }
 
-/// Fetch chunk `index` into memory; `background`: for readahead or prefetch, not a guest read.
-type FetchFn = dyn Fn(u32, bool) -> FetchResult + Send + Sync;
-type CostFn = dyn Fn(u32) -> u64 + Send + Sync;
+/// Where a chunk is stored: what batching and the background bandwidth cap look at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChunkPlace {
+    /// The pack holding it (its number in the image's pack index).
+    pub pack: u32,
+    /// Offset of its stored bytes in the pack.
+    pub offset: u64,
+    /// Stored (compressed) length.
+    pub stored_len: u32,
+}
+
+impl ChunkPlace {
+    /// Whether `next` is stored right after this one in the same pack.
+    fn followed_by(&self, next: &ChunkPlace) -> bool {
+        self.pack == next.pack && self.offset.checked_add(u64::from(self.stored_len)) == Some(next.offset)
+    }
+}
+
+/// Fetch chunks `indexes` (a batch stored back to back in one pack, or a single chunk) into
+/// memory, one outcome per chunk in order; `background`: for readahead or prefetch.
+type FetchFn = dyn Fn(&[u32], bool) -> Vec<FetchResult> + Send + Sync;
+type PlaceFn = dyn Fn(u32) -> Option<ChunkPlace> + Send + Sync;
 
 /// The fetcher threads and their queues. Dropping it stops the threads once the demand queue is
 /// empty (queued background fetches are dropped); it does not join them (a thread may be the one
@@ -121,7 +168,7 @@ impl std::fmt::Debug for ChunkFetcher {
 struct Shared {
     limits: FetchLimits,
     fetch: Box<FetchFn>,
-    cost: Box<CostFn>,
+    place: Box<PlaceFn>,
     state: Mutex<State>,
     wake: Condvar,
     stats: FetcherStats,
@@ -177,19 +224,21 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl ChunkFetcher {
-    /// Start `limits.jobs` threads running `fetch(index, background)` (fetch chunk `index` into
-    /// memory; `background` when no guest read asked for it, i.e. readahead or prefetch);
-    /// `cost(index)` is the chunk's stored size, charged against the background bandwidth.
+    /// Start `limits.jobs` threads running `fetch(indexes, background)` (fetch those chunks into
+    /// memory and return one outcome per chunk, in order; `background` when no guest read asked
+    /// for them, i.e. readahead or prefetch). `place(index)` says where the chunk is stored:
+    /// chunks stored back to back are fetched in one batch, and the stored size is charged
+    /// against the background bandwidth (`None`: not batched, costs nothing).
     pub fn start(
         limits: FetchLimits,
-        fetch: impl Fn(u32, bool) -> FetchResult + Send + Sync + 'static,
-        cost: impl Fn(u32) -> u64 + Send + Sync + 'static,
+        fetch: impl Fn(&[u32], bool) -> Vec<FetchResult> + Send + Sync + 'static,
+        place: impl Fn(u32) -> Option<ChunkPlace> + Send + Sync + 'static,
     ) -> std::io::Result<Self> {
         let limits = FetchLimits { jobs: limits.jobs.max(1), ..limits };
         let shared = Arc::new(Shared {
             limits,
             fetch: Box::new(fetch),
-            cost: Box::new(cost),
+            place: Box::new(place),
             state: Mutex::new(State {
                 queues: Default::default(),
                 jobs: VecDeque::new(),
@@ -296,7 +345,8 @@ impl Shared {
         loop {
             if let Some(c) = st.queues[0].pop_front() {
                 if claim(&mut st, c) {
-                    st = self.fetch_one(st, c, false);
+                    let batch = self.gather(&mut st, 0, c);
+                    st = self.fetch_batch(st, batch, false);
                 }
                 continue;
             }
@@ -331,11 +381,16 @@ impl Shared {
                     };
                     continue;
                 }
-                if let Some(c) = st.queues[1].pop_front().or_else(|| st.queues[2].pop_front()) {
+                let taken = match st.queues[1].pop_front() {
+                    Some(c) => Some((1, c)),
+                    None => st.queues[2].pop_front().map(|c| (2, c)),
+                };
+                if let Some((queue, c)) = taken {
                     if claim(&mut st, c) {
+                        let batch = self.gather(&mut st, queue, c);
                         st.running_background += 1;
-                        st.tokens -= (self.cost)(c) as f64;
-                        st = self.fetch_one(st, c, true);
+                        st.tokens -= batch.iter().map(|&c| self.cost(c)).sum::<u64>() as f64;
+                        st = self.fetch_batch(st, batch, true);
                     }
                 }
                 continue;
@@ -365,39 +420,102 @@ impl Shared {
         }
     }
 
-    /// Fetch chunk `c` without the lock, then tell its waiters.
-    fn fetch_one<'a>(
+    /// Stored bytes of chunk `c`.
+    fn cost(&self, c: u32) -> u64 {
+        (self.place)(c).map_or(0, |p| u64::from(p.stored_len))
+    }
+
+    /// The batch started by `first` (claimed off queue `queue`): `first` and the chunks queued
+    /// right behind it (same priority, not started) that are stored right behind it in the same
+    /// pack, while the batch stays within [`FetchLimits::batch_bytes`]. Claims them.
+    fn gather(&self, st: &mut State, queue: usize, first: u32) -> Vec<u32> {
+        let mut batch = vec![first];
+        let Some(mut last) = (self.place)(first) else { return batch };
+        let mut bytes = u64::from(last.stored_len);
+        while let Some(&next) = st.queues[queue].front() {
+            match st.entries.get(&next) {
+                // Started, or fetched already: a stale copy left by a promotion.
+                None => {}
+                Some(e) if e.started => {}
+                Some(e) if e.priority.queue() != queue => break,
+                Some(_) => {
+                    let Some(place) = (self.place)(next) else { break };
+                    if !last.followed_by(&place)
+                        || bytes + u64::from(place.stored_len) > self.limits.batch_bytes
+                    {
+                        break;
+                    }
+                    claim(st, next);
+                    batch.push(next);
+                    bytes += u64::from(place.stored_len);
+                    last = place;
+                }
+            }
+            st.queues[queue].pop_front();
+        }
+        if batch.len() > 1 {
+            self.stats.batched.fetch_add(batch.len() as u64 - 1, Ordering::Relaxed);
+        }
+        batch
+    }
+
+    /// Fetch the claimed chunks `batch` without the lock, then tell their waiters.
+    fn fetch_batch<'a>(
         &'a self,
         mut st: MutexGuard<'a, State>,
-        c: u32,
+        batch: Vec<u32>,
         background: bool,
     ) -> MutexGuard<'a, State> {
         st.running += 1;
         self.stats.max_running.fetch_max(st.running, Ordering::Relaxed);
         drop(st);
         let counter = if background { &self.stats.background } else { &self.stats.demand };
-        counter.fetch_add(1, Ordering::Relaxed);
-        trace!(chunk = c, background, "chunk fetch");
-        let result = (self.fetch)(c, background);
-        if let Err(e) = &result {
-            if background {
-                // Nobody may be waiting; a demand read of the chunk tries again.
-                warn!(chunk = c, error = &**e as &dyn std::error::Error, "background chunk fetch failed");
-            }
-        }
+        counter.fetch_add(batch.len() as u64, Ordering::Relaxed);
+        trace!(first = batch[0], chunks = batch.len(), background, "chunk fetch");
+        let mut results = (self.fetch)(&batch, background).into_iter();
+        let results: Vec<FetchResult> = batch
+            .iter()
+            .map(|&c| {
+                let r = results.next().unwrap_or_else(|| Err(Arc::new(no_outcome())));
+                if let Err(e) = &r {
+                    if background {
+                        // Nobody may be waiting; a demand read of the chunk tries again.
+                        warn!(
+                            chunk = c,
+                            error = &**e as &dyn std::error::Error,
+                            "background chunk fetch failed"
+                        );
+                    }
+                }
+                r
+            })
+            .collect();
         let mut st = lock(&self.state);
         st.running -= 1;
         if background {
             st.running_background -= 1;
         }
-        let waiters = st.entries.remove(&c).map(|e| e.waiters).unwrap_or_default();
+        let waiters: Vec<Vec<Arc<Waiter>>> =
+            batch.iter().map(|c| st.entries.remove(c).map(|e| e.waiters).unwrap_or_default()).collect();
         drop(st);
         // A background slot or the end of a fetch may let another thread proceed.
         self.wake.notify_all();
-        for w in waiters {
-            w.arrived(&result);
+        for (waiters, result) in waiters.into_iter().zip(&results) {
+            for w in waiters {
+                w.arrived(result);
+            }
         }
         lock(&self.state)
+    }
+}
+
+/// What a waiter learns if its fetch produced no outcome (a fetch closure returning fewer
+/// outcomes than chunks, a completion dropped uncalled): an error, never a silent success.
+pub(crate) fn no_outcome() -> StoreError {
+    StoreError::Io {
+        op: "chunk fetch",
+        path: Default::default(),
+        source: std::io::Error::other("the fetch returned no outcome for this chunk"),
     }
 }
 
@@ -451,9 +569,14 @@ mod tests {
         }
     }
 
+    /// Chunk `c` stored at `c * 2000` of pack 0, 1000 bytes: never back to back (no batches).
+    fn apart(c: u32) -> Option<ChunkPlace> {
+        Some(ChunkPlace { pack: 0, offset: u64::from(c) * 2000, stored_len: 1000 })
+    }
+
     fn fetcher(limits: FetchLimits, gates: &Arc<Gates>) -> ChunkFetcher {
         let g = Arc::clone(gates);
-        ChunkFetcher::start(limits, move |c, _| g.fetch(c), |_| 1000).unwrap()
+        ChunkFetcher::start(limits, move |cs, _| cs.iter().map(|&c| g.fetch(c)).collect(), apart).unwrap()
     }
 
     fn done_channel() -> (FetchDone, mpsc::Receiver<FetchResult>) {
@@ -513,7 +636,7 @@ mod tests {
     fn demand_goes_before_background_and_promotes_it() {
         let gates = Gates::new();
         // 2 threads, 1 background slot.
-        let f = fetcher(FetchLimits { jobs: 2, background_jobs: 1, background_bytes_per_sec: None }, &gates);
+        let f = fetcher(FetchLimits { background_jobs: 1, ..FetchLimits::new(2) }, &gates);
         f.fetch(&[100, 101, 102], Priority::Prefetch, None);
         // One background fetch runs; the other thread stays free for demand.
         assert_eq!(gates.wait_started(1), vec![100]);
@@ -538,14 +661,18 @@ mod tests {
     fn errors_reach_every_waiter_and_empty_requests_finish_at_once() {
         let f = ChunkFetcher::start(
             FetchLimits::new(2),
-            |c, _| {
-                if c == 3 {
-                    Err(Arc::new(StoreError::InvalidTag { tag: "x".into() }))
-                } else {
-                    Ok(())
-                }
+            |cs, _| {
+                cs.iter()
+                    .map(|&c| {
+                        if c == 3 {
+                            Err(Arc::new(StoreError::InvalidTag { tag: "x".into() }))
+                        } else {
+                            Ok(())
+                        }
+                    })
+                    .collect()
             },
-            |_| 0,
+            |_| None,
         )
         .unwrap();
         let (done, rx) = done_channel();
@@ -560,7 +687,7 @@ mod tests {
     fn jobs_run_on_fetch_threads_ahead_of_queued_background_fetches() {
         let gates = Gates::new();
         // 2 threads, 1 background slot: 100 runs, 101 waits for the slot.
-        let f = fetcher(FetchLimits { jobs: 2, background_jobs: 1, background_bytes_per_sec: None }, &gates);
+        let f = fetcher(FetchLimits { background_jobs: 1, ..FetchLimits::new(2) }, &gates);
         f.fetch(&[100, 101], Priority::Prefetch, None);
         assert_eq!(gates.wait_started(1), vec![100]);
         let (tx, rx) = mpsc::channel();
@@ -585,9 +712,14 @@ mod tests {
     #[test]
     fn background_bandwidth_is_capped() {
         let f = ChunkFetcher::start(
-            FetchLimits { jobs: 4, background_jobs: 3, background_bytes_per_sec: Some(100_000) },
-            |_, _| Ok(()),
-            |_| 10_000,
+            FetchLimits {
+                background_jobs: 3,
+                background_bytes_per_sec: Some(100_000),
+                batch_bytes: 0,
+                ..FetchLimits::new(4)
+            },
+            |cs, _| cs.iter().map(|_| Ok(())).collect(),
+            |c| Some(ChunkPlace { pack: 0, offset: u64::from(c) * 10_000, stored_len: 10_000 }),
         )
         .unwrap();
         let start = Instant::now();
@@ -602,5 +734,127 @@ mod tests {
         // once, each later one when the bucket is back to zero).
         let took = start.elapsed();
         assert!(took >= Duration::from_millis(1000), "took {took:?}");
+    }
+
+    /// A fetch function recording each call's batch; chunk 13 fails.
+    fn recording(log: &Arc<Mutex<Vec<Vec<u32>>>>) -> impl Fn(&[u32], bool) -> Vec<FetchResult> {
+        let log = Arc::clone(log);
+        move |cs, _| {
+            log.lock().unwrap().push(cs.to_vec());
+            cs.iter()
+                .map(
+                    |&c| {
+                        if c == 13 {
+                            Err(Arc::new(StoreError::InvalidTag { tag: "x".into() }))
+                        } else {
+                            Ok(())
+                        }
+                    },
+                )
+                .collect()
+        }
+    }
+
+    #[test]
+    fn chunks_stored_back_to_back_are_fetched_in_batches_within_the_byte_cap() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        // Pack 0 holds chunks 0..=9 back to back (1000 bytes each) except for a gap before 6;
+        // chunk 10 is in pack 1, right where chunk 9 ends in pack 0.
+        let place = |c: u32| {
+            let offset = u64::from(c) * 1000 + if c >= 6 { 500 } else { 0 };
+            Some(ChunkPlace { pack: u32::from(c >= 10), offset, stored_len: 1000 })
+        };
+        // One thread, so the queue is whole when the thread looks at it.
+        let f = ChunkFetcher::start(
+            FetchLimits { batch_bytes: 3000, ..FetchLimits::new(1) },
+            recording(&log),
+            place,
+        )
+        .unwrap();
+        let (done, rx) = done_channel();
+        f.fetch(&(0..=10).collect::<Vec<_>>(), Priority::Demand, Some(done));
+        assert!(rx.recv_timeout(Duration::from_secs(10)).unwrap().is_ok());
+        // At most 3000 bytes, never across the gap or into another pack.
+        assert_eq!(
+            *log.lock().unwrap(),
+            vec![vec![0, 1, 2], vec![3, 4, 5], vec![6, 7, 8], vec![9], vec![10]]
+        );
+        assert_eq!(f.stats().batched.load(Ordering::Relaxed), 6);
+        assert_eq!(f.stats().demand.load(Ordering::Relaxed), 11);
+    }
+
+    #[test]
+    fn a_batch_fails_only_the_waiters_of_its_failed_chunk() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let back_to_back =
+            |c: u32| Some(ChunkPlace { pack: 0, offset: u64::from(c) * 1000, stored_len: 1000 });
+        let gates = Gates::new();
+        let g = Arc::clone(&gates);
+        let rec = recording(&log);
+        // Chunk 0 holds the only thread while 12, 13 and 14 are queued behind it.
+        let f = ChunkFetcher::start(
+            FetchLimits { batch_bytes: DEFAULT_BATCH_BYTES, ..FetchLimits::new(1) },
+            move |cs, bg| {
+                if cs == [0] {
+                    vec![g.fetch(0)]
+                } else {
+                    rec(cs, bg)
+                }
+            },
+            back_to_back,
+        )
+        .unwrap();
+        f.fetch(&[0], Priority::Demand, None);
+        gates.wait_started(1);
+        let mut rxs = Vec::new();
+        for c in [12, 13, 14] {
+            let (done, rx) = done_channel();
+            f.fetch(&[c], Priority::Demand, Some(done));
+            rxs.push(rx);
+        }
+        gates.release(0);
+        let outcomes: Vec<bool> =
+            rxs.iter().map(|rx| rx.recv_timeout(Duration::from_secs(10)).unwrap().is_ok()).collect();
+        assert_eq!(outcomes, vec![true, false, true]);
+        assert_eq!(*log.lock().unwrap(), vec![vec![12, 13, 14]], "one fetch for the three");
+    }
+
+    #[test]
+    fn batches_do_not_mix_priorities_and_skip_promoted_copies() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let back_to_back =
+            |c: u32| Some(ChunkPlace { pack: 0, offset: u64::from(c) * 1000, stored_len: 1000 });
+        let gates = Gates::new();
+        let g = Arc::clone(&gates);
+        let rec = recording(&log);
+        let f = ChunkFetcher::start(
+            FetchLimits { background_jobs: 1, batch_bytes: DEFAULT_BATCH_BYTES, ..FetchLimits::new(1) },
+            move |cs, bg| {
+                if cs == [100] {
+                    vec![g.fetch(100)]
+                } else {
+                    rec(cs, bg)
+                }
+            },
+            back_to_back,
+        )
+        .unwrap();
+        // 100 holds the thread; 1..=4 wait in the prefetch queue; 2 and 3 are then demanded
+        // (promoted: their prefetch copies stay behind, stale).
+        f.fetch(&[100], Priority::Demand, None);
+        gates.wait_started(1);
+        f.fetch(&[1, 2, 3, 4], Priority::Prefetch, None);
+        let (done, rx) = done_channel();
+        f.fetch(&[2, 3], Priority::Demand, Some(done));
+        gates.release(100);
+        assert!(rx.recv_timeout(Duration::from_secs(10)).unwrap().is_ok());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while f.pending() > 0 {
+            assert!(Instant::now() < deadline);
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        // Demand first (2, 3 together); then the prefetch run 1, and 4 (the stale copies of 2 and
+        // 3 between them are skipped, and 1 and 4 are not back to back).
+        assert_eq!(*log.lock().unwrap(), vec![vec![2, 3], vec![1], vec![4]]);
     }
 }

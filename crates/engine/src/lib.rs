@@ -44,8 +44,8 @@ pub use device::{BlockDevice, BufSink, Sink};
 pub use error::{Chain, ReadError, SinkError, StartError};
 pub use export::{export_raw, ExportError, ExportOptions, ExportProgress, ExportStats};
 pub use fetcher::{
-    ChunkFetcher, FetchDone, FetchLimits, FetchResult, FetcherStats, Job, Priority, DEFAULT_LOCAL_FETCH_JOBS,
-    DEFAULT_REMOTE_FETCH_JOBS,
+    ChunkFetcher, ChunkPlace, FetchDone, FetchLimits, FetchResult, FetcherStats, Job, Priority,
+    DEFAULT_BATCH_BYTES, DEFAULT_LOCAL_FETCH_JOBS, DEFAULT_REMOTE_FETCH_JOBS,
 };
 pub use tessera_store::Visit;
 pub use tier::{MemTier, TierStats, DEFAULT_MEM_CACHE, DEFAULT_READAHEAD};

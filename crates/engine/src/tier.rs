@@ -19,7 +19,7 @@ use tessera_store::{ChunkSource, ImageReader, Piece, StoreError, Visit};
 
 use crate::device::{BlockDevice, BufSink, Sink};
 use crate::error::{ReadError, StartError};
-use crate::fetcher::{ChunkFetcher, FetchDone, FetchLimits, FetcherStats, Priority};
+use crate::fetcher::{ChunkFetcher, ChunkPlace, FetchDone, FetchLimits, FetchResult, FetcherStats, Priority};
 use crate::trace::TraceRecorder;
 
 /// `--mem-cache` unless told otherwise: 256 MiB of decoded chunks.
@@ -153,25 +153,53 @@ impl<S: ChunkSource> Core<S> {
         if let Some(hit) = self.cached(index) {
             return Ok(hit);
         }
+        // The read path's refetch policy applies (a copy failing verification is fetched once
+        // more, which reaches the origin: the tiers below drop a corrupt copy).
         self.cache.try_get_with(index, || {
-            // The read path's refetch policy applies (a copy failing verification is fetched
-            // once more, which reaches the origin: the tiers below drop a corrupt copy).
-            let data = self.reader.fetch_chunk(index)?;
-            self.stats.fetches.fetch_add(1, Ordering::Relaxed);
-            self.stats.fetched_bytes.fetch_add(data.len() as u64, Ordering::Relaxed);
-            if background {
-                // Flagged before the chunk becomes visible, so no guest read can miss the flag.
-                self.prefetched.filled(index);
-                self.stats.prefetched_chunks.fetch_add(1, Ordering::Relaxed);
-                self.stats.prefetched_bytes.fetch_add(data.len() as u64, Ordering::Relaxed);
-            }
-            Ok::<_, StoreError>(Arc::<[u8]>::from(data))
+            Ok::<_, StoreError>(self.admit(index, self.reader.fetch_chunk(index)?, background))
         })
     }
 
-    /// Stored bytes of chunk `index` (what fetching it costs the origin).
-    fn stored_len(&self, index: u32) -> u64 {
-        self.reader.image().chunk_location(index).map_or(0, |(_, _, loc)| u64::from(loc.stored_len))
+    /// The chunks `indexes` (stored back to back in one pack: the fetcher's batch) fetched into
+    /// memory with one request for those missing; one outcome per chunk.
+    fn fill_batch(&self, indexes: &[u32], background: bool) -> Vec<FetchResult> {
+        if let [index] = indexes {
+            return vec![self.fill(*index, background).map(|_| ())];
+        }
+        // Counted as lookups, as a single fill is (one that arrived meanwhile is a hit).
+        let missing: Vec<u32> = indexes.iter().copied().filter(|&c| self.cached(c).is_none()).collect();
+        let mut fetched: Vec<(u32, FetchResult)> = Vec::with_capacity(missing.len());
+        for (&index, data) in missing.iter().zip(self.reader.fetch_chunks(&missing)) {
+            let outcome = data.map(|data| self.cache.insert(index, self.admit(index, data, background)));
+            fetched.push((index, outcome));
+        }
+        indexes
+            .iter()
+            .map(|c| fetched.iter().find(|(i, _)| i == c).map_or(Ok(()), |(_, r)| r.clone()))
+            .collect()
+    }
+
+    /// A chunk just fetched, counted (and flagged when a background fetch brought it), ready to
+    /// go into memory.
+    fn admit(&self, index: u32, data: Vec<u8>, background: bool) -> Arc<[u8]> {
+        self.stats.fetches.fetch_add(1, Ordering::Relaxed);
+        self.stats.fetched_bytes.fetch_add(data.len() as u64, Ordering::Relaxed);
+        if background {
+            // Flagged before the chunk becomes visible, so no guest read can miss the flag.
+            self.prefetched.filled(index);
+            self.stats.prefetched_chunks.fetch_add(1, Ordering::Relaxed);
+            self.stats.prefetched_bytes.fetch_add(data.len() as u64, Ordering::Relaxed);
+        }
+        Arc::from(data)
+    }
+
+    /// Where chunk `index` is stored (what batching and the background bandwidth look at).
+    fn place(&self, index: u32) -> Option<ChunkPlace> {
+        self.reader.image().chunk_location(index).map(|(_, _, loc)| ChunkPlace {
+            pack: loc.pack,
+            offset: loc.offset,
+            stored_len: loc.stored_len,
+        })
     }
 
     /// The chunks `[offset, offset + len)` needs that are not in memory, in device order.
@@ -253,11 +281,11 @@ impl<S: ChunkSource> MemTier<S> {
             .build();
         let core =
             Arc::new(Core { reader: reader.with_cache_capacity(0), cache, capacity, stats, prefetched });
-        let (fetch_core, cost_core) = (Arc::clone(&core), Arc::clone(&core));
+        let (fetch_core, place_core) = (Arc::clone(&core), Arc::clone(&core));
         let fetcher = ChunkFetcher::start(
             limits,
-            move |c, background| fetch_core.fill(c, background).map(|_| ()),
-            move |c| cost_core.stored_len(c),
+            move |chunks, background| fetch_core.fill_batch(chunks, background),
+            move |c| place_core.place(c),
         )
         .map_err(StartError)?;
         Ok(Self { core, fetcher, readahead: 0, streams: Mutex::default(), trace: None })

@@ -132,15 +132,18 @@ pub fn warm<O: Origin + 'static>(
         let limits = FetchLimits::new(options.jobs.clamp(1, targets.len().max(1)));
         ChunkFetcher::start(
             limits,
-            move |i, _| {
-                if let Some(t) = targets.get(i as usize) {
-                    let outcome = warm_chunk(&store, t);
-                    lock(&results).push((i as usize, outcome));
-                    let _ = tx.send(u64::from(t.loc.stored_len));
+            // No places given: one target per job (the cache fills chunk by chunk).
+            move |batch, _| {
+                for &i in batch {
+                    if let Some(t) = targets.get(i as usize) {
+                        let outcome = warm_chunk(&store, t);
+                        lock(&results).push((i as usize, outcome));
+                        let _ = tx.send(u64::from(t.loc.stored_len));
+                    }
                 }
-                Ok(())
+                batch.iter().map(|_| Ok(())).collect()
             },
-            |_| 0,
+            |_| None,
         )
         .map_err(|source| StoreError::Io {
             op: "starting the warm threads",

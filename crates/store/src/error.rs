@@ -136,6 +136,9 @@ pub enum StoreError {
         #[source]
         source: io::Error,
     },
+    /// One failure shared by several reads (the chunks of one request to the origin).
+    #[error(transparent)]
+    Shared(std::sync::Arc<StoreError>),
 }
 
 impl StoreError {
@@ -166,6 +169,7 @@ impl StoreError {
                 | StoreError::InvalidTag { .. }
                 | StoreError::BadSetting { .. }
         ) || matches!(self, StoreError::Registry(e) if e.is_usage_error())
+            || matches!(self, StoreError::Shared(e) if e.is_usage_error())
     }
 
     /// Classify an error from a write-side operation: ENOSPC/EDQUOT → [`StoreError::Full`],

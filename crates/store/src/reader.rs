@@ -437,11 +437,21 @@ impl<S: ChunkSource> ImageReader<S> {
                 wanted.into_iter().filter(|&i| !cache.contains(i)).collect()
             };
             if missing.len() > 1 {
-                let chunks = self.fetch_chunks(&missing)?;
+                let results = self.fetch_chunks(&missing);
+                let (mut fetched, mut failed) = (Vec::with_capacity(missing.len()), None);
+                for (i, data) in missing.into_iter().zip(results) {
+                    match data {
+                        Ok(data) => fetched.push((i, data)),
+                        Err(e) => drop(failed.get_or_insert(e)),
+                    }
+                }
+                if let Some(e) = failed {
+                    // The other holders of a shared error are gone: it is ours again.
+                    return Err(unshare(e));
+                }
                 let mut cache = self.lock_cache();
-                missing
+                fetched
                     .into_iter()
-                    .zip(chunks)
                     .map(|(i, data)| {
                         let data: Arc<[u8]> = data.into();
                         cache.insert(i, Arc::clone(&data));
@@ -527,34 +537,55 @@ impl<S: ChunkSource> ImageReader<S> {
 
     /// Fetch, decompress and verify the chunks `indexes` (bypassing the cache), asking the
     /// source for the chunks of each pack in one call ([`ChunkSource::read_stored_many`]).
-    /// Returned in the order asked; a chunk failing verification is fetched once more, as in
-    /// [`Self::fetch_chunk`].
-    pub fn fetch_chunks(&self, indexes: &[u32]) -> Result<Vec<Vec<u8>>, StoreError> {
-        let located: Vec<_> = indexes.iter().map(|&i| self.locate(i)).collect::<Result<_, _>>()?;
-        let mut out: Vec<Option<Vec<u8>>> = vec![None; indexes.len()];
-        let mut packs: Vec<Sha256Digest> = located.iter().map(|(_, p, _)| *p).collect();
+    /// One outcome per chunk, in the order asked: a request that failed fails the chunks of its
+    /// pack (they share the error), a chunk failing verification is fetched once more, as in
+    /// [`Self::fetch_chunk`], and fails alone.
+    pub fn fetch_chunks(&self, indexes: &[u32]) -> Vec<Result<Vec<u8>, Arc<StoreError>>> {
+        let mut out: Vec<Option<Result<Vec<u8>, Arc<StoreError>>>> = vec![None; indexes.len()];
+        let mut located = Vec::with_capacity(indexes.len());
+        for (k, &i) in indexes.iter().enumerate() {
+            match self.locate(i) {
+                Ok(l) => located.push((k, l)),
+                Err(e) => out[k] = Some(Err(Arc::new(e))),
+            }
+        }
+        let mut packs: Vec<Sha256Digest> = located.iter().map(|(_, (_, p, _))| *p).collect();
         packs.sort_unstable();
         packs.dedup();
         for pack in packs {
-            let members: Vec<usize> = (0..indexes.len()).filter(|&k| located[k].1 == pack).collect();
+            let members: Vec<&(usize, (ChunkRef, Sha256Digest, PackLocation))> =
+                located.iter().filter(|(_, (_, p, _))| *p == pack).collect();
             let ranges: Vec<(u64, u32)> =
-                members.iter().map(|&k| (located[k].2.offset, located[k].2.stored_len)).collect();
+                members.iter().map(|(_, (_, _, loc))| (loc.offset, loc.stored_len)).collect();
             trace!(%pack, chunks = ranges.len(), "fetch chunks");
-            let stored = self.source.read_stored_many(&pack, &ranges)?;
-            if stored.len() != members.len() {
-                return Err(inconsistent(
-                    &self.image.id,
-                    "the source returned the wrong number of ranges".into(),
-                ));
-            }
-            for (k, bytes) in members.into_iter().zip(stored) {
-                let (chunk, pack, loc) = &located[k];
-                let first = decode_stored_chunk(chunk, pack, loc, &bytes);
-                out[k] = Some(self.refetch_if_corrupt(indexes[k], first)?);
+            let stored = self.source.read_stored_many(&pack, &ranges).and_then(|stored| {
+                if stored.len() == members.len() {
+                    Ok(stored)
+                } else {
+                    Err(inconsistent(&self.image.id, "the source returned the wrong number of ranges".into()))
+                }
+            });
+            match stored {
+                Ok(stored) => {
+                    for (&&(k, (ref chunk, ref pack, ref loc)), bytes) in members.iter().zip(stored) {
+                        let first = decode_stored_chunk(chunk, pack, loc, &bytes);
+                        out[k] = Some(self.refetch_if_corrupt(indexes[k], first).map_err(Arc::new));
+                    }
+                }
+                Err(e) => {
+                    let e = Arc::new(e);
+                    for &&(k, _) in &members {
+                        out[k] = Some(Err(Arc::clone(&e)));
+                    }
+                }
             }
         }
         out.into_iter()
-            .map(|c| c.ok_or_else(|| inconsistent(&self.image.id, "a chunk was not fetched".into())))
+            .map(|c| {
+                c.unwrap_or_else(|| {
+                    Err(Arc::new(inconsistent(&self.image.id, "a chunk was not fetched".into())))
+                })
+            })
             .collect()
     }
 
@@ -568,6 +599,12 @@ impl<S: ChunkSource> ImageReader<S> {
         // The cache holds only verified data; a panic elsewhere cannot leave it inconsistent.
         self.cache.lock().unwrap_or_else(|p| p.into_inner())
     }
+}
+
+/// An error shared by the chunks of one request, as the caller's own (the last holder takes it;
+/// one still shared elsewhere is described, its causes included).
+fn unshare(e: Arc<StoreError>) -> StoreError {
+    Arc::try_unwrap(e).unwrap_or_else(StoreError::Shared)
 }
 
 /// A tiny LRU of decompressed chunks: most recently used last.

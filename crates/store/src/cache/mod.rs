@@ -38,6 +38,9 @@ use crate::error::StoreError;
 use tessera_registry::RegistryError;
 
 use crate::origin::http::{parse_ref, resolve_with, HttpError, HttpStore};
+
+/// Whether an entry's bytes are valid.
+type Check<'a> = dyn Fn(&[u8]) -> bool + 'a;
 use crate::read_store::ReadStore;
 use crate::reader::{decode_stored_chunk, OpenImage};
 use crate::source::ChunkSource;
@@ -370,47 +373,117 @@ impl DiskCache {
         check: &dyn Fn(&[u8]) -> bool,
         fetch: impl FnOnce() -> Result<Vec<u8>, StoreError>,
     ) -> Result<Vec<u8>, StoreError> {
-        if let Some(bytes) = self.read_checked(key, check) {
-            return Ok(bytes);
-        }
-        bump(&self.inner.stats.misses, 1);
-        let lock = key.lock_name();
-        let _in_process = self.inner.flights.lock(&lock);
-        if let Some(bytes) = self.read_checked_quiet(key, check) {
-            bump(&self.inner.stats.shared_fetches, 1);
-            return Ok(bytes);
-        }
-        let lock_path = self.inner.root.join("locks").join(&lock);
-        let mut host_lock = match EntryLock::acquire(&lock_path) {
-            Ok(l) => Some(l),
-            Err(e) => {
-                warn!(path = %lock_path.display(), error = %e, "cannot take a cache lock; fetching without it");
-                None
-            }
-        };
-        if let Some(l) = host_lock.as_mut() {
-            // Whatever happens next, the lock file has served its purpose once we release it.
-            l.remove_on_drop();
-        }
-        if let Some(bytes) = self.read_checked_quiet(key, check) {
-            bump(&self.inner.stats.shared_fetches, 1);
-            return Ok(bytes);
-        }
-        let bytes = fetch()?;
-        if check(&bytes) {
-            match self.try_write_atomic(key, &bytes) {
-                Ok(true) => {
-                    bump(&self.inner.stats.fills, 1);
-                    bump(&self.inner.stats.fill_bytes, bytes.len() as u64);
+        let mut got = self.get_or_fetch_many(&[(key.clone(), check)], |_| fetch().map(|b| vec![b]))?;
+        got.pop().ok_or_else(|| StoreError::Io {
+            op: "cache fetch",
+            path: self.path_of(key),
+            source: std::io::Error::other("the fetch returned nothing"),
+        })
+    }
+
+    /// [`Self::get_or_fetch`] for several entries fetched together (the chunks of one ranged
+    /// request): the entries the cache lacks are locked — in the order of their lock names, so
+    /// two batches (or a batch and single fetches) never wait for each other in a cycle — looked
+    /// up again, and those still missing fetched in one call: `fetch(missing)` gets their
+    /// positions in `entries`, ascending, and returns their bytes in that order.
+    fn get_or_fetch_many(
+        &self,
+        entries: &[(EntryKey, &Check<'_>)],
+        fetch: impl FnOnce(&[usize]) -> Result<Vec<Vec<u8>>, StoreError>,
+    ) -> Result<Vec<Vec<u8>>, StoreError> {
+        let mut out: Vec<Option<Vec<u8>>> =
+            entries.iter().map(|(k, check)| self.read_checked(k, *check)).collect();
+        let mut missing: Vec<usize> = (0..entries.len()).filter(|&i| out[i].is_none()).collect();
+        // The locks of the missing entries, held until their bytes are published.
+        let mut guards = Vec::with_capacity(missing.len());
+        if !missing.is_empty() {
+            bump(&self.inner.stats.misses, missing.len() as u64);
+            let mut names: Vec<(String, usize)> =
+                missing.iter().map(|&i| (entries[i].0.lock_name(), i)).collect();
+            names.sort();
+            for (name, i) in &names {
+                let in_process = self.inner.flights.lock(name);
+                let found = self.read_checked_quiet(&entries[*i].0, entries[*i].1);
+                let host_lock = if found.is_some() {
+                    None
+                } else {
+                    let lock_path = self.inner.root.join("locks").join(name);
+                    match EntryLock::acquire(&lock_path) {
+                        Ok(mut l) => {
+                            // Whatever happens next, the lock file has served its purpose once
+                            // we release it.
+                            l.remove_on_drop();
+                            Some(l)
+                        }
+                        Err(e) => {
+                            warn!(path = %lock_path.display(), error = %e, "cannot take a cache lock; fetching without it");
+                            None
+                        }
+                    }
+                };
+                // Another thread or process may have published while we waited.
+                let found = found.or_else(|| self.read_checked_quiet(&entries[*i].0, entries[*i].1));
+                if let Some(bytes) = found {
+                    bump(&self.inner.stats.shared_fetches, 1);
+                    out[*i] = Some(bytes);
                 }
-                Ok(false) => {}
-                Err(e) => warn!(entry = %key.rel_path(), error = %e, "cannot write a cache entry"),
+                guards.push((in_process, host_lock));
             }
-        } else {
-            debug!(entry = %key.rel_path(), "fetched bytes fail their check; not cached");
+            missing.retain(|&i| out[i].is_none());
         }
-        drop(host_lock);
-        Ok(bytes)
+        if !missing.is_empty() {
+            let fetched = fetch(&missing)?;
+            for (&i, bytes) in missing.iter().zip(fetched) {
+                let (key, check) = &entries[i];
+                if check(&bytes) {
+                    match self.try_write_atomic(key, &bytes) {
+                        Ok(true) => {
+                            bump(&self.inner.stats.fills, 1);
+                            bump(&self.inner.stats.fill_bytes, bytes.len() as u64);
+                        }
+                        Ok(false) => {}
+                        Err(e) => warn!(entry = %key.rel_path(), error = %e, "cannot write a cache entry"),
+                    }
+                } else {
+                    debug!(entry = %key.rel_path(), "fetched bytes fail their check; not cached");
+                }
+                out[i] = Some(bytes);
+            }
+        }
+        drop(guards);
+        out.into_iter()
+            .zip(entries)
+            .map(|(bytes, (key, _))| {
+                bytes.ok_or_else(|| StoreError::Io {
+                    op: "cache fetch",
+                    path: self.path_of(key),
+                    source: std::io::Error::other("the fetch returned fewer ranges than asked"),
+                })
+            })
+            .collect()
+    }
+
+    /// Stored chunks `members` of pack `pack` from the cache, the missing ones fetched with one
+    /// call of `fetch(positions)` (their positions in `members`, ascending; bytes in that order),
+    /// with the host-wide single flight of [`Self::fetch_chunk`] for each.
+    pub fn fetch_chunks(
+        &self,
+        pack: &Sha256Digest,
+        members: &[(ChunkRef, PackLocation)],
+        fetch: impl FnOnce(&[usize]) -> Result<Vec<Vec<u8>>, StoreError>,
+    ) -> Result<Vec<Vec<u8>>, StoreError> {
+        let checks: Vec<Box<Check<'_>>> = members
+            .iter()
+            .map(|(chunk, loc)| {
+                Box::new(move |b: &[u8]| decode_stored_chunk(chunk, pack, loc, b).is_ok()) as Box<Check<'_>>
+            })
+            .collect();
+        let entries: Vec<(EntryKey, &Check<'_>)> = members
+            .iter()
+            .zip(&checks)
+            .map(|((chunk, loc), check)| (chunk_key(chunk, loc), &**check))
+            .collect();
+        self.get_or_fetch_many(&entries, fetch)
     }
 
     /// A valid entry, counted as a hit (and a use for the LRU order); an invalid one is removed
@@ -696,6 +769,30 @@ impl<S: ChunkSource> ChunkSource for CachedSource<S> {
         };
         self.cache.fetch_chunk(chunk, pack, loc, || self.origin.read_stored(pack, offset, len))
     }
+
+    /// The ranges of chunks the cache holds from it; the others from the origin in one call
+    /// ([`ChunkSource::read_stored_many`]: near ranges in one request), each cached as it is
+    /// checked, with the host-wide single flight of [`DiskCache::fetch_chunks`].
+    fn read_stored_many(
+        &self,
+        pack: &Sha256Digest,
+        ranges: &[(u64, u32)],
+    ) -> Result<Vec<Vec<u8>>, StoreError> {
+        let members: Option<Vec<(ChunkRef, PackLocation)>> = ranges
+            .iter()
+            .map(|&(offset, len)| {
+                self.chunks.get(&(*pack, offset)).filter(|(_, l)| l.stored_len == len).cloned()
+            })
+            .collect();
+        let Some(members) = members else {
+            debug!(%pack, ranges = ranges.len(), "ranges are not all chunks of the image; read one by one");
+            return ranges.iter().map(|&(offset, len)| self.read_stored(pack, offset, len)).collect();
+        };
+        self.cache.fetch_chunks(pack, &members, |missing| {
+            let wanted: Vec<(u64, u32)> = missing.iter().map(|&i| ranges[i]).collect();
+            self.origin.read_stored_many(pack, &wanted)
+        })
+    }
 }
 
 #[cfg(test)]
@@ -727,6 +824,31 @@ mod tests {
         assert!(cache.get_blob(&d).is_none());
         assert!(!cache.blob_path(&d).exists(), "a corrupt entry is removed");
         assert_eq!(fs::read_dir(cache.root().join("tmp")).unwrap().count(), 0, "no temp files left");
+    }
+
+    #[test]
+    fn a_batch_fetches_only_what_the_cache_lacks_in_one_call() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = DiskCache::open(&CacheConfig::new(dir.path())).unwrap();
+        let pack = Sha256Digest::of(b"pack");
+        let members: Vec<(ChunkRef, PackLocation, Vec<u8>)> = (1..=3u8).map(|b| chunk(&[b; 5000])).collect();
+        let refs: Vec<(ChunkRef, PackLocation)> = members.iter().map(|(c, l, _)| (*c, *l)).collect();
+        cache.put_chunk(&members[1].0, &pack, &members[1].1, &members[1].2);
+        let mut calls = Vec::new();
+        let got = cache
+            .fetch_chunks(&pack, &refs, |missing| {
+                calls.push(missing.to_vec());
+                Ok(missing.iter().map(|&i| members[i].2.clone()).collect())
+            })
+            .unwrap();
+        assert_eq!(calls, vec![vec![0, 2]], "one call for the two the cache lacks");
+        assert_eq!(got, members.iter().map(|m| m.2.clone()).collect::<Vec<_>>());
+        // All three are cached now; a fetch that returns too little is an error, not a hole.
+        let again = cache.fetch_chunks(&pack, &refs, |_| panic!("nothing to fetch")).unwrap();
+        assert_eq!(again, got);
+        let other: Vec<(ChunkRef, PackLocation)> =
+            (4..=5u8).map(|b| chunk(&[b; 5000])).map(|(c, l, _)| (c, l)).collect();
+        assert!(cache.fetch_chunks(&pack, &other, |_| Ok(Vec::new())).is_err());
     }
 
     #[test]
