@@ -1,7 +1,9 @@
 //! `cargo xtask bench serve`: `tessera serve` vs `qemu-storage-daemon` (vhost-user-blk export of
-//! the raw image), side by side in one run, with the same libblkio client
-//! (`crates/vhost/examples/blkbench.rs`) and the same CPU layout; and a 4 KiB write + FLUSH p99
-//! against fio's fdatasync p99 on the same disk.
+//! the raw image) in its tuned configuration (an iothread, `aio=io_uring`) and its defaults, side
+//! by side in one run, with the same libblkio client (`crates/vhost/examples/blkbench.rs`, which
+//! checks the bytes it reads against the raw export) and the same CPU layout; a same-size
+//! single-thread memcpy as the bound of a warm 1 MiB read; 1, 2 and 4 queues at QD32 per queue;
+//! and a 4 KiB write + FLUSH p99 against fio's fdatasync p99 on the same disk.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -23,8 +25,8 @@ pub struct ServeBench {
     /// Seconds per measurement.
     #[arg(long, default_value_t = 2.0)]
     secs: f64,
-    /// Rounds, each running both daemons one after the other (medians are reported: other
-    /// load on the machine hits both alike).
+    /// Rounds, each running every daemon one after the other, the first one rotating (medians
+    /// and the min–max spread are reported: other load on the machine hits all alike).
     #[arg(long, default_value_t = 3)]
     rounds: usize,
     /// CPU layouts: `same` (client and daemon on CPU 1), `split` (client on CPU 0, daemon on
@@ -39,9 +41,48 @@ pub struct ServeBench {
     /// change, such as the metrics, measured under the same load).
     #[arg(long, value_name = "BIN")]
     baseline: Option<PathBuf>,
+    /// qemu-storage-daemon configurations, comma-separated; the first is the peer the ratios
+    /// are taken against. Each is `+`-joined tokens: `defaults` (none), `iothread`, `io_uring`
+    /// (`aio=io_uring`), `aio=MODE`, `direct` (`cache.direct=on`), `poll=NS` (the iothread's
+    /// `poll-max-ns`), `grow=N`, `shrink=N` (`poll-grow`, `poll-shrink`), `noraw` (export the
+    /// file node, no raw format node); `tuned` = `iothread+io_uring`.
+    /// E.g. `--qsd tuned,defaults,tuned+poll=0,tuned+poll=200000,tuned+direct,tuned+noraw`.
+    #[arg(long, value_delimiter = ',', default_value = "tuned,defaults")]
+    qsd: Vec<String>,
+    /// The client's virtqueue size (libblkio `queue-size`; default: libblkio's, 256), the same
+    /// for every daemon.
+    #[arg(long, value_name = "N")]
+    queue_size: Option<u32>,
+    /// How the client checks the bytes of the timed reads against the raw export: `sample`
+    /// (16 bytes of every 4 KiB block), `full` (every byte; slows the client), `none`. The warm
+    /// pass and one QD32 random-read pass per daemon are always checked in full.
+    #[arg(long, default_value = "sample", value_parser = ["none", "sample", "full"])]
+    check: String,
+    /// Queue counts for the multi-queue test (4 KiB random reads, QD32 per queue); both daemons
+    /// offer the largest. `1` alone skips it.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+    queues: Vec<u16>,
+    /// Run even when the data region is smaller than 4× the last-level cache (smoke runs on a
+    /// small tree: the sequential figures are then partly cache-resident).
+    #[arg(long)]
+    allow_small_span: bool,
+    /// Skip the write + FLUSH test and fio (e.g. when fio is not installed).
+    #[arg(long)]
+    no_writes: bool,
 }
 
+/// `daemon → {key → value}` of one round.
 type Results = BTreeMap<String, BTreeMap<String, f64>>;
+
+/// Median, min and max of one figure over the rounds.
+#[derive(Clone, Copy)]
+struct Stat {
+    median: f64,
+    min: f64,
+    max: f64,
+}
+
+type Stats = BTreeMap<String, BTreeMap<String, Stat>>;
 
 struct Layout {
     name: &'static str,
@@ -49,18 +90,218 @@ struct Layout {
     daemon: usize,
 }
 
+/// One qemu-storage-daemon configuration (`--qsd`).
+#[derive(Debug, Default)]
+struct QsdVariant {
+    name: String,
+    iothread: bool,
+    aio: Option<String>,
+    direct: bool,
+    poll_max_ns: Option<u64>,
+    poll_grow: Option<u64>,
+    poll_shrink: Option<u64>,
+    no_raw: bool,
+}
+
+impl QsdVariant {
+    fn parse(spec: &str) -> Result<Self> {
+        let mut v = QsdVariant { name: spec.to_owned(), ..Default::default() };
+        for tok in spec.split('+') {
+            let num = |t: &str| -> Result<u64> { t.parse().with_context(|| format!("--qsd {spec}: {tok}")) };
+            match tok.split_once('=') {
+                None if tok == "defaults" => {}
+                None if tok == "tuned" => {
+                    v.iothread = true;
+                    v.aio = Some("io_uring".into());
+                }
+                None if tok == "iothread" => v.iothread = true,
+                None if tok == "io_uring" => v.aio = Some("io_uring".into()),
+                None if tok == "direct" => v.direct = true,
+                None if tok == "noraw" => v.no_raw = true,
+                Some(("aio", m)) => v.aio = Some(m.to_owned()),
+                Some(("poll", n)) => v.poll_max_ns = Some(num(n)?),
+                Some(("grow", n)) => v.poll_grow = Some(num(n)?),
+                Some(("shrink", n)) => v.poll_shrink = Some(num(n)?),
+                _ => bail!("--qsd {spec}: unknown token {tok}"),
+            }
+        }
+        if !v.iothread && (v.poll_max_ns.is_some() || v.poll_grow.is_some() || v.poll_shrink.is_some()) {
+            bail!("--qsd {spec}: poll=, grow= and shrink= are iothread options (add +iothread)");
+        }
+        Ok(v)
+    }
+
+    /// qemu-storage-daemon's arguments for this configuration.
+    fn args(&self, raw: &Path, sock: &Path, queues: u16) -> Vec<String> {
+        let mut a = Vec::new();
+        if self.iothread {
+            let mut o = "iothread,id=io0".to_owned();
+            for (k, v) in [
+                ("poll-max-ns", self.poll_max_ns),
+                ("poll-grow", self.poll_grow),
+                ("poll-shrink", self.poll_shrink),
+            ] {
+                if let Some(v) = v {
+                    o += &format!(",{k}={v}");
+                }
+            }
+            a.extend(["--object".to_owned(), o]);
+        }
+        let mut file = format!("driver=file,node-name=f,filename={}", raw.display());
+        if let Some(aio) = &self.aio {
+            file += &format!(",aio={aio}");
+        }
+        if self.direct {
+            file += ",cache.direct=on";
+        }
+        a.extend(["--blockdev".to_owned(), file]);
+        if !self.no_raw {
+            a.extend(["--blockdev".to_owned(), "driver=raw,node-name=r,file=f".to_owned()]);
+        }
+        let mut export = format!(
+            "type=vhost-user-blk,id=e,node-name={},addr.type=unix,addr.path={},writable=on,num-queues={queues}",
+            if self.no_raw { "f" } else { "r" },
+            sock.display()
+        );
+        if self.iothread {
+            export += ",iothread=io0";
+        }
+        a.extend(["--export".to_owned(), export]);
+        a
+    }
+}
+
+/// The size of the last-level cache of CPU 0 (the highest `level` under
+/// `/sys/devices/system/cpu/cpu0/cache`).
+fn last_level_cache() -> Result<u64> {
+    let mut best: Option<(u32, u64)> = None;
+    for e in std::fs::read_dir("/sys/devices/system/cpu/cpu0/cache")? {
+        let p = e?.path();
+        let (Ok(level), Ok(size)) =
+            (std::fs::read_to_string(p.join("level")), std::fs::read_to_string(p.join("size")))
+        else {
+            continue;
+        };
+        let level: u32 = level.trim().parse()?;
+        let size = size.trim();
+        let bytes = match size.strip_suffix('K') {
+            Some(k) => k.parse::<u64>()? << 10,
+            None => match size.strip_suffix('M') {
+                Some(m) => m.parse::<u64>()? << 20,
+                None => size.parse::<u64>()?,
+            },
+        };
+        if best.is_none_or(|(l, _)| level > l) {
+            best = Some((level, bytes));
+        }
+    }
+    best.map(|b| b.1).context("no cache sizes under /sys/devices/system/cpu/cpu0/cache")
+}
+
+/// What every client invocation shares.
+struct Client<'a> {
+    bin: &'a Path,
+    cpu: usize,
+    secs: f64,
+    lo: u64,
+    hi: u64,
+    queue_size: Option<u32>,
+    check: &'a str,
+    reference: &'a Path,
+}
+
+impl Client<'_> {
+    /// Run `tests` against `sock` with `queues` queues; returns `{name.key → value}` of the
+    /// client's result lines.
+    fn drive(&self, sock: &Path, pid: u32, queues: u16, tests: &[&str]) -> Result<BTreeMap<String, f64>> {
+        let mut cmd = Command::new("nice");
+        cmd.args(["-n", "-20"]).arg(self.bin).arg("--socket").arg(sock);
+        cmd.args(["--cpu", &self.cpu.to_string(), "--secs", &self.secs.to_string()]);
+        cmd.args(["--lo", &self.lo.to_string(), "--hi", &self.hi.to_string()]);
+        cmd.args(["--queues", &queues.to_string(), "--daemon-pid", &pid.to_string()]);
+        if let Some(n) = self.queue_size {
+            cmd.args(["--queue-size", &n.to_string()]);
+        }
+        cmd.arg("--verify").arg(self.reference).args(["--check", self.check]);
+        cmd.args(tests);
+        run_client(cmd)
+    }
+}
+
+fn run_client(mut cmd: Command) -> Result<BTreeMap<String, f64>> {
+    eprintln!("+ {cmd:?}");
+    let out = cmd.stderr(Stdio::inherit()).output()?;
+    if !out.status.success() {
+        bail!("{cmd:?} failed: {} (exit status 3: the bytes read differ from the raw export)", out.status);
+    }
+    let mut r = BTreeMap::new();
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        println!("  {line}");
+        let Some(rest) = line.strip_prefix("result ") else { continue };
+        let mut name = String::new();
+        for kv in rest.split_whitespace() {
+            let Some((k, v)) = kv.split_once('=') else { continue };
+            if k == "name" {
+                name = v.to_owned();
+            } else if let Ok(x) = v.parse::<f64>() {
+                r.insert(format!("{name}.{k}"), x);
+            }
+        }
+    }
+    Ok(r)
+}
+
+/// Run the client's tests against a started daemon: the read tests with one queue, the
+/// multi-queue reads, then the writes (last: they change the device the reads are checked
+/// against).
+fn measure(c: &Client, daemon: Daemon, queues: &[u16], writes: bool) -> Result<BTreeMap<String, f64>> {
+    let pid = daemon.child.id();
+    let sock = daemon.socket.clone();
+    let mut r = c.drive(
+        &sock,
+        pid,
+        1,
+        &["warm", "randread:32/full", "randread:1", "randread:32", "seqread:1", "seqread:8"],
+    )?;
+    for &q in queues.iter().filter(|&&q| q > 1) {
+        r.extend(c.drive(&sock, pid, q, &["randread:32"])?);
+    }
+    if writes {
+        r.extend(c.drive(&sock, pid, 1, &["writeflush"])?);
+    }
+    daemon.stop()?;
+    Ok(r)
+}
+
 pub fn run(opts: &ServeBench) -> Result<()> {
     fixtures::require_root()?;
-    for tool in ["qemu-storage-daemon", "fio", "taskset"] {
+    let mut tools = vec!["qemu-storage-daemon", "taskset"];
+    if !opts.no_writes {
+        tools.push("fio");
+    }
+    for tool in tools {
         if Command::new("which").arg(tool).stdout(Stdio::null()).status().map_or(true, |s| !s.success()) {
             bail!("{tool} is missing (apt-get install qemu-utils fio util-linux)");
         }
     }
+    let variants = opts.qsd.iter().map(|s| QsdVariant::parse(s)).collect::<Result<Vec<_>>>()?;
+    if variants.is_empty() {
+        bail!("--qsd: at least one configuration");
+    }
+    let max_queues = opts.queues.iter().copied().max().unwrap_or(1).max(1);
+    if opts.rounds < 3 {
+        eprintln!("warning: --rounds {} (the figures to report need at least 3)", opts.rounds);
+    }
     let target = target_dir()?;
-    status(cargo().args(["build", "--release", "-p", "tessera-cli"]))?;
-    status(cargo().args(["build", "--release", "-p", "tessera-vhost", "--example", "blkbench"]))?;
+    // One invocation: built apart, the two resolve features differently and rebuild each other.
+    status(cargo().args(["build", "--release", "-p", "tessera-cli", "-p", "tessera-vhost"]).args([
+        "--bin",
+        "tessera",
+        "--example",
+        "blkbench",
+    ]))?;
     let bin = target.join("release").join("tessera");
-    let client = target.join("release").join("examples").join("blkbench");
+    let client_bin = target.join("release").join("examples").join("blkbench");
     let dir = target.join("bench-serve");
     std::fs::create_dir_all(&dir)?;
 
@@ -86,12 +327,38 @@ pub fn run(opts: &ServeBench) -> Result<()> {
     let lo = g["data_start_block"].as_u64().context("data_start_block")? * bs;
     let hi = g["data_end_block"].as_u64().context("data_end_block")? * bs;
     let size = g["size_bytes"].as_u64().context("size_bytes")?;
+    let llc = last_level_cache()?;
+    let mib = |b: u64| b as f64 / 1048576.0;
     println!(
         "image {id}: {:.0} MiB device, file data in bytes [{lo}, {hi}) ({:.0} MiB), {} files",
-        size as f64 / 1048576.0,
-        (hi - lo) as f64 / 1048576.0,
+        mib(size),
+        mib(hi - lo),
         v["files"]
     );
+    println!(
+        "random reads: 4 KiB blocks uniformly in [{lo}, {hi}) ({:.1} MiB, the file-data region); \
+         sequential reads: 1 MiB pieces through the same {:.1} MiB = {:.1}× the {:.0} MiB last-level cache",
+        mib(hi - lo),
+        mib(hi - lo),
+        (hi - lo) as f64 / llc as f64,
+        mib(llc)
+    );
+    if hi - lo < 4 * llc {
+        if !opts.allow_small_span {
+            bail!(
+                "the data region ({:.0} MiB) is smaller than 4× the last-level cache ({:.0} MiB): raise --files",
+                mib(hi - lo),
+                mib(llc)
+            );
+        }
+        println!("WARNING: sequential span < 4× the last-level cache (--allow-small-span): a smoke run");
+    }
+    // The reference the client checks every read against, and the raw image qsd serves (a copy
+    // per daemon start: the write test changes it). Synced, so no writeback runs during a test.
+    let reference = dir.join("reference.raw");
+    let _ = std::fs::remove_file(&reference);
+    status(Command::new(&bin).args(["export", &id, "--store"]).arg(&store).arg("-o").arg(&reference))?;
+    let raw = dir.join("image.raw");
 
     let layouts: Vec<Layout> = match opts.layout.as_str() {
         "same" => vec![Layout { name: "same", client: 1, daemon: 1 }],
@@ -102,111 +369,131 @@ pub fn run(opts: &ServeBench) -> Result<()> {
         ],
         other => bail!("--layout {other}: expected same, split or both"),
     };
-    let tests = ["warm", "randread:1", "randread:32", "seqread:1", "writeflush"];
-    let range = [("--lo", lo), ("--hi", hi)];
-    let mut all: Vec<(String, Results)> = Vec::new();
-    for l in &layouts {
-        let mut rounds: Vec<Results> = Vec::new();
-        for round in 1..=opts.rounds.max(1) {
-            println!("==> layout {}, round {round}", l.name);
-            let mut results = Results::new();
-            // tessera serve (and the baseline binary), durable overlay (a temporary overlay is
-            // never synced). This one serves its metrics endpoint, as in production.
-            let sock = dir.join("tessera.sock");
-            let serve = |bin: &Path, metrics: bool| {
-                let overlay = dir.join("bench.overlay");
-                let _ = std::fs::remove_file(&overlay);
-                let mut cmd = Command::new("nice");
-                cmd.args(["-n", "-20", "taskset", "-c", &l.daemon.to_string()])
-                    .arg(bin)
-                    .args(["serve", &id, "--store"])
-                    .arg(&store)
-                    .arg("--socket")
-                    .arg(&sock)
-                    .arg("--overlay")
-                    .arg(&overlay);
-                if opts.mem_cache != "none" {
-                    cmd.args(["--mem-cache", &opts.mem_cache]);
-                }
-                if metrics {
-                    cmd.args(["--metrics", "127.0.0.1:0"]);
-                }
-                cmd
-            };
-            let daemon = Daemon::spawn(serve(&bin, true), &sock, &dir.join("tessera.log"))?;
-            results.insert("tessera".into(), drive(&client, &sock, l.client, opts.secs, &range, &tests)?);
-            daemon.stop()?;
-            if let Some(base) = &opts.baseline {
-                let daemon = Daemon::spawn(serve(base, false), &sock, &dir.join("baseline.log"))?;
-                results
-                    .insert("baseline".into(), drive(&client, &sock, l.client, opts.secs, &range, &tests)?);
-                daemon.stop()?;
-            }
+    let sock = dir.join("tessera.sock");
+    let qsock = dir.join("qsd.sock");
+    let tessera_cmd = |bin: &Path, cpu: usize, metrics: bool| {
+        let overlay = dir.join("bench.overlay");
+        let _ = std::fs::remove_file(&overlay);
+        let mut cmd = Command::new("nice");
+        cmd.args(["-n", "-20", "taskset", "-c", &cpu.to_string()])
+            .arg(bin)
+            .args(["serve", &id, "--store"])
+            .arg(&store)
+            .arg("--socket")
+            .arg(&sock)
+            .arg("--overlay")
+            .arg(&overlay)
+            .args(["--queues", &max_queues.to_string()]);
+        if opts.mem_cache != "none" {
+            cmd.args(["--mem-cache", &opts.mem_cache]);
+        }
+        if metrics {
+            cmd.args(["--metrics", "127.0.0.1:0"]);
+        }
+        cmd
+    };
+    let qsd_cmd = |v: &QsdVariant, cpu: usize| {
+        let mut cmd = Command::new("nice");
+        cmd.args(["-n", "-20", "taskset", "-c", &cpu.to_string(), "qemu-storage-daemon"]);
+        cmd.args(v.args(&raw, &qsock, max_queues));
+        cmd
+    };
+    println!("\ndaemon command lines (CPU of the first layout):");
+    println!("  tessera: {:?}", tessera_cmd(&bin, layouts[0].daemon, true));
+    for v in &variants {
+        println!("  qsd {}: {:?}", v.name, qsd_cmd(v, layouts[0].daemon));
+    }
 
-            // qemu-storage-daemon on the raw export (page cache warmed by the same first pass).
-            let raw = dir.join("image.raw");
-            let _ = std::fs::remove_file(&raw);
-            status(Command::new(&bin).args(["export", &id, "--store"]).arg(&store).arg("-o").arg(&raw))?;
-            let qsock = dir.join("qsd.sock");
+    // Daemons in the order of a round: tessera, the baseline, then every qsd configuration.
+    let mut names = vec!["tessera".to_owned()];
+    if opts.baseline.is_some() {
+        names.push("baseline".to_owned());
+    }
+    names.extend(variants.iter().map(|v| format!("qsd {}", v.name)));
+    let mut all: Vec<(String, Stats)> = Vec::new();
+    for l in &layouts {
+        let client = Client {
+            bin: &client_bin,
+            cpu: l.client,
+            secs: opts.secs,
+            lo,
+            hi,
+            queue_size: opts.queue_size,
+            check: &opts.check,
+            reference: &reference,
+        };
+        let mut rounds: Vec<Results> = Vec::new();
+        for round in 0..opts.rounds.max(1) {
+            println!("==> layout {}, round {}", l.name, round + 1);
+            let mut results = Results::new();
+            // The bound of a warm 1 MiB read, on the daemon's CPU, while no daemon runs.
             let mut cmd = Command::new("nice");
-            cmd.args([
-                "-n",
-                "-20",
-                "taskset",
-                "-c",
-                &l.daemon.to_string(),
-                "qemu-storage-daemon",
-                "--blockdev",
-            ])
-            .arg(format!("driver=file,node-name=f,filename={}", raw.display()))
-            .args(["--blockdev", "driver=raw,node-name=r,file=f", "--export"])
-            .arg(format!(
-                "type=vhost-user-blk,id=e,node-name=r,addr.type=unix,addr.path={},writable=on",
-                qsock.display()
-            ));
-            let daemon = Daemon::spawn(cmd, &qsock, &dir.join("qsd.log"))?;
-            results.insert("qsd".into(), drive(&client, &qsock, l.client, opts.secs, &range, &tests)?);
-            daemon.stop()?;
+            cmd.args(["-n", "-20"]).arg(&client_bin).args(["--cpu", &l.daemon.to_string()]);
+            cmd.args(["--secs", &opts.secs.to_string(), "--lo", &lo.to_string(), "--hi", &hi.to_string()]);
+            cmd.arg("memcpy");
+            results.insert("memcpy".into(), run_client(cmd)?);
+            // Every daemon once, starting with a different one each round.
+            for k in 0..names.len() {
+                let i = (k + round) % names.len();
+                let name = &names[i];
+                let daemon = if i == 0 {
+                    Daemon::spawn(tessera_cmd(&bin, l.daemon, true), &sock, &dir.join("tessera.log"))?
+                } else if name == "baseline" {
+                    let base = opts.baseline.as_deref().context("baseline")?;
+                    Daemon::spawn(tessera_cmd(base, l.daemon, false), &sock, &dir.join("baseline.log"))?
+                } else {
+                    let v = &variants[i - (names.len() - variants.len())];
+                    let _ = std::fs::remove_file(&raw);
+                    std::fs::copy(&reference, &raw)?;
+                    std::fs::File::open(&raw)?.sync_all()?;
+                    Daemon::spawn(qsd_cmd(v, l.daemon), &qsock, &dir.join("qsd.log"))?
+                };
+                results.insert(name.clone(), measure(&client, daemon, &opts.queues, !opts.no_writes)?);
+            }
             rounds.push(results);
         }
         all.push((
             format!(
-                "{} (client CPU {}, daemon CPU {}; both at nice -20; median of {} rounds)",
+                "{} (client CPU {}, daemon CPU {}; everything at nice -20; median (min–max) of {} rounds)",
                 l.name,
                 l.client,
                 l.daemon,
                 rounds.len()
             ),
-            medians(&rounds),
+            stats(&rounds),
         ));
     }
 
-    let fio = fio_fdatasync(&dir.join("fio"))?;
-    println!(
-        "\nfio --rw=write --ioengine=sync --fdatasync=1 --bs=2300 --size=22m (same disk): \
-         fdatasync p50 {:.0} µs, p99 {:.0} µs",
-        fio.0, fio.1
-    );
-    for (layout, r) in &all {
-        report(layout, r, fio.1)?;
+    let fio = if opts.no_writes { None } else { Some(fio_fdatasync(&dir.join("fio"))?) };
+    if let Some(fio) = fio {
+        println!(
+            "\nfio --rw=write --ioengine=sync --fdatasync=1 --bs=2300 --size=22m (same disk): \
+             fdatasync p50 {:.0} µs, p99 {:.0} µs",
+            fio.0, fio.1
+        );
+    }
+    for ((layout, r), l) in all.iter().zip(&layouts) {
+        report(layout, l.name, r, &names, &opts.queues, fio.map(|f| f.1));
     }
     Ok(())
 }
 
-/// The median of each figure over the rounds.
-fn medians(rounds: &[Results]) -> Results {
-    let mut out = Results::new();
+/// Median, min and max of each figure over the rounds.
+fn stats(rounds: &[Results]) -> Stats {
+    let mut out = Stats::new();
     for (daemon, figures) in rounds.first().into_iter().flatten() {
         for key in figures.keys() {
             let mut v: Vec<f64> =
                 rounds.iter().filter_map(|r| r.get(daemon).and_then(|f| f.get(key)).copied()).collect();
-            out.entry(daemon.clone()).or_default().insert(key.clone(), super::median(&mut v));
+            let (min, max) =
+                v.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &x| (a.min(x), b.max(x)));
+            let median = super::median(&mut v);
+            out.entry(daemon.clone()).or_default().insert(key.clone(), Stat { median, min, max });
         }
     }
     out
 }
 
-/// A daemon started under `taskset`, ready once its socket exists.
 /// A benchmarked daemon (also used by `bench lazy`): spawned, waited for (its socket), stopped.
 pub(crate) struct Daemon {
     child: Child,
@@ -253,48 +540,6 @@ impl Drop for Daemon {
     }
 }
 
-/// Run the client's tests against `sock`; returns `name → {key → value}` of its result lines.
-fn drive(
-    client: &Path,
-    sock: &Path,
-    cpu: usize,
-    secs: f64,
-    range: &[(&str, u64)],
-    tests: &[&str],
-) -> Result<BTreeMap<String, f64>> {
-    let mut cmd = Command::new("nice");
-    cmd.args(["-n", "-20"]).arg(client).arg("--socket").arg(sock).args([
-        "--cpu",
-        &cpu.to_string(),
-        "--secs",
-        &secs.to_string(),
-    ]);
-    for (k, v) in range {
-        cmd.args([*k, &v.to_string()]);
-    }
-    cmd.args(tests);
-    eprintln!("+ {cmd:?}");
-    let out = cmd.stderr(Stdio::inherit()).output()?;
-    if !out.status.success() {
-        bail!("{cmd:?} failed: {}", out.status);
-    }
-    let mut r = BTreeMap::new();
-    for line in String::from_utf8_lossy(&out.stdout).lines() {
-        println!("  {line}");
-        let Some(rest) = line.strip_prefix("result ") else { continue };
-        let mut name = String::new();
-        for kv in rest.split_whitespace() {
-            let Some((k, v)) = kv.split_once('=') else { continue };
-            if k == "name" {
-                name = v.to_owned();
-            } else if let Ok(x) = v.parse::<f64>() {
-                r.insert(format!("{name}.{k}"), x);
-            }
-        }
-    }
-    Ok(r)
-}
-
 /// fio's fdatasync latency (p50, p99 in µs) on the disk holding `dir`.
 fn fio_fdatasync(dir: &Path) -> Result<(f64, f64)> {
     let _ = std::fs::remove_dir_all(dir);
@@ -316,51 +561,128 @@ fn fio_fdatasync(dir: &Path) -> Result<(f64, f64)> {
     Ok(r)
 }
 
-fn report(layout: &str, r: &Results, fio_p99: f64) -> Result<()> {
-    let (t, q) = (&r["tessera"], &r["qsd"]);
-    let get = |m: &BTreeMap<String, f64>, k: &str| m.get(k).copied().with_context(|| format!("no {k}"));
+/// `1234567` → `1 234 567` (the tables' style).
+fn group(x: f64, decimals: usize) -> String {
+    let s = format!("{x:.decimals$}");
+    let (int, frac) = s.split_once('.').map_or((s.as_str(), None), |(i, f)| (i, Some(f)));
+    let (sign, digits) = int.strip_prefix('-').map_or(("", int), |d| ("-", d));
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(' ');
+        }
+        out.push(c);
+    }
+    match frac {
+        Some(f) => format!("{sign}{out}.{f}"),
+        None => format!("{sign}{out}"),
+    }
+}
+
+fn report(layout: &str, kind: &str, r: &Stats, names: &[String], queues: &[u16], fio_p99: Option<f64>) {
+    let get = |daemon: &str, key: &str| r.get(daemon).and_then(|m| m.get(key)).copied();
+    let cell = |s: Option<Stat>, d: usize| {
+        s.map_or("–".to_owned(), |s| {
+            format!("{} ({}–{})", group(s.median, d), group(s.min, d), group(s.max, d))
+        })
+    };
+    let peer = names.iter().find(|n| n.starts_with("qsd ")).cloned().unwrap_or_default();
     println!("\nlayout {layout}:");
-    println!("| | tessera serve | qemu-storage-daemon | ratio | target |");
-    println!("|---|---|---|---|---|");
-    for (what, key, target) in [
-        ("4 KiB random read QD1, IOPS", "randread4k_qd1.iops", "≥ 2.5×"),
-        ("4 KiB random read QD32, IOPS", "randread4k_qd32.iops", "≥ 3×"),
-        ("1 MiB sequential read QD1, MB/s", "seqread1m_qd1.mbps", "≥ 1.2×"),
-    ] {
-        let (a, b) = (get(t, key)?, get(q, key)?);
-        println!("| {what} | {a:.0} | {b:.0} | **{:.2}×** | {target} |", a / b);
+    println!("| | {} | tessera / {peer} | target |", names.join(" | "));
+    println!("|---|{}---|---|", "---|".repeat(names.len()));
+    let (qd1, qd32) = if kind == "split" { ("≥ 2×", "≥ 2.5×") } else { ("≥ 2×", "≥ 4×") };
+    let mut rows: Vec<(String, String, &str, usize)> = vec![
+        ("4 KiB random read QD1, IOPS".into(), "randread4k_qd1.iops".into(), qd1, 0),
+        ("  daemon CPU µs per request".into(), "randread4k_qd1.cpu_us_per_op".into(), "", 2),
+        ("4 KiB random read QD32, IOPS".into(), "randread4k_qd32.iops".into(), qd32, 0),
+        ("  daemon CPU µs per request".into(), "randread4k_qd32.cpu_us_per_op".into(), "", 2),
+        ("1 MiB sequential read QD1, MB/s".into(), "seqread1m_qd1.mbps".into(), "", 0),
+        ("1 MiB sequential read QD8, MB/s".into(), "seqread1m_qd8.mbps".into(), "", 0),
+        ("  daemon CPU µs per request".into(), "seqread1m_qd8.cpu_us_per_op".into(), "", 1),
+    ];
+    for &q in queues.iter().filter(|&&q| q > 1) {
+        rows.push((
+            format!("4 KiB random read, {q} queues × QD32, IOPS"),
+            format!("randread4k_qd32_q{q}.iops"),
+            "",
+            0,
+        ));
+        rows.push((
+            "  daemon CPU µs per request".into(),
+            format!("randread4k_qd32_q{q}.cpu_us_per_op"),
+            "",
+            2,
+        ));
     }
     for (what, key) in [
-        ("4 KiB random read QD1, p50 / p99 µs", "randread4k_qd1"),
-        ("4 KiB random read QD32, p50 / p99 µs", "randread4k_qd32"),
-        ("1 MiB sequential read QD1, p50 / p99 µs", "seqread1m_qd1"),
-        ("4 KiB write + FLUSH, p50 / p99 µs", "write4k_flush"),
+        ("4 KiB random read QD1, p50 µs", "randread4k_qd1.p50_us"),
+        ("4 KiB random read QD1, p99 µs", "randread4k_qd1.p99_us"),
+        ("4 KiB random read QD32, p50 µs", "randread4k_qd32.p50_us"),
+        ("4 KiB random read QD32, p99 µs", "randread4k_qd32.p99_us"),
+        ("1 MiB sequential read QD8, p50 µs", "seqread1m_qd8.p50_us"),
+        ("4 KiB write + FLUSH, p50 µs", "write4k_flush.p50_us"),
+        ("4 KiB write + FLUSH, p99 µs", "write4k_flush.p99_us"),
     ] {
-        let p = |m| -> Result<String> {
-            Ok(format!("{:.1} / {:.1}", get(m, &format!("{key}.p50_us"))?, get(m, &format!("{key}.p99_us"))?))
-        };
-        println!("| {what} | {} | {} | | |", p(t)?, p(q)?);
+        rows.push((what.into(), key.into(), "", 1));
     }
-    let w = get(t, "write4k_flush.p99_us")?;
-    println!(
-        "| 4 KiB write + FLUSH p99 vs fio fdatasync p99 ({fio_p99:.0} µs) | {w:.0} µs | | **{:.2}×** | ≤ 2× |",
-        w / fio_p99
-    );
-    if let Some(b) = r.get("baseline") {
+    for (what, key, target, d) in &rows {
+        let cells: Vec<String> = names.iter().map(|n| cell(get(n, key), *d)).collect();
+        if cells.iter().all(|c| c == "–") {
+            continue;
+        }
+        let ratio = match (get("tessera", key), get(&peer, key)) {
+            (Some(a), Some(b)) if b.median > 0.0 && !key.contains("cpu_") && !key.contains("_us") => {
+                format!("**{:.2}×**", a.median / b.median)
+            }
+            _ => String::new(),
+        };
+        println!("| {what} | {} | {ratio} | {target} |", cells.join(" | "));
+    }
+    // The bound of a warm 1 MiB read: the same-size single-thread memcpy of this layout's rounds.
+    if let Some(m) = get("memcpy", "memcpy1m.mbps") {
+        let ratios: Vec<String> = names
+            .iter()
+            .map(|n| {
+                get(n, "seqread1m_qd8.mbps")
+                    .map_or("–".into(), |s| format!("**{:.2}×**", s.median / m.median))
+            })
+            .collect();
+        println!(
+            "| 1 MiB QD8 / single-thread 1 MiB memcpy ({} MB/s, {}–{}) | {} | | ≥ 0.9× |",
+            group(m.median, 0),
+            group(m.min, 0),
+            group(m.max, 0),
+            ratios.join(" | ")
+        );
+    }
+    if let (Some(fio), Some(w)) = (fio_p99, get("tessera", "write4k_flush.p99_us")) {
+        println!(
+            "| 4 KiB write + FLUSH p99 vs fio fdatasync p99 ({fio:.0} µs) | {} µs |{} **{:.2}×** | ≤ 2× |",
+            group(w.median, 0),
+            " |".repeat(names.len() - 1),
+            w.median / fio
+        );
+    }
+    if names.iter().any(|n| n == "baseline") {
         println!("\nlayout {layout}, this build vs --baseline:");
         println!("| | this build | baseline | ratio |");
         println!("|---|---|---|---|");
         for (what, key) in [
             ("4 KiB random read QD1, IOPS", "randread4k_qd1.iops"),
             ("4 KiB random read QD32, IOPS", "randread4k_qd32.iops"),
-            ("1 MiB sequential read QD1, MB/s", "seqread1m_qd1.mbps"),
+            ("1 MiB sequential read QD8, MB/s", "seqread1m_qd8.mbps"),
             ("4 KiB random read QD1, p50 µs", "randread4k_qd1.p50_us"),
             ("4 KiB random read QD1, p99 µs", "randread4k_qd1.p99_us"),
             ("4 KiB write + FLUSH, p99 µs", "write4k_flush.p99_us"),
         ] {
-            let (a, z) = (get(t, key)?, get(b, key)?);
-            println!("| {what} | {a:.1} | {z:.1} | **{:.3}×** |", a / z);
+            if let (Some(a), Some(z)) = (get("tessera", key), get("baseline", key)) {
+                println!(
+                    "| {what} | {} | {} | **{:.3}×** |",
+                    cell(Some(a), 1),
+                    cell(Some(z), 1),
+                    a.median / z.median
+                );
+            }
         }
     }
-    Ok(())
 }

@@ -3,19 +3,54 @@
 //! `qemu-storage-daemon`) with the same code, pinned to one CPU.
 //!
 //! ```text
-//! blkbench --socket SOCK [--cpu N] [--secs S] [--lo BYTES --hi BYTES] TEST...
-//! TEST: warm | randread:QD | seqread:QD | writeflush
+//! blkbench [--socket SOCK] [--cpu N] [--secs S] [--lo BYTES --hi BYTES] [--queues N]
+//!          [--queue-size N] [--verify RAW [--check sample|full|none]] [--daemon-pid PID] TEST...
+//! TEST: warm | randread:QD[/full] | seqread:QD[/full] | writeflush | memcpy
 //! ```
 //!
 //! Random and sequential reads stay within `[lo, hi)` (e.g. the image's file-data region).
-//! Each test prints one line `result name=… ops=… secs=… iops=… mbps=… p50_us=… p99_us=…`.
+//! With `--queues N` the read tests run one thread per queue, each keeping QD requests in flight
+//! on its own queue (all threads on the client CPU); the figures are the sum over the queues.
+//!
+//! **Checking the bytes** (`--verify RAW`, the raw export of the same image): every completed
+//! read is checked against RAW, and a mismatch ends the run at once (exit status 3, the offset
+//! and the differing bytes on stderr). Two depths, so that the timed tests measure the daemon and
+//! not the check:
+//! - `full`: the read's bytes are compared with RAW's (a `pread` of RAW and a `memcmp`, a few µs
+//!   per 4 KiB read). Always used by `warm` (every byte of `[lo, hi)` once) and by a test written
+//!   `NAME:QD/full`;
+//! - `sample` (the default for the timed tests): 16 bytes of every 4 KiB block, at a position
+//!   that depends on the block number, against a table of those bytes taken from RAW at start
+//!   (16 B per block, ~0.7 MB for 171 MiB: it stays in the cache); a 1 MiB read checks 16 of its
+//!   256 blocks (a different 16 on each read). Some 10 ns per request, under 1% of the cheapest
+//!   request measured here; `--check none` turns it off to show that.
+//!
+//! `--daemon-pid PID`: the daemon's CPU time (utime + stime of every thread, from
+//! `/proc/PID/stat`) over each test, reported per request (`cpu_us_per_op`) and as a share of
+//! the test's wall time (`cpu_util`).
+//!
+//! `memcpy`: a single-thread copy of 1 MiB pieces, sequentially through a `[lo, hi)`-sized
+//! source into eight 1 MiB destination slots (as a 1 MiB QD8 read test uses them): the memory
+//! speed a warm 1 MiB read (one copy into guest memory) is bounded by. Needs no socket.
+//!
+//! Each test prints one line `result name=… ops=… secs=… iops=… mbps=… p50_us=… p99_us=… …`.
 #![allow(clippy::unwrap_used)]
 
+use std::fs::File;
 use std::mem::MaybeUninit;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use blkio::{Blkio, Blkioq, Completion, MemoryRegion, ReqFlags};
 use rand::{Rng, SeedableRng};
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Check {
+    None,
+    Sample,
+    Full,
+}
 
 struct Args {
     socket: String,
@@ -23,11 +58,28 @@ struct Args {
     secs: f64,
     lo: Option<u64>,
     hi: Option<u64>,
+    queues: usize,
+    queue_size: Option<i32>,
+    verify: Option<PathBuf>,
+    check: Check,
+    daemon_pid: Option<u32>,
     tests: Vec<String>,
 }
 
 fn parse_args() -> Result<Args, String> {
-    let mut a = Args { socket: String::new(), cpu: None, secs: 3.0, lo: None, hi: None, tests: Vec::new() };
+    let mut a = Args {
+        socket: String::new(),
+        cpu: None,
+        secs: 3.0,
+        lo: None,
+        hi: None,
+        queues: 1,
+        queue_size: None,
+        verify: None,
+        check: Check::Sample,
+        daemon_pid: None,
+        tests: Vec::new(),
+    };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
         let mut value = |name: &str| it.next().ok_or_else(|| format!("{name} needs a value"));
@@ -37,12 +89,36 @@ fn parse_args() -> Result<Args, String> {
             "--secs" => a.secs = value("--secs")?.parse().map_err(|e| format!("--secs: {e}"))?,
             "--lo" => a.lo = Some(value("--lo")?.parse().map_err(|e| format!("--lo: {e}"))?),
             "--hi" => a.hi = Some(value("--hi")?.parse().map_err(|e| format!("--hi: {e}"))?),
+            "--queues" => a.queues = value("--queues")?.parse().map_err(|e| format!("--queues: {e}"))?,
+            "--queue-size" => {
+                a.queue_size = Some(value("--queue-size")?.parse().map_err(|e| format!("--queue-size: {e}"))?)
+            }
+            "--verify" => a.verify = Some(value("--verify")?.into()),
+            "--check" => {
+                a.check = match value("--check")?.as_str() {
+                    "none" => Check::None,
+                    "sample" => Check::Sample,
+                    "full" => Check::Full,
+                    other => return Err(format!("--check {other}: expected none, sample or full")),
+                }
+            }
+            "--daemon-pid" => {
+                a.daemon_pid = Some(value("--daemon-pid")?.parse().map_err(|e| format!("--daemon-pid: {e}"))?)
+            }
             t if !t.starts_with('-') => a.tests.push(t.to_owned()),
             other => return Err(format!("unknown option {other}")),
         }
     }
-    if a.socket.is_empty() {
+    if a.socket.is_empty() && a.tests.iter().any(|t| t != "memcpy") {
         return Err("--socket is required".into());
+    }
+    if a.verify.is_some()
+        && a.tests.iter().position(|t| t == "writeflush").is_some_and(|i| i + 1 < a.tests.len())
+    {
+        return Err("with --verify, writeflush must be the last test (it changes the device)".into());
+    }
+    if !(1..=16).contains(&a.queues) {
+        return Err("--queues: 1 to 16".into());
     }
     Ok(a)
 }
@@ -59,35 +135,143 @@ fn pin(cpu: usize) {
     }
 }
 
+/// Report a wrong byte and end the run: a benchmark of a daemon returning wrong data is void.
+fn mismatch(what: &str, offset: u64, expected: &[u8], got: &[u8]) -> ! {
+    let at = expected.iter().zip(got).position(|(a, b)| a != b).unwrap_or(0);
+    let show = |b: &[u8]| b.iter().skip(at).take(16).map(|x| format!("{x:02x}")).collect::<String>();
+    eprintln!(
+        "blkbench: DATA MISMATCH ({what}) at device byte {}: expected {} got {}",
+        offset + at as u64,
+        show(expected),
+        show(got)
+    );
+    std::process::exit(3);
+}
+
+/// The raw export the reads are checked against (`--verify`).
+struct Reference {
+    file: File,
+    lo: u64,
+    hi: u64,
+    /// For every 4 KiB block of `[lo, hi)`: its 16 bytes at `sample_at(block)`.
+    samples: Vec<[u8; 16]>,
+}
+
+/// Where in a 4 KiB block its sampled 16 bytes are (spread by a multiplicative hash).
+fn sample_at(block: u64) -> usize {
+    ((block.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 56) as usize) * 16
+}
+
+impl Reference {
+    fn open(path: &PathBuf, capacity: u64, lo: u64, hi: u64) -> Reference {
+        let file = File::open(path).unwrap_or_else(|e| panic!("--verify {}: {e}", path.display()));
+        let len = file.metadata().unwrap().len();
+        assert_eq!(len, capacity, "--verify {}: {len} bytes, the device has {capacity}", path.display());
+        let mut samples = Vec::with_capacity(((hi - lo) / 4096) as usize);
+        let mut buf = vec![0u8; 1 << 20];
+        let mut pos = lo;
+        while pos < hi {
+            let n = ((hi - pos) as usize).min(buf.len());
+            file.read_exact_at(&mut buf[..n], pos).unwrap();
+            for (i, block) in buf[..n].chunks_exact(4096).enumerate() {
+                let at = sample_at((pos - lo) / 4096 + i as u64);
+                samples.push(block[at..at + 16].try_into().unwrap());
+            }
+            pos += n as u64;
+        }
+        Reference { file, lo, hi, samples }
+    }
+
+    /// Check `got`, read at `offset`, with `check`; `op` varies which blocks of a large read are
+    /// sampled.
+    fn check(&self, check: Check, offset: u64, got: &[u8], op: u64, scratch: &mut Vec<u8>) {
+        assert!(offset >= self.lo && offset + got.len() as u64 <= self.hi && offset % 4096 == 0);
+        match check {
+            Check::None => {}
+            Check::Full => {
+                scratch.resize(got.len(), 0);
+                self.file.read_exact_at(scratch, offset).unwrap();
+                if scratch[..] != *got {
+                    mismatch("full", offset, scratch, got);
+                }
+            }
+            Check::Sample => {
+                let first = (offset - self.lo) / 4096;
+                let blocks = got.len() / 4096;
+                let (start, step) = if blocks > 16 { ((op % 16) as usize, 16) } else { (0, 1) };
+                for i in (start..blocks).step_by(step) {
+                    let block = first + i as u64;
+                    let at = sample_at(block);
+                    let want = &self.samples[block as usize];
+                    let have = &got[i * 4096 + at..i * 4096 + at + 16];
+                    if have != want {
+                        mismatch("sample", offset + (i * 4096 + at) as u64, want, have);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// utime + stime of every thread of `pid`, in seconds (`/proc/PID/stat`, fields 14 and 15).
+fn cpu_secs(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // The command name (field 2) is in parentheses and may hold spaces: count after the last ')'.
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks: u64 = f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap();
+    // SAFETY: sysconf has no memory effects.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    ticks as f64 / hz as f64
+}
+
 const REGION: usize = 64 << 20;
 const MAX_QD: usize = 64;
 
 struct Client {
     _blkio: Blkio,
-    q: Blkioq,
+    queues: Vec<Blkioq>,
     region: MemoryRegion,
     capacity: u64,
-    completions: Vec<MaybeUninit<Completion>>,
 }
 
 impl Client {
-    fn connect(socket: &str) -> Client {
+    fn connect(socket: &str, queues: usize, queue_size: Option<i32>) -> Client {
         let mut blkio = Blkio::new("virtio-blk-vhost-user").unwrap();
         blkio.set_str("path", socket).unwrap();
         blkio.connect().unwrap();
         let capacity = blkio.get_u64("capacity").unwrap();
-        blkio.set_i32("num-queues", 1).unwrap();
-        let mut started = blkio.start().unwrap();
+        blkio.set_i32("num-queues", queues as i32).unwrap();
+        if let Some(n) = queue_size {
+            blkio.set_i32("queue-size", n).unwrap();
+        }
+        let started = blkio.start().unwrap();
         let region = blkio.alloc_mem_region(REGION).unwrap();
         blkio.map_mem_region(&region).unwrap();
-        let q = started.queues.remove(0);
-        let completions = (0..MAX_QD).map(|_| MaybeUninit::uninit()).collect();
-        Client { _blkio: blkio, q, region, capacity, completions }
+        Client { _blkio: blkio, queues: started.queues, region, capacity }
+    }
+}
+
+/// One queue and its slice of the client's memory region.
+struct Lane<'a> {
+    q: &'a mut Blkioq,
+    base: usize,
+    len: usize,
+    completions: Vec<MaybeUninit<Completion>>,
+}
+
+impl Lane<'_> {
+    fn ptr(&self, offset: usize) -> *mut u8 {
+        assert!(offset < self.len);
+        (self.base + offset) as *mut u8
     }
 
-    fn ptr(&self, offset: usize) -> *mut u8 {
-        assert!(offset < self.region.len);
-        (self.region.addr + offset) as *mut u8
+    /// The bytes of `slot` (`len` bytes at `slot * len`).
+    fn bytes(&self, slot: usize, len: usize) -> &[u8] {
+        assert!((slot + 1) * len <= self.len);
+        // SAFETY: the slice lies inside the client's live memory region (checked above), and no
+        // request that writes this slot is in flight while the caller holds the slice.
+        unsafe { std::slice::from_raw_parts(self.ptr(slot * len), len) }
     }
 
     /// Wait for at least one completion; returns (user_data, ret) pairs.
@@ -114,7 +298,14 @@ struct Figures {
 }
 
 impl Figures {
-    fn print(&mut self, name: &str) {
+    fn merge(&mut self, other: Figures) {
+        self.ops += other.ops;
+        self.bytes += other.bytes;
+        self.secs = self.secs.max(other.secs);
+        self.lat_ns.extend(other.lat_ns);
+    }
+
+    fn print(&mut self, name: &str, cpu: Option<f64>) {
         self.lat_ns.sort_unstable();
         let pct = |p: f64| {
             if self.lat_ns.is_empty() {
@@ -123,7 +314,7 @@ impl Figures {
             let i = ((self.lat_ns.len() as f64 * p).ceil() as usize).clamp(1, self.lat_ns.len()) - 1;
             self.lat_ns[i] as f64 / 1000.0
         };
-        println!(
+        let mut line = format!(
             "result name={name} ops={} secs={:.3} iops={:.0} mbps={:.1} p50_us={:.1} p99_us={:.1}",
             self.ops,
             self.secs,
@@ -132,26 +323,44 @@ impl Figures {
             pct(0.50),
             pct(0.99)
         );
+        if let Some(cpu) = cpu {
+            line += &format!(
+                " cpu_us_per_op={:.2} cpu_util={:.2}",
+                cpu * 1e6 / self.ops.max(1) as f64,
+                cpu / self.secs
+            );
+        }
+        println!("{line}");
     }
 }
 
-/// Keep `qd` reads of `len` bytes in flight for `secs` (or until `max_ops` were issued), at
-/// offsets chosen by `next`.
+/// What a read test checks its reads against, and how deep.
+struct Verify<'a> {
+    reference: Option<&'a Reference>,
+    check: Check,
+}
+
+/// Keep `qd` reads of `len` bytes in flight on one queue for `secs` (or until `max_ops` were
+/// issued), at offsets chosen by `next`; check every completed read.
 fn reads(
-    c: &mut Client,
+    lane: &mut Lane,
     qd: usize,
     len: usize,
     secs: f64,
     max_ops: u64,
+    verify: &Verify,
     mut next: impl FnMut() -> u64,
 ) -> Figures {
-    assert!(qd <= MAX_QD && qd * len <= REGION);
+    assert!(qd <= MAX_QD && qd * len <= lane.len, "QD {qd} × {len} bytes do not fit the queue's buffers");
     let mut f = Figures::default();
+    let mut scratch = Vec::new();
     let mut started = vec![Instant::now(); qd];
-    for (slot, s) in started.iter_mut().enumerate() {
-        let ptr = c.ptr(slot * len);
-        *s = Instant::now();
-        c.q.read(next(), ptr, len, slot, ReqFlags::empty());
+    let mut offsets = vec![0u64; qd];
+    for slot in 0..qd {
+        let ptr = lane.ptr(slot * len);
+        offsets[slot] = next();
+        started[slot] = Instant::now();
+        lane.q.read(offsets[slot], ptr, len, slot, ReqFlags::empty());
     }
     let t0 = Instant::now();
     let deadline = t0 + Duration::from_secs_f64(secs);
@@ -159,22 +368,90 @@ fn reads(
     let mut in_flight = qd;
     let mut issued = qd as u64;
     while in_flight > 0 {
-        c.wait(&mut done);
+        lane.wait(&mut done);
         let now = Instant::now();
         for &(slot, ret) in &done {
             assert_eq!(ret, 0, "read failed: {ret}");
+            if let Some(r) = verify.reference {
+                r.check(verify.check, offsets[slot], lane.bytes(slot, len), f.ops, &mut scratch);
+            }
             f.ops += 1;
             f.bytes += len as u64;
             f.lat_ns.push(now.duration_since(started[slot]).as_nanos() as u64);
             if now < deadline && issued < max_ops {
                 issued += 1;
-                let ptr = c.ptr(slot * len);
+                let ptr = lane.ptr(slot * len);
+                offsets[slot] = next();
                 started[slot] = Instant::now();
-                c.q.read(next(), ptr, len, slot, ReqFlags::empty());
+                lane.q.read(offsets[slot], ptr, len, slot, ReqFlags::empty());
             } else {
                 in_flight -= 1;
             }
         }
+    }
+    f.secs = t0.elapsed().as_secs_f64();
+    f
+}
+
+/// Run `reads` on every queue of `c` at once (one thread each); `next(queue)` makes each
+/// queue's offset generator.
+fn all_queues<N: FnMut() -> u64 + Send>(
+    c: &mut Client,
+    qd: usize,
+    len: usize,
+    secs: f64,
+    max_ops: u64,
+    verify: &Verify,
+    mut next: impl FnMut(usize) -> N,
+) -> Figures {
+    let share = REGION / c.queues.len();
+    let base = c.region.addr;
+    let gens: Vec<N> = (0..c.queues.len()).map(&mut next).collect();
+    let mut total = Figures::default();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = c
+            .queues
+            .iter_mut()
+            .zip(gens)
+            .enumerate()
+            .map(|(i, (q, gen))| {
+                s.spawn(move || {
+                    let mut lane = Lane {
+                        q,
+                        base: base + i * share,
+                        len: share,
+                        completions: (0..MAX_QD).map(|_| MaybeUninit::uninit()).collect(),
+                    };
+                    reads(&mut lane, qd, len, secs, max_ops, verify, gen)
+                })
+            })
+            .collect();
+        for h in handles {
+            total.merge(h.join().unwrap());
+        }
+    });
+    total
+}
+
+/// A single-thread copy of 1 MiB pieces through a `span`-byte source into 8 slots, for `secs`.
+fn memcpy(span: u64, secs: f64) -> Figures {
+    const PIECE: usize = 1 << 20;
+    let span = (span as usize / PIECE).max(1) * PIECE;
+    let src: Vec<u8> = (0..span).map(|i| (i >> 12) as u8 | 1).collect();
+    let mut dst = vec![0u8; 8 * PIECE];
+    let mut f = Figures::default();
+    let t0 = Instant::now();
+    let deadline = t0 + Duration::from_secs_f64(secs);
+    let (mut pos, mut slot) = (0usize, 0usize);
+    while Instant::now() < deadline {
+        let t = Instant::now();
+        dst[slot * PIECE..(slot + 1) * PIECE].copy_from_slice(&src[pos..pos + PIECE]);
+        std::hint::black_box(&dst);
+        f.lat_ns.push(t.elapsed().as_nanos() as u64);
+        f.ops += 1;
+        f.bytes += PIECE as u64;
+        pos = (pos + PIECE) % span;
+        slot = (slot + 1) % 8;
     }
     f.secs = t0.elapsed().as_secs_f64();
     f
@@ -191,68 +468,110 @@ fn main() {
     if let Some(cpu) = args.cpu {
         pin(cpu);
     }
-    let mut c = Client::connect(&args.socket);
+    if args.socket.is_empty() {
+        // Only memcpy tests (parse_args checked).
+        let span = args.hi.unwrap_or(256 << 20) - args.lo.unwrap_or(0);
+        for _ in &args.tests {
+            memcpy(span, args.secs).print("memcpy1m", None);
+        }
+        return;
+    }
+    let mut c = Client::connect(&args.socket, args.queues, args.queue_size);
     let lo = args.lo.unwrap_or(0) / 4096 * 4096;
     let hi = args.hi.unwrap_or(c.capacity).min(c.capacity) / 4096 * 4096;
-    assert!(hi > lo + (1 << 20), "the range [{lo}, {hi}) is too small");
-    let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+    assert!(hi > lo + (2 << 20), "the range [{lo}, {hi}) is too small");
+    let reference = args.verify.as_ref().map(|p| Reference::open(p, c.capacity, lo, hi));
+    let nq = c.queues.len();
+    let qsuffix = if nq > 1 { format!("_q{nq}") } else { String::new() };
     for test in &args.tests {
+        let (test, full) = match test.strip_suffix("/full") {
+            Some(t) => (t, true),
+            None => (test.as_str(), false),
+        };
         let (name, qd) = match test.split_once(':') {
             Some((n, q)) => (n, q.parse::<usize>().expect("QD")),
-            None => (test.as_str(), 1),
+            None => (test, 1),
         };
+        let verify = Verify {
+            reference: reference.as_ref(),
+            check: if full || name == "warm" { Check::Full } else { args.check },
+        };
+        let fsuffix = if full { "_full" } else { "" };
+        let cpu0 = args.daemon_pid.map(cpu_secs);
+        let cpu = || args.daemon_pid.zip(cpu0).map(|(pid, c0)| cpu_secs(pid) - c0);
         match name {
-            // Read the range once, sequentially (fills the memory tier or the page cache).
+            // Read the range once, sequentially (fills the memory tier or the page cache), on
+            // the first queue, every byte checked with --verify.
             "warm" => {
-                let mut pos = lo;
                 let sweep = (hi - lo).div_ceil(1 << 20);
-                let mut f = reads(&mut c, 4, 1 << 20, 600.0, sweep, || {
-                    let at = pos.min(hi - (1 << 20));
-                    pos += 1 << 20;
-                    at
+                let mut f = all_queues(&mut c, 4, 1 << 20, 600.0, sweep / nq as u64 + 1, &verify, |q| {
+                    let mut pos = lo + q as u64 * (1 << 20);
+                    move || {
+                        let at = pos.min(hi - (1 << 20));
+                        pos += nq as u64 * (1 << 20);
+                        at
+                    }
                 });
-                f.print("warm");
+                let used = cpu();
+                f.print("warm", used);
             }
             "randread" => {
                 let blocks = (hi - lo) / 4096;
-                let mut f =
-                    reads(&mut c, qd, 4096, args.secs, u64::MAX, || lo + rng.gen_range(0..blocks) * 4096);
-                f.print(&format!("randread4k_qd{qd}"));
+                let mut f = all_queues(&mut c, qd, 4096, args.secs, u64::MAX, &verify, |q| {
+                    let mut rng = rand::rngs::StdRng::seed_from_u64(1 + q as u64);
+                    move || lo + rng.gen_range(0..blocks) * 4096
+                });
+                let used = cpu();
+                f.print(&format!("randread4k_qd{qd}{qsuffix}{fsuffix}"), used);
             }
             "seqread" => {
-                let mut pos = lo;
-                let mut f = reads(&mut c, qd, 1 << 20, args.secs, u64::MAX, || {
-                    let at = pos;
-                    pos = if pos + (2 << 20) > hi { lo } else { pos + (1 << 20) };
-                    at
+                // Each queue starts at its own place in the span and walks it sequentially.
+                let span = (hi - lo) / (1 << 20);
+                let mut f = all_queues(&mut c, qd, 1 << 20, args.secs, u64::MAX, &verify, |q| {
+                    let mut mib = q as u64 * span / nq as u64;
+                    move || {
+                        let at = lo + mib * (1 << 20);
+                        mib = (mib + 1) % span;
+                        at
+                    }
                 });
-                f.print(&format!("seqread1m_qd{qd}"));
+                let used = cpu();
+                f.print(&format!("seqread1m_qd{qd}{qsuffix}{fsuffix}"), used);
             }
             "writeflush" => {
                 let blocks = (hi - lo) / 4096;
+                let mut rng = rand::rngs::StdRng::seed_from_u64(7);
                 let mut f = Figures::default();
+                let mut lane = Lane {
+                    q: &mut c.queues[0],
+                    base: c.region.addr,
+                    len: REGION,
+                    completions: (0..MAX_QD).map(|_| MaybeUninit::uninit()).collect(),
+                };
                 // SAFETY: the region is a live mapping of REGION bytes owned by the client, and
                 // no request is in flight.
-                unsafe { std::ptr::write_bytes(c.ptr(0), 0x5a, 4096) };
+                unsafe { std::ptr::write_bytes(lane.ptr(0), 0x5a, 4096) };
                 let t0 = Instant::now();
                 let deadline = t0 + Duration::from_secs_f64(args.secs);
                 let mut done = Vec::new();
                 while Instant::now() < deadline {
                     let t = Instant::now();
-                    let ptr = c.ptr(0);
-                    c.q.write(lo + rng.gen_range(0..blocks) * 4096, ptr, 4096, 0, ReqFlags::empty());
-                    c.wait(&mut done);
+                    let ptr = lane.ptr(0);
+                    lane.q.write(lo + rng.gen_range(0..blocks) * 4096, ptr, 4096, 0, ReqFlags::empty());
+                    lane.wait(&mut done);
                     assert!(done.iter().all(|d| d.1 == 0), "write failed");
-                    c.q.flush(1, ReqFlags::empty());
-                    c.wait(&mut done);
+                    lane.q.flush(1, ReqFlags::empty());
+                    lane.wait(&mut done);
                     assert!(done.iter().all(|d| d.1 == 0), "flush failed");
                     f.ops += 1;
                     f.bytes += 4096;
                     f.lat_ns.push(t.elapsed().as_nanos() as u64);
                 }
                 f.secs = t0.elapsed().as_secs_f64();
-                f.print("write4k_flush");
+                let used = cpu();
+                f.print("write4k_flush", used);
             }
+            "memcpy" => memcpy(hi - lo, args.secs).print("memcpy1m", None),
             other => panic!("unknown test {other}"),
         }
     }
