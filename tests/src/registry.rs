@@ -7,7 +7,7 @@
 //! registry process is killed when its handle drops.
 
 use std::io::{Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -43,9 +43,17 @@ pub struct Registry {
 pub const USER: &str = "tessera";
 pub const PASSWORD: &str = "s3cret:with-colon";
 
-fn free_port() -> Result<u16> {
-    let l = TcpListener::bind("127.0.0.1:0")?;
+fn free_port(ip: IpAddr) -> Result<u16> {
+    let l = TcpListener::bind((ip, 0))?;
     Ok(l.local_addr()?.port())
+}
+
+/// Serve HTTPS with this certificate and key (PEM files), on `ip`.
+#[derive(Debug, Clone)]
+pub struct RegistryTls {
+    pub ip: IpAddr,
+    pub cert: PathBuf,
+    pub key: PathBuf,
 }
 
 /// `GET /v2/` over a raw socket → the status code.
@@ -61,12 +69,18 @@ fn ping(addr: SocketAddr) -> Option<u16> {
 impl Registry {
     /// An anonymous registry.
     pub fn start() -> Result<Self> {
-        Self::launch(false, None)
+        Self::launch(false, None, None)
+    }
+
+    /// An anonymous registry serving HTTPS on `tls.ip` (a registry on loopback is always
+    /// reached without verification, so a test of verification needs another address).
+    pub fn start_tls(tls: RegistryTls) -> Result<Self> {
+        Self::launch(false, None, Some(tls))
     }
 
     /// A registry that wants basic auth ([`USER`]:[`PASSWORD`], bcrypt htpasswd).
     pub fn start_with_htpasswd() -> Result<Self> {
-        Self::launch(true, None)
+        Self::launch(true, None, None)
     }
 
     /// A registry that wants bearer tokens from `tokens` (`auth: token`).
@@ -78,10 +92,10 @@ impl Registry {
             crate::token_server::ISSUER,
             tokens.cert().display()
         );
-        Self::launch(false, Some(auth))
+        Self::launch(false, Some(auth), None)
     }
 
-    fn launch(htpasswd: bool, auth_config: Option<String>) -> Result<Self> {
+    fn launch(htpasswd: bool, auth_config: Option<String>, tls: Option<RegistryTls>) -> Result<Self> {
         require_registry()?;
         let dir = crate::testutil::tmp("registry")?;
         let storage = dir.path().join("storage");
@@ -96,13 +110,16 @@ impl Registry {
         }
         // The port is free when chosen; another process could take it before the registry binds,
         // in which case the readiness poll below fails with the registry's log.
-        let port = free_port()?;
-        let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;
+        let ip = tls.as_ref().map_or(IpAddr::V4(Ipv4Addr::LOCALHOST), |t| t.ip);
+        let addr = SocketAddr::new(ip, free_port(ip)?);
+        let tls_config = tls.as_ref().map_or(String::new(), |t| {
+            format!("  tls:\n    certificate: {}\n    key: {}\n", t.cert.display(), t.key.display())
+        });
         let config = dir.path().join("config.yml");
         std::fs::write(
             &config,
             format!(
-                "version: 0.1\nlog:\n  level: info\n  accesslog:\n    disabled: false\nstorage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\nhttp:\n  addr: {addr}\n{auth}",
+                "version: 0.1\nlog:\n  level: info\n  accesslog:\n    disabled: false\nstorage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\nhttp:\n  addr: {addr}\n{tls_config}{auth}",
                 storage.display()
             ),
         )?;
@@ -119,7 +136,9 @@ impl Registry {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             if let Some(status) = ping(addr) {
-                ensure!(status == 200 || status == 401, "registry at {addr}: GET /v2/ → {status}");
+                // Plain HTTP to a TLS port: Go answers 400 ("an HTTP request to an HTTPS server").
+                let ready = if tls.is_some() { status == 400 } else { status == 200 || status == 401 };
+                ensure!(ready, "registry at {addr}: GET /v2/ → {status}");
                 return Ok(me);
             }
             if let Some(status) = me.child.try_wait()? {

@@ -1,7 +1,9 @@
 //! TLS with real parts: a throwaway CA and server certificate (openssl CLI), nginx serving a
 //! store over https. `export --ca-file CA` reads it byte for byte; without the CA (or with
 //! another CA) the export fails, naming certificate verification once; `--insecure` skips
-//! verification (curl's `-k`).
+//! verification (curl's `-k`). The same for a registry (docker-registry) serving HTTPS on this
+//! host's non-loopback address (loopback registries are never verified, as docker does): push
+//! and export with `--ca-file`, refused without it, `--insecure` reads.
 
 use std::fs;
 use std::path::Path;
@@ -10,12 +12,31 @@ use std::process::Output;
 use anyhow::{ensure, Context, Result};
 use tessera_e2e::nginx::{Nginx, ServerCert};
 use tessera_e2e::prng::Prng;
+use tessera_e2e::registry::{require_registry, Registry, RegistryTls};
 use tessera_e2e::tessera;
 use tessera_e2e::testutil::{built_store, BuiltStore};
-use tessera_e2e::tls::TestPki;
+use tessera_e2e::tls::{host_address, TestPki};
 
 fn s(p: &Path) -> Result<&str> {
     p.to_str().context("utf-8 path")
+}
+
+/// A failure (exit 1) whose one error line names `url` and certificate verification once, and
+/// repeats no cause.
+fn verification_failed(o: &Output, url: &str) -> Result<()> {
+    let err = String::from_utf8_lossy(&o.stderr);
+    ensure!(o.status.code() == Some(1), "{} — {err}", o.status);
+    let line = err.lines().find(|l| l.starts_with("tessera: error:")).context("no error line")?;
+    ensure!(line.contains(url), "the error names the URL {url}: {line}");
+    ensure!(
+        line.matches("certificate verification failed").count() == 1,
+        "names certificate verification once: {line}"
+    );
+    let causes: Vec<&str> = line.split(": ").collect();
+    for (i, c) in causes.iter().enumerate() {
+        ensure!(!causes[i + 1..].contains(c), "{c:?} repeats: {line}");
+    }
+    Ok(())
 }
 
 fn export(url: &str, out: &Path, extra: &[&str]) -> Result<Output> {
@@ -33,8 +54,8 @@ fn https_store_is_verified_against_the_ca_file() -> Result<()> {
         Ok(fs::write(src.join("text.txt"), rng.text(200_000))?)
     })?;
 
-    let pki = TestPki::generate(&t.path().join("pki"), "tessera test CA")?;
-    let other = TestPki::generate(&t.path().join("other"), "another CA")?;
+    let pki = TestPki::generate(&t.path().join("pki"), "tessera test CA", &[])?;
+    let other = TestPki::generate(&t.path().join("other"), "another CA", &[])?;
     let origin = Nginx::serve_tls(&store, "store", ServerCert { cert: &pki.cert, key: &pki.key })?;
     let url = origin.url();
     ensure!(url.starts_with("https://"), "{url}");
@@ -50,18 +71,7 @@ fn https_store_is_verified_against_the_ca_file() -> Result<()> {
     for extra in [vec![], vec!["--ca-file", s(&other.ca)?]] {
         let before = origin.requests()?.len();
         let o = export(&url, &out, &extra)?;
-        let err = String::from_utf8_lossy(&o.stderr);
-        ensure!(o.status.code() == Some(1), "export {extra:?}: {} — {err}", o.status);
-        let line = err.lines().find(|l| l.starts_with("tessera: error:")).context("no error line")?;
-        ensure!(line.contains(&url), "the error names the URL: {line}");
-        ensure!(
-            line.matches("certificate verification failed").count() == 1,
-            "names certificate verification once: {line}"
-        );
-        let causes: Vec<&str> = line.split(": ").collect();
-        for (i, c) in causes.iter().enumerate() {
-            ensure!(!causes[i + 1..].contains(c), "{c:?} repeats: {line}");
-        }
+        verification_failed(&o, &url).with_context(|| format!("export {extra:?}"))?;
         ensure!(origin.requests()?.len() == before, "a request got through: {}", origin.access_log());
     }
 
@@ -70,5 +80,44 @@ fn https_store_is_verified_against_the_ca_file() -> Result<()> {
     let o = export(&url, &out, &["--insecure"])?;
     ensure!(o.status.success(), "export --insecure: {} — {}", o.status, String::from_utf8_lossy(&o.stderr));
     ensure!(fs::read(&out)? == expected, "export --insecure differs from the local export");
+    Ok(())
+}
+
+#[test]
+fn registry_over_tls_is_verified_against_the_ca_file() -> Result<()> {
+    require_registry()?;
+    let f = built_store("tls-registry", "demo", "64K", |src| {
+        fs::create_dir_all(src)?;
+        Ok(fs::write(src.join("random.bin"), Prng::from_label("tls-registry").bytes(400_000))?)
+    })?;
+    let ip = host_address()?;
+    let pki = TestPki::generate(&f.t.path().join("pki"), "tessera registry CA", &[ip])?;
+    let reg = Registry::start_tls(RegistryTls { ip, cert: pki.cert.clone(), key: pki.key.clone() })?;
+    let addr = reg.addr();
+    let ca = s(&pki.ca)?;
+    let o = tessera::run([
+        "push",
+        "demo",
+        "--store",
+        s(&f.store)?,
+        &format!("docker://{addr}/app:demo"),
+        "--ca-file",
+        ca,
+    ])?;
+    ensure!(o.status.success(), "push --ca-file: {} — {}", o.status, String::from_utf8_lossy(&o.stderr));
+
+    let store = format!("docker://{addr}/app");
+    let out = f.t.path().join("out.raw");
+    let o = export(&store, &out, &["--ca-file", ca])?;
+    ensure!(o.status.success(), "export --ca-file: {} — {}", o.status, String::from_utf8_lossy(&o.stderr));
+    ensure!(fs::read(&out)? == f.local_raw, "export from the TLS registry differs from the local export");
+
+    let o = export(&store, &out, &[])?;
+    verification_failed(&o, &format!("https://{addr}/v2/")).context("export without --ca-file")?;
+
+    fs::remove_file(&out)?;
+    let o = export(&store, &out, &["--insecure"])?;
+    ensure!(o.status.success(), "export --insecure: {} — {}", o.status, String::from_utf8_lossy(&o.stderr));
+    ensure!(fs::read(&out)? == f.local_raw, "export --insecure differs from the local export");
     Ok(())
 }
