@@ -32,6 +32,10 @@ fn verification_failed(o: &Output, url: &str) -> Result<()> {
         line.matches("certificate verification failed").count() == 1,
         "names certificate verification once: {line}"
     );
+    ensure!(
+        err.contains("hint: to trust a private CA, give its certificate with --ca-file"),
+        "no hint: {err}"
+    );
     let causes: Vec<&str> = line.split(": ").collect();
     for (i, c) in causes.iter().enumerate() {
         ensure!(!causes[i + 1..].contains(c), "{c:?} repeats: {line}");

@@ -251,6 +251,9 @@ fn main() -> ExitCode {
         Err(e) => {
             let usage = e.chain().any(|c| c.is::<UsageError>()) || cmd::is_usage_error(&e);
             eprintln!("tessera: error: {e:#}");
+            if origin_args::is_certificate_failure(&e) {
+                eprintln!("{}", origin_args::CERTIFICATE_HINT);
+            }
             ExitCode::from(if usage { 2 } else { 1 })
         }
     }

@@ -6,7 +6,10 @@
 
 use anyhow::Result;
 use clap::Args;
-use tessera_registry::{auth_file_paths, ClientOptions, CredentialSource, Credentials, TlsOptions};
+use tessera_registry::{
+    auth_file_paths, ClientOptions, CredentialSource, Credentials, TlsOptions, TransportError,
+    TransportErrorKind,
+};
 use tessera_store::{HttpConfig, OriginOptions};
 
 /// `[--ca-file PEM] [--insecure] [--creds USER:PASS]`.
@@ -71,6 +74,17 @@ impl OriginArgs {
         let http = HttpConfig { tls: self.tls(), ..HttpConfig::from_vars(env)? };
         Ok(OriginOptions { http, registry: self.registry() })
     }
+}
+
+/// Printed after an error whose cause is a server certificate that failed verification.
+pub const CERTIFICATE_HINT: &str = "tessera: hint: to trust a private CA, give its certificate with \
+--ca-file PEM; --insecure skips verification";
+
+/// Whether `e` failed because a server certificate did not verify.
+pub fn is_certificate_failure(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<TransportError>().is_some_and(|t| t.kind() == TransportErrorKind::Certificate)
+    })
 }
 
 fn env(name: &str) -> Option<String> {
