@@ -69,7 +69,14 @@ pub fn run(args: CopyArgs) -> Result<()> {
         bail!(StoreError::ReadOnlyStore { location: url.clone() });
     }
     let origins = args.origin.options()?;
-    let source = args.store.open_read_store(&origins, args.cache.config().as_ref())?.store;
+    let source_args = match dest {
+        StoreLocation::Registry(repo) => match Reference::parse(repo) {
+            Ok(r) => args.origin.for_source(&args.store, &r.registry),
+            Err(e) => bail!(UsageError(crate::error_text(e))),
+        },
+        _ => args.origin.clone(),
+    };
+    let source = args.store.open_read_store(&source_args.options()?, args.cache.config().as_ref())?.store;
     let id = source.resolve(&args.image).with_context(|| format!("store {}", source.describe()))?;
     let tag = (!args.image.starts_with("sha256:") && validate_tag(&args.image)).then(|| args.image.clone());
     let bar = Bar::new("copying");

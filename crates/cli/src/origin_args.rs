@@ -7,10 +7,10 @@
 use anyhow::Result;
 use clap::Args;
 use tessera_registry::{
-    auth_file_paths, ClientOptions, CredentialSource, Credentials, TlsOptions, TransportError,
+    auth_file_paths, ClientOptions, CredentialSource, Credentials, Reference, TlsOptions, TransportError,
     TransportErrorKind,
 };
-use tessera_store::{HttpConfig, OriginOptions};
+use tessera_store::{HttpConfig, OriginOptions, StoreLocation};
 
 /// `[--ca-file PEM] [--insecure] [--creds USER:PASS]`.
 #[derive(Debug, Clone, Default, Args)]
@@ -25,7 +25,8 @@ pub struct OriginArgs {
     #[arg(long)]
     pub insecure: bool,
     /// Registry credentials for docker:// origins (default: REGISTRY_AUTH_FILE, then
-    /// $DOCKER_CONFIG/config.json or ~/.docker/config.json, else anonymous).
+    /// $DOCKER_CONFIG/config.json or ~/.docker/config.json, else anonymous). push and copy send
+    /// them to the destination's registry only.
     #[arg(long, value_name = "USER:PASS", value_parser = parse_creds)]
     pub creds: Option<Credentials>,
 }
@@ -49,6 +50,21 @@ impl OriginArgs {
     /// Whether any of the flags was given (for commands where they cannot apply).
     pub fn any(&self) -> bool {
         self.ca_file.is_some() || self.insecure || self.creds.is_some()
+    }
+
+    /// The flags for reading `source` while writing to the registry `dest_registry`: `--creds`
+    /// are the destination's, so a `docker://` source on another registry gets the auth files
+    /// only (the credentials of one registry are never sent to another).
+    pub fn for_source(&self, source: &StoreLocation, dest_registry: &str) -> OriginArgs {
+        let other = match source {
+            StoreLocation::Registry(r) => Reference::parse(r).map_or(true, |r| r.registry != dest_registry),
+            _ => false,
+        };
+        if other && self.creds.is_some() {
+            tracing::debug!(%source, dest_registry, "--creds are the destination's; the source uses the auth files");
+            return OriginArgs { creds: None, ..self.clone() };
+        }
+        self.clone()
     }
 
     /// The TLS roots and verification of every origin.
@@ -105,6 +121,18 @@ mod tests {
         std::fs::write(&bad, "not a certificate\n").unwrap();
         let e = parse_ca_file(bad.to_str().unwrap()).unwrap_err();
         assert!(e.contains("bad.pem") && e.contains("no CA certificate"), "{e}");
+    }
+
+    #[test]
+    fn creds_go_to_the_destination_registry_only() {
+        let args = OriginArgs { creds: Some(Credentials::parse("u:p").unwrap()), ..OriginArgs::default() };
+        let src = |s: &str| StoreLocation::parse(s).unwrap();
+        let same = args.for_source(&src("docker://reg.example:5000/a"), "reg.example:5000");
+        assert!(same.creds.is_some(), "a source on the destination's registry");
+        let other = args.for_source(&src("docker://other.example/a"), "reg.example:5000");
+        assert!(other.creds.is_none(), "another registry gets the auth files");
+        assert!(matches!(other.registry().credentials, CredentialSource::AuthFiles(_)));
+        assert!(args.for_source(&src("https://cdn.example/s"), "reg.example:5000").creds.is_some());
     }
 
     #[test]

@@ -103,7 +103,8 @@ pub fn push(args: PushArgs) -> Result<()> {
                     store.repository(),
                 ))
             } else {
-                std::sync::Arc::new(store)
+                let source = args.origin.for_source(location, client.registry()).registry();
+                std::sync::Arc::new(location.open_registry(source)?)
             }
         }
         _ => location.open_read_store(&origins, None)?.store,
