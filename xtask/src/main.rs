@@ -17,6 +17,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use tessera_e2e::{compare, fixtures, judge};
 
+mod bench_export;
 mod bench_lazy;
 mod bench_oci;
 mod bench_serve;
@@ -106,6 +107,8 @@ enum Bench {
     Lazy(bench_lazy::LazyBench),
     /// Guest start-up from an origin at 20 ms RTT: no profile vs profile vs warmed cache vs local.
     BootProfile(bench_warm::BootProfileBench),
+    /// `tessera export` of a remote image (20 ms RTT, 200 Mbit/s) vs curl of its blobs.
+    Export(bench_export::ExportBench),
 }
 
 fn main() -> ExitCode {
@@ -122,6 +125,7 @@ fn main() -> ExitCode {
         Cmd::Bench { what: Bench::BuildOci(opts) } => bench_oci::run(&opts),
         Cmd::Bench { what: Bench::Lazy(opts) } => bench_lazy::run(&opts),
         Cmd::Bench { what: Bench::BootProfile(opts) } => bench_warm::run(&opts),
+        Cmd::Bench { what: Bench::Export(opts) } => bench_export::run(&opts),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
