@@ -116,6 +116,13 @@ pub struct ServeArgs {
     /// Number of virtqueues offered, each served by its own thread (1 to 64).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=i64::from(MAX_QUEUES)))]
     queues: u16,
+    /// Where the daemon's threads run: `queues=LIST` pins the queue workers (and the vhost-user
+    /// protocol thread), `fetch=LIST` the chunk fetcher's threads (with the origin requests they
+    /// make), the trace writer and the metrics exporter; LIST is CPU numbers and ranges, e.g.
+    /// `--cpus queues=2-3,fetch=0-1`. Either part may be left out (its threads keep the CPUs the
+    /// daemon was started with).
+    #[arg(long, value_name = "queues=LIST[,fetch=LIST]", value_parser = parse_cpus)]
+    cpus: Option<CpuPlacement>,
     /// Permissions of the socket, in octal (default 0600).
     #[arg(long, value_parser = parse_mode)]
     socket_mode: Option<u32>,
@@ -140,6 +147,61 @@ fn parse_metrics_addr(s: &str) -> Result<String, String> {
         Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => Ok(s.to_owned()),
         _ => Err(format!("{s}: expected HOST:PORT, e.g. 127.0.0.1:9100")),
     }
+}
+
+/// `--cpus queues=LIST[,fetch=LIST]`: the CPUs each group of the daemon's threads may run on
+/// (`None`: the CPUs it was started with).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CpuPlacement {
+    /// The queue workers and the vhost-user protocol thread.
+    pub queues: Option<Vec<usize>>,
+    /// The chunk fetcher's threads (and the origin span threads they spawn), the trace writer,
+    /// the metrics exporter.
+    pub fetch: Option<Vec<usize>>,
+}
+
+/// `queues=2-3,fetch=0,1`: a key starts a list; items without `=` continue the current one.
+fn parse_cpus(s: &str) -> Result<CpuPlacement, String> {
+    let mut p = CpuPlacement::default();
+    let mut current: Option<&str> = None;
+    let err =
+        |m: String| format!("--cpus {s}: {m} (expected queues=LIST[,fetch=LIST], e.g. queues=2-3,fetch=0-1)");
+    for tok in s.split(',') {
+        let item = match tok.split_once('=') {
+            Some((key @ ("queues" | "fetch"), v)) => {
+                let slot = if key == "queues" { &mut p.queues } else { &mut p.fetch };
+                if slot.replace(Vec::new()).is_some() {
+                    return Err(err(format!("{key}= given twice")));
+                }
+                current = Some(key);
+                v
+            }
+            Some((key, _)) => return Err(err(format!("unknown key {key}"))),
+            None => tok,
+        };
+        let list = match current {
+            Some("queues") => p.queues.as_mut(),
+            _ => p.fetch.as_mut(),
+        }
+        .ok_or_else(|| err("a CPU list must follow queues= or fetch=".into()))?;
+        let cpu = |t: &str| t.trim().parse::<usize>().map_err(|_| err(format!("{t:?} is not a CPU number")));
+        let (a, b) = match item.split_once('-') {
+            Some((a, b)) => (cpu(a)?, cpu(b)?),
+            None => (cpu(item)?, cpu(item)?),
+        };
+        if a > b || b >= rustix::thread::CpuSet::MAX_CPU {
+            return Err(err(format!("{item}: not a CPU range below {}", rustix::thread::CpuSet::MAX_CPU)));
+        }
+        list.extend(a..=b);
+    }
+    Ok(p)
+}
+
+/// Restrict the calling thread to `cpus`; the threads it spawns from now on inherit the set.
+fn pin_this_thread(cpus: &[usize], what: &str) -> Result<()> {
+    let mut set = rustix::thread::CpuSet::new();
+    cpus.iter().for_each(|&c| set.set(c));
+    rustix::thread::sched_setaffinity(None, &set).with_context(|| format!("--cpus {what}={cpus:?}"))
 }
 
 fn parse_mode(s: &str) -> Result<u32, String> {
@@ -190,6 +252,8 @@ pub struct ServeConfig {
     pub ready: Option<File>,
     pub writes: Writes,
     pub queues: u16,
+    /// `--cpus`: where the queue workers and the fetcher threads run.
+    pub cpus: CpuPlacement,
     /// Bytes of decoded chunks kept in memory.
     pub mem_cache: u64,
     /// Concurrent chunk fetches.
@@ -240,6 +304,7 @@ impl ServeConfig {
             ready,
             writes,
             queues: args.queues,
+            cpus: args.cpus.unwrap_or_default(),
             mem_cache: args.mem_cache,
             fetch_jobs: args.fetch_jobs.map_or(default_jobs, usize::from),
             prefetch_rate: args.prefetch_rate.filter(|&r| r > 0),
@@ -257,6 +322,14 @@ pub fn serve(args: ServeArgs) -> Result<()> {
 
 /// Serve `config` until SIGTERM / SIGINT.
 pub fn run(config: ServeConfig) -> Result<()> {
+    // --cpus: a thread inherits its creator's CPU set, so this thread takes the fetch CPUs while
+    // the store, the engine (its fetcher threads, which spawn the origin's span threads), the
+    // trace writer and the exporter start, then the queue CPUs before the server spawns the
+    // protocol thread and the queue workers (per connection, from this thread).
+    let started_on = rustix::thread::sched_getaffinity(None).context("sched_getaffinity")?;
+    if let Some(cpus) = &config.cpus.fetch {
+        pin_this_thread(cpus, "fetch")?;
+    }
     let location = &config.store;
     let opened = location.open_read_store(&config.origin, config.cache.as_ref())?;
     let store = Arc::clone(&opened.store);
@@ -317,6 +390,13 @@ pub fn run(config: ServeConfig) -> Result<()> {
     // Signals are handled on their own thread from before the socket exists on, so a SIGTERM
     // right after readiness still removes the socket.
     let mut signals = Signals::new([SIGTERM, SIGINT]).context("installing signal handlers")?;
+    match &config.cpus.queues {
+        Some(cpus) => pin_this_thread(cpus, "queues")?,
+        None if config.cpus.fetch.is_some() => {
+            rustix::thread::sched_setaffinity(None, &started_on).context("restoring the CPU set")?
+        }
+        None => {}
+    }
     let server = Server::bind(&config.socket, config.socket_mode, device, disk)
         .with_context(|| format!("serving {id}"))?
         .with_metrics(metrics);
@@ -443,6 +523,20 @@ mod tests {
         assert_eq!((c.fetch_jobs, c.prefetch_rate), (7, Some(1 << 20)));
         let c = config(&["--store", "./s", "--socket-mode", "0660", "--metrics", "127.0.0.1:0"]).unwrap();
         assert_eq!((c.socket_mode, c.metrics.as_deref()), (0o660, Some("127.0.0.1:0")));
+    }
+
+    #[test]
+    fn cpus_lists_and_ranges() {
+        let c = config(&["--store", "./s", "--cpus", "queues=2-3,5,fetch=0,1"]).unwrap();
+        assert_eq!(c.cpus.queues, Some(vec![2, 3, 5]));
+        assert_eq!(c.cpus.fetch, Some(vec![0, 1]));
+        let c = config(&["--store", "./s", "--cpus", "fetch=7"]).unwrap();
+        assert_eq!(c.cpus, CpuPlacement { queues: None, fetch: Some(vec![7]) });
+        assert_eq!(config(&["--store", "./s"]).unwrap().cpus, CpuPlacement::default());
+        for bad in ["0,1", "queues=", "queues=3-1", "queues=1,queues=2", "cpu=1", "queues=x", "fetch=99999"] {
+            let e = config(&["--store", "./s", "--cpus", bad]).unwrap_err();
+            assert!(e.to_string().contains("--cpus"), "{bad}: {e:#}");
+        }
     }
 
     #[test]

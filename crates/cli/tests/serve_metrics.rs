@@ -17,7 +17,7 @@ mod blk;
 mod common;
 
 use blk::Client;
-use common::{tessera, TESSERA};
+use common::TESSERA;
 
 /// Debian's interpreter, where python3-prometheus-client installs (not a pyenv shim on PATH).
 const PYTHON: &str = "/usr/bin/python3";
@@ -259,16 +259,7 @@ fn metrics_count_exactly_what_the_client_did() {
     fs::write(src.join("big"), &data).unwrap();
     fs::write(src.join("small"), b"hello").unwrap();
     let store = dir.path().join("store");
-    tessera(&[
-        "build",
-        src.to_str().unwrap(),
-        "--store",
-        store.to_str().unwrap(),
-        "--tag",
-        "img",
-        "--size",
-        "32M",
-    ]);
+    common::build_img(&src, &store);
     let socket = dir.path().join("vm.sock");
     let mut d = Daemon::start(&store, &socket);
 

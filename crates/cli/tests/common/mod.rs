@@ -12,6 +12,20 @@ pub fn tessera(args: &[&str]) -> String {
     String::from_utf8(out.stdout).unwrap()
 }
 
+/// `tessera build SRC --store STORE --tag img --size 32M`: the serve tests' image.
+pub fn build_img(src: &std::path::Path, store: &std::path::Path) {
+    tessera(&[
+        "build",
+        src.to_str().unwrap(),
+        "--store",
+        store.to_str().unwrap(),
+        "--tag",
+        "img",
+        "--size",
+        "32M",
+    ]);
+}
+
 /// Run `tessera ARGS` and return what it did, whatever its exit status.
 pub fn run(args: &[&str]) -> Output {
     Command::new(TESSERA).args(args).output().unwrap()

@@ -1,0 +1,121 @@
+//! `tessera serve --cpus queues=Q,fetch=F` as a black box: with a client connected, every queue
+//! worker (`vring_worker`) and the vhost-user protocol thread may run on CPU Q only, and every
+//! chunk fetcher thread (`tessera-chunk-N`) on CPU F only, as the kernel reports them in
+//! `/proc/PID/task/*/status` (`Cpus_allowed_list`); without `--cpus` they keep the CPUs the
+//! daemon was started with.
+#![allow(clippy::unwrap_used)]
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+mod blk;
+mod common;
+
+use blk::Client;
+use common::TESSERA;
+
+/// `Cpus_allowed_list` of a `/proc/.../status` text.
+fn allowed(status: &str) -> String {
+    let line = status.lines().find_map(|l| l.strip_prefix("Cpus_allowed_list:")).unwrap();
+    line.trim().to_owned()
+}
+
+/// "0-2,5" → [0, 1, 2, 5].
+fn expand(list: &str) -> Vec<usize> {
+    let mut out = Vec::new();
+    for part in list.split(',') {
+        match part.split_once('-') {
+            Some((a, b)) => out.extend(a.parse::<usize>().unwrap()..=b.parse().unwrap()),
+            None => out.push(part.parse().unwrap()),
+        }
+    }
+    out
+}
+
+/// Thread name → the CPU lists of the threads of that name, for process `pid`.
+fn threads(pid: u32) -> BTreeMap<String, Vec<String>> {
+    let mut out: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for task in fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        let dir = task.unwrap().path();
+        let (Ok(comm), Ok(status)) =
+            (fs::read_to_string(dir.join("comm")), fs::read_to_string(dir.join("status")))
+        else {
+            continue; // the thread exited meanwhile
+        };
+        out.entry(comm.trim().to_owned()).or_default().push(allowed(&status));
+    }
+    out
+}
+
+fn serve(dir: &Path, extra: &[&str]) -> Child {
+    let socket = dir.join("vm.sock");
+    let _ = fs::remove_file(&socket);
+    let store = dir.join("store");
+    let mut child = Command::new(TESSERA)
+        .args(["serve", "img", "--store", store.to_str().unwrap(), "--socket", socket.to_str().unwrap()])
+        .arg("--overlay")
+        .arg(dir.join("vm.overlay"))
+        .args(["--queues", "2"])
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !socket.exists() {
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("tessera serve exited early: {status}");
+        }
+        assert!(Instant::now() < deadline, "no socket within 30 s");
+        std::thread::sleep(Duration::from_millis(5)); // polling interval, not a fixed wait
+    }
+    child
+}
+
+/// Connect a client (the queue workers exist once a client is connected), read a block (a
+/// fetcher thread fetches its chunk), and return the daemon's threads.
+fn threads_while_serving(dir: &Path, extra: &[&str]) -> BTreeMap<String, Vec<String>> {
+    let mut d = serve(dir, extra);
+    let mut c = Client::connect(&dir.join("vm.sock"));
+    assert_eq!(c.read(0, 4096), 0);
+    let t = threads(d.id());
+    drop(c);
+    // SAFETY: kill(2) on our own child's pid; it has not been reaped yet.
+    assert_eq!(unsafe { libc::kill(d.id() as i32, libc::SIGTERM) }, 0);
+    assert!(d.wait().unwrap().success());
+    t
+}
+
+#[test]
+fn cpus_pins_queue_workers_and_fetchers_apart() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("src");
+    fs::create_dir_all(&src).unwrap();
+    fs::write(src.join("file"), common::noise(1, 300_000)).unwrap();
+    let store = dir.path().join("store");
+    common::build_img(&src, &store);
+
+    // The CPUs this test may use: the queue workers go to the last, the fetchers to the first
+    // (the same one on a 1-CPU machine, where only the pinning itself is shown).
+    let ours = allowed(&fs::read_to_string("/proc/self/status").unwrap());
+    let cpus = expand(&ours);
+    let (q, f) = (cpus[cpus.len() - 1], cpus[0]);
+
+    let t = threads_while_serving(dir.path(), &["--cpus", &format!("queues={q},fetch={f}")]);
+    let workers = &t["vring_worker"];
+    assert_eq!(workers.len(), 2, "one worker per queue: {t:?}");
+    assert!(workers.iter().all(|c| *c == q.to_string()), "queue workers on CPU {q}: {t:?}");
+    assert!(t["tessera-vhost"].iter().all(|c| *c == q.to_string()), "protocol thread on CPU {q}: {t:?}");
+    let fetchers: Vec<&String> =
+        t.iter().filter(|(name, _)| name.starts_with("tessera-chunk")).flat_map(|(_, c)| c).collect();
+    assert_eq!(fetchers.len(), 4, "the 4 fetcher threads of a local store: {t:?}");
+    assert!(fetchers.iter().all(|c| **c == f.to_string()), "fetchers on CPU {f}: {t:?}");
+
+    // Without --cpus every thread keeps the CPUs the daemon was started with (this test's).
+    let t = threads_while_serving(dir.path(), &[]);
+    assert!(t.values().flatten().all(|c| *c == ours), "all threads on {ours}: {t:?}");
+    assert_eq!(t["vring_worker"].len(), 2);
+}
