@@ -17,9 +17,9 @@ use std::time::{Duration, Instant};
 use anyhow::{ensure, Context, Result};
 use clap::Args;
 use tessera_e2e::nginx::Nginx;
-use tessera_e2e::prng::Prng;
 use tessera_e2e::proxy::{Proxy, ProxyConfig, ProxyStats};
 
+use super::bench_lazy::write_incompressible;
 use super::{cargo, status, target_dir};
 
 /// Options of `cargo xtask bench export`.
@@ -81,16 +81,7 @@ pub fn run(opts: &ExportBench) -> Result<()> {
     if fs::read_to_string(&marker).ok().as_deref() != Some(recipe.as_str()) {
         let _ = fs::remove_file(&marker);
         let _ = fs::remove_dir_all(&tree);
-        fs::create_dir_all(&tree)?;
-        println!("==> writing {} incompressible files of {} MiB", opts.files, opts.file_mib);
-        for i in 0..opts.files {
-            let mut rng = Prng::from_label(&format!("bench-export-{i}"));
-            let mut f = std::io::BufWriter::new(fs::File::create(tree.join(format!("data{i}.bin")))?);
-            for _ in 0..opts.file_mib {
-                std::io::Write::write_all(&mut f, &rng.bytes(1 << 20))?;
-            }
-            std::io::Write::flush(&mut f)?;
-        }
+        write_incompressible(&tree, opts.files, opts.file_mib, "bench-export")?;
         fs::write(&marker, &recipe)?;
     }
 

@@ -82,15 +82,7 @@ pub fn run(opts: &LazyBench) -> Result<()> {
         let tarball = debian::rootfs_tarball()?;
         println!("==> unpacking {} into {}", tarball.display(), tree.display());
         status(Command::new("tar").args(["-x", "--numeric-owner", "-f"]).arg(&tarball).arg("-C").arg(&tree))?;
-        println!("==> writing {} incompressible files of {} MiB", opts.big_files, opts.big_mib);
-        for i in 0..opts.big_files {
-            let mut rng = Prng::from_label(&format!("bench-lazy-{i}"));
-            let mut f = std::io::BufWriter::new(fs::File::create(tree.join(format!("big/data{i}.bin")))?);
-            for _ in 0..opts.big_mib {
-                std::io::Write::write_all(&mut f, &rng.bytes(1 << 20))?;
-            }
-            std::io::Write::flush(&mut f)?;
-        }
+        write_incompressible(&tree.join("big"), opts.big_files, opts.big_mib, "bench-lazy")?;
         fs::write(&marker, &recipe)?;
     }
 
@@ -238,6 +230,22 @@ pub fn run(opts: &LazyBench) -> Result<()> {
         lazy.as_secs_f64() / peer.as_secs_f64(),
         lazy_bytes as f64 / total as f64
     );
+    Ok(())
+}
+
+/// `dir/data{i}.bin` for i in `0..files`, `mib` MiB each of incompressible bytes (Prng label
+/// `{label}-{i}`: the same bytes every time).
+pub(crate) fn write_incompressible(dir: &Path, files: u64, mib: u64, label: &str) -> Result<()> {
+    println!("==> writing {files} incompressible files of {mib} MiB");
+    fs::create_dir_all(dir)?;
+    for i in 0..files {
+        let mut rng = Prng::from_label(&format!("{label}-{i}"));
+        let mut f = std::io::BufWriter::new(fs::File::create(dir.join(format!("data{i}.bin")))?);
+        for _ in 0..mib {
+            std::io::Write::write_all(&mut f, &rng.bytes(1 << 20))?;
+        }
+        std::io::Write::flush(&mut f)?;
+    }
     Ok(())
 }
 

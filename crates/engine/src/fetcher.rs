@@ -755,6 +755,26 @@ mod tests {
         }
     }
 
+    /// One thread, batches on, every chunk `c` stored at `c * 1000` (all back to back): chunk
+    /// `blocker` waits at the gates (holding the thread), the others go to `recording(log)`.
+    fn blocked_batcher(
+        limits: FetchLimits,
+        blocker: u32,
+        gates: &Arc<Gates>,
+        log: &Arc<Mutex<Vec<Vec<u32>>>>,
+    ) -> ChunkFetcher {
+        let (g, rec) = (Arc::clone(gates), recording(log));
+        let back_to_back =
+            |c: u32| Some(ChunkPlace { pack: 0, offset: u64::from(c) * 1000, stored_len: 1000 });
+        let limits = FetchLimits { jobs: 1, batch_bytes: DEFAULT_BATCH_BYTES, ..limits };
+        ChunkFetcher::start(
+            limits,
+            move |cs, bg| if cs == [blocker] { vec![g.fetch(blocker)] } else { rec(cs, bg) },
+            back_to_back,
+        )
+        .unwrap()
+    }
+
     #[test]
     fn chunks_stored_back_to_back_are_fetched_in_batches_within_the_byte_cap() {
         let log = Arc::new(Mutex::new(Vec::new()));
@@ -786,24 +806,9 @@ mod tests {
     #[test]
     fn a_batch_fails_only_the_waiters_of_its_failed_chunk() {
         let log = Arc::new(Mutex::new(Vec::new()));
-        let back_to_back =
-            |c: u32| Some(ChunkPlace { pack: 0, offset: u64::from(c) * 1000, stored_len: 1000 });
         let gates = Gates::new();
-        let g = Arc::clone(&gates);
-        let rec = recording(&log);
         // Chunk 0 holds the only thread while 12, 13 and 14 are queued behind it.
-        let f = ChunkFetcher::start(
-            FetchLimits { batch_bytes: DEFAULT_BATCH_BYTES, ..FetchLimits::new(1) },
-            move |cs, bg| {
-                if cs == [0] {
-                    vec![g.fetch(0)]
-                } else {
-                    rec(cs, bg)
-                }
-            },
-            back_to_back,
-        )
-        .unwrap();
+        let f = blocked_batcher(FetchLimits::new(1), 0, &gates, &log);
         f.fetch(&[0], Priority::Demand, None);
         gates.wait_started(1);
         let mut rxs = Vec::new();
@@ -822,23 +827,8 @@ mod tests {
     #[test]
     fn batches_do_not_mix_priorities_and_skip_promoted_copies() {
         let log = Arc::new(Mutex::new(Vec::new()));
-        let back_to_back =
-            |c: u32| Some(ChunkPlace { pack: 0, offset: u64::from(c) * 1000, stored_len: 1000 });
         let gates = Gates::new();
-        let g = Arc::clone(&gates);
-        let rec = recording(&log);
-        let f = ChunkFetcher::start(
-            FetchLimits { background_jobs: 1, batch_bytes: DEFAULT_BATCH_BYTES, ..FetchLimits::new(1) },
-            move |cs, bg| {
-                if cs == [100] {
-                    vec![g.fetch(100)]
-                } else {
-                    rec(cs, bg)
-                }
-            },
-            back_to_back,
-        )
-        .unwrap();
+        let f = blocked_batcher(FetchLimits { background_jobs: 1, ..FetchLimits::new(1) }, 100, &gates, &log);
         // 100 holds the thread; 1..=4 wait in the prefetch queue; 2 and 3 are then demanded
         // (promoted: their prefetch copies stay behind, stale).
         f.fetch(&[100], Priority::Demand, None);
