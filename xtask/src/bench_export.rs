@@ -19,8 +19,8 @@ use clap::Args;
 use tessera_e2e::nginx::Nginx;
 use tessera_e2e::proxy::{Proxy, ProxyConfig, ProxyStats};
 
-use super::bench_lazy::write_incompressible;
-use super::{cargo, status, target_dir};
+use super::bench_lazy::{build_served, release_bench, write_incompressible};
+use super::status;
 
 /// Options of `cargo xtask bench export`.
 #[derive(Debug, Args)]
@@ -67,11 +67,7 @@ impl Run {
 
 pub fn run(opts: &ExportBench) -> Result<()> {
     ensure!(opts.rounds >= 1, "--rounds must be at least 1");
-    let target = target_dir()?;
-    status(cargo().args(["build", "--release", "-p", "tessera-cli"]))?;
-    let bin = target.join("release").join("tessera");
-    let dir = target.join("bench-export");
-    fs::create_dir_all(&dir)?;
+    let (bin, dir) = release_bench("bench-export")?;
 
     // The tree, kept while its recipe holds.
     let tree = dir.join("tree");
@@ -86,18 +82,7 @@ pub fn run(opts: &ExportBench) -> Result<()> {
     }
 
     // The store (fresh every run), served by nginx behind the proxy, and the local export.
-    let served = dir.join("served");
-    let store = served.join("store");
-    let _ = fs::remove_dir_all(&served);
-    fs::create_dir_all(&served)?;
-    let out = Command::new(&bin)
-        .arg("build")
-        .arg(&tree)
-        .arg("--store")
-        .arg(&store)
-        .args(["--tag", "bench"])
-        .output()?;
-    ensure!(out.status.success(), "tessera build: {}", String::from_utf8_lossy(&out.stderr));
+    let (served, store) = build_served(&bin, &dir, &tree)?;
     let reference = dir.join("reference.raw");
     status(Command::new(&bin).args(["export", "bench", "--store"]).arg(&store).arg("-o").arg(&reference))?;
     let blobs = blob_names(&store)?;

@@ -11,7 +11,7 @@
 //! the boot, and the workload.
 
 use std::fs;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -60,11 +60,7 @@ pub fn run(opts: &LazyBench) -> Result<()> {
             bail!("{tool} is missing");
         }
     }
-    let target = target_dir()?;
-    status(cargo().args(["build", "--release", "-p", "tessera-cli"]))?;
-    let bin = target.join("release").join("tessera");
-    let dir = target.join("bench-lazy");
-    fs::create_dir_all(&dir)?;
+    let (bin, dir) = release_bench("bench-lazy")?;
 
     // The tree: the Debian root plus big incompressible files, kept while its recipe holds.
     let tree = dir.join("tree");
@@ -87,19 +83,8 @@ pub fn run(opts: &LazyBench) -> Result<()> {
     }
 
     // The store (fresh every run) and the raw export beside it, both served by nginx.
-    let served = dir.join("served");
-    let store = served.join("store");
-    let _ = fs::remove_dir_all(&served);
-    fs::create_dir_all(&served)?;
     let t = Instant::now();
-    let out = Command::new(&bin)
-        .arg("build")
-        .arg(&tree)
-        .arg("--store")
-        .arg(&store)
-        .args(["--tag", "bench"])
-        .output()?;
-    ensure!(out.status.success(), "tessera build: {}", String::from_utf8_lossy(&out.stderr));
+    let (served, store) = build_served(&bin, &dir, &tree)?;
     println!("==> built in {:.1} s", t.elapsed().as_secs_f64());
     let raw = served.join("image.raw");
     status(Command::new(&bin).args(["export", "bench", "--store"]).arg(&store).arg("-o").arg(&raw))?;
@@ -231,6 +216,33 @@ pub fn run(opts: &LazyBench) -> Result<()> {
         lazy_bytes as f64 / total as f64
     );
     Ok(())
+}
+
+/// The release `tessera` (built now) and the bench's directory `<target>/NAME` (created).
+pub(crate) fn release_bench(name: &str) -> Result<(PathBuf, PathBuf)> {
+    let target = target_dir()?;
+    status(cargo().args(["build", "--release", "-p", "tessera-cli"]))?;
+    let dir = target.join(name);
+    fs::create_dir_all(&dir)?;
+    Ok((target.join("release").join("tessera"), dir))
+}
+
+/// A fresh store `dir/served/store` with `tree` built into it, tagged `bench`; returns the
+/// directory to serve (`dir/served`) and the store.
+pub(crate) fn build_served(bin: &Path, dir: &Path, tree: &Path) -> Result<(PathBuf, PathBuf)> {
+    let served = dir.join("served");
+    let store = served.join("store");
+    let _ = fs::remove_dir_all(&served);
+    fs::create_dir_all(&served)?;
+    let out = Command::new(bin)
+        .arg("build")
+        .arg(tree)
+        .arg("--store")
+        .arg(&store)
+        .args(["--tag", "bench"])
+        .output()?;
+    ensure!(out.status.success(), "tessera build: {}", String::from_utf8_lossy(&out.stderr));
+    Ok((served, store))
 }
 
 /// `dir/data{i}.bin` for i in `0..files`, `mib` MiB each of incompressible bytes (Prng label
