@@ -295,7 +295,7 @@ pub(crate) fn get_range(
         let mut body = body_from(client, repo, &url, resp, start, Some(end))?;
         let mut out = Vec::with_capacity(cap);
         if let Err(e) = (&mut body).take(len).read_to_end(&mut out) {
-            warn!(url, error = %e, "registry: range read broke");
+            warn!(url, error = &e as &dyn std::error::Error, "registry: range read broke");
             let kind = ErrorKind::of_io(&e);
             return Err(Failure::retry(kind, RegistryError::Read { url: url.clone(), source: e }));
         }

@@ -361,7 +361,11 @@ impl Client {
             match self.exchange(Method::Get, &https, &[], None, &[], true, Ok) {
                 Ok(r) => Ok((format!("https://{registry}"), https, r)),
                 Err(e) => {
-                    debug!(registry, error = %e, "registry: no TLS, trying plain HTTP");
+                    debug!(
+                        registry,
+                        error = &e as &dyn std::error::Error,
+                        "registry: no TLS, trying plain HTTP"
+                    );
                     let http = format!("http://{registry}/v2/");
                     self.exchange(Method::Get, &http, &[], None, &[], false, Ok)
                         .map(|r| (format!("http://{registry}"), http, r))

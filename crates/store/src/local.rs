@@ -212,7 +212,7 @@ impl LocalStore {
                 match fs::remove_file(entry.path()) {
                     Ok(()) => debug!(path = %entry.path().display(), "removed stale temp file"),
                     Err(e) => {
-                        debug!(path = %entry.path().display(), error = %e, "could not remove stale temp file")
+                        debug!(path = %entry.path().display(), error = &e as &dyn std::error::Error, "could not remove stale temp file")
                     }
                 }
             }
@@ -557,7 +557,7 @@ impl Drop for TempGuard {
         if let Some(p) = self.path.take() {
             if let Err(e) = fs::remove_file(&p) {
                 if e.kind() != ErrorKind::NotFound {
-                    warn!(path = %p.display(), error = %e, "could not remove temp file");
+                    warn!(path = %p.display(), error = &e as &dyn std::error::Error, "could not remove temp file");
                 }
             }
         }

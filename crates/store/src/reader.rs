@@ -522,7 +522,11 @@ impl<S: ChunkSource> ImageReader<S> {
     ) -> Result<Vec<u8>, StoreError> {
         match first {
             Err(e @ StoreError::CorruptChunk { .. }) => {
-                warn!(index, error = %e, "chunk failed verification; fetching it once more");
+                warn!(
+                    index,
+                    error = &e as &dyn std::error::Error,
+                    "chunk failed verification; fetching it once more"
+                );
                 self.refetches.fetch_add(1, Ordering::Relaxed);
                 self.fetch_once(index)
             }

@@ -121,7 +121,7 @@ impl Journal {
             .and_then(|()| self.append(&mut st, &[]))
             .and_then(|()| self.maybe_compact(&mut st));
         if let Err(e) = flushed {
-            debug!(error = %e, "cannot record uses in the cache index");
+            debug!(error = &e as &dyn std::error::Error, "cannot record uses in the cache index");
         }
     }
 
@@ -306,7 +306,7 @@ impl Journal {
                 Ok(()) => {}
                 Err(e) if e.kind() == ErrorKind::NotFound => {}
                 Err(e) => {
-                    warn!(entry = %key.rel_path(), error = %e, "cannot evict a cache entry");
+                    warn!(entry = %key.rel_path(), error = &e as &dyn std::error::Error, "cannot evict a cache entry");
                     continue;
                 }
             }

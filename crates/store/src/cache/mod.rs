@@ -177,7 +177,7 @@ impl DiskCache {
             }
             Err(e) => warn!(
                 path = %cache.inner.root.display(),
-                error = %e,
+                error = &e as &dyn std::error::Error,
                 "cannot use the cache index; the cache is read-only for this process"
             ),
         }
@@ -416,7 +416,7 @@ impl DiskCache {
                             Some(l)
                         }
                         Err(e) => {
-                            warn!(path = %lock_path.display(), error = %e, "cannot take a cache lock; fetching without it");
+                            warn!(path = %lock_path.display(), error = &e as &dyn std::error::Error, "cannot take a cache lock; fetching without it");
                             None
                         }
                     }
@@ -442,7 +442,9 @@ impl DiskCache {
                             bump(&self.inner.stats.fill_bytes, bytes.len() as u64);
                         }
                         Ok(false) => {}
-                        Err(e) => warn!(entry = %key.rel_path(), error = %e, "cannot write a cache entry"),
+                        Err(e) => {
+                            warn!(entry = %key.rel_path(), error = &e as &dyn std::error::Error, "cannot write a cache entry")
+                        }
                     }
                 } else {
                     debug!(entry = %key.rel_path(), "fetched bytes fail their check; not cached");
@@ -503,7 +505,7 @@ impl DiskCache {
             Ok(b) => b,
             Err(e) if e.kind() == ErrorKind::NotFound => return None,
             Err(e) => {
-                warn!(path = %path.display(), error = %e, "cannot read a cache entry; treating it as a miss");
+                warn!(path = %path.display(), error = &e as &dyn std::error::Error, "cannot read a cache entry; treating it as a miss");
                 return None;
             }
         };
@@ -524,7 +526,7 @@ impl DiskCache {
             other => other,
         });
         if let Err(e) = removed {
-            warn!(path = %path.display(), error = %e, "cannot remove a corrupt cache entry");
+            warn!(path = %path.display(), error = &e as &dyn std::error::Error, "cannot remove a corrupt cache entry");
         }
     }
 
@@ -533,7 +535,7 @@ impl DiskCache {
     /// by a crash is dropped and refetched. Failures are logged: the cache is an optimization.
     fn write_atomic(&self, key: &EntryKey, bytes: &[u8]) {
         if let Err(e) = self.try_write_atomic(key, bytes) {
-            warn!(entry = %key.rel_path(), error = %e, "cannot write a cache entry");
+            warn!(entry = %key.rel_path(), error = &e as &dyn std::error::Error, "cannot write a cache entry");
         }
     }
 
