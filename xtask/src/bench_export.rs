@@ -117,6 +117,12 @@ pub fn run(opts: &ExportBench) -> Result<()> {
                 same_bytes(&reference, &output)?,
                 "the export through the proxy differs from the local export"
             );
+            // Each stored byte crosses the link once (a chunk fetched twice is a defect).
+            ensure!(
+                run.bytes <= stored + stored / 100,
+                "the export pulled {} bytes through the link for {stored} stored bytes",
+                run.bytes
+            );
             if with_cache { &mut cached } else { &mut plain }.push(run);
         }
         // The peer: every blob of the store, one curl after the other, through the same link.

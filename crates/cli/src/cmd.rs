@@ -119,7 +119,7 @@ pub fn export(args: ExportArgs) -> Result<()> {
     // several large requests in flight.
     let limits = FetchLimits::for_store(local.is_none(), args.fetch_jobs.map(usize::from));
     let options = ExportOptions::default();
-    let tier = MemTier::new(reader, 2 * options.ahead_bytes, limits)?;
+    let tier = MemTier::streaming(reader, 2 * options.ahead_bytes, limits)?;
     let bar = Bar::new("exporting");
     let mut started = false;
     let stats = export_raw(&image, &tier, options, &args.output, |p| {

@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use moka::notification::RemovalCause;
+use moka::policy::EvictionPolicy;
 use moka::sync::Cache;
 use tessera_image::{ChunkId, SegmentSource};
 use tessera_store::{ChunkSource, ImageReader, Piece, StoreError, Visit};
@@ -267,12 +268,37 @@ impl<S: ChunkSource> MemTier<S> {
     where
         S: 'static,
     {
+        Self::build(reader, capacity, limits, EvictionPolicy::tiny_lfu())
+    }
+
+    /// [`Self::new`] for a reader that goes through the device once, front to back (an
+    /// export): memory is kept in plain LRU order. The default policy (TinyLFU) admits a new
+    /// chunk only if it looks more popular than the one it would evict, so once memory is full
+    /// of chunks already copied out, the chunks fetched ahead of the writer would be turned
+    /// away and fetched again.
+    pub fn streaming(reader: ImageReader<S>, capacity: u64, limits: FetchLimits) -> Result<Self, StartError>
+    where
+        S: 'static,
+    {
+        Self::build(reader, capacity, limits, EvictionPolicy::lru())
+    }
+
+    fn build(
+        reader: ImageReader<S>,
+        capacity: u64,
+        limits: FetchLimits,
+        policy: EvictionPolicy,
+    ) -> Result<Self, StartError>
+    where
+        S: 'static,
+    {
         let stats = Arc::new(TierStats::default());
         let prefetched = Arc::new(PrefetchFlags::new(reader.image().record().block_map.chunks().len()));
         let (listener_stats, listener_flags) = (Arc::clone(&stats), Arc::clone(&prefetched));
         let cache = Cache::builder()
             .weigher(|_: &u32, v: &Arc<[u8]>| u32::try_from(v.len()).unwrap_or(u32::MAX))
             .max_capacity(capacity)
+            .eviction_policy(policy)
             .eviction_listener(move |index: Arc<u32>, chunk: Arc<[u8]>, cause: RemovalCause| {
                 if cause != RemovalCause::Replaced && listener_flags.take(*index) {
                     listener_stats.prefetch_wasted_bytes.fetch_add(chunk.len() as u64, Ordering::Relaxed);

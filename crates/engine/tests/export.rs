@@ -39,7 +39,7 @@ fn export_is_exact_and_sparse_serial_and_parallel() {
     let chunks = image.record().block_map.chunks().len();
     let source = Arc::new(Counting { inner: store.clone(), reads: AtomicUsize::new(0) });
     let serial = ImageReader::new(Arc::clone(&image), Arc::clone(&source));
-    let tier = MemTier::new(
+    let tier = MemTier::streaming(
         ImageReader::new(Arc::clone(&image), Arc::clone(&source)),
         64 << 20,
         FetchLimits::new(8),
