@@ -430,6 +430,10 @@ impl Shared {
     /// pack, while the batch stays within [`FetchLimits::batch_bytes`]. Claims them.
     fn gather(&self, st: &mut State, queue: usize, first: u32) -> Vec<u32> {
         let mut batch = vec![first];
+        if self.limits.batch_bytes == 0 {
+            // One chunk per fetch (a local store): no lookups under the lock.
+            return batch;
+        }
         let Some(mut last) = (self.place)(first) else { return batch };
         let mut bytes = u64::from(last.stored_len);
         while let Some(&next) = st.queues[queue].front() {
