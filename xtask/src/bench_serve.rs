@@ -41,6 +41,12 @@ pub struct ServeBench {
     /// change, such as the metrics, measured under the same load).
     #[arg(long, value_name = "BIN")]
     baseline: Option<PathBuf>,
+    /// tessera serve configurations, comma-separated, each `default` or `+`-joined `FLAG=VALUE`
+    /// tokens passed as `--FLAG VALUE` (e.g. `poll-us=0`); the first is the one the ratios are
+    /// taken of ("tessera" in the tables), the others are named by their tokens. E.g.
+    /// `--tessera default,poll-us=0,poll-us=200`.
+    #[arg(long, value_delimiter = ',', default_value = "default")]
+    tessera: Vec<String>,
     /// qemu-storage-daemon configurations, comma-separated; the first is the peer the ratios
     /// are taken against. Each is `+`-joined tokens: `defaults` (none), `iothread`, `io_uring`
     /// (`aio=io_uring`), `aio=MODE`, `direct` (`cache.direct=on`), `poll=NS` (the iothread's
@@ -371,7 +377,28 @@ pub fn run(opts: &ServeBench) -> Result<()> {
     };
     let sock = dir.join("tessera.sock");
     let qsock = dir.join("qsd.sock");
-    let tessera_cmd = |bin: &Path, cpu: usize, metrics: bool| {
+    let tessera_flags = |spec: &str| -> Result<Vec<String>> {
+        let mut out = Vec::new();
+        for tok in spec.split('+').filter(|t| *t != "default") {
+            let Some((k, v)) = tok.split_once('=') else {
+                bail!("--tessera {spec}: {tok} is not FLAG=VALUE")
+            };
+            out.extend([format!("--{k}"), v.to_owned()]);
+        }
+        Ok(out)
+    };
+    let tessera_variants: Vec<(String, Vec<String>)> = opts
+        .tessera
+        .iter()
+        .enumerate()
+        .map(|(i, spec)| {
+            Ok((if i == 0 { "tessera".to_owned() } else { format!("tessera {spec}") }, tessera_flags(spec)?))
+        })
+        .collect::<Result<_>>()?;
+    if tessera_variants.is_empty() {
+        bail!("--tessera: at least one configuration");
+    }
+    let tessera_cmd = |bin: &Path, cpu: usize, metrics: bool, flags: &[String]| {
         let overlay = dir.join("bench.overlay");
         let _ = std::fs::remove_file(&overlay);
         let mut cmd = Command::new("nice");
@@ -390,6 +417,7 @@ pub fn run(opts: &ServeBench) -> Result<()> {
         if metrics {
             cmd.args(["--metrics", "127.0.0.1:0"]);
         }
+        cmd.args(flags);
         cmd
     };
     let qsd_cmd = |v: &QsdVariant, cpu: usize| {
@@ -399,13 +427,16 @@ pub fn run(opts: &ServeBench) -> Result<()> {
         cmd
     };
     println!("\ndaemon command lines (CPU of the first layout):");
-    println!("  tessera: {:?}", tessera_cmd(&bin, layouts[0].daemon, true));
+    for (name, flags) in &tessera_variants {
+        println!("  {name}: {:?}", tessera_cmd(&bin, layouts[0].daemon, true, flags));
+    }
     for v in &variants {
         println!("  qsd {}: {:?}", v.name, qsd_cmd(v, layouts[0].daemon));
     }
 
-    // Daemons in the order of a round: tessera, the baseline, then every qsd configuration.
-    let mut names = vec!["tessera".to_owned()];
+    // Daemons in the order of a round: every tessera configuration, the baseline, then every qsd
+    // configuration.
+    let mut names: Vec<String> = tessera_variants.iter().map(|(n, _)| n.clone()).collect();
     if opts.baseline.is_some() {
         names.push("baseline".to_owned());
     }
@@ -436,11 +467,16 @@ pub fn run(opts: &ServeBench) -> Result<()> {
             for k in 0..names.len() {
                 let i = (k + round) % names.len();
                 let name = &names[i];
-                let daemon = if i == 0 {
-                    Daemon::spawn(tessera_cmd(&bin, l.daemon, true), &sock, &dir.join("tessera.log"))?
+                let daemon = if let Some((_, flags)) = tessera_variants.get(i) {
+                    Daemon::spawn(tessera_cmd(&bin, l.daemon, true, flags), &sock, &dir.join("tessera.log"))?
                 } else if name == "baseline" {
                     let base = opts.baseline.as_deref().context("baseline")?;
-                    Daemon::spawn(tessera_cmd(base, l.daemon, false), &sock, &dir.join("baseline.log"))?
+                    let flags = &tessera_variants[0].1;
+                    Daemon::spawn(
+                        tessera_cmd(base, l.daemon, false, flags),
+                        &sock,
+                        &dir.join("baseline.log"),
+                    )?
                 } else {
                     let v = &variants[i - (names.len() - variants.len())];
                     let _ = std::fs::remove_file(&raw);

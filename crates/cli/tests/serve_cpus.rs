@@ -2,7 +2,8 @@
 //! worker (`vring_worker`) and the vhost-user protocol thread may run on CPU Q only, and every
 //! chunk fetcher thread (`tessera-chunk-N`) on CPU F only, as the kernel reports them in
 //! `/proc/PID/task/*/status` (`Cpus_allowed_list`); without `--cpus` they keep the CPUs the
-//! daemon was started with.
+//! daemon was started with. And `--poll-us`: the queue workers poll instead of sleeping after
+//! every request, and use no CPU when idle.
 #![allow(clippy::unwrap_used)]
 
 use std::collections::BTreeMap;
@@ -118,4 +119,87 @@ fn cpus_pins_queue_workers_and_fetchers_apart() {
     let t = threads_while_serving(dir.path(), &[]);
     assert!(t.values().flatten().all(|c| *c == ours), "all threads on {ours}: {t:?}");
     assert_eq!(t["vring_worker"].len(), 2);
+}
+
+/// `(CPU ticks, voluntary context switches)` of the queue workers (`vring_worker`) of `pid`.
+fn worker_usage(pid: u32) -> (u64, u64) {
+    let (mut ticks, mut switches) = (0, 0);
+    for task in fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        let dir = task.unwrap().path();
+        let (Ok(comm), Ok(stat), Ok(status)) = (
+            fs::read_to_string(dir.join("comm")),
+            fs::read_to_string(dir.join("stat")),
+            fs::read_to_string(dir.join("status")),
+        ) else {
+            continue;
+        };
+        if comm.trim() != "vring_worker" {
+            continue;
+        }
+        // Fields after the parenthesised name: state is field 3; utime and stime are 14 and 15.
+        let rest = &stat[stat.rfind(')').unwrap() + 2..];
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        ticks += f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap();
+        let v = status.lines().find_map(|l| l.strip_prefix("voluntary_ctxt_switches:")).unwrap();
+        switches += v.trim().parse::<u64>().unwrap();
+    }
+    (ticks, switches)
+}
+
+/// `--poll-us`: with a window, back-to-back reads find the worker polling (it sleeps far less
+/// often than once per request, as it does with `--poll-us 0`); with or without one, a
+/// connected but idle daemon's queue workers use no CPU once the window has passed.
+#[test]
+fn poll_window_saves_wakeups_and_idles_at_zero_cpu() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("src");
+    fs::create_dir_all(&src).unwrap();
+    fs::write(src.join("file"), common::noise(2, 1 << 20)).unwrap();
+    let store = dir.path().join("store");
+    common::build_img(&src, &store);
+
+    // The queue worker on one CPU, this test's client on another (when there are two).
+    let cpus = expand(&allowed(&fs::read_to_string("/proc/self/status").unwrap()));
+    let (q, client) = (cpus[cpus.len() - 1], cpus[0]);
+    let mut set = rustix::thread::CpuSet::new();
+    set.set(client);
+    rustix::thread::sched_setaffinity(None, &set).unwrap();
+
+    const READS: u64 = 3000;
+    let mut switches = BTreeMap::new();
+    for poll in ["0", "2000"] {
+        let mut d = serve(dir.path(), &["--cpus", &format!("queues={q}"), "--poll-us", poll]);
+        let mut c = Client::connect(&dir.path().join("vm.sock"));
+        // Warm: what the reads below touch is in memory, so they complete on the queue thread.
+        assert_eq!(c.read(0, 1 << 20), 0);
+        let (_, before) = worker_usage(d.id());
+        for i in 0..READS {
+            assert_eq!(c.read((i * 4096) % (1 << 20), 4096), 0);
+        }
+        let (_, after) = worker_usage(d.id());
+        switches.insert(poll, after - before);
+        // Idle, connected: nothing may run once the window (2 ms at most) has passed.
+        std::thread::sleep(Duration::from_millis(100));
+        let (t0, _) = worker_usage(d.id());
+        std::thread::sleep(Duration::from_millis(1500));
+        let (t1, _) = worker_usage(d.id());
+        assert!(t1 - t0 <= 2, "--poll-us {poll}: the idle queue worker used {} ticks in 1.5 s", t1 - t0);
+        drop(c);
+        // SAFETY: kill(2) on our own child's pid; it has not been reaped yet.
+        assert_eq!(unsafe { libc::kill(d.id() as i32, libc::SIGTERM) }, 0);
+        assert!(d.wait().unwrap().success());
+    }
+    eprintln!("queue worker sleeps over {READS} reads: {switches:?}");
+    // (A request the driver adds right before the worker re-enables notifications is served
+    // without a sleep, so not quite every one.)
+    assert!(
+        switches["0"] >= READS * 9 / 10,
+        "without polling the worker sleeps after (nearly) every request: {switches:?}"
+    );
+    if q != client {
+        assert!(
+            switches["2000"] * 2 < switches["0"],
+            "with a 2 ms window back-to-back reads should mostly find the worker polling: {switches:?}"
+        );
+    }
 }

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use tessera_metrics::Metrics;
 use tracing::{debug, debug_span, trace, warn};
 use vhost::vhost_user::message::VhostUserProtocolFeatures;
-use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
+use vhost_user_backend::{VhostUserBackend, VringRwLock, VringState, VringT};
 use virtio_queue::QueueT;
 use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
 use vmm_sys_util::epoll::EventSet;
@@ -18,6 +18,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::config::{DeviceConfig, MAX_QUEUE_SIZE};
 use crate::execute::{start_chain, DeferredRead, Disk, Started};
+use crate::poll::PollWindow;
 
 /// Guest memory as the framework hands it over (no dirty-page bitmap).
 pub type GuestMem = GuestMemoryAtomic<GuestMemoryMmap<()>>;
@@ -35,7 +36,6 @@ pub struct BlkBackend {
 struct Inner {
     device: DeviceConfig,
     disk: Disk,
-    event_idx: AtomicBool,
     mem: Mutex<Option<GuestMem>>,
     /// Whether reads missing the memory tier complete out of order (finished on the read
     /// engine's threads) rather than inline on the queue thread.
@@ -47,11 +47,14 @@ struct Inner {
     metrics: Arc<Metrics>,
 }
 
-/// Per queue: bounce buffer and the out-of-order completions.
+/// Per queue: the worker's own state and the out-of-order completions.
 struct QueueState {
-    /// Write gathering (queue `i` is served by worker thread `i`).
-    bounce: Mutex<Vec<u8>>,
+    /// Held by the queue's worker while it serves the queue (queue `i` is served by worker
+    /// thread `i`).
+    worker: Mutex<Worker>,
     completions: Mutex<Completions>,
+    /// Set when a completion was queued: what a polling worker looks at (one load, no lock).
+    pending: AtomicBool,
     /// Signalled whenever `in_flight` drops.
     drained: Condvar,
     /// Written by a fetch thread after it queued a completion; registered with the queue's
@@ -59,6 +62,16 @@ struct QueueState {
     event: EventFd,
     /// The queue's vring, once its worker has seen it (for `stop_vring`).
     vring: Mutex<Option<VringRwLock<GuestMem>>>,
+}
+
+/// What a queue's worker keeps between wake-ups.
+struct Worker {
+    /// Write gathering.
+    bounce: Vec<u8>,
+    poll: PollWindow,
+    /// When the worker last started to wait (the start of the poll window that found nothing,
+    /// or when it went to sleep): the next wake-up adapts the window from it.
+    idle_since: Option<Instant>,
 }
 
 /// Reads finished on the read engine's threads, waiting to be added to the used ring.
@@ -85,19 +98,21 @@ impl BlkBackend {
     /// A backend for `device` served from `disk`; reads missing the memory tier are fetched
     /// inline on the queue thread.
     pub fn new(device: DeviceConfig, disk: Disk) -> io::Result<Self> {
-        Self::build(device, disk, false, 0, Metrics::unregistered())
+        Self::build(device, disk, false, 0, Metrics::unregistered(), Duration::ZERO)
     }
 
     /// A backend whose reads missing the memory tier complete out of order, once the read
     /// engine has fetched what they need ([`tessera_engine::BlockDevice::fetch_ahead`]);
-    /// `connection` numbers the client. Requests are counted in `metrics`.
+    /// `connection` numbers the client. Requests are counted in `metrics`. Each queue's worker
+    /// polls for up to `poll` after draining its ring ([`PollWindow`]; zero: never).
     pub fn deferring(
         device: DeviceConfig,
         disk: Disk,
         connection: u64,
         metrics: Arc<Metrics>,
+        poll: Duration,
     ) -> io::Result<Self> {
-        Self::build(device, disk, true, connection, metrics)
+        Self::build(device, disk, true, connection, metrics, poll)
     }
 
     fn build(
@@ -106,12 +121,18 @@ impl BlkBackend {
         deferred: bool,
         connection: u64,
         metrics: Arc<Metrics>,
+        poll: Duration,
     ) -> io::Result<Self> {
         let queues = (0..device.queues)
             .map(|_| {
                 Ok(QueueState {
-                    bounce: Mutex::new(Vec::new()),
+                    worker: Mutex::new(Worker {
+                        bounce: Vec::new(),
+                        poll: PollWindow::new(poll),
+                        idle_since: None,
+                    }),
                     completions: Mutex::new(Completions::default()),
+                    pending: AtomicBool::new(false),
                     drained: Condvar::new(),
                     event: EventFd::new(EFD_NONBLOCK)?,
                     vring: Mutex::new(None),
@@ -122,7 +143,6 @@ impl BlkBackend {
             inner: Arc::new(Inner {
                 device,
                 disk,
-                event_idx: AtomicBool::new(false),
                 mem: Mutex::new(None),
                 deferred,
                 connection,
@@ -160,12 +180,13 @@ impl BlkBackend {
         self.inner.queues.iter().all(|q| wait_drained(q, timeout).0)
     }
 
-    /// Drain every available chain of `vring` (queue `queue`), signalling the guest once per
-    /// batch, before notifications are re-enabled. Reads missing the memory tier are deferred
-    /// to the read engine and complete later ([`Self::process_completions`]). Queue errors (a
-    /// guest-corrupted ring) are logged, not returned: returning an error would kill the worker
-    /// for good.
-    fn process_queue(&self, vring: &VringRwLock<GuestMem>, queue: usize) {
+    /// Serve queue `queue` after a kick or a completion event: add the deferred reads that
+    /// finished to the used ring, drain every available chain (reads missing the memory tier are
+    /// deferred to the read engine), signal the guest once per batch, then poll the ring and the
+    /// completions for the queue's adaptive window ([`PollWindow`]) before notifications are
+    /// re-enabled and the worker sleeps. Queue errors (a guest-corrupted ring) are logged, not
+    /// returned: returning an error would kill the worker for good.
+    fn serve_queue(&self, vring: &VringRwLock<GuestMem>, queue: usize) {
         let Some(atomic) = lock(&self.inner.mem).clone() else {
             return;
         };
@@ -178,55 +199,94 @@ impl BlkBackend {
                 *v = Some(vring.clone());
             }
         }
-        let mut bounce = lock(&qs.bounce);
-        let event_idx = self.inner.event_idx.load(Ordering::Relaxed);
+        let mut worker = lock(&qs.worker);
+        let Worker { bounce, poll, idle_since } = &mut *worker;
+        if let Some(since) = idle_since.take() {
+            poll.waited(since.elapsed());
+        }
         let inline = !self.inner.deferred;
         let requests = &self.inner.metrics.requests;
         let _span = debug_span!("queue", queue).entered();
         let mut state = vring.get_mut();
+        let mut polled_from = None;
         let result = (|| -> Result<(), virtio_queue::Error> {
             loop {
-                if event_idx {
-                    state.get_queue_mut().disable_notification(&*atomic.memory())?;
-                }
-                let mut served = 0usize;
+                state.get_queue_mut().disable_notification(&*atomic.memory())?;
                 loop {
-                    // A fresh snapshot per chain (an atomic load): the GuestMemoryAtomic changes
-                    // on every ADD_MEM_REG (libblkio maps its buffers right before its first
-                    // request), and a chain made available after a map must see the new memory.
-                    let mem = atomic.memory();
-                    let Some(chain) = state.get_queue_mut().pop_descriptor_chain(&*mem) else { break };
-                    let head = chain.head_index();
-                    let taken = Instant::now();
-                    requests.in_flight.inc();
-                    match start_chain(chain, &*mem, &self.inner.disk, &self.inner.device, &mut bounce, inline)
-                    {
-                        Started::Done(done) => {
-                            requests.in_flight.dec();
-                            requests.of(done.kind).record(done.metric_status(), done.bytes, taken.elapsed());
-                            state.get_queue_mut().add_used(&*mem, head, done.used_len)?;
-                            served += 1;
+                    let mut served = self.take_completions(qs, &mut state, &atomic)?;
+                    loop {
+                        // A fresh snapshot per chain (an atomic load): the GuestMemoryAtomic
+                        // changes on every ADD_MEM_REG (libblkio maps its buffers right before
+                        // its first request), and a chain made available after a map must see
+                        // the new memory.
+                        let mem = atomic.memory();
+                        let Some(chain) = state.get_queue_mut().pop_descriptor_chain(&*mem) else { break };
+                        let head = chain.head_index();
+                        let taken = Instant::now();
+                        requests.in_flight.inc();
+                        match start_chain(chain, &*mem, &self.inner.disk, &self.inner.device, bounce, inline)
+                        {
+                            Started::Done(done) => {
+                                requests.in_flight.dec();
+                                requests.of(done.kind).record(
+                                    done.metric_status(),
+                                    done.bytes,
+                                    taken.elapsed(),
+                                );
+                                state.get_queue_mut().add_used(&*mem, head, done.used_len)?;
+                                served += 1;
+                            }
+                            Started::Deferred(d) => self.defer(queue, head, d, mem.into_inner(), taken),
                         }
-                        Started::Deferred(d) => self.defer(queue, head, d, mem.into_inner(), taken),
+                    }
+                    if served > 0 {
+                        trace!(queue, served, "batch");
+                        signal(&mut state, &atomic.memory(), queue)?;
+                    }
+                    let window = poll.current();
+                    if window.is_zero() {
+                        break;
+                    }
+                    let started = Instant::now();
+                    polled_from = Some(started);
+                    if !poll_for_work(&mut state, &atomic.memory(), qs, started, window)? {
+                        break;
                     }
                 }
-                let mem = atomic.memory();
-                if served > 0 {
-                    trace!(queue, served, "batch");
-                    if state.get_queue_mut().needs_notification(&*mem)? {
-                        if let Err(e) = state.signal_used_queue() {
-                            warn!(queue, error = &e as &dyn std::error::Error, "cannot signal the guest");
-                        }
-                    }
-                }
-                if !event_idx || !state.get_queue_mut().enable_notification(&*mem)? {
+                if !state.get_queue_mut().enable_notification(&*atomic.memory())? {
                     return Ok(());
                 }
             }
         })();
+        // The next wake-up tells how long this queue waited, counted from the start of the poll
+        // that found nothing (a closed window: from now).
+        *idle_since = Some(polled_from.unwrap_or_else(Instant::now));
         if let Err(e) = result {
             warn!(queue, error = &e as &dyn std::error::Error, "virtqueue error; waiting for the next kick");
         }
+    }
+
+    /// Add the deferred reads of queue `qs` that finished to the used ring; how many.
+    fn take_completions(
+        &self,
+        qs: &QueueState,
+        state: &mut VringState<GuestMem>,
+        atomic: &GuestMem,
+    ) -> Result<usize, virtio_queue::Error> {
+        if !qs.pending.swap(false, Ordering::AcqRel) {
+            return Ok(0);
+        }
+        // Consume the event first: a completion queued after this read writes it again.
+        let _ = qs.event.read();
+        let done = std::mem::take(&mut lock(&qs.completions).done);
+        let mem = atomic.memory();
+        for &(head, len) in &done {
+            state.get_queue_mut().add_used(&*mem, head, len)?;
+        }
+        if !done.is_empty() {
+            trace!(completed = done.len(), "out-of-order completions");
+        }
+        Ok(done.len())
     }
 
     /// Hand a read missing the memory tier to the read engine; it completes through the queue's
@@ -270,15 +330,6 @@ impl BlkBackend {
         );
     }
 
-    /// Add the deferred reads that finished to the used ring, under one lock, and signal once.
-    fn process_completions(&self, vring: &VringRwLock<GuestMem>, queue: usize) {
-        let Some(qs) = self.inner.queues.get(queue) else { return };
-        // Consume the event first: a completion queued after this read writes it again.
-        let _ = qs.event.read();
-        let done = std::mem::take(&mut lock(&qs.completions).done);
-        self.add_used(vring, queue, &done);
-    }
-
     fn add_used(&self, vring: &VringRwLock<GuestMem>, queue: usize, done: &[(u16, u32)]) {
         if done.is_empty() {
             return;
@@ -293,12 +344,7 @@ impl BlkBackend {
                 state.get_queue_mut().add_used(&*mem, head, len)?;
             }
             trace!(queue, completed = done.len(), "out-of-order completions");
-            if state.get_queue_mut().needs_notification(&*mem)? {
-                if let Err(e) = state.signal_used_queue() {
-                    warn!(queue, error = &e as &dyn std::error::Error, "cannot signal the guest");
-                }
-            }
-            Ok(())
+            signal(&mut state, &mem, queue)
         })();
         if let Err(e) = result {
             warn!(queue, error = &e as &dyn std::error::Error, "virtqueue error adding completions");
@@ -314,6 +360,7 @@ impl Inner {
         c.in_flight = c.in_flight.saturating_sub(1);
         if c.generation == generation {
             c.done.push((head, used_len));
+            qs.pending.store(true, Ordering::Release);
         } else {
             debug!(connection = self.connection, queue, head, "dropping a completion of a stopped ring");
         }
@@ -322,6 +369,43 @@ impl Inner {
         if let Err(e) = qs.event.write(1) {
             warn!(queue, error = &e as &dyn std::error::Error, "cannot wake the queue worker");
         }
+    }
+}
+
+/// Signal the guest that used buffers were added, if it asked to be told.
+fn signal(
+    state: &mut VringState<GuestMem>,
+    mem: &GuestMemoryMmap<()>,
+    queue: usize,
+) -> Result<(), virtio_queue::Error> {
+    if state.get_queue_mut().needs_notification(mem)? {
+        if let Err(e) = state.signal_used_queue() {
+            warn!(queue, error = &e as &dyn std::error::Error, "cannot signal the guest");
+        }
+    }
+    Ok(())
+}
+
+/// Poll the avail ring and `qs`'s completions from `started` for at most `window`: whether work
+/// arrived. Notifications stay off meanwhile, so a driver adding a request does not kick.
+fn poll_for_work(
+    state: &mut VringState<GuestMem>,
+    mem: &GuestMemoryMmap<()>,
+    qs: &QueueState,
+    started: Instant,
+    window: Duration,
+) -> Result<bool, virtio_queue::Error> {
+    let queue = state.get_queue_mut();
+    loop {
+        if qs.pending.load(Ordering::Acquire)
+            || queue.avail_idx(mem, Ordering::Acquire)?.0 != queue.next_avail()
+        {
+            return Ok(true);
+        }
+        if started.elapsed() >= window {
+            return Ok(false);
+        }
+        std::hint::spin_loop();
     }
 }
 
@@ -368,9 +452,10 @@ impl VhostUserBackend for BlkBackend {
         DeviceConfig::protocol_features()
     }
 
-    fn set_event_idx(&self, enabled: bool) {
-        self.inner.event_idx.store(enabled, Ordering::Relaxed);
-    }
+    /// Nothing to keep: the framework also tells every queue, whose notification calls
+    /// (`disable_notification`, `enable_notification`, `needs_notification`) then follow
+    /// VIRTIO_F_EVENT_IDX.
+    fn set_event_idx(&self, _enabled: bool) {}
 
     fn get_config(&self, offset: u32, size: u32) -> Vec<u8> {
         self.inner.device.read_config(offset, size)
@@ -414,12 +499,13 @@ impl VhostUserBackend for BlkBackend {
         }
         // Thread `i` serves queue `i` (its one vring); `device_event` indexes this thread's
         // vrings, or is the completion event.
-        if device_event == self.completion_event() {
-            if let Some(vring) = vrings.first() {
-                self.process_completions(vring, thread_id);
-            }
-        } else if let Some(vring) = vrings.get(usize::from(device_event)) {
-            self.process_queue(vring, thread_id);
+        let vring = if device_event == self.completion_event() {
+            vrings.first()
+        } else {
+            vrings.get(usize::from(device_event))
+        };
+        if let Some(vring) = vring {
+            self.serve_queue(vring, thread_id);
         }
         Ok(())
     }

@@ -43,6 +43,7 @@ pub mod config;
 pub mod error;
 pub mod execute;
 pub mod plan;
+pub mod poll;
 pub mod request;
 pub mod server;
 

@@ -8,6 +8,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use rustix::event::{poll, PollFd, PollFlags};
 use tracing::{debug, info, warn};
@@ -20,6 +21,7 @@ use crate::backend::{BlkBackend, DRAIN_TIMEOUT};
 use crate::config::{DeviceConfig, MAX_QUEUES};
 use crate::error::ServeError;
 use crate::execute::Disk;
+use crate::poll::DEFAULT_POLL_US;
 use crate::request::SECTOR_SIZE;
 use tessera_metrics::Metrics;
 
@@ -38,6 +40,8 @@ pub struct Server {
     stop: StopHandle,
     connections: Arc<AtomicU64>,
     metrics: Arc<Metrics>,
+    /// The longest a queue worker polls after draining its ring.
+    poll: Duration,
 }
 
 impl std::fmt::Debug for Server {
@@ -160,12 +164,21 @@ impl Server {
             stop: StopHandle::new()?,
             connections: Arc::new(AtomicU64::new(0)),
             metrics: Metrics::unregistered(),
+            poll: Duration::from_micros(DEFAULT_POLL_US),
         })
     }
 
     /// Count requests (and connections) in `metrics` instead of handles nobody reads.
     pub fn with_metrics(mut self, metrics: Arc<Metrics>) -> Self {
         self.metrics = metrics;
+        self
+    }
+
+    /// Let each queue worker poll for up to `max` after draining its ring, adapting the window
+    /// to how soon requests come ([`crate::poll::PollWindow`]; zero: never poll). Default
+    /// [`DEFAULT_POLL_US`].
+    pub fn with_poll(mut self, max: Duration) -> Self {
+        self.poll = max;
         self
     }
 
@@ -224,9 +237,14 @@ impl Server {
 
     fn serve_connection(&mut self) -> Result<(), ServeError> {
         let n = self.connections.load(Ordering::SeqCst) + 1;
-        let backend =
-            BlkBackend::deferring(self.device.clone(), self.disk.clone(), n, Arc::clone(&self.metrics))
-                .map_err(|source| ServeError::Io { what: "creating the completion events", source })?;
+        let backend = BlkBackend::deferring(
+            self.device.clone(),
+            self.disk.clone(),
+            n,
+            Arc::clone(&self.metrics),
+            self.poll,
+        )
+        .map_err(|source| ServeError::Io { what: "creating the completion events", source })?;
         let mem = GuestMemoryAtomic::new(GuestMemoryMmap::new());
         let daemon_err = |what| move |e: DaemonError| ServeError::Daemon { what, message: e.to_string() };
         let mut daemon = VhostUserDaemon::new("tessera-vhost".to_owned(), backend.clone(), mem)
