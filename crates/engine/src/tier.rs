@@ -9,8 +9,8 @@
 //! ([`MemTier::with_readahead`]); and a prefetch profile's chunks can be fetched in the
 //! background ([`MemTier::prefetch`]). Demand fetches always go first.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
 
 use moka::notification::RemovalCause;
 use moka::policy::EvictionPolicy;
@@ -84,6 +84,77 @@ impl PrefetchFlags {
     }
 }
 
+/// The memory tier's index, one slot per chunk of the image: the chunk while the cache's policy
+/// (moka) keeps it. A hit is one slot lookup by chunk index, with no hashing and none of moka's
+/// read bookkeeping; a chunk is put in its slot right before it goes into moka and taken out when
+/// moka evicts it (or refuses it: TinyLFU's admission), so the slots hold what moka holds.
+///
+/// The policy still sees the hits that matter: a hit reports itself to moka (a `get`, which
+/// counts for recency and frequency) at most once between two insertions. Only an insertion can
+/// evict, so while nothing is inserted the order moka keeps is never used; once insertions come,
+/// every chunk read since the last one has been reported.
+struct Slots {
+    slots: Box<[Slot]>,
+    /// Insertions so far (wrapping): a slot whose `reported` differs has not been reported since.
+    epoch: AtomicU32,
+}
+
+struct Slot {
+    chunk: RwLock<Option<Arc<[u8]>>>,
+    reported: AtomicU32,
+}
+
+impl Slots {
+    fn new(chunks: usize) -> Self {
+        let slots =
+            (0..chunks).map(|_| Slot { chunk: RwLock::new(None), reported: AtomicU32::new(0) }).collect();
+        Self { slots, epoch: AtomicU32::new(0) }
+    }
+
+    #[inline]
+    fn get(&self, index: u32) -> Option<&Slot> {
+        self.slots.get(index as usize)
+    }
+
+    /// Chunk `index`, if memory holds it; whether the policy must be told of the hit (once per
+    /// epoch).
+    #[inline]
+    fn lookup(&self, index: u32) -> Option<(Arc<[u8]>, bool)> {
+        let slot = self.get(index)?;
+        let chunk = slot.chunk.read().unwrap_or_else(|p| p.into_inner()).clone()?;
+        let epoch = self.epoch.load(Ordering::Relaxed);
+        let report = slot.reported.load(Ordering::Relaxed) != epoch;
+        if report {
+            slot.reported.store(epoch, Ordering::Relaxed);
+        }
+        Some((chunk, report))
+    }
+
+    fn contains(&self, index: u32) -> bool {
+        self.get(index).is_some_and(|s| s.chunk.read().unwrap_or_else(|p| p.into_inner()).is_some())
+    }
+
+    /// Chunk `index` is about to go into moka.
+    fn put(&self, index: u32, chunk: &Arc<[u8]>) {
+        if let Some(slot) = self.get(index) {
+            *slot.chunk.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::clone(chunk));
+            slot.reported
+                .store(self.epoch.fetch_add(1, Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
+        }
+    }
+
+    /// Moka dropped `chunk` (evicted, refused or replaced): empty the slot if it still holds that
+    /// copy (not a newer one put since).
+    fn remove(&self, index: u32, chunk: &Arc<[u8]>) {
+        if let Some(slot) = self.get(index) {
+            let mut held = slot.chunk.write().unwrap_or_else(|p| p.into_inner());
+            if held.as_ref().is_some_and(|h| Arc::ptr_eq(h, chunk)) {
+                *held = None;
+            }
+        }
+    }
+}
+
 /// An image's device bytes with a byte-weighted memory tier of decoded chunks.
 pub struct MemTier<S> {
     core: Arc<Core<S>>,
@@ -96,7 +167,9 @@ pub struct MemTier<S> {
 
 struct Core<S> {
     reader: ImageReader<S>,
+    /// The policy (what to keep within `capacity`); `slots` is the index reads go through.
     cache: Cache<u32, Arc<[u8]>>,
+    slots: Arc<Slots>,
     capacity: u64,
     stats: Arc<TierStats>,
     prefetched: Arc<PrefetchFlags>,
@@ -138,10 +211,26 @@ impl<S> std::fmt::Debug for MemTier<S> {
 impl<S: ChunkSource> Core<S> {
     /// Chunk `index` if it is in memory.
     fn cached(&self, index: u32) -> Option<Arc<[u8]>> {
-        let hit = self.cache.get(&index);
-        let counter = if hit.is_some() { &self.stats.hits } else { &self.stats.misses };
-        counter.fetch_add(1, Ordering::Relaxed);
-        hit
+        match self.slots.lookup(index) {
+            Some((chunk, report)) => {
+                if report {
+                    let _ = self.cache.get(&index);
+                }
+                self.stats.hits.fetch_add(1, Ordering::Relaxed);
+                Some(chunk)
+            }
+            None => {
+                self.stats.misses.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+        }
+    }
+
+    /// `chunk`, just fetched, goes into memory (its slot first: see [`Slots`]).
+    fn keep(&self, index: u32, chunk: &Arc<[u8]>) {
+        if self.capacity > 0 {
+            self.slots.put(index, chunk);
+        }
     }
 
     fn chunk(&self, index: u32) -> Result<Arc<[u8]>, Arc<StoreError>> {
@@ -157,7 +246,9 @@ impl<S: ChunkSource> Core<S> {
         // The read path's refetch policy applies (a copy failing verification is fetched once
         // more, which reaches the origin: the tiers below drop a corrupt copy).
         self.cache.try_get_with(index, || {
-            Ok::<_, StoreError>(self.admit(index, self.reader.fetch_chunk(index)?, background))
+            let chunk = self.admit(index, self.reader.fetch_chunk(index)?, background);
+            self.keep(index, &chunk);
+            Ok::<_, StoreError>(chunk)
         })
     }
 
@@ -171,7 +262,15 @@ impl<S: ChunkSource> Core<S> {
         let missing: Vec<u32> = indexes.iter().copied().filter(|&c| self.cached(c).is_none()).collect();
         let mut fetched: Vec<(u32, FetchResult)> = Vec::with_capacity(missing.len());
         for (&index, data) in missing.iter().zip(self.reader.fetch_chunks(&missing)) {
-            let outcome = data.map(|data| self.cache.insert(index, self.admit(index, data, background)));
+            // Inserted only if absent, through moka's per-key initialisation (which `fill` shares):
+            // a copy in memory is never replaced, so its slot always holds what moka holds.
+            let outcome = data.map(|data| {
+                let chunk = self.admit(index, data, background);
+                self.cache.entry(index).or_insert_with(|| {
+                    self.keep(index, &chunk);
+                    chunk
+                });
+            });
             fetched.push((index, outcome));
         }
         indexes
@@ -210,7 +309,7 @@ impl<S: ChunkSource> Core<S> {
         let mut out: Vec<u32> = Vec::new();
         for seg in plan {
             if let SegmentSource::Chunk { chunk, .. } = seg.source {
-                if out.last() != Some(&chunk) && !self.cache.contains_key(&chunk) {
+                if out.last() != Some(&chunk) && !self.slots.contains(chunk) {
                     out.push(chunk);
                 }
             }
@@ -293,20 +392,30 @@ impl<S: ChunkSource> MemTier<S> {
         S: 'static,
     {
         let stats = Arc::new(TierStats::default());
-        let prefetched = Arc::new(PrefetchFlags::new(reader.image().record().block_map.chunks().len()));
-        let (listener_stats, listener_flags) = (Arc::clone(&stats), Arc::clone(&prefetched));
+        let chunks = reader.image().record().block_map.chunks().len();
+        let prefetched = Arc::new(PrefetchFlags::new(chunks));
+        let slots = Arc::new(Slots::new(if capacity > 0 { chunks } else { 0 }));
+        let (listener_stats, listener_flags, listener_slots) =
+            (Arc::clone(&stats), Arc::clone(&prefetched), Arc::clone(&slots));
         let cache = Cache::builder()
             .weigher(|_: &u32, v: &Arc<[u8]>| u32::try_from(v.len()).unwrap_or(u32::MAX))
             .max_capacity(capacity)
             .eviction_policy(policy)
             .eviction_listener(move |index: Arc<u32>, chunk: Arc<[u8]>, cause: RemovalCause| {
+                listener_slots.remove(*index, &chunk);
                 if cause != RemovalCause::Replaced && listener_flags.take(*index) {
                     listener_stats.prefetch_wasted_bytes.fetch_add(chunk.len() as u64, Ordering::Relaxed);
                 }
             })
             .build();
-        let core =
-            Arc::new(Core { reader: reader.with_cache_capacity(0), cache, capacity, stats, prefetched });
+        let core = Arc::new(Core {
+            reader: reader.with_cache_capacity(0),
+            cache,
+            slots,
+            capacity,
+            stats,
+            prefetched,
+        });
         let (fetch_core, place_core) = (Arc::clone(&core), Arc::clone(&core));
         let fetcher = ChunkFetcher::start(
             limits,
@@ -397,7 +506,7 @@ impl<S: ChunkSource> MemTier<S> {
 
     /// Whether chunk `index` is in memory (no statistics counted).
     pub fn contains(&self, index: u32) -> bool {
-        self.core.cache.contains_key(&index)
+        self.core.slots.contains(index)
     }
 
     /// Chunk `index`, fetched, decoded and verified if it is not in memory (concurrent callers

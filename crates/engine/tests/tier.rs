@@ -1,0 +1,103 @@
+//! The memory tier's index (its per-chunk slots) holds exactly what its policy (moka) keeps:
+//! under memory pressure, after evictions and refused admissions, every chunk a read finds in
+//! memory is one the byte budget counts, and a chunk held is served without the chunk source.
+#![allow(clippy::unwrap_used)]
+
+#[path = "../../store/tests/common/mod.rs"]
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use common::build_image;
+use tessera_engine::{FetchLimits, MemTier};
+use tessera_image::Sha256Digest;
+use tessera_store::{ChunkSource, ImageReader, LocalStore, OpenImage, StoreError};
+
+/// Counts pack reads.
+struct Counting {
+    inner: LocalStore,
+    reads: AtomicUsize,
+}
+
+impl ChunkSource for Counting {
+    fn read_stored(&self, pack: &Sha256Digest, offset: u64, len: u32) -> Result<Vec<u8>, StoreError> {
+        self.reads.fetch_add(1, Ordering::Relaxed);
+        self.inner.read_stored(pack, offset, len)
+    }
+}
+
+fn tier(capacity: u64) -> (tempfile::TempDir, MemTier<Arc<Counting>>, Arc<Counting>, Vec<Vec<u8>>) {
+    let dir = tempfile::tempdir().unwrap();
+    let store = LocalStore::create_or_open(dir.path().join("store")).unwrap();
+    let img = build_image(&store, 64);
+    let image = Arc::new(OpenImage::open(&store, &img.id).unwrap());
+    // Chunk data by the record's chunk index.
+    let data = (0..image.record().block_map.chunks().len() as u32)
+        .map(|i| ImageReader::new(Arc::clone(&image), store.clone()).fetch_chunk(i).unwrap())
+        .collect();
+    let source = Arc::new(Counting { inner: store, reads: AtomicUsize::new(0) });
+    let tier =
+        MemTier::new(ImageReader::new(image, Arc::clone(&source)), capacity, FetchLimits::new(2)).unwrap();
+    (dir, tier, source, data)
+}
+
+/// The chunks the slots hold, after moka has run its pending evictions.
+fn held(tier: &MemTier<Arc<Counting>>, n: usize) -> Vec<u32> {
+    tier.weighted_size(); // runs pending tasks (evictions, refused admissions)
+    (0..n as u32).filter(|&i| tier.contains(i)).collect()
+}
+
+#[test]
+fn slots_hold_what_the_budget_counts() {
+    // The test image's chunks: ~12.4 KB, 8 KiB, 32 KiB, 100 B; 40 KiB holds some, not all.
+    let capacity = 40 << 10;
+    let (_dir, tier, source, data) = tier(capacity);
+    let n = data.len();
+    for round in 0..20 {
+        for i in 0..n as u32 {
+            // Skew the popularity, so the policy has something to choose.
+            let times = if i % 2 == 0 { 3 } else { 1 };
+            for _ in 0..times {
+                let got = tier.chunk(i).unwrap();
+                assert_eq!(&got[..], &data[i as usize][..], "round {round}: chunk {i}");
+            }
+        }
+        let h = held(&tier, n);
+        assert_eq!(h.len() as u64, tier.chunks(), "round {round}: slots {h:?} vs the policy's entries");
+        let bytes: u64 = h.iter().map(|&i| data[i as usize].len() as u64).sum();
+        assert_eq!(bytes, tier.weighted_size(), "round {round}: slot bytes vs the policy's weight");
+        assert!(bytes <= capacity, "round {round}: {bytes} B held over a {capacity} B budget");
+    }
+    // A chunk held is served from memory: no read reaches the source.
+    let h = held(&tier, n);
+    assert!(!h.is_empty());
+    let before = source.reads.load(Ordering::Relaxed);
+    for &i in &h {
+        assert_eq!(&tier.chunk(i).unwrap()[..], &data[i as usize][..]);
+    }
+    assert_eq!(source.reads.load(Ordering::Relaxed), before, "held chunks {h:?} went to the source");
+}
+
+#[test]
+fn a_chunk_larger_than_the_budget_is_never_held() {
+    let (_dir, tier, _source, data) = tier(16 << 10);
+    let n = data.len();
+    let big = (0..n).find(|&i| data[i].len() > 16 << 10).unwrap() as u32;
+    for _ in 0..5 {
+        assert_eq!(&tier.chunk(big).unwrap()[..], &data[big as usize][..]);
+    }
+    assert!(!held(&tier, n).contains(&big), "a {} B chunk held within 16 KiB", data[big as usize].len());
+}
+
+#[test]
+fn no_memory_holds_nothing() {
+    let (_dir, tier, source, data) = tier(0);
+    for i in 0..data.len() as u32 {
+        assert_eq!(&tier.chunk(i).unwrap()[..], &data[i as usize][..]);
+        assert!(!tier.contains(i));
+    }
+    let before = source.reads.load(Ordering::Relaxed);
+    tier.chunk(0).unwrap();
+    assert!(source.reads.load(Ordering::Relaxed) > before, "with no memory every read goes to the source");
+}
