@@ -6,7 +6,7 @@ use std::sync::Arc;
 use tessera_store::{ChunkSource, ImageReader, Visit};
 
 use crate::error::{ReadError, SinkError};
-use crate::fetcher::FetchDone;
+use crate::fetcher::{FetchDone, Job};
 
 /// Where the bytes of a read go, in device order (the guest's buffers, or a plain buffer).
 pub trait Sink {
@@ -48,6 +48,13 @@ pub trait BlockDevice: Send + Sync {
         let _ = (offset, len);
         done(Ok(()))
     }
+
+    /// Run `job` off the caller's thread, on the device's worker threads (the memory tier's
+    /// chunk fetcher: the process's one worker pool), e.g. an overlay's group commit. A device
+    /// without threads runs it at once, on the caller's thread.
+    fn spawn(&self, job: Job) {
+        job()
+    }
 }
 
 impl<S: ChunkSource> BlockDevice for ImageReader<S> {
@@ -67,6 +74,10 @@ impl<T: BlockDevice + ?Sized> BlockDevice for Arc<T> {
 
     fn fetch_ahead(&self, offset: u64, len: u64, done: FetchDone) {
         (**self).fetch_ahead(offset, len, done)
+    }
+
+    fn spawn(&self, job: Job) {
+        (**self).spawn(job)
     }
 }
 

@@ -600,6 +600,10 @@ impl<S: ChunkSource> BlockDevice for MemTier<S> {
         })
     }
 
+    fn spawn(&self, job: crate::fetcher::Job) {
+        self.fetcher.run(job)
+    }
+
     fn fetch_ahead(&self, offset: u64, len: u64, done: FetchDone) {
         if self.core.capacity == 0 {
             // Without memory to keep them in, chunks fetched ahead would be gone before the read

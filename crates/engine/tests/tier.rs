@@ -27,7 +27,10 @@ impl ChunkSource for Counting {
     }
 }
 
-fn tier(capacity: u64) -> (tempfile::TempDir, MemTier<Arc<Counting>>, Arc<Counting>, Vec<Vec<u8>>) {
+/// A tier of `capacity` bytes over the test image, its counted source, and the chunks' bytes.
+type Fixture = (tempfile::TempDir, MemTier<Arc<Counting>>, Arc<Counting>, Vec<Vec<u8>>);
+
+fn tier(capacity: u64) -> Fixture {
     let dir = tempfile::tempdir().unwrap();
     let store = LocalStore::create_or_open(dir.path().join("store")).unwrap();
     let img = build_image(&store, 64);

@@ -144,6 +144,20 @@ pub struct Overlay {
     log: Mutex<LogTail>,
     failed: AtomicBool,
     syncs: AtomicU64,
+    /// FLUSHes waiting for the group commit ([`Overlay::flush_async`]).
+    commits: Mutex<Commits>,
+}
+
+/// Called once a FLUSH given to [`Overlay::flush_async`] is durable (or failed).
+pub type FlushDone = Box<dyn FnOnce(Result<(), Arc<OverlayError>>) + Send>;
+
+/// The group commit's queue: FLUSHes that arrived while a commit was running wait here and are
+/// all answered by the next one.
+#[derive(Default)]
+struct Commits {
+    waiting: Vec<FlushDone>,
+    /// A commit is running (on the base's worker threads).
+    running: bool,
 }
 
 impl std::fmt::Debug for Overlay {
@@ -413,6 +427,7 @@ impl Overlay {
             log: Mutex::new(tail),
             failed: AtomicBool::new(false),
             syncs: AtomicU64::new(0),
+            commits: Mutex::new(Commits::default()),
         }
     }
 
@@ -539,6 +554,11 @@ impl Overlay {
             Some(end) if end <= self.params.device_bytes => Ok(()),
             _ => Err(OverlayError::OutOfRange { offset, len, device_bytes: self.params.device_bytes }),
         }
+    }
+
+    /// How the overlay was opened.
+    pub fn mode(&self) -> Mode {
+        self.mode
     }
 
     fn check_writable(&self) -> Result<(), OverlayError> {
@@ -779,6 +799,46 @@ impl Overlay {
             st.free.free(s, c);
         }
         Ok(())
+    }
+
+    /// [`Self::flush`] off the caller's thread, with group commit: `done` is called once every
+    /// write completed before this call is durable. FLUSHes arriving while a commit runs (from
+    /// any queue) wait and are all answered by the next commit, one log append and one
+    /// `sync_data` for the lot; at most one commit runs at a time, on one of the base's worker
+    /// threads ([`BlockDevice::spawn`]), so the callers (queue workers) never wait for a sync.
+    pub fn flush_async(self: &Arc<Self>, done: FlushDone) {
+        if self.mode == Mode::ReadOnly {
+            return done(Ok(()));
+        }
+        let start = {
+            let mut c = lock_mutex(&self.commits);
+            c.waiting.push(done);
+            !std::mem::replace(&mut c.running, true)
+        };
+        if start {
+            let me = Arc::clone(self);
+            self.base.spawn(Box::new(move || me.commit()));
+        }
+    }
+
+    /// Run commits until no FLUSH waits: each takes every FLUSH waiting at its start, then the
+    /// writes queued by then (which include every write completed before those FLUSHes).
+    fn commit(&self) {
+        loop {
+            let batch = {
+                let mut c = lock_mutex(&self.commits);
+                if c.waiting.is_empty() {
+                    c.running = false;
+                    return;
+                }
+                std::mem::take(&mut c.waiting)
+            };
+            let result = self.flush().map_err(Arc::new);
+            debug!(flushes = batch.len(), ok = result.is_ok(), "group commit");
+            for done in batch {
+                done(result.clone());
+            }
+        }
     }
 
     /// Write every mapped extent into `file` (an export of the base image): written blocks

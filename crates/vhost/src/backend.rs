@@ -17,7 +17,7 @@ use vmm_sys_util::event::{new_event_consumer_and_notifier, EventConsumer, EventF
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::config::{DeviceConfig, MAX_QUEUE_SIZE};
-use crate::execute::{start_chain, DeferredRead, Disk, Started};
+use crate::execute::{start_chain, DeferredFlush, DeferredRead, Disk, Started};
 use crate::poll::PollWindow;
 
 /// Guest memory as the framework hands it over (no dirty-page bitmap).
@@ -237,6 +237,7 @@ impl BlkBackend {
                                 served += 1;
                             }
                             Started::Deferred(d) => self.defer(queue, head, d, mem.into_inner(), taken),
+                            Started::Flush(f) => self.commit(queue, head, f, mem.into_inner(), taken),
                         }
                     }
                     if served > 0 {
@@ -289,6 +290,38 @@ impl BlkBackend {
         Ok(done.len())
     }
 
+    /// Count a request that completes off the queue thread; its generation.
+    fn start_deferred(&self, queue: usize) -> Option<u64> {
+        let qs = self.inner.queues.get(queue)?;
+        let mut c = lock(&qs.completions);
+        c.in_flight += 1;
+        Some(c.generation)
+    }
+
+    /// Hand a FLUSH to the overlay's group commit; it completes through the queue's completion
+    /// eventfd, so reads on this queue go on while the commit syncs.
+    fn commit(
+        &self,
+        queue: usize,
+        head: u16,
+        flush: DeferredFlush,
+        mem: Arc<GuestMemoryMmap<()>>,
+        taken: Instant,
+    ) {
+        let Disk::Overlay(overlay) = &self.inner.disk else { return };
+        let Some(generation) = self.start_deferred(queue) else { return };
+        trace!(queue, head, "flush to the group commit");
+        let inner = Arc::clone(&self.inner);
+        overlay.flush_async(Box::new(move |result| {
+            let done = debug_span!("queue", queue).in_scope(|| flush.committed(&*mem, result));
+            drop(mem);
+            let requests = &inner.metrics.requests;
+            requests.in_flight.dec();
+            requests.of(done.kind).record(done.metric_status(), done.bytes, taken.elapsed());
+            inner.complete(queue, generation, head, done.used_len);
+        }));
+    }
+
     /// Hand a read missing the memory tier to the read engine; it completes through the queue's
     /// completion eventfd.
     /// `taken`: when the chain came off the ring.
@@ -300,12 +333,7 @@ impl BlkBackend {
         mem: Arc<GuestMemoryMmap<()>>,
         taken: Instant,
     ) {
-        let Some(qs) = self.inner.queues.get(queue) else { return };
-        let generation = {
-            let mut c = lock(&qs.completions);
-            c.in_flight += 1;
-            c.generation
-        };
+        let Some(generation) = self.start_deferred(queue) else { return };
         trace!(queue, head, "deferred read");
         self.inner.metrics.fetch.deferred_reads.inc();
         let inner = Arc::clone(&self.inner);

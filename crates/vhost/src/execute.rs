@@ -14,7 +14,7 @@ use crate::plan::{plan, Plan};
 use crate::request::{parse, GuestSeg, Parsed, RequestKind};
 pub use tessera_engine::BlockDevice;
 use tessera_engine::{FetchDone, Sink, SinkError, Visit};
-use tessera_overlay::{Overlay, OverlayError};
+use tessera_overlay::{Mode as OverlayMode, Overlay, OverlayError};
 
 /// Largest piece of a write gathered from guest memory at once.
 pub const BOUNCE_MAX: usize = 1 << 20;
@@ -77,6 +77,12 @@ impl Disk {
             Disk::Base(_) => Err(RequestError::ReadOnly),
             Disk::Overlay(o) => Ok(o),
         }
+    }
+
+    /// Whether a FLUSH has work to wait for (an overlay that syncs): the queue workers hand it
+    /// to the overlay's group commit ([`Overlay::flush_async`]) instead of running it inline.
+    pub fn defers_flush(&self) -> bool {
+        matches!(self, Disk::Overlay(o) if o.mode() == OverlayMode::Durable)
     }
 
     /// Make completed writes durable (nothing to do without an overlay).
@@ -279,6 +285,8 @@ pub fn serve_chain<M: GuestMemory + ?Sized>(
     match start_chain(descs, mem, disk, device, bounce, true) {
         Started::Done(c) => c,
         Started::Deferred(d) => d.finish(mem, disk),
+        // Not returned with `fetch` (a FLUSH then runs inline); if it were, flush here.
+        Started::Flush(f) => f.finish(mem, disk.flush()),
     }
 }
 
@@ -289,6 +297,31 @@ pub enum Started {
     Done(Completion),
     /// A read waiting for a chunk fetch: [`DeferredRead::finish`] it off the queue thread.
     Deferred(DeferredRead),
+    /// A FLUSH for the overlay's group commit: [`DeferredFlush::finish`] it once the commit is
+    /// done.
+    Flush(DeferredFlush),
+}
+
+/// A FLUSH handed to the overlay's group commit; everything else about it is checked.
+#[derive(Debug)]
+pub struct DeferredFlush {
+    status: GuestAddress,
+}
+
+impl DeferredFlush {
+    /// The commit finished with `result`: write the status byte.
+    pub fn finish<M: GuestMemory + ?Sized>(self, mem: &M, result: Result<(), RequestError>) -> Completion {
+        complete(mem, self.status, result.map(|()| Executed::Done(0)), RequestType::Flush, 0)
+    }
+
+    /// [`Self::finish`] with the group commit's outcome.
+    pub fn committed<M: GuestMemory + ?Sized>(
+        self,
+        mem: &M,
+        result: Result<(), Arc<OverlayError>>,
+    ) -> Completion {
+        self.finish(mem, result.map_err(|source| RequestError::Overlay { offset: 0, source }))
+    }
 }
 
 /// A read that needs a chunk not in memory; everything else about it is checked.
@@ -369,6 +402,9 @@ pub fn start_chain<M: GuestMemory + ?Sized>(
     let _enter = span.enter();
     let result = request.and_then(|req| {
         let p = plan(req, device)?;
+        if !fetch && matches!(p, Plan::Flush) && disk.defers_flush() {
+            return Ok(Err(p));
+        }
         match execute(&p, mem, disk, device, bounce, fetch)? {
             Executed::Done(n) => Ok(Ok(n)),
             Executed::Missing => Ok(Err(p)),
@@ -378,6 +414,7 @@ pub fn start_chain<M: GuestMemory + ?Sized>(
         Ok(Err(Plan::Read { offset, len, data })) => {
             return Started::Deferred(DeferredRead { status: status_addr, offset, len, data });
         }
+        Ok(Err(Plan::Flush)) => return Started::Flush(DeferredFlush { status: status_addr }),
         // Only reads can miss.
         Ok(Err(_)) => Err(RequestError::GuestMemory { addr: status_addr.0, len: 0 }),
         Ok(Ok(n)) => Ok(Executed::Done(n)),

@@ -50,7 +50,9 @@ pub mod server;
 pub use backend::{BlkBackend, GuestMem, DRAIN_TIMEOUT};
 pub use config::{serial_for, DeviceConfig, MAX_QUEUES, MAX_QUEUE_SIZE};
 pub use error::{DropReason, RequestError, ServeError, Status};
-pub use execute::{serve_chain, start_chain, Completion, DeferredRead, Disk, Executed, Started};
+pub use execute::{
+    serve_chain, start_chain, Completion, DeferredFlush, DeferredRead, Disk, Executed, Started,
+};
 pub use request::{Parsed, Request, RequestKind};
 pub use server::{Server, StopHandle, DEFAULT_SOCKET_MODE};
 pub use tessera_metrics::{Metrics, RequestStatus, RequestType};
