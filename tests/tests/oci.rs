@@ -418,3 +418,73 @@ fn docker_archive_with_several_images() -> Result<()> {
     ensure!(stderr.contains("\"app:v3\"") && stderr.contains("example.com/app:v1"), "{stderr}");
     Ok(())
 }
+
+/// Symlink modes: symlink(2) takes no mode, so every Linux extractor makes symlinks 0777 whatever
+/// the tar header says. Layers written by Python's `tarfile` (0644 by default, and 04755 when
+/// asked), GNU tar (`--mode=0644`) and bsdtar (an mtree spec with `mode=0640`) give 0777 symlinks
+/// in the image, and the image matches `umoci unpack` with zero differences.
+#[test]
+fn symlink_modes_match_umoci_unpack() -> Result<()> {
+    fixtures::require_root()?;
+    require_tools()?;
+    let t = tmp("oci-symlink-modes")?;
+    let img = small_image(t.path())?;
+    // Python's tarfile: TarInfo's default mode is 0644.
+    let py = t.path().join("py.tar");
+    run(std::process::Command::new("python3")
+        .arg("-c")
+        .arg(
+            "import sys, tarfile\n\
+         t = tarfile.open(sys.argv[1], 'w', format=tarfile.PAX_FORMAT)\n\
+         for name, mode in (('py-default', None), ('py-setuid', 0o4755)):\n\
+         \x20   i = tarfile.TarInfo(name); i.type = tarfile.SYMTYPE; i.linkname = 'a'\n\
+         \x20   if mode is not None: i.mode = mode\n\
+         \x20   t.addfile(i)\n\
+         t.close()\n",
+        )
+        .arg(&py))?;
+    img.append_tar_layer(&fs::read(&py)?)?;
+    // GNU tar, every member's mode overridden.
+    let gdir = t.path().join("gnu-src");
+    fs::create_dir_all(&gdir)?;
+    std::os::unix::fs::symlink("a", gdir.join("gnu-link"))?;
+    fs::write(gdir.join("gnu-file"), b"gnu\n")?;
+    let gnu = std::process::Command::new("tar")
+        .args(["--format=posix", "--numeric-owner", "--mode=0644", "-C"])
+        .arg(&gdir)
+        .args(["-cf", "-", "gnu-link", "gnu-file"])
+        .output()?;
+    ensure!(gnu.status.success(), "tar: {}", String::from_utf8_lossy(&gnu.stderr));
+    img.append_tar_layer(&gnu.stdout)?;
+    // bsdtar from an mtree spec (no file on disk needed for a link).
+    let spec = t.path().join("spec.mtree");
+    fs::write(&spec, "#mtree\n./bsd-link type=link link=keep mode=0640 uid=0 gid=0 time=1700000000.0\n")?;
+    let bsd = std::process::Command::new("bsdtar")
+        .args(["--format", "pax", "-cf", "-"])
+        .arg(format!("@{}", spec.display()))
+        .output()
+        .context("bsdtar (Debian package libarchive-tools)")?;
+    ensure!(bsd.status.success(), "bsdtar: {}", String::from_utf8_lossy(&bsd.stderr));
+    img.append_tar_layer(&bsd.stdout)?;
+
+    let names = ["py-default", "py-setuid", "gnu-link", "bsd-link"];
+    let reference = img.unpack(&t.path().join("unpacked"))?;
+    for n in names {
+        let e = compare::entry(&reference.join(n))?;
+        ensure!(e.kind == Kind::Symlink && e.perm == 0o777, "umoci unpack's {n}: {e:?}");
+    }
+    ensure!(compare::entry(&reference.join("gnu-file"))?.perm == 0o644, "GNU tar --mode not applied");
+
+    let store = t.path().join("store");
+    let id = build_ok(&img.source(), &store, &[])?;
+    let raw = t.path().join("image.raw");
+    tessera::export(id.as_str(), &store, &raw)?;
+    let mnt = tessera_e2e::judge::LoopMount::ro(&raw)?;
+    for n in names {
+        let e = compare::entry(&mnt.path().join(n))?;
+        ensure!(e.kind == Kind::Symlink && e.perm == 0o777, "the image's {n}: {e:?}");
+    }
+    mnt.unmount()?;
+    judge_image(&reference, &raw, |d| only_dir_mtimes(d, &reference))?;
+    Ok(())
+}

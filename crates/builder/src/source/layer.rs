@@ -431,11 +431,19 @@ fn parse_entry<R: Read>(
         return Err(bad("size", format!("{size} bytes, but the tar reader framed {}", entry.size())));
     }
     let pax = PaxFields::parse(ext, &bad)?;
-    let meta = entry_meta(h, &pax, &bad)?;
+    let mut meta = entry_meta(h, &pax, &bad)?;
     let file = (entry.size(), entry.raw_file_position());
     let Some(kind) = entry_kind(layer, h, &path, link, file, &bad)? else { return Ok(None) };
+    if matches!(kind, EntryKind::Symlink(_)) {
+        // symlink(2) takes no mode: every Linux extractor (tar, umoci, containerd) makes 0777
+        // whatever the header says (Python's `tarfile` writes 0644).
+        meta.mode = SYMLINK_MODE;
+    }
     Ok(Some(LayerEntry { path, kind, meta, xattrs: pax.xattrs }))
 }
+
+/// The permission bits of every symlink, as Linux creates them.
+const SYMLINK_MODE: u16 = 0o777;
 
 /// The entry's path and link target: PAX records first, then GNU long names, then the header.
 fn entry_names(ext: &Extensions, h: &tar::Header) -> (Vec<u8>, Option<Vec<u8>>) {

@@ -375,3 +375,19 @@ fn nul_bytes_in_pax_names() {
         assert!(matches!(&err, SourceError::BadHeader { field: f, .. } if *f == field), "{key}: {err}");
     }
 }
+
+/// A symlink whose header says 0644 (Python's `tarfile` default) or carries setuid bits comes out
+/// 0777, as every Linux extractor makes it; other entries keep their header's mode.
+#[test]
+fn symlink_modes_are_0777_whatever_the_header_says() {
+    let mut b = tar::Builder::new(Vec::new());
+    for (name, mode) in [("a", 0o644), ("b", 0o4755), ("c", 0o000), ("d", 0o777)] {
+        let mut h = header(name, tar::EntryType::Symlink, 0, mode);
+        b.append_link(&mut h, name, "target").unwrap();
+    }
+    b.append(&header("f", tar::EntryType::Regular, 0, 0o640), &[][..]).unwrap();
+    let tar = b.into_inner().unwrap();
+    let entries = scan(&verified(tar.clone(), &tar), None).unwrap();
+    let modes: Vec<u16> = entries.iter().map(|e| e.meta.mode).collect();
+    assert_eq!(modes, [0o777, 0o777, 0o777, 0o777, 0o640]);
+}
