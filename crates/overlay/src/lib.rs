@@ -128,6 +128,8 @@ pub struct OverlayStats {
     pub pending_records: u64,
     /// FLUSHes that synced something.
     pub syncs: u64,
+    /// Checkpoints written: at open, and by compaction while serving.
+    pub checkpoints: u64,
 }
 
 /// The copy-on-write overlay of one device.
@@ -146,7 +148,15 @@ pub struct Overlay {
     syncs: AtomicU64,
     /// FLUSHes waiting for the group commit ([`Overlay::flush_async`]).
     commits: Mutex<Commits>,
+    /// Checkpoints written (at open and by compaction).
+    checkpoints: AtomicU64,
+    /// The group commit compacts the log once it holds this many records (and 4× the map's).
+    compact_min_records: u64,
 }
+
+/// Log records since the last checkpoint before the group commit compacts the log (a record is
+/// 64 bytes: 4 MiB of log, replayed at every open until compacted).
+pub const COMPACT_MIN_RECORDS: u64 = 65_536;
 
 /// Called once a FLUSH given to [`Overlay::flush_async`] is durable (or failed).
 pub type FlushDone = Box<dyn FnOnce(Result<(), Arc<OverlayError>>) + Send>;
@@ -191,6 +201,10 @@ struct LogTail {
     generation: u64,
     /// Slots released in the last synced group: free once the next group is synced.
     released: Vec<(u64, u64)>,
+    /// The log's segments, head first (freed once a checkpoint replaces the log).
+    segments: Vec<u64>,
+    /// Whether the header naming this log is copy B (a checkpoint writes the other copy).
+    header_in_b: bool,
 }
 
 /// Largest count of one record.
@@ -300,8 +314,17 @@ impl Overlay {
         if mode == Mode::Durable {
             io.sync_data().map_err(OverlayError::io("syncing the header", 0))?;
         }
-        let tail =
-            LogTail { salt, segment: 1, index: 0, seq: 0, group: 0, generation: 1, released: Vec::new() };
+        let tail = LogTail {
+            salt,
+            segment: 1,
+            index: 0,
+            seq: 0,
+            group: 0,
+            generation: 1,
+            released: Vec::new(),
+            segments: vec![1],
+            header_in_b: false,
+        };
         Ok(Self::assemble(io, base, params, mode, ExtentMap::default(), FreeSpace::new(2), tail))
     }
 
@@ -398,10 +421,12 @@ impl Overlay {
             group: replayed.last_group,
             generation: header.generation,
             released: Vec::new(),
+            segments: replayed.segments,
+            header_in_b: in_b,
         };
         let overlay = Self::assemble(io, base, params, mode, replayed.map, free, tail);
         if mode != Mode::ReadOnly {
-            overlay.checkpoint(in_b, &replayed.segments)?;
+            overlay.checkpoint(&mut lock_mutex(&overlay.log))?;
         }
         Ok(overlay)
     }
@@ -428,13 +453,18 @@ impl Overlay {
             failed: AtomicBool::new(false),
             syncs: AtomicU64::new(0),
             commits: Mutex::new(Commits::default()),
+            checkpoints: AtomicU64::new(0),
+            compact_min_records: COMPACT_MIN_RECORDS,
         }
     }
 
     /// Rewrite the log as a compact copy of the map under a new salt, then switch the header
-    /// (the copy not holding the current header): two syncs, at open only.
-    fn checkpoint(&self, current_in_b: bool, old_segments: &[u64]) -> Result<(), OverlayError> {
-        let mut log = lock_mutex(&self.log);
+    /// (the copy not holding the current header): two syncs. At open, and while serving when
+    /// the log has grown ([`Self::compact`]); `log` is the held log lock (FLUSHes wait, reads and
+    /// writes go on). Writes completed but not flushed are in the map and so in the checkpoint
+    /// (the checkpoint's sync makes their data durable too); their records stay queued for the
+    /// next FLUSH, which appends them again (replaying a record twice in order is harmless).
+    fn checkpoint(&self, log: &mut LogTail) -> Result<(), OverlayError> {
         let mut ops = Vec::new();
         for (start, len, m) in read_state(&self.state).map.iter() {
             split_runs(start, len, |block, count, delta| {
@@ -453,7 +483,10 @@ impl Overlay {
             seq: 0,
             group: 0,
             generation: log.generation + 1,
-            released: Vec::new(),
+            // Slots released in the last synced group stay held until the next FLUSH syncs.
+            released: std::mem::take(&mut log.released),
+            segments: vec![head],
+            header_in_b: !log.header_in_b,
         };
         let writes = self.encode_log(&mut new_log, &ops);
         self.write_log(&writes)?;
@@ -466,7 +499,7 @@ impl Overlay {
             log_head: head,
             first_seq: 0,
         };
-        let at = if current_in_b { 0 } else { HEADER_B_OFFSET };
+        let at = if log.header_in_b { 0 } else { HEADER_B_OFFSET };
         let sync = |what| self.io.sync_data().map_err(OverlayError::io(what, 0));
         if self.mode == Mode::Durable {
             sync("syncing the checkpoint")?;
@@ -476,13 +509,36 @@ impl Overlay {
             sync("syncing the header")?;
         }
         let mut st = write_state(&self.state);
-        for &s in old_segments {
+        for &s in &log.segments {
             st.free.free(s, 1);
         }
         drop(st);
         debug!(records = ops.len(), generation = new_log.generation, "overlay checkpoint written");
         *log = new_log;
+        self.checkpoints.fetch_add(1, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Compact the log while serving: a checkpoint ([`Self::checkpoint`]) now. Reads and writes
+    /// go on meanwhile; FLUSHes wait for it. A failure leaves the durable state unknown (the
+    /// header may name either log), so the overlay then refuses writes, as after a failed FLUSH.
+    pub fn compact(&self) -> Result<(), OverlayError> {
+        if self.mode == Mode::ReadOnly {
+            return Ok(());
+        }
+        self.check_writable()?;
+        let mut log = lock_mutex(&self.log);
+        self.checkpoint(&mut log).inspect_err(|e| {
+            warn!(error = e as &dyn std::error::Error, "overlay compaction failed; refusing further writes");
+            self.failed.store(true, Ordering::Release);
+        })
+    }
+
+    /// Whether the log has grown enough to compact: [`COMPACT_MIN_RECORDS`] records since the
+    /// last checkpoint, and four times as many as a checkpoint of the map would write.
+    fn compaction_due(&self) -> bool {
+        let records = lock_mutex(&self.log).seq;
+        records >= self.compact_min_records && records >= 4 * read_state(&self.state).map.len() as u64
     }
 
     /// Records per log segment (the last position of a segment is its link).
@@ -509,6 +565,7 @@ impl Overlay {
             if log.index == per - 1 {
                 let next = write_state(&self.state).free.alloc(1)[0].0;
                 emit(log, Op::Link { slot: next });
+                log.segments.push(next);
                 log.segment = next;
                 log.index = 0;
             }
@@ -538,6 +595,7 @@ impl Overlay {
             free_slots: st.free.free_below_end(),
             pending_records: st.pending.len() as u64,
             syncs: self.syncs.load(Ordering::Relaxed),
+            checkpoints: self.checkpoints.load(Ordering::Relaxed),
             ..OverlayStats::default()
         };
         for (_, len, m) in st.map.iter() {
@@ -554,6 +612,13 @@ impl Overlay {
             Some(end) if end <= self.params.device_bytes => Ok(()),
             _ => Err(OverlayError::OutOfRange { offset, len, device_bytes: self.params.device_bytes }),
         }
+    }
+
+    /// Let the group commit compact the log once it holds `records` records (and four times as
+    /// many as the map needs); default [`COMPACT_MIN_RECORDS`].
+    pub fn compact_after(mut self, records: u64) -> Self {
+        self.compact_min_records = records;
+        self
     }
 
     /// How the overlay was opened.
@@ -837,6 +902,11 @@ impl Overlay {
             debug!(flushes = batch.len(), ok = result.is_ok(), "group commit");
             for done in batch {
                 done(result.clone());
+            }
+            // After answering: the FLUSHes arriving meanwhile wait for the compaction, reads
+            // and writes do not.
+            if result.is_ok() && self.compaction_due() {
+                let _ = self.compact();
             }
         }
     }
