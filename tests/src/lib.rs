@@ -38,6 +38,7 @@ pub mod oci;
 pub mod pipeline;
 pub mod prng;
 pub mod proxy;
+pub mod pyhttp;
 pub mod record;
 pub mod reference;
 pub mod registry;

@@ -44,7 +44,8 @@ mod reader;
 mod source;
 
 pub use cache::{
-    CacheConfig, CacheStats, CachedSource, CachedStore, DiskCache, Evicted, GcReport, Leftovers, Origin,
+    BlobFileError, CacheConfig, CacheStats, CachedSource, CachedStore, DiskCache, Evicted, GcReport,
+    Leftovers, Origin,
 };
 pub use copy::{copy_image, CopyReport};
 pub use error::StoreError;

@@ -144,9 +144,15 @@ impl StoreLocation {
                 })
             }
             StoreLocation::Http(url) => {
-                let origin = HttpStore::new(url, origins.http.clone());
+                // The disk cache also keeps whole packs if the server turns out to ignore Range.
+                let disk = cache.map(DiskCache::open).transpose()?;
+                let origin = HttpStore::with_cache(url, origins.http.clone(), disk.clone());
                 let transport = origin.transport().clone();
-                remote(origin, transport, cache)
+                let store: Arc<dyn ReadStore> = match &disk {
+                    Some(d) => Arc::new(CachedStore::new(origin, d.clone())),
+                    None => Arc::new(origin),
+                };
+                Ok(OpenedStore { store, local: None, cache: disk, origin: Some(transport) })
             }
             StoreLocation::Registry(r) => {
                 let origin = RegistryStore::new(r, origins.registry.clone())?;

@@ -335,6 +335,85 @@ impl DiskCache {
         )
     }
 
+    /// Blob `digest` (a whole pack) as a file of the cache, for an origin that ignores `Range`:
+    /// the cached file if there is one, else `fill` streams the whole blob into a temp file,
+    /// which is checked against `digest` and published like any entry (counted in the index and
+    /// the bound) — once per host for concurrent misses (the single flight of
+    /// [`Self::get_or_fetch`]: `fill` runs under the entry's locks). `fill` may write the file
+    /// more than once (truncating it first, e.g. on a retry); what it leaves is hashed. A blob larger than the whole bound cannot be cached:
+    /// [`BlobFileError::TooLarge`]. Readers take ranges from the file with `pread`; it was
+    /// checked on the way in and is not re-hashed on every read.
+    pub fn fetch_blob_file<E>(
+        &self,
+        digest: &Sha256Digest,
+        fill: impl FnOnce(&fs::File) -> Result<(), E>,
+    ) -> Result<PathBuf, BlobFileError<E>> {
+        let key = blob_key(digest);
+        let path = self.path_of(&key);
+        if path.is_file() {
+            bump(&self.inner.stats.hits, 1);
+            return Ok(path);
+        }
+        bump(&self.inner.stats.misses, 1);
+        let name = key.lock_name();
+        let _in_process = self.inner.flights.lock(&name);
+        let lock_path = self.inner.root.join("locks").join(&name);
+        let _host = match EntryLock::acquire(&lock_path) {
+            Ok(mut l) => {
+                l.remove_on_drop();
+                Some(l)
+            }
+            Err(e) => {
+                warn!(path = %lock_path.display(), error = &e as &dyn std::error::Error, "cannot take a cache lock; fetching without it");
+                None
+            }
+        };
+        if path.is_file() {
+            bump(&self.inner.stats.shared_fetches, 1);
+            return Ok(path);
+        }
+        let cache_err = |op: &'static str, p: &Path, source: std::io::Error| {
+            BlobFileError::Cache(StoreError::Cache { op, path: p.to_owned(), source })
+        };
+        let (tmp, file) =
+            journal::new_temp(&self.inner.root).map_err(|e| cache_err("create", &self.inner.root, e))?;
+        let filled = fill(&file).map_err(BlobFileError::Fill);
+        // (The temp file is open for writing only: hash what reached it through a new handle.)
+        let hashed = filled.and_then(|()| {
+            fs::File::open(&tmp).and_then(|f| hash_file(&f)).map_err(|e| cache_err("read", &tmp, e))
+        });
+        let checked = hashed.and_then(|(actual, len)| {
+            if actual != *digest {
+                let reason = format!("its content hashes to {actual}");
+                return Err(BlobFileError::Cache(StoreError::Corrupt {
+                    what: "pack",
+                    digest: *digest,
+                    path: tmp.clone(),
+                    reason,
+                }));
+            }
+            if let Some(bound) = self.inner.max_bytes.filter(|&b| disk_bytes(len) > b) {
+                return Err(BlobFileError::TooLarge { len, bound });
+            }
+            let rename = || fs::rename(&tmp, &path);
+            let evicted = self
+                .inner
+                .journal
+                .publish(&key, len, rename, self.inner.max_bytes, |k| self.unlink(k))
+                .map_err(|e| cache_err("publish", &path, e))?;
+            self.count_evicted(evicted);
+            Ok(())
+        });
+        if checked.is_err() {
+            let _ = fs::remove_file(&tmp);
+        }
+        drop(file);
+        checked.map(|()| {
+            debug!(%digest, "cached a whole blob for an origin that ignores Range");
+            path
+        })
+    }
+
     /// A cached image entry of origin `base` for `id` (it must parse and name `id` as its
     /// record; otherwise it is removed: `None`).
     pub fn get_entry(&self, base: &str, id: &ImageId) -> Option<ImageEntry> {
@@ -570,6 +649,37 @@ impl DiskCache {
         drop(file);
         result.map(|()| true)
     }
+}
+
+/// Why [`DiskCache::fetch_blob_file`] gave no file.
+#[derive(Debug)]
+pub enum BlobFileError<E> {
+    /// `fill` failed.
+    Fill(E),
+    /// The cache could not hold it (I/O), or the bytes do not match the digest.
+    Cache(StoreError),
+    /// The blob is larger than the whole cache bound.
+    TooLarge { len: u64, bound: u64 },
+}
+
+/// The sha256 and length of a file's content (read from the start).
+fn hash_file(file: &fs::File) -> std::io::Result<(Sha256Digest, u64)> {
+    use sha2::Digest as _;
+    use std::io::{Read, Seek};
+    let mut f = file;
+    f.seek(std::io::SeekFrom::Start(0))?;
+    let mut hasher = sha2::Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut len = 0u64;
+    loop {
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buf[..n]);
+        len += n as u64;
+    }
+    Ok((Sha256Digest(hasher.finalize().into()), len))
 }
 
 fn blob_key(digest: &Sha256Digest) -> EntryKey {

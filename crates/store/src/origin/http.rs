@@ -15,6 +15,8 @@
 //! settings are pure functions, tested without a server.
 
 use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
@@ -27,11 +29,14 @@ use tessera_transport::{
 };
 use tracing::{debug, trace, warn};
 
+use crate::cache::{BlobFileError, DiskCache};
 use crate::error::StoreError;
 use crate::source::ChunkSource;
 
 /// Largest whole blob (record, prefix, pack index) fetched into memory: 1 GiB.
 pub const MAX_HTTP_BLOB: u64 = 1 << 30;
+/// Largest whole pack streamed into the disk cache from a server that ignores Range: 16 GiB.
+const MAX_HTTP_PACK: u64 = 16 << 30;
 /// Largest image entry or ref body: 64 KiB.
 const MAX_SMALL_DOC: u64 = 64 << 10;
 
@@ -51,7 +56,27 @@ pub enum HttpError {
     /// The body is longer than allowed, or shorter than announced.
     #[error("bad body length: {0}")]
     BadLength(&'static str),
+    /// The server answered a Range request with 200 and the whole blob, and there is no disk
+    /// cache to keep whole blobs in.
+    #[error(
+        "the server ignores Range requests (it answered a ranged GET with 200 and the whole blob), so \
+         every chunk read would download its whole pack; serve the store from a server that honours \
+         Range (nginx, any CDN), or pass --cache-dir DIR to fetch each pack whole once into the cache \
+         and read chunks from there"
+    )]
+    RangeIgnored,
+    /// The server ignores Range and a pack is larger than the whole disk cache bound.
+    #[error(
+        "the server ignores Range requests, and this pack ({len} bytes) is larger than the whole \
+         --cache-size ({bound} bytes) it would have to be kept in"
+    )]
+    PackTooLarge { len: u64, bound: u64 },
 }
+
+/// What a server has shown of its `Range` support (the first ranged GET finds out).
+const RANGE_UNKNOWN: u8 = 0;
+const RANGE_HONORED: u8 = 1;
+const RANGE_IGNORED: u8 = 2;
 
 /// Client settings of an [`HttpStore`]. Every field documents its default; [`Self::from_vars`]
 /// reads overrides from `TESSERA_HTTP_*` variables (`docs/store.md`; the binary passes its
@@ -334,6 +359,13 @@ struct Inner {
     /// Image entries fetched so far, by ID: an ID names its content, so resolving a reference
     /// and then opening the image fetch the entry once.
     entries: Mutex<std::collections::HashMap<ImageId, ImageEntry>>,
+    /// [`RANGE_UNKNOWN`], [`RANGE_HONORED`] or [`RANGE_IGNORED`].
+    range_support: AtomicU8,
+    /// Held by ranged reads while the support is unknown: the first answer decides, before a
+    /// burst of concurrent reads could each pull a whole pack from a server that ignores Range.
+    range_probe: Mutex<()>,
+    /// Where whole packs go when the server ignores Range (`--cache-dir`).
+    whole_blobs: Option<DiskCache>,
 }
 
 impl std::fmt::Debug for HttpStore {
@@ -348,6 +380,13 @@ impl std::fmt::Debug for HttpStore {
 impl HttpStore {
     /// A store at `base` (`http(s)://HOST[:PORT][/PREFIX]`). Nothing is fetched yet.
     pub fn new(base: &str, config: HttpConfig) -> Self {
+        Self::with_cache(base, config, None)
+    }
+
+    /// [`Self::new`], keeping whole packs in `cache` if the server turns out to ignore `Range`
+    /// (each fetched once per host, chunks then read from the cached file); without a cache such a
+    /// server is refused ([`HttpError::RangeIgnored`]).
+    pub fn with_cache(base: &str, config: HttpConfig, cache: Option<DiskCache>) -> Self {
         Self {
             inner: Arc::new(Inner {
                 base: normalize_base(base),
@@ -356,6 +395,9 @@ impl HttpStore {
                 batches: Mutex::new(Default::default()),
                 seen_refs: Mutex::new(Vec::new()),
                 entries: Mutex::new(Default::default()),
+                range_support: AtomicU8::new(RANGE_UNKNOWN),
+                range_probe: Mutex::new(()),
+                whole_blobs: cache,
             }),
         }
     }
@@ -489,8 +531,12 @@ impl HttpStore {
     }
 
     /// `len` bytes at `offset` of blob `digest`, with a Range GET (retried whole if the body
-    /// breaks or comes up short). A server that ignores Range (200) is tolerated: the body is
-    /// skipped to `offset` and cut at `len`.
+    /// breaks or comes up short). A server that ignores Range (200 and the whole blob) is found
+    /// out by the first ranged GET (ranged reads wait for it while the support is unknown):
+    /// with a disk cache, that answer's body and every later pack are fetched whole into the
+    /// cache once per host and read from there ([`DiskCache::fetch_blob_file`]); without one,
+    /// the read fails with [`HttpError::RangeIgnored`]. Either way every body byte received is
+    /// counted by the transport.
     pub fn read_blob_range(
         &self,
         digest: &Sha256Digest,
@@ -499,6 +545,23 @@ impl HttpStore {
     ) -> Result<Vec<u8>, StoreError> {
         if len == 0 {
             return Ok(Vec::new());
+        }
+        // A whole copy in the disk cache (this or another process met a server that ignores
+        // Range) answers without a request.
+        if let Some(cache) = &self.inner.whole_blobs {
+            if let Ok(bytes) = read_file_range(&cache.blob_path(digest), digest, offset, len) {
+                return Ok(bytes);
+            }
+        }
+        let support = || self.inner.range_support.load(Ordering::Acquire);
+        if support() == RANGE_IGNORED {
+            return self.read_from_whole_blob(digest, offset, len);
+        }
+        let probe = (support() == RANGE_UNKNOWN)
+            .then(|| self.inner.range_probe.lock().unwrap_or_else(|p| p.into_inner()));
+        if support() == RANGE_IGNORED {
+            drop(probe);
+            return self.read_from_whole_blob(digest, offset, len);
         }
         let url = self.blob_url(digest);
         let range = range_header(offset, len).ok_or(StoreError::RangeOutOfBounds {
@@ -514,22 +577,19 @@ impl HttpStore {
                         if matches!(e, HttpError::Status(_)) { ErrorKind::Status } else { ErrorKind::Body };
                     Failure::fatal(kind, http_err(&url, e))
                 })?;
-            let mut reader = resp.into_reader();
             if answer == RangeAnswer::Whole {
-                warn!(url, "the server ignored Range; reading past {offset} bytes");
-                let skipped = std::io::copy(&mut (&mut reader).take(offset), &mut std::io::sink())
-                    .map_err(|e| broken_body(&url, e))?;
-                if skipped != offset {
-                    let e = HttpError::BadLength("the blob ends before the range");
-                    return Err(Failure::fatal(ErrorKind::Body, http_err(&url, e)));
+                let first = self.inner.range_support.swap(RANGE_IGNORED, Ordering::AcqRel) != RANGE_IGNORED;
+                if first && self.inner.whole_blobs.is_some() {
+                    warn!(url, "the server ignores Range requests; each pack is fetched whole into the disk cache, once");
                 }
+                return self.spool_whole_blob(digest, &url, resp).map(Fetched::Whole);
             }
+            let mut reader = resp.into_reader();
             let cap = usize::try_from(len).unwrap_or(usize::MAX);
             let mut out = Vec::with_capacity(cap.min(64 << 20));
             // A 206 body is read to its end (one byte more is asked for): only a body read to
             // the end gives its connection back to the pool for the next request.
-            let want = if answer == RangeAnswer::Partial { len.saturating_add(1) } else { len };
-            (&mut reader).take(want).read_to_end(&mut out).map_err(|e| broken_body(&url, e))?;
+            (&mut reader).take(len.saturating_add(1)).read_to_end(&mut out).map_err(|e| broken_body(&url, e))?;
             if (out.len() as u64) < len {
                 let e = http_err(&url, HttpError::BadLength("the body is shorter than the range"));
                 return Err(Failure::retry(ErrorKind::Body, e));
@@ -538,10 +598,68 @@ impl HttpStore {
                 let e = http_err(&url, HttpError::BadLength("the body is longer than the range"));
                 return Err(Failure::fatal(ErrorKind::Body, e));
             }
-            Ok(out)
-        })?;
+            Ok(Fetched::Range(out))
+        });
+        if probe.is_some() && out.is_ok() {
+            let _ = self.inner.range_support.compare_exchange(
+                RANGE_UNKNOWN,
+                RANGE_HONORED,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            );
+        }
+        drop(probe);
+        let out = match out? {
+            Fetched::Range(bytes) => bytes,
+            Fetched::Whole(path) => read_file_range(&path, digest, offset, len)?,
+        };
         trace!(%digest, offset, len, "fetched range");
         Ok(out)
+    }
+
+    /// A range of blob `digest` from its whole copy in the disk cache, fetched (whole, no
+    /// Range, once per host) if the cache lacks it: the path for a server that ignores Range.
+    fn read_from_whole_blob(
+        &self,
+        digest: &Sha256Digest,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<u8>, StoreError> {
+        let url = self.blob_url(digest);
+        let Some(cache) = &self.inner.whole_blobs else {
+            return Err(http_err(&url, HttpError::RangeIgnored));
+        };
+        let path = cache
+            .fetch_blob_file(digest, |file| {
+                self.fetch(&url, None, |resp| {
+                    if resp.status() != 200 {
+                        return Err(status_failure(&url, resp.status()));
+                    }
+                    copy_body(&url, resp, file)
+                })
+            })
+            .map_err(|e| blob_file_error(&url, e, |e| e))?;
+        read_file_range(&path, digest, offset, len)
+    }
+
+    /// Stream the whole blob `digest` in `resp` (a 200 answer to a ranged GET) into the disk
+    /// cache (if another thread or process cached it meanwhile, the body is dropped unread).
+    /// Without a cache: [`HttpError::RangeIgnored`], final.
+    fn spool_whole_blob(
+        &self,
+        digest: &Sha256Digest,
+        url: &str,
+        resp: Response,
+    ) -> Result<PathBuf, Failure<StoreError>> {
+        let Some(cache) = &self.inner.whole_blobs else {
+            return Err(Failure::fatal(ErrorKind::Status, http_err(url, HttpError::RangeIgnored)));
+        };
+        cache.fetch_blob_file(digest, |file| copy_body(url, resp, file)).map_err(|e| {
+            blob_file_error(url, e, |e| match e {
+                e @ StoreError::Corrupt { .. } => Failure::retry(ErrorKind::Digest, e),
+                e => Failure::fatal(ErrorKind::Body, e),
+            })
+        })
     }
 
     /// Several ranges (`(offset, len)`) of blob `digest`, returned in the order asked. Ranges
@@ -672,6 +790,63 @@ impl ChunkSource for HttpStore {
     ) -> Result<Vec<Vec<u8>>, StoreError> {
         self.read_blob_ranges(pack, ranges)
     }
+}
+
+/// What a ranged GET gave: the bytes, or (from a server that ignores Range) the whole blob's
+/// file in the disk cache.
+enum Fetched {
+    Range(Vec<u8>),
+    Whole(PathBuf),
+}
+
+/// A whole blob's body into `file` (from its start; truncated first, for a retry).
+fn copy_body(url: &str, resp: Response, file: &std::fs::File) -> Result<(), Failure<StoreError>> {
+    use std::io::{Seek, Write};
+    let mut f = file;
+    let io = |e| {
+        Failure::fatal(
+            ErrorKind::Body,
+            StoreError::Cache { op: "write", path: "a temp file".into(), source: e },
+        )
+    };
+    f.set_len(0).map_err(io)?;
+    f.seek(std::io::SeekFrom::Start(0)).map_err(io)?;
+    let mut reader = resp.into_reader();
+    let mut out = std::io::BufWriter::with_capacity(1 << 20, f);
+    let n = std::io::copy(&mut (&mut reader).take(MAX_HTTP_PACK.saturating_add(1)), &mut out)
+        .map_err(|e| broken_body(url, e))?;
+    out.flush().map_err(io)?;
+    if n > MAX_HTTP_PACK {
+        let e = http_err(url, HttpError::BadLength("the body exceeds the limit"));
+        return Err(Failure::fatal(ErrorKind::Body, e));
+    }
+    Ok(())
+}
+
+/// A [`DiskCache::fetch_blob_file`] failure as `E` (`cache` maps the cache's own errors).
+fn blob_file_error<E>(url: &str, e: BlobFileError<E>, cache: impl FnOnce(StoreError) -> E) -> E {
+    match e {
+        BlobFileError::Fill(f) => f,
+        BlobFileError::Cache(e) => cache(e),
+        BlobFileError::TooLarge { len, bound } => {
+            cache(http_err(url, HttpError::PackTooLarge { len, bound }))
+        }
+    }
+}
+
+/// `len` bytes at `offset` of the whole blob `digest` cached at `path`.
+fn read_file_range(path: &Path, digest: &Sha256Digest, offset: u64, len: u64) -> Result<Vec<u8>, StoreError> {
+    use std::os::unix::fs::FileExt;
+    let io = |source| StoreError::Cache { op: "read", path: path.to_owned(), source };
+    let file = std::fs::File::open(path).map_err(io)?;
+    let blob_len = file.metadata().map_err(io)?.len();
+    let out_of_bounds = StoreError::RangeOutOfBounds { digest: *digest, offset, len, blob_len };
+    if offset.checked_add(len).is_none_or(|end| end > blob_len) {
+        return Err(out_of_bounds);
+    }
+    let mut out = vec![0u8; usize::try_from(len).map_err(|_| out_of_bounds)?];
+    file.read_exact_at(&mut out, offset).map_err(io)?;
+    Ok(out)
 }
 
 fn http_err(url: &str, source: HttpError) -> StoreError {
@@ -888,5 +1063,113 @@ mod tests {
             "{e}"
         );
         assert!(e.to_string().contains("http://127.0.0.1:9/p/refs/latest"));
+    }
+}
+
+/// Against a server that ignores `Range` (it answers every GET with 200 and the whole blob, as
+/// Python's `http.server` does).
+#[cfg(test)]
+mod range_ignoring_server {
+    #![allow(clippy::unwrap_used)]
+    use std::io::{BufRead, BufReader, Write};
+    use std::net::TcpListener;
+    use std::sync::atomic::AtomicU64;
+
+    use super::*;
+    use crate::cache::CacheConfig;
+
+    /// Serves `blobs` at `/blobs/sha256/<hex>`, ignoring Range; counts GETs per blob.
+    fn serve(blobs: Vec<Vec<u8>>) -> (String, Arc<Vec<AtomicU64>>) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let gets: Arc<Vec<AtomicU64>> = Arc::new(blobs.iter().map(|_| AtomicU64::new(0)).collect());
+        let counts = Arc::clone(&gets);
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(mut conn) = conn else { continue };
+                let (blobs, gets) = (blobs.clone(), Arc::clone(&gets));
+                std::thread::spawn(move || {
+                    let mut first = String::new();
+                    let mut reader = BufReader::new(conn.try_clone().unwrap());
+                    reader.read_line(&mut first).unwrap();
+                    loop {
+                        let mut line = String::new();
+                        if reader.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
+                            break;
+                        }
+                    }
+                    let found = blobs.iter().position(|b| first.contains(&Sha256Digest::of(b).hex()));
+                    let Some(i) = found else {
+                        let _ = conn.write_all(
+                            b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+                        );
+                        return;
+                    };
+                    gets[i].fetch_add(1, Ordering::Relaxed);
+                    let head = format!(
+                        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                        blobs[i].len()
+                    );
+                    let _ = conn.write_all(head.as_bytes());
+                    let _ = conn.write_all(&blobs[i]);
+                });
+            }
+        });
+        (base, counts)
+    }
+
+    fn blobs() -> Vec<Vec<u8>> {
+        (0..2u8)
+            .map(|k| (0..300_000u32).map(|i| (i as u8).wrapping_mul(7).wrapping_add(k)).collect())
+            .collect()
+    }
+
+    #[test]
+    fn refused_without_a_cache_with_the_reason() {
+        let blobs = blobs();
+        let (base, gets) = serve(blobs.clone());
+        let store = HttpStore::new(&base, HttpConfig::default());
+        let d = Sha256Digest::of(&blobs[0]);
+        let e = store.read_blob_range(&d, 1000, 100).unwrap_err();
+        let mut text = e.to_string();
+        let mut source = std::error::Error::source(&e);
+        while let Some(s) = source {
+            text = format!("{text}: {s}");
+            source = s.source();
+        }
+        assert!(text.contains("ignores Range requests") && text.contains("--cache-dir"), "{text}");
+        // Refused at once: not retried, and later reads do not ask again.
+        assert!(store.read_blob_range(&d, 5000, 10).is_err());
+        assert_eq!(gets[0].load(Ordering::Relaxed), 1);
+    }
+
+    #[test]
+    fn with_a_cache_each_blob_crosses_the_wire_once_and_every_byte_counts() {
+        let blobs = blobs();
+        let (base, gets) = serve(blobs.clone());
+        let dir = tempfile::tempdir().unwrap();
+        let cache = DiskCache::open(&CacheConfig::new(dir.path())).unwrap();
+        let store = HttpStore::with_cache(&base, HttpConfig::default(), Some(cache.clone()));
+        std::thread::scope(|s| {
+            for t in 0..16u64 {
+                let (store, blobs) = (&store, &blobs);
+                s.spawn(move || {
+                    let which = (t % 2) as usize;
+                    let d = Sha256Digest::of(&blobs[which]);
+                    let offset = t * 17_000;
+                    let got = store.read_blob_range(&d, offset, 4096).unwrap();
+                    assert_eq!(got, blobs[which][offset as usize..offset as usize + 4096]);
+                });
+            }
+        });
+        assert_eq!(gets.iter().map(|g| g.load(Ordering::Relaxed)).collect::<Vec<_>>(), [1, 1]);
+        assert_eq!(store.stats().bytes, 600_000, "every body byte counts");
+        assert!(cache.blob_path(&Sha256Digest::of(&blobs[1])).is_file());
+        // A second store (another process) on the same cache fetches nothing.
+        let again = HttpStore::with_cache(&base, HttpConfig::default(), Some(cache));
+        let d = Sha256Digest::of(&blobs[1]);
+        assert_eq!(again.read_blob_range(&d, 299_000, 1000).unwrap(), blobs[1][299_000..]);
+        assert_eq!(gets[1].load(Ordering::Relaxed), 1);
+        assert!(again.read_blob_range(&d, 299_500, 1000).is_err(), "past the end");
     }
 }
