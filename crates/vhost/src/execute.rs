@@ -10,6 +10,7 @@ use vm_memory::{Bytes, GuestAddress, GuestMemory};
 
 use crate::config::DeviceConfig;
 use crate::error::{RequestError, Status};
+use crate::log_limit::LogLimit;
 use crate::plan::{plan, Plan};
 use crate::request::{parse, GuestSeg, Parsed, RequestKind};
 pub use tessera_engine::BlockDevice;
@@ -378,7 +379,11 @@ pub fn start_chain<M: GuestMemory + ?Sized>(
 ) -> Started {
     let (status_addr, request) = match parse(descs, mem) {
         Parsed::Drop(reason) => {
-            warn!(%reason, "dropping a malformed descriptor chain");
+            // A guest can send these at will: rate-limited, with a count of those not logged.
+            static MALFORMED: LogLimit = LogLimit::per_10s(5);
+            if let Some(suppressed) = MALFORMED.allow() {
+                warn!(%reason, suppressed, "dropping a malformed descriptor chain");
+            }
             return Started::Done(Completion {
                 used_len: 0,
                 status: None,
@@ -438,7 +443,12 @@ fn complete<M: GuestMemory + ?Sized>(
         Err(e) => {
             match &e {
                 RequestError::Read(_) | RequestError::GuestMemory { .. } | RequestError::Overlay { .. } => {
-                    warn!(error = %tessera_engine::Chain(&e), "request failed")
+                    // A guest can cause these at will (bad buffer addresses), and a failing
+                    // origin fails every read: rate-limited, with a count of those not logged.
+                    static FAILED: LogLimit = LogLimit::per_10s(5);
+                    if let Some(suppressed) = FAILED.allow() {
+                        warn!(error = %tessera_engine::Chain(&e), suppressed, "request failed")
+                    }
                 }
                 _ => debug!(error = &e as &dyn std::error::Error, "request refused"),
             }
