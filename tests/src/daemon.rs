@@ -138,6 +138,16 @@ pub type FailedRead = (u64, i32);
 impl BlkClient {
     /// Connect with `queues` queues (`read_only`: set before connecting, as libblkio needs).
     pub fn connect(socket: &Path, queues: i32, read_only: bool) -> Result<Self> {
+        Self::connect_with_region(socket, queues, read_only, REGION_LEN)
+    }
+
+    /// [`Self::connect`] with a buffer region of `region_len` bytes.
+    pub fn connect_with_region(
+        socket: &Path,
+        queues: i32,
+        read_only: bool,
+        region_len: usize,
+    ) -> Result<Self> {
         let err = |what: &'static str| move |e: blkio::Error| anyhow::anyhow!("libblkio {what}: {e}");
         let mut blkio = Blkio::new("virtio-blk-vhost-user").map_err(err("new"))?;
         blkio.set_str("path", socket.to_str().context("socket path is not UTF-8")?).map_err(err("path"))?;
@@ -146,7 +156,7 @@ impl BlkClient {
         let capacity = blkio.get_u64("capacity").map_err(err("capacity"))?;
         blkio.set_i32("num-queues", queues).map_err(err("num-queues"))?;
         let started = blkio.start().map_err(err("start"))?;
-        let region = blkio.alloc_mem_region(REGION_LEN).map_err(err("alloc_mem_region"))?;
+        let region = blkio.alloc_mem_region(region_len).map_err(err("alloc_mem_region"))?;
         blkio.map_mem_region(&region).map_err(err("map_mem_region"))?;
         Ok(Self { queues: started.queues, region, blkio, capacity })
     }
@@ -154,6 +164,12 @@ impl BlkClient {
     /// Device size in bytes.
     pub fn capacity(&self) -> u64 {
         self.capacity
+    }
+
+    /// The queues and the mapped buffer region, for a caller driving requests itself (the
+    /// replayer): buffers must lie inside the region.
+    pub fn raw_parts(&mut self) -> (&mut [Blkioq], &MemoryRegion) {
+        (&mut self.queues, &self.region)
     }
 
     /// The libblkio instance (for properties).

@@ -5,7 +5,7 @@
 //! - [`judge`]: `e2fsck -fn`, loop mounts (serialized), an rw workload, ext4-view.
 //! - [`tessera`]: locating and running the `tessera` binary.
 //! - [`daemon`]: `tessera serve` as a child process and a libblkio client reading from it;
-//!   [`metrics`]: scraping its `/metrics`.
+//!   [`metrics`]: scraping its `/metrics`; [`replay`]: replaying a request trace through libblkio.
 //! - [`oci`]: OCI images made with umoci/skopeo and hand-written layers.
 //! - [`nginx`]: nginx as a real HTTP origin; [`proxy`]: the latency/bandwidth/fault proxy in
 //!   front of it (the network model).
@@ -42,6 +42,7 @@ pub mod pyhttp;
 pub mod record;
 pub mod reference;
 pub mod registry;
+pub mod replay;
 pub mod tessera;
 pub mod testutil;
 pub mod tls;

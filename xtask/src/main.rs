@@ -4,6 +4,8 @@
 //! - `cargo xtask test` — the one gate CI runs (`.ci/run`): Debian packages (as root, only the
 //!   missing ones), fmt, clippy, build the CLI, unit tests, end-to-end tests.
 //! - `cargo xtask demo` — build a fixture image into `target/demo-store`, export, judge, mount.
+//! - `cargo xtask replay --trace FILE --socket PATH [--raw RAW] [--writes] [--json]` — replay a
+//!   request trace through libblkio (`tests/src/replay.rs`).
 //! - `cargo xtask bench build` — `tessera build` vs `mkfs.ext4 -d` on a 20 000-file tree.
 //! - `cargo xtask bench serve` — `tessera serve` vs `qemu-storage-daemon` (`bench_serve.rs`).
 //! - `cargo xtask bench lazy` — a guest reading 10% of a ≥ 1 GiB image through `tessera serve`
@@ -77,6 +79,31 @@ enum Cmd {
         #[arg(last = true, required = true)]
         command: Vec<String>,
     },
+    /// Replay a request trace (`tessera serve --record-requests FILE`) against a vhost-user-blk
+    /// socket through libblkio, as fast as its dependencies allow: a request is issued once every
+    /// request that had completed before it was issued in the recording has completed; think
+    /// time dropped, the recording's concurrency and queues. Prints wall time, requests, bytes
+    /// and latency percentiles (docs/formats/requests.md).
+    ///
+    /// Example: cargo xtask replay --trace boot.requests --socket /tmp/vm.sock --raw web.raw
+    Replay {
+        /// The request trace.
+        #[arg(long)]
+        trace: PathBuf,
+        /// The vhost-user-blk socket (tessera serve, qemu-storage-daemon, ...).
+        #[arg(long)]
+        socket: PathBuf,
+        /// Compare every byte read with this raw export (`tessera export`).
+        #[arg(long, value_name = "RAW_EXPORT")]
+        raw: Option<PathBuf>,
+        /// Replay writes, discards and write-zeroes too. Only against a scratch device: tessera
+        /// serve with a temporary overlay, or qemu-storage-daemon on a copy of the raw export.
+        #[arg(long)]
+        writes: bool,
+        /// Print the report as JSON on stdout.
+        #[arg(long)]
+        json: bool,
+    },
     /// Benchmarks (never in CI).
     Bench {
         #[command(subcommand)]
@@ -120,6 +147,7 @@ fn main() -> ExitCode {
         Cmd::RecordProfile { image, store, runs, work, command } => {
             cmd_record_profile(&image, &store, runs, work, &command.join(" "))
         }
+        Cmd::Replay { trace, socket, raw, writes, json } => cmd_replay(&trace, &socket, raw, writes, json),
         Cmd::Bench { what: Bench::Build { files, runs, cold } } => bench_build(files, runs, cold),
         Cmd::Bench { what: Bench::Serve(opts) } => bench_serve::run(&opts),
         Cmd::Bench { what: Bench::BuildOci(opts) } => bench_oci::run(&opts),
@@ -134,6 +162,18 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+fn cmd_replay(trace: &Path, socket: &Path, raw: Option<PathBuf>, writes: bool, json: bool) -> Result<()> {
+    let trace = tessera_e2e::replay::load(trace)?;
+    let report =
+        tessera_e2e::replay::replay(&trace, socket, &tessera_e2e::replay::ReplayOptions { raw, writes })?;
+    if json {
+        println!("{}", report.json());
+    } else {
+        println!("{}", report.summary());
+    }
+    Ok(())
 }
 
 fn workspace_root() -> PathBuf {

@@ -14,14 +14,14 @@ use signal_hook::iterator::Signals;
 use tessera_engine::metrics::watch_mem_tier;
 use tessera_engine::{FetchLimits, MemTier, DEFAULT_LOCAL_FETCH_JOBS, DEFAULT_REMOTE_FETCH_JOBS};
 use tessera_image::Profile;
-use tessera_image::{ImageId, BLOCK_SIZE};
+use tessera_image::{ImageId, RequestTraceHeader, BLOCK_SIZE};
 use tessera_metrics::{Exporter, Metrics, Tier};
 use tessera_overlay::{Mode as OverlayMode, Overlay, OverlayParams};
 use tessera_store::{
     CacheConfig, ChunkSource, ImageReader, LocalStore, Metered, OpenImage, OriginOptions, ReadStore,
     StoreLocation,
 };
-use tessera_vhost::{DeviceConfig, Disk, Server, DEFAULT_SOCKET_MODE, MAX_QUEUES};
+use tessera_vhost::{DeviceConfig, Disk, RequestRecorder, Server, DEFAULT_SOCKET_MODE, MAX_QUEUES};
 
 use crate::watch::{describe_image, watch_overlay, watch_store};
 
@@ -70,6 +70,7 @@ tessera serve web --store ./store --socket /tmp/vm.sock --ready-fd 3 3>ready.txt
 tessera serve web --store https://cdn.example/tessera --cache-dir /var/cache/tessera --socket /run/web.sock\n  \
 tessera serve web --store docker://registry.example.com/team/images --cache-dir /var/cache/tessera --socket /run/web.sock\n  \
 tessera serve web --store ./store --socket /tmp/vm.sock --read-only --record-trace boot1.trace\n  \
+tessera serve web --store ./store --socket /tmp/vm.sock --read-only --record-requests boot1.requests\n  \
 tessera serve web --store ./store --socket /tmp/vm.sock --metrics 127.0.0.1:9100 &\n  \
 curl -s http://127.0.0.1:9100/metrics | grep tessera_requests_total")]
 pub struct ServeArgs {
@@ -147,6 +148,12 @@ pub struct ServeArgs {
     /// `tessera profile`.
     #[arg(long, value_name = "FILE")]
     record_trace: Option<PathBuf>,
+    /// Record every virtio request (queue, type, sector, length, issue and completion times,
+    /// status) to FILE (created or truncated; docs/formats/requests.md), for `cargo xtask
+    /// replay`. The record count is written on exit: a daemon killed with SIGKILL leaves a
+    /// trace the decoder refuses.
+    #[arg(long, value_name = "FILE")]
+    record_requests: Option<PathBuf>,
 }
 
 /// HOST:PORT (a name, an IPv4 address or a bracketed IPv6 address, and a port number).
@@ -277,6 +284,8 @@ pub struct ServeConfig {
     /// `--metrics HOST:PORT`.
     pub metrics: Option<String>,
     pub record_trace: Option<PathBuf>,
+    /// `--record-requests FILE`.
+    pub record_requests: Option<PathBuf>,
 }
 
 impl ServeConfig {
@@ -323,6 +332,7 @@ impl ServeConfig {
             prefetch: !args.no_prefetch,
             metrics: args.metrics,
             record_trace: args.record_trace,
+            record_requests: args.record_requests,
         })
     }
 }
@@ -393,6 +403,19 @@ pub fn run(config: ServeConfig) -> Result<()> {
     if let Disk::Overlay(o) = &disk {
         watch_overlay(&metrics, o);
     }
+    let requests = match &config.record_requests {
+        Some(path) => {
+            let header = RequestTraceHeader {
+                image: id,
+                device_bytes: device.capacity_bytes,
+                queues: device.queues,
+                read_only: device.read_only,
+            };
+            tracing::info!(path = %path.display(), "recording requests");
+            Some(RequestRecorder::create(path, header)?)
+        }
+        None => None,
+    };
     let exporter = config.metrics.as_deref().map(|a| Exporter::start(a, Arc::clone(&metrics))).transpose()?;
     if let Some(e) = &exporter {
         eprintln!("metrics: {}", e.url());
@@ -412,6 +435,10 @@ pub fn run(config: ServeConfig) -> Result<()> {
         .with_context(|| format!("serving {id}"))?
         .with_metrics(metrics)
         .with_poll(config.poll);
+    let server = match &requests {
+        Some(r) => server.with_recorder(Arc::clone(r)),
+        None => server,
+    };
     let stop = server.stop_handle();
     let handle = signals.handle();
     let signal_thread = std::thread::spawn(move || {
@@ -431,8 +458,13 @@ pub fn run(config: ServeConfig) -> Result<()> {
     let _ = signal_thread.join();
     drop(exporter);
     let traced = trace.map(TraceSession::finish).transpose();
+    let recorded = requests.map(|r| r.finish()).transpose();
+    if let Ok(Some(n)) = &recorded {
+        tracing::info!(requests = n, "request trace written");
+    }
     result.with_context(|| format!("serving {id}"))?;
     traced?;
+    recorded?;
     Ok(())
 }
 

@@ -8,6 +8,7 @@
 //! - [`ImageRecord`]: the canonical, versioned binary record whose sha256 is the image ID.
 //! - [`PackIndex`]: where each chunk sits inside the store's packs (per store, not part of the ID).
 //! - [`Trace`] / [`Profile`]: boot traces and the prefetch profiles merged from them (per store).
+//! - [`RequestTrace`]: every virtio request a daemon answered (`serve --record-requests`).
 //! - [`ImageEntry`]: the JSON document tying an image ID to its blobs in one store.
 //!
 //! ```
@@ -31,6 +32,7 @@ mod error;
 mod packindex;
 mod profile;
 mod record;
+mod requests;
 mod units;
 
 pub use blockmap::{BlockMap, BlockMapBuilder, ChunkRef, Run, RunSource, Segment, SegmentSource};
@@ -43,5 +45,9 @@ pub use profile::{
 };
 pub use record::{
     BuildOptions, Geometry, ImageRecord, ImageStats, PrefixInfo, RuntimeConfig, RECORD_VERSION,
+};
+pub use requests::{
+    RequestOp, RequestRecord, RequestStatus, RequestTrace, RequestTraceHeader, REQUEST_HEADER_LEN,
+    REQUEST_RECORD_LEN, REQUEST_TRACE_MAGIC, REQUEST_TRACE_UNFINISHED, REQUEST_TRACE_VERSION,
 };
 pub use units::{parse_size, validate_tag, BlockSize, SizeParseError, BLOCK_SIZE};

@@ -19,6 +19,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use crate::config::{DeviceConfig, MAX_QUEUE_SIZE};
 use crate::execute::{start_chain, DeferredFlush, DeferredRead, Disk, Started};
 use crate::poll::PollWindow;
+use crate::record::RequestRecorder;
 
 /// Guest memory as the framework hands it over (no dirty-page bitmap).
 pub type GuestMem = GuestMemoryAtomic<GuestMemoryMmap<()>>;
@@ -45,6 +46,8 @@ struct Inner {
     connection: u64,
     queues: Vec<QueueState>,
     metrics: Arc<Metrics>,
+    /// `--record-requests`: every completed request goes to the trace.
+    recorder: Option<Arc<RequestRecorder>>,
 }
 
 /// Per queue: the worker's own state and the out-of-order completions.
@@ -148,8 +151,18 @@ impl BlkBackend {
                 connection,
                 queues,
                 metrics,
+                recorder: None,
             }),
         })
+    }
+
+    /// Record every request completed from now on into `recorder` (`None`: nothing; call before
+    /// the backend is cloned or shared).
+    pub fn recording(mut self, recorder: Option<Arc<RequestRecorder>>) -> Self {
+        if let Some(inner) = Arc::get_mut(&mut self.inner) {
+            inner.recorder = recorder;
+        }
+        self
     }
 
     /// The device served.
@@ -233,6 +246,9 @@ impl BlkBackend {
                                     done.bytes,
                                     taken.elapsed(),
                                 );
+                                if let Some(r) = &self.inner.recorder {
+                                    r.record(queue, &done, taken);
+                                }
                                 state.get_queue_mut().add_used(&*mem, head, done.used_len)?;
                                 served += 1;
                             }
@@ -318,6 +334,9 @@ impl BlkBackend {
             let requests = &inner.metrics.requests;
             requests.in_flight.dec();
             requests.of(done.kind).record(done.metric_status(), done.bytes, taken.elapsed());
+            if let Some(r) = &inner.recorder {
+                r.record(queue, &done, taken);
+            }
             inner.complete(queue, generation, head, done.used_len);
         }));
     }
@@ -353,6 +372,9 @@ impl BlkBackend {
                 let requests = &inner.metrics.requests;
                 requests.in_flight.dec();
                 requests.of(done.kind).record(done.metric_status(), done.bytes, taken.elapsed());
+                if let Some(r) = &inner.recorder {
+                    r.record(queue, &done, taken);
+                }
                 inner.complete(queue, generation, head, done.used_len);
             }),
         );

@@ -260,6 +260,11 @@ pub struct Completion {
     /// Bytes the request moved if it succeeded: data read or written, the range discarded or
     /// zeroed, the serial's bytes; 0 for a flush.
     pub bytes: u64,
+    /// The request's first sector (DISCARD / WRITE_ZEROES: of its range; 0 when it could not
+    /// be parsed), for `--record-requests`.
+    pub sector: u64,
+    /// The bytes it asked for: its data buffers, or its DISCARD / WRITE_ZEROES range.
+    pub len: u64,
 }
 
 impl Completion {
@@ -312,7 +317,7 @@ pub struct DeferredFlush {
 impl DeferredFlush {
     /// The commit finished with `result`: write the status byte.
     pub fn finish<M: GuestMemory + ?Sized>(self, mem: &M, result: Result<(), RequestError>) -> Completion {
-        complete(mem, self.status, result.map(|()| Executed::Done(0)), RequestType::Flush, 0)
+        complete(mem, self.status, result.map(|()| Executed::Done(0)), RequestType::Flush, 0, (0, 0))
     }
 
     /// [`Self::finish`] with the group commit's outcome.
@@ -348,7 +353,13 @@ impl DeferredRead {
             Err(RequestError::Read(tessera_engine::ReadError::Store { offset: self.offset, source: error })),
             RequestType::Read,
             self.len,
+            self.extent(),
         )
+    }
+
+    /// `(sector, len)` as the request asked.
+    fn extent(&self) -> (u64, u64) {
+        (self.offset / crate::request::SECTOR_SIZE, self.len)
     }
 
     /// Fetch what is missing (blocking), copy the bytes into the guest's buffers, write the
@@ -362,7 +373,8 @@ impl DeferredRead {
             Visit::Done => Executed::Done(u32::try_from(self.len).unwrap_or(u32::MAX)),
             Visit::Missing => Executed::Missing,
         });
-        complete(mem, self.status, result, RequestType::Read, self.len)
+        let extent = self.extent();
+        complete(mem, self.status, result, RequestType::Read, self.len, extent)
     }
 }
 
@@ -389,14 +401,16 @@ pub fn start_chain<M: GuestMemory + ?Sized>(
                 status: None,
                 kind: RequestType::Invalid,
                 bytes: 0,
+                sector: 0,
+                len: 0,
             });
         }
         Parsed::Reply { status, request } => (status, request),
     };
-    let (kind, bytes) = match &request {
-        Ok(req) => (request_type(&req.kind), moved_bytes(req)),
-        Err(RequestError::Unsupported { .. }) => (RequestType::Unsupported, 0),
-        Err(_) => (RequestType::Invalid, 0),
+    let (kind, bytes, extent) = match &request {
+        Ok(req) => (request_type(&req.kind), moved_bytes(req), extent(req)),
+        Err(RequestError::Unsupported { .. }) => (RequestType::Unsupported, 0, (0, 0)),
+        Err(_) => (RequestType::Invalid, 0, (0, 0)),
     };
     // One span from here to the status byte, so that a refusal logged on completion names the
     // request; disabled (the default filter), it costs a check of the global max level.
@@ -425,7 +439,7 @@ pub fn start_chain<M: GuestMemory + ?Sized>(
         Ok(Ok(n)) => Ok(Executed::Done(n)),
         Err(e) => Err(e),
     };
-    Started::Done(complete(mem, status_addr, result, kind, bytes))
+    Started::Done(complete(mem, status_addr, result, kind, bytes, extent))
 }
 
 /// Write the status byte of a finished request.
@@ -435,6 +449,7 @@ fn complete<M: GuestMemory + ?Sized>(
     result: Result<Executed, RequestError>,
     kind: RequestType,
     bytes: u64,
+    (sector, len): (u64, u64),
 ) -> Completion {
     let (status, written) = match result {
         Ok(Executed::Done(n)) => (Status::Ok, n),
@@ -457,11 +472,11 @@ fn complete<M: GuestMemory + ?Sized>(
     };
     if mem.write_obj(status.byte(), status_addr).is_err() {
         // parse() checked the address; memory cannot shrink under a held guard.
-        return Completion { used_len: 0, status: None, kind, bytes: 0 };
+        return Completion { used_len: 0, status: None, kind, bytes: 0, sector, len };
     }
     // GET_ID moves what fits of the serial.
     let bytes = if kind == RequestType::GetId { u64::from(written) } else { bytes };
-    Completion { used_len: written.saturating_add(1), status: Some(status), kind, bytes }
+    Completion { used_len: written.saturating_add(1), status: Some(status), kind, bytes, sector, len }
 }
 
 fn request_type(kind: &RequestKind) -> RequestType {
@@ -472,6 +487,17 @@ fn request_type(kind: &RequestKind) -> RequestType {
         RequestKind::GetId => RequestType::GetId,
         RequestKind::Discard(_) => RequestType::Discard,
         RequestKind::WriteZeroes(_) => RequestType::WriteZeroes,
+    }
+}
+
+/// `(first sector, bytes)` the request asks for: its data, or its DISCARD / WRITE_ZEROES range.
+fn extent(req: &crate::request::Request) -> (u64, u64) {
+    match &req.kind {
+        RequestKind::Discard(ranges) | RequestKind::WriteZeroes(ranges) => {
+            (ranges.first().map_or(0, |r| r.sector), moved_bytes(req))
+        }
+        RequestKind::Flush => (0, 0),
+        _ => (req.sector, req.data_len),
     }
 }
 

@@ -45,6 +45,7 @@ pub mod execute;
 pub mod log_limit;
 pub mod plan;
 pub mod poll;
+pub mod record;
 pub mod request;
 pub mod server;
 
@@ -54,6 +55,7 @@ pub use error::{DropReason, RequestError, ServeError, Status};
 pub use execute::{
     serve_chain, start_chain, Completion, DeferredFlush, DeferredRead, Disk, Executed, Started,
 };
+pub use record::{RecordError, RequestRecorder};
 pub use request::{Parsed, Request, RequestKind};
 pub use server::{Server, StopHandle, DEFAULT_SOCKET_MODE};
 pub use tessera_metrics::{Metrics, RequestStatus, RequestType};

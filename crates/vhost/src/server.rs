@@ -22,6 +22,7 @@ use crate::config::{DeviceConfig, MAX_QUEUES};
 use crate::error::ServeError;
 use crate::execute::Disk;
 use crate::poll::DEFAULT_POLL_US;
+use crate::record::RequestRecorder;
 use crate::request::SECTOR_SIZE;
 use tessera_metrics::Metrics;
 
@@ -42,6 +43,7 @@ pub struct Server {
     metrics: Arc<Metrics>,
     /// The longest a queue worker polls after draining its ring.
     poll: Duration,
+    recorder: Option<Arc<RequestRecorder>>,
 }
 
 impl std::fmt::Debug for Server {
@@ -165,6 +167,7 @@ impl Server {
             connections: Arc::new(AtomicU64::new(0)),
             metrics: Metrics::unregistered(),
             poll: Duration::from_micros(DEFAULT_POLL_US),
+            recorder: None,
         })
     }
 
@@ -179,6 +182,12 @@ impl Server {
     /// [`DEFAULT_POLL_US`].
     pub fn with_poll(mut self, max: Duration) -> Self {
         self.poll = max;
+        self
+    }
+
+    /// Record every request of every connection into `recorder` (`--record-requests`).
+    pub fn with_recorder(mut self, recorder: Arc<RequestRecorder>) -> Self {
+        self.recorder = Some(recorder);
         self
     }
 
@@ -244,7 +253,8 @@ impl Server {
             Arc::clone(&self.metrics),
             self.poll,
         )
-        .map_err(|source| ServeError::Io { what: "creating the completion events", source })?;
+        .map_err(|source| ServeError::Io { what: "creating the completion events", source })?
+        .recording(self.recorder.clone());
         let mem = GuestMemoryAtomic::new(GuestMemoryMmap::new());
         let daemon_err = |what| move |e: DaemonError| ServeError::Daemon { what, message: e.to_string() };
         let mut daemon = VhostUserDaemon::new("tessera-vhost".to_owned(), backend.clone(), mem)

@@ -212,21 +212,33 @@ fn chains_without_a_usable_status_are_dropped() {
     let c = run(&m, &[d(HDR, 16, 0), d(DATA, 512, W), d(STATUS, 1, 0)]);
     assert_eq!(c.status, Some(Status::IoErr), "the readable-after-writable chain still has a status byte");
     let c = run(&m, &[d(HDR, 16, 0), d(STATUS, 1, 0)]);
-    assert_eq!(c, Completion { used_len: 0, status: None, kind: RequestType::Invalid, bytes: 0 });
+    assert_eq!(
+        c,
+        Completion { used_len: 0, status: None, kind: RequestType::Invalid, bytes: 0, sector: 0, len: 0 }
+    );
     untouched(&m);
     // Status outside guest memory.
     let c = run(&m, &[d(HDR, 16, 0), d(DATA, 512, W), d(MEM_LEN, 1, W)]);
-    assert_eq!(c, Completion { used_len: 0, status: None, kind: RequestType::Invalid, bytes: 0 });
+    assert_eq!(
+        c,
+        Completion { used_len: 0, status: None, kind: RequestType::Invalid, bytes: 0, sector: 0, len: 0 }
+    );
     // A zero-length writable descriptor is no status byte.
     let c = run(&m, &[d(HDR, 16, 0), d(STATUS, 0, W)]);
-    assert_eq!(c, Completion { used_len: 0, status: None, kind: RequestType::Invalid, bytes: 0 });
+    assert_eq!(
+        c,
+        Completion { used_len: 0, status: None, kind: RequestType::Invalid, bytes: 0, sector: 0, len: 0 }
+    );
     untouched(&m);
     // A `next` pointing outside the descriptor table ends the chain after the header.
     let q = MockSplitQueue::new(&m, 16);
     let broken = [RawDescriptor::from(Descriptor::new(HDR, 16, 1, 1000))];
     let chain = q.build_multiple_desc_chains(&broken).unwrap();
     let c = serve_chain(chain, &m, &Disk::Base(Arc::new(Pattern)), &device(), &mut Vec::new());
-    assert_eq!(c, Completion { used_len: 0, status: None, kind: RequestType::Invalid, bytes: 0 });
+    assert_eq!(
+        c,
+        Completion { used_len: 0, status: None, kind: RequestType::Invalid, bytes: 0, sector: 0, len: 0 }
+    );
     untouched(&m);
 }
 
