@@ -8,6 +8,7 @@
 //! Every property violated is a panic (what libFuzzer reports).
 #![allow(clippy::unwrap_used)]
 
+pub mod content_manifest;
 pub mod image_record;
 pub mod oci_layers;
 pub mod overlay_replay;

@@ -26,18 +26,21 @@ use crate::Output;
 /// `(name, bytes)` seeds of one target.
 pub type Seeds = Vec<(String, Vec<u8>)>;
 
-/// Seeds of the named target (`vhost_request`, `image_record`, `overlay_replay`, `oci_layers`).
+/// Seeds of the named target (`vhost_request`, `image_record`, `overlay_replay`, `oci_layers`,
+/// `content_manifest`).
 pub fn for_target(target: &str) -> Seeds {
     match target {
         "vhost_request" => vhost_request(),
         "image_record" => image_record(),
         "overlay_replay" => overlay_replay(),
         "oci_layers" => oci_layers(),
+        "content_manifest" => crate::content_manifest::seeds(),
         other => panic!("unknown fuzz target {other}"),
     }
 }
 
-pub const TARGETS: [&str; 4] = ["vhost_request", "image_record", "overlay_replay", "oci_layers"];
+pub const TARGETS: [&str; 5] =
+    ["vhost_request", "image_record", "overlay_replay", "oci_layers", "content_manifest"];
 
 const CAP: u64 = 4 << 20;
 

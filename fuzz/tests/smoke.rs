@@ -11,6 +11,7 @@ fn run(target: &str, data: &[u8]) {
         "image_record" => tessera_fuzz::image_record::run(data),
         "overlay_replay" => tessera_fuzz::overlay_replay::run(data),
         "oci_layers" => tessera_fuzz::oci_layers::run(data),
+        "content_manifest" => tessera_fuzz::content_manifest::run(data),
         _ => unreachable!(),
     }
 }
@@ -85,4 +86,9 @@ fn mutated_seeds() {
             }
         }
     }
+}
+
+#[test]
+fn content_manifest_seeds() {
+    seeds("content_manifest");
 }

@@ -197,6 +197,32 @@ impl UmociImage {
         Ok(())
     }
 
+    /// Tag `tag` an image of the tagged image's lowest `keep` layers (same blobs and config but
+    /// for the layer list and diff_ids): an older version of the image, as a base it grew from.
+    pub fn tag_lower_layers(&self, tag: &str, keep: usize) -> Result<()> {
+        let (mut index, i) = self.tagged()?;
+        let mut manifest = self.manifest()?;
+        let config_digest =
+            manifest["config"]["digest"].as_str().context("manifest without config")?.to_owned();
+        let mut config: Value = serde_json::from_slice(&fs::read(self.blob_path(&config_digest)?)?)?;
+        config["rootfs"]["diff_ids"].as_array_mut().context("config without diff_ids")?.truncate(keep);
+        if let Some(h) = config["history"].as_array_mut() {
+            h.truncate(keep);
+        }
+        let (cd, cs) = self.put_blob(&serde_json::to_vec(&config)?)?;
+        manifest["config"]["digest"] = cd.into();
+        manifest["config"]["size"] = cs.into();
+        manifest["layers"].as_array_mut().context("manifest without layers")?.truncate(keep);
+        let (md, ms) = self.put_blob(&serde_json::to_vec(&manifest)?)?;
+        let mut desc = index["manifests"][i].clone();
+        desc["digest"] = md.into();
+        desc["size"] = ms.into();
+        desc["annotations"]["org.opencontainers.image.ref.name"] = tag.into();
+        index["manifests"].as_array_mut().context("index without manifests")?.push(desc);
+        fs::write(self.layout.join("index.json"), serde_json::to_vec(&index)?)?;
+        Ok(())
+    }
+
     /// Append a layer written by `bsdtar --format pax --xattrs -C DIR -cf - .` (libarchive: PAX
     /// `LIBARCHIVE.xattr.*` records next to `SCHILY.xattr.*` ones).
     pub fn append_bsdtar_layer(&self, dir: &Path) -> Result<()> {

@@ -171,6 +171,72 @@ fn same_image_same_id_across_transports_and_compression() -> Result<()> {
     Ok(())
 }
 
+/// Layer manifests (issue 12): a store that already holds some of an image's layers (as the
+/// manifests an earlier build of a base image stored) builds it reading only the new layer, one
+/// that holds them all reads none, and both give the cold store's image ID and byte-identical
+/// exports. The image has whiteouts, an opaque directory and hard links within and across layers.
+#[test]
+fn cold_and_warm_stores_give_the_same_image() -> Result<()> {
+    fixtures::require_root()?;
+    require_tools()?;
+    let t = tmp("oci-warm")?;
+    let img = make_image(t.path())?;
+    img.tag_lower_layers("base", 2)?;
+    let base = format!("oci:{}:base", img.layout.display());
+    let layers = |store: &Path, id: &tessera::ImageId| -> Result<Vec<bool>> {
+        let entry: serde_json::Value =
+            serde_json::from_slice(&fs::read(store.join("images").join(format!("{}.json", id.hex())))?)?;
+        let p = entry["provenance"].as_str().context("no provenance")?;
+        let prov: serde_json::Value =
+            serde_json::from_slice(&fs::read(store.join("blobs/sha256").join(&p["sha256:".len()..]))?)?;
+        let list = prov["image"]["layer_manifests"].as_array().context("no layer_manifests")?;
+        Ok(list.iter().map(|l| l["reused"] == serde_json::json!(true)).collect())
+    };
+
+    let cold = t.path().join("cold");
+    let started = std::time::Instant::now();
+    let id = build_ok(&img.source(), &cold, &[])?;
+    eprintln!("cold build (3 new layers): {:.2}s", started.elapsed().as_secs_f64());
+    ensure!(layers(&cold, &id)? == [false, false, false], "a cold store reused a manifest");
+
+    let warm = t.path().join("warm");
+    let base_id = build_ok(&base, &warm, &[])?;
+    ensure!(layers(&warm, &base_id)? == [false, false], "the base build reused a manifest");
+    let started = std::time::Instant::now();
+    let warm_id = build_ok(&img.source(), &warm, &[])?;
+    eprintln!("warm build (2 layers reused, 1 read): {:.2}s", started.elapsed().as_secs_f64());
+    ensure!(warm_id == id, "warm store gave {warm_id}, cold store {id}");
+    ensure!(layers(&warm, &warm_id)? == [true, true, false], "the warm build did not reuse the base layers");
+    tessera::check_store(&warm)?;
+
+    // Every layer known: no layer is read.
+    let all = t.path().join("all");
+    build_ok(&img.source(), &all, &[])?;
+    fs::remove_file(all.join("images").join(format!("{}.json", id.hex())))?;
+    let started = std::time::Instant::now();
+    let all_id = build_ok(&img.source(), &all, &[])?;
+    eprintln!("hot build (3 layers reused): {:.2}s", started.elapsed().as_secs_f64());
+    ensure!(all_id == id, "fully warm store gave {all_id}, cold store {id}");
+    ensure!(layers(&all, &all_id)? == [true, true, true], "the hot build read a layer");
+
+    let raw = |store: &Path, name: &str| -> Result<std::path::PathBuf> {
+        let out = t.path().join(name);
+        tessera::export(id.as_str(), store, &out)?;
+        Ok(out)
+    };
+    let a = raw(&cold, "cold.raw")?;
+    for (store, name) in [(&warm, "warm.raw"), (&all, "all.raw")] {
+        let b = raw(store, name)?;
+        let cmp = std::process::Command::new("cmp").arg(&a).arg(&b).output()?;
+        ensure!(
+            cmp.status.success(),
+            "{name} differs from the cold export: {}",
+            String::from_utf8_lossy(&cmp.stdout)
+        );
+    }
+    Ok(())
+}
+
 /// Hostile layouts: a corrupted layer blob, a missing blob, a decompression bomb against
 /// --max-size, an unknown reference, a bad platform. Each fails with exit status 1 (2 for usage)
 /// and a clear message, and no image is written.

@@ -317,11 +317,11 @@ impl ChunkState {
         let mut ops = Vec::new();
         for result in results {
             let p = result?;
-            let slot = self.out.files.get_mut(p.node).ok_or(BuildError::Internal {
-                what: "a chunk names a node outside the tree",
-                chunk: Some(p.id),
-            })?;
-            slot.push((p.offset, p.id, p.len));
+            // Layer sources number files as they meet them: the list grows.
+            if p.node >= self.out.files.len() {
+                self.out.files.resize(p.node + 1, FileChunks::new());
+            }
+            self.out.files[p.node].push((p.offset, p.id, p.len));
             let home = match self.known.entry(p.id) {
                 Entry::Occupied(e) => *e.get(),
                 Entry::Vacant(slot) => {

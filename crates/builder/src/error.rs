@@ -28,6 +28,10 @@ pub enum BuildError {
     Store(#[from] tessera_store::StoreError),
     #[error("internal error")]
     Contract(#[from] tessera_image::Error),
+    #[error("{file}: entry {path:?}: {reason}")]
+    Manifest { file: PathBuf, path: String, reason: String },
+    #[error("{path}: content chunk {chunk} is missing: {reason}")]
+    MissingContent { path: String, chunk: tessera_image::ChunkId, reason: String },
     #[error("internal error: {what} (chunk {chunk:?})")]
     Internal { what: &'static str, chunk: Option<tessera_image::ChunkId> },
 }

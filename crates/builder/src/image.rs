@@ -1,31 +1,58 @@
-//! Building an OCI image (layout or docker archive): pass 1 scans every layer's headers in
-//! parallel and flattens them; pass 2 re-streams the layers that hold surviving files and feeds
-//! those files' bytes to the chunker.
+//! Building an OCI image (layout, docker archive or registry) from layer manifests.
 //!
-//! Pass 2 order is deterministic: layers in order, each in stream order; up to [`READERS`] layers
-//! are decompressed ahead at once, each into a bounded channel, so memory stays bounded whatever
-//! the layer sizes. Chunk ids are content hashes, so neither this order nor the compression or
-//! transport of the layers can change the image ID.
+//! 1. Each layer whose manifest the store holds (a [`LayerRecord`] under its diff_id and the
+//!    chunk size) is taken from there: its manifest and the pack index of its chunks are read,
+//!    the layer itself is not.
+//! 2. Every other layer is read once ([`read_layer`]): its headers become entries and each regular
+//!    file's bytes go to the chunker as the stream passes them, so the layer is inflated and
+//!    hashed once. That makes the layer's manifest.
+//! 3. The manifests are applied in order by the [`Flattener`] (in memory), and the tree is
+//!    synthesized as for any source.
+//! 4. After the image entry is written, the new layers' manifests, pack indexes and records are
+//!    stored, so the next build with those layers reads only the manifests.
+//!
+//! Up to [`READERS`] new layers are decompressed ahead at once, each into a bounded channel, and
+//! consumed in layer order, so memory stays bounded whatever the layer sizes and the chunk order
+//! (hence the packs) is deterministic. Chunk ids are content hashes and the flattener sees the
+//! same entries either way, so the image ID does not depend on which manifests were reused, nor
+//! on the layers' compression or transport.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
+use std::io::Read;
 use std::sync::atomic::AtomicU64;
 use std::sync::mpsc;
 use std::sync::Arc;
 
-use rayon::prelude::*;
-use tessera_store::LocalStore;
-use tracing::{debug, info};
+use tessera_image::{ChunkId, PackIndex, Sha256Digest};
+use tessera_store::{KnownChunks, LayerRecord, LocalStore};
+use tracing::{debug, info, warn};
 
-use crate::chunk::{chunk_with, Batcher, ChunkOutput, Job, JobData};
+use crate::chunk::{chunk_with, Batcher, ChunkHome, ChunkOutput, Job, JobData};
 use crate::error::BuildError;
-use crate::pipeline::{check_chunk_size, finish_image, BuildConfig, BuildOutput};
-use crate::source::{scan_layer, FlatTree, Flattener, ImageSource, LayerBlob, LayerStream, SourceError};
+use crate::manifest::{data_ranges, ContentManifest};
+use crate::pipeline::{check_chunk_size, finish_image, index_of, BuildConfig, BuildOutput};
+use crate::seed::FileChunks;
+use crate::source::{
+    read_layer, EntryKind, FlatTree, Flattener, ImageSource, LayerBlob, LayerEntry, LayerStream, SourceError,
+};
 use crate::Progress;
 
-/// Layers decompressed at once in pass 2.
+/// New layers decompressed at once.
 pub const READERS: usize = 3;
 /// Bytes of chunk data a layer reader may have waiting in its channel.
 const READER_BUFFER: u64 = 8 << 20;
+/// The version of the rules that turn a layer's tar into entries (`source/layer.rs`). Bump it
+/// whenever they change what a layer yields, so that stored layer manifests made by other rules
+/// are not reused (they would give another image than reading the layer).
+pub const LAYER_READER_VERSION: u32 = 1;
+
+/// A layer's manifest and where it came from.
+struct Layer {
+    manifest: ContentManifest,
+    /// The stored record it was taken from (`None`: read by this build).
+    reused: Option<LayerRecord>,
+    tar_bytes: u64,
+}
 
 /// Build `source` into `store`.
 pub fn build_image(
@@ -35,107 +62,257 @@ pub fn build_image(
     progress: &dyn Progress,
 ) -> Result<BuildOutput, BuildError> {
     check_chunk_size(config.chunk_size)?;
-    let flat = flatten(&source.layers, config)?;
-    info!(nodes = flat.tree.nodes.len(), layers = source.layers.len(), "flattened layers");
-    let existing = store.known_chunks()?;
+    let mut layers: Vec<Option<Layer>> = Vec::with_capacity(source.layers.len());
+    let mut homes: HashMap<ChunkId, ChunkHome> = HashMap::new();
+    let mut reused_bytes = 0u64;
+    for blob in &source.layers {
+        let found = reusable(store, blob, config.chunk_size)?;
+        layers.push(found.map(|(record, manifest, index)| {
+            for &(id, loc) in index.entries() {
+                if let Some(pack) = index.packs().get(loc.pack as usize) {
+                    homes.insert(id, ChunkHome::Existing(*pack, loc));
+                }
+            }
+            reused_bytes += record.tar_bytes;
+            Layer { manifest, tar_bytes: record.tar_bytes, reused: Some(record) }
+        }));
+    }
+    if let Some(limit) = config.max_size.filter(|l| reused_bytes > *l) {
+        return Err(SourceError::TooLarge { what: "the layers".into(), limit }.into());
+    }
+    let new: Vec<usize> = (0..layers.len()).filter(|&i| layers[i].is_none()).collect();
+    info!(layers = layers.len(), reused = layers.len() - new.len(), "layer manifests");
+    let existing = if new.is_empty() { KnownChunks::new() } else { store.known_chunks()? };
     debug!(chunks = existing.len(), "chunks already in the store");
-    let chunks =
-        chunk_layers(&source.layers, &flat, store, existing, u64::from(config.chunk_size), progress)?;
-    info!(new_chunks = chunks.new_chunks, new_bytes = chunks.new_stored_bytes, "chunked file content");
-    finish_image(&flat.tree, chunks, store, config, source.config.clone(), source.provenance.clone())
+    let (made, mut chunks) =
+        read_new_layers(&source.layers, &new, store, existing, config, reused_bytes, progress)?;
+    info!(new_chunks = chunks.new_chunks, new_bytes = chunks.new_stored_bytes, "read new layers");
+    for (i, layer) in new.iter().zip(made) {
+        layers[*i] = Some(layer);
+    }
+    let layers: Vec<Layer> = layers.into_iter().flatten().collect();
+    if layers.len() != source.layers.len() {
+        return Err(BuildError::Internal { what: "a layer has no manifest", chunk: None });
+    }
+    for (id, home) in homes {
+        chunks.homes.entry(id).or_insert(home);
+    }
+
+    let flat = flatten(&source.layers, &layers, config.fs_time)?;
+    info!(nodes = flat.tree.nodes.len(), layers = layers.len(), "flattened layers");
+    chunks.files = flat.files;
+
+    // The new manifests are blobs of the image's build (written before its entry); their
+    // records come after the entry, once the chunks they name are in a pack index.
+    let mut digests = Vec::with_capacity(layers.len());
+    for layer in &layers {
+        digests.push(match &layer.reused {
+            Some(r) => r.manifest,
+            None => store.put_blob(&layer.manifest.encode())?,
+        });
+    }
+    let mut provenance = source.provenance.clone();
+    if let Some(obj) = provenance.as_object_mut() {
+        let list: Vec<serde_json::Value> = source
+            .layers
+            .iter()
+            .zip(&layers)
+            .zip(&digests)
+            .map(|((blob, layer), digest)| {
+                serde_json::json!({
+                    "diff_id": blob.diff_id.as_ref().map(|d| d.to_string()),
+                    "manifest": digest.to_string(),
+                    "reused": layer.reused.is_some(),
+                })
+            })
+            .collect();
+        obj.insert("layer_manifests".into(), list.into());
+    }
+    let out = finish_image(&flat.tree, &chunks, store, config, source.config.clone(), provenance)?;
+    for ((blob, layer), digest) in source.layers.iter().zip(&layers).zip(&digests) {
+        if layer.reused.is_some() {
+            continue;
+        }
+        if let Err(e) = record_layer(store, blob, layer, *digest, &chunks, config.chunk_size) {
+            // Only a cache: the image is complete without it.
+            warn!(layer = %blob.name, error = %e, "could not store the layer manifest's record");
+        }
+    }
+    Ok(out)
 }
 
-/// Pass 1: scan every layer (in parallel) and apply them in order.
-pub fn flatten(layers: &[LayerBlob], config: &BuildConfig) -> Result<FlatTree, BuildError> {
-    let budget = config.max_size.map(|limit| (Arc::new(AtomicU64::new(0)), limit));
-    let scanned: Vec<Result<_, SourceError>> = layers
-        .par_iter()
-        .map(|layer| LayerStream::open(layer, budget.clone()).and_then(scan_layer))
-        .collect();
-    let mut flattener = Flattener::new(config.fs_time);
-    for (i, (layer, entries)) in layers.iter().zip(scanned).enumerate() {
-        let entries = entries?;
-        debug!(layer = %layer.name, entries = entries.len(), "scanned layer");
-        flattener.apply_layer(i, &layer.name, &entries)?;
+fn diff_digest(blob: &LayerBlob) -> Option<Sha256Digest> {
+    blob.diff_id.as_ref().and_then(|d| d.to_string().parse().ok())
+}
+
+/// The stored manifest of `blob`, if the store holds a usable one: made by these tar rules, every
+/// chunk in its pack index with the right length, every pack present. Anything else is logged
+/// and the layer is read instead.
+fn reusable(
+    store: &LocalStore,
+    blob: &LayerBlob,
+    chunk_size: u32,
+) -> Result<Option<(LayerRecord, ContentManifest, PackIndex)>, BuildError> {
+    let Some(diff_id) = diff_digest(blob) else { return Ok(None) };
+    let Some(record) = store.layer_record(&diff_id, chunk_size)? else { return Ok(None) };
+    if record.reader != LAYER_READER_VERSION {
+        debug!(layer = %blob.name, reader = record.reader, "layer manifest made by other tar rules");
+        return Ok(None);
     }
-    Ok(flattener.finish()?)
+    let load = || -> Result<(ContentManifest, PackIndex), String> {
+        let bytes = store.read_blob(&record.manifest).map_err(|e| e.to_string())?;
+        let manifest = ContentManifest::decode(&bytes).map_err(|e| e.to_string())?;
+        let bytes = store.read_blob(&record.pack_index).map_err(|e| e.to_string())?;
+        let index = PackIndex::decode(&bytes).map_err(|e| e.to_string())?;
+        for (id, len) in manifest.chunk_ids() {
+            match index.get(&id) {
+                Some((_, loc)) if loc.raw_len == len => {}
+                _ => return Err(format!("chunk {id} is not in its pack index")),
+            }
+        }
+        for pack in index.packs() {
+            if !store.has_blob(pack).map_err(|e| e.to_string())? {
+                return Err(format!("pack {pack} is missing"));
+            }
+        }
+        Ok((manifest, index))
+    };
+    match load() {
+        Ok((manifest, index)) => {
+            debug!(layer = %blob.name, manifest = %record.manifest, "reusing the layer manifest");
+            Ok(Some((record, manifest, index)))
+        }
+        Err(why) => {
+            warn!(layer = %blob.name, %why, "stored layer manifest unusable: reading the layer");
+            Ok(None)
+        }
+    }
+}
+
+/// Store a new layer's pack index and record (its manifest blob is already stored).
+fn record_layer(
+    store: &LocalStore,
+    blob: &LayerBlob,
+    layer: &Layer,
+    manifest: Sha256Digest,
+    chunks: &ChunkOutput,
+    chunk_size: u32,
+) -> Result<(), BuildError> {
+    let Some(diff_id) = diff_digest(blob) else { return Ok(()) };
+    let index = index_of(layer.manifest.chunk_ids().map(|(id, _)| id), chunks)?;
+    let pack_index = store.put_blob(&index.encode())?;
+    let record =
+        LayerRecord { reader: LAYER_READER_VERSION, manifest, pack_index, tar_bytes: layer.tar_bytes };
+    store.put_layer_record(&diff_id, chunk_size, &record)?;
+    Ok(())
+}
+
+/// What flattening the manifests gives: the tree and each node's chunks.
+pub struct Flat {
+    pub tree: tessera_ext4::Tree,
+    pub files: Vec<FileChunks>,
+}
+
+impl std::fmt::Debug for Flat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Flat").field("nodes", &self.tree.nodes.len()).finish()
+    }
+}
+
+/// Apply the layers' manifests in order and give each regular file its chunks (and the data
+/// ranges they cover).
+fn flatten(blobs: &[LayerBlob], layers: &[Layer], fs_time: i64) -> Result<Flat, BuildError> {
+    let mut flattener = Flattener::new(fs_time);
+    for (i, (blob, layer)) in blobs.iter().zip(layers).enumerate() {
+        flattener.apply_layer(i, &blob.name, &layer.manifest.entries)?;
+    }
+    let manifests: Vec<&ContentManifest> = layers.iter().map(|l| &l.manifest).collect();
+    attach_chunks(flattener.finish()?, &manifests)
+}
+
+/// Give each regular file of a flattened tree (whose content refs name a manifest and a file of
+/// it) its chunk list, and set its data ranges to the blocks those chunks cover.
+pub(crate) fn attach_chunks(flat: FlatTree, manifests: &[&ContentManifest]) -> Result<Flat, BuildError> {
+    let FlatTree { mut tree, content } = flat;
+    let mut files = vec![FileChunks::new(); tree.nodes.len()];
+    for (node, c) in content.iter().enumerate() {
+        let Some(c) = c else { continue };
+        let list = manifests
+            .get(c.layer)
+            .and_then(|m| usize::try_from(c.offset).ok().and_then(|i| m.files.get(i)))
+            .ok_or(BuildError::Internal {
+                what: "a file names no chunk list of its manifest",
+                chunk: None,
+            })?;
+        if let Some(tessera_ext4::NodeKind::Regular { data, .. }) =
+            tree.nodes.get_mut(node).map(|n| &mut n.kind)
+        {
+            *data = data_ranges(list);
+        }
+        files[node] = list.clone();
+    }
+    Ok(Flat { tree, files })
 }
 
 enum Msg {
     Job(Job),
-    Done,
+    Done { entries: Vec<LayerEntry>, tar_bytes: u64 },
     Failed(BuildError),
 }
 
-/// Files of one layer to read: (offset in the stream, size, node), sorted by offset.
-type Extents = Vec<(u64, u64, usize)>;
-
-fn read_layer(
+/// Read one layer, sending each file's chunks (node = the file's ordinal in the layer).
+fn read_one(
     blob: &LayerBlob,
-    extents: &Extents,
+    budget: Option<(Arc<AtomicU64>, u64)>,
     chunk_size: u64,
     tx: &mpsc::SyncSender<Msg>,
-) -> Result<(), BuildError> {
-    let mut stream = LayerStream::reopen(blob)?;
-    for &(offset, size, node) in extents {
-        stream.skip_to(offset)?;
+) -> Result<(Vec<LayerEntry>, u64), BuildError> {
+    let stream = LayerStream::open(blob, budget)?;
+    let mut sink = |ordinal: u64, size: u64, data: &mut dyn Read| -> std::io::Result<()> {
         let mut done = 0u64;
         while done < size {
             let len = (size - done).min(chunk_size);
             let mut buf = vec![0u8; len as usize];
-            stream.read_exact_checked(&mut buf)?;
+            data.read_exact(&mut buf)?;
             // chunk_size ≤ 16 MiB, so the length fits.
-            let job = Job { node, offset: done, len: len as u32, data: JobData::Bytes(buf) };
-            if tx.send(Msg::Job(job)).is_err() {
-                // The consumer gave up (an error elsewhere): stop quietly.
-                return Ok(());
-            }
+            let job =
+                Job { node: ordinal as usize, offset: done, len: len as u32, data: JobData::Bytes(buf) };
+            // The consumer gave up (an error elsewhere): stop.
+            tx.send(Msg::Job(job)).map_err(|_| std::io::Error::other("the build stopped"))?;
             done += len;
         }
-    }
-    stream.finish()?;
-    Ok(())
+        Ok(())
+    };
+    Ok(read_layer(stream, &mut sink)?)
 }
 
-/// Pass 2: stream the layers that hold surviving files and chunk those files.
-fn chunk_layers(
-    layers: &[LayerBlob],
-    flat: &FlatTree,
+/// Read the layers `new` (indexes into `blobs`) once each, chunking every file, and return their
+/// manifests in that order.
+fn read_new_layers(
+    blobs: &[LayerBlob],
+    new: &[usize],
     store: &LocalStore,
-    existing: std::collections::HashMap<
-        tessera_image::ChunkId,
-        (tessera_image::Sha256Digest, tessera_image::PackLocation),
-    >,
-    chunk_size: u64,
+    existing: KnownChunks,
+    config: &BuildConfig,
+    reused_bytes: u64,
     progress: &dyn Progress,
-) -> Result<ChunkOutput, BuildError> {
-    let mut extents: Vec<Extents> = vec![Vec::new(); layers.len()];
-    let mut total = 0u64;
-    for (node, c) in flat.content.iter().enumerate() {
-        if let Some(c) = c.filter(|c| c.size > 0) {
-            if let Some(list) = extents.get_mut(c.layer) {
-                list.push((c.offset, c.size, node));
-                total += c.size;
-            }
-        }
-    }
-    for list in &mut extents {
-        list.sort_unstable();
-    }
-    let work: Vec<(&LayerBlob, &Extents)> =
-        layers.iter().zip(&extents).filter(|(_, e)| !e.is_empty()).collect();
+) -> Result<(Vec<Layer>, ChunkOutput), BuildError> {
+    let chunk_size = u64::from(config.chunk_size);
+    let budget = config.max_size.map(|limit| (Arc::new(AtomicU64::new(reused_bytes)), limit));
     let capacity = (READER_BUFFER / chunk_size).max(1) as usize;
-
-    chunk_with(flat.tree.nodes.len(), total, store, existing, progress, |sink| {
+    let work: Vec<&LayerBlob> = new.iter().filter_map(|&i| blobs.get(i)).collect();
+    let mut read: Vec<(Vec<LayerEntry>, u64)> = Vec::with_capacity(work.len());
+    let mut chunks = chunk_with(0, 0, store, existing, progress, |sink| {
         std::thread::scope(|scope| {
             let mut queue: VecDeque<mpsc::Receiver<Msg>> = VecDeque::new();
             let mut next = 0usize;
             let spawn = |next: &mut usize, queue: &mut VecDeque<mpsc::Receiver<Msg>>| {
-                if let Some(&(blob, ext)) = work.get(*next) {
+                if let Some(&blob) = work.get(*next) {
                     let (tx, rx) = mpsc::sync_channel(capacity);
+                    let budget = budget.clone();
                     scope.spawn(move || {
-                        let msg = match read_layer(blob, ext, chunk_size, &tx) {
-                            Ok(()) => Msg::Done,
+                        let msg = match read_one(blob, budget, chunk_size, &tx) {
+                            Ok((entries, tar_bytes)) => Msg::Done { entries, tar_bytes },
                             Err(e) => Msg::Failed(e),
                         };
                         let _ = tx.send(msg);
@@ -148,11 +325,22 @@ fn chunk_layers(
                 spawn(&mut next, &mut queue);
             }
             let mut batch = Batcher::default();
+            // Files of earlier layers: a layer's file ordinals are numbered after them.
+            let mut base = 0usize;
             while let Some(rx) = queue.pop_front() {
                 loop {
                     match rx.recv() {
-                        Ok(Msg::Job(job)) => batch.push(job, sink)?,
-                        Ok(Msg::Done) => break,
+                        Ok(Msg::Job(mut job)) => {
+                            job.node += base;
+                            batch.push(job, sink)?;
+                        }
+                        Ok(Msg::Done { entries, tar_bytes }) => {
+                            let files =
+                                entries.iter().filter(|e| matches!(e.kind, EntryKind::File { .. })).count();
+                            read.push((entries, tar_bytes));
+                            base += files;
+                            break;
+                        }
                         Ok(Msg::Failed(e)) => return Err(e),
                         Err(_) => {
                             return Err(BuildError::Internal {
@@ -166,5 +354,16 @@ fn chunk_layers(
             }
             batch.flush(sink)
         })
-    })
+    })?;
+    let total: usize =
+        read.iter().map(|(e, _)| e.iter().filter(|e| matches!(e.kind, EntryKind::File { .. })).count()).sum();
+    chunks.files.resize(total.max(chunks.files.len()), FileChunks::new());
+    let mut all = std::mem::take(&mut chunks.files).into_iter();
+    let mut layers = Vec::with_capacity(read.len());
+    for (entries, tar_bytes) in read {
+        let count = entries.iter().filter(|e| matches!(e.kind, EntryKind::File { .. })).count();
+        let files: Vec<FileChunks> = all.by_ref().take(count).collect();
+        layers.push(Layer { manifest: ContentManifest { entries, files }, reused: None, tar_bytes });
+    }
+    Ok((layers, chunks))
 }

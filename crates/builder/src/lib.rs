@@ -12,6 +12,8 @@
 mod chunk;
 mod error;
 mod image;
+pub mod manifest;
+mod manifest_text;
 mod pipeline;
 mod seed;
 pub mod source;
@@ -21,7 +23,8 @@ mod walk;
 
 pub use chunk::{BATCH_BYTES, PACK_TARGET_BYTES};
 pub use error::BuildError;
-pub use image::{build_image, flatten};
+pub use image::{build_image, LAYER_READER_VERSION};
+pub use manifest_text::{build_manifest, TEXT_VERSION};
 pub use pipeline::{
     build_dir, build_source, fs_time, BuildConfig, BuildOutput, DEFAULT_CHUNK_SIZE, DEFAULT_FS_TIME,
 };

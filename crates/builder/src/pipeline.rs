@@ -98,13 +98,13 @@ pub fn build_dir(
     debug!(chunks = existing.len(), "chunks already in the store");
     let chunks = chunk_tree(&source, store, existing, u64::from(config.chunk_size), progress)?;
     info!(new_chunks = chunks.new_chunks, new_bytes = chunks.new_stored_bytes, "chunked file content");
-    finish_image(&source.tree, chunks, store, config, RuntimeConfig::default(), serde_json::Value::Null)
+    finish_image(&source.tree, &chunks, store, config, RuntimeConfig::default(), serde_json::Value::Null)
 }
 
 /// Plan the image (ext4 layout, block map, record, pack index), then write its blobs and entry.
 pub(crate) fn finish_image(
     tree: &Tree,
-    chunks: ChunkOutput,
+    chunks: &ChunkOutput,
     store: &LocalStore,
     config: &BuildConfig,
     runtime: RuntimeConfig,
@@ -136,7 +136,7 @@ pub(crate) fn finish_image(
         block_map: map.finish()?,
         config: runtime,
     };
-    let pack_index = pack_index(&record, &chunks)?;
+    let pack_index = index_of(record.block_map.chunks().iter().map(|c| c.id), chunks)?;
     let (id, entry) = write_image(store, config, &record, &prefix, &pack_index, source_provenance)?;
     Ok(BuildOutput {
         id,
@@ -194,26 +194,29 @@ fn push_file_data(
     Ok(())
 }
 
-/// Pack index: every chunk the image uses, with packs numbered in first-use order.
-fn pack_index(record: &ImageRecord, chunks: &ChunkOutput) -> Result<PackIndex, BuildError> {
+/// A pack index of the chunks `ids` (repeats allowed), with packs numbered in first-use order.
+pub(crate) fn index_of(
+    ids: impl Iterator<Item = ChunkId>,
+    chunks: &ChunkOutput,
+) -> Result<PackIndex, BuildError> {
     let mut packs: Vec<Sha256Digest> = Vec::new();
     let mut pack_no: HashMap<Sha256Digest, u32> = HashMap::new();
-    let mut entries: Vec<(ChunkId, PackLocation)> = Vec::with_capacity(record.block_map.chunks().len());
-    for c in record.block_map.chunks() {
-        let (digest, mut loc) = match chunks.homes.get(&c.id) {
+    let mut entries: Vec<(ChunkId, PackLocation)> = Vec::new();
+    for id in ids {
+        let (digest, mut loc) = match chunks.homes.get(&id) {
             Some(ChunkHome::Existing(d, l)) => (*d, *l),
             Some(ChunkHome::New { pack, loc }) => match chunks.new_packs.get(*pack) {
                 Some(d) => (*d, *loc),
-                None => return Err(missing_chunk(c.id)),
+                None => return Err(missing_chunk(id)),
             },
-            None => return Err(missing_chunk(c.id)),
+            None => return Err(missing_chunk(id)),
         };
         let n = *pack_no.entry(digest).or_insert_with(|| {
             packs.push(digest);
             (packs.len() - 1) as u32
         });
         loc.pack = n;
-        entries.push((c.id, loc));
+        entries.push((id, loc));
     }
     Ok(PackIndex::new(packs, entries))
 }
@@ -287,6 +290,9 @@ pub fn build_source(
         SourceSpec::Oci { path, reference } => open_oci_layout(path, reference.as_deref(), platform)?,
         SourceSpec::DockerArchive { path, reference } => open_docker_archive(path, reference.as_deref())?,
         SourceSpec::Registry(r) => open_registry(r, platform)?,
+        SourceSpec::Manifest(file) => {
+            return crate::manifest_text::build_manifest(file, store, config, progress)
+        }
     };
     crate::image::build_image(&image, store, config, progress)
 }

@@ -96,10 +96,13 @@ tessera build oci:./multiarch --platform linux/arm64/v8 --store ./store --max-si
 tessera build docker-archive:./app.tar --store ./store\n  \
 tessera build docker-archive:./images.tar:example.com/app:v1 --store ./store\n  \
 tessera build docker://registry.example.com/team/app:v1 --store ./store --creds bot:s3cret\n  \
-tessera build docker://127.0.0.1:5000/app@sha256:4f2a... --store ./store\n\
+tessera build docker://127.0.0.1:5000/app@sha256:4f2a... --store ./store\n  \
+tessera build manifest:./rootfs.json --store ./store\n\
 \n\
-Image sources: layers (tar, tar+gzip, tar+zstd) are streamed twice and never unpacked to disk; every \
-blob is checked against its digest. Registries: bearer tokens (from the WWW-Authenticate challenge) or \
+Image sources: each layer (tar, tar+gzip, tar+zstd) is streamed once and never unpacked to disk, and \
+its layer manifest is kept in the store: a later build with the same layer (same diff_id and chunk \
+size) reads the manifest, not the layer (docs/formats/content-manifest.md). Every blob read is \
+checked against its digest. Registries: bearer tokens (from the WWW-Authenticate challenge) or \
 basic auth; credentials from --creds, REGISTRY_AUTH_FILE or ~/.docker/config.json; HTTPS required unless \
 --insecure or the registry is on loopback (then plain HTTP is used when TLS is not offered). Files keep uid, gid, mode, mtime (with nanoseconds), PAX atime and \
 ctime when present (else mtime), xattrs; missing parent directories and the root (unless the image has a \
@@ -109,8 +112,9 @@ pub struct BuildArgs {
     /// The source: DIR, oci:PATH[:REF] (an OCI image layout; REF is an
     /// org.opencontainers.image.ref.name or a manifest digest), docker-archive:PATH[:REF] (docker
     /// save / skopeo docker-archive; REF is REPO[:TAG] from the archive's RepoTags or @INDEX, needed
-    /// when it holds several images) or docker://HOST[:PORT]/REPO[:TAG|@DIGEST] (a registry; TAG defaults
-    /// to latest).
+    /// when it holds several images), docker://HOST[:PORT]/REPO[:TAG|@DIGEST] (a registry; TAG defaults
+    /// to latest) or manifest:FILE (a JSON content manifest: paths, attributes, and content by chunk
+    /// ids already in the store or by files on disk; docs/formats/manifest-text.md).
     source: String,
     /// The store to write into: PATH or file://PATH (created if missing).
     #[arg(long, value_parser = crate::parse_store)]

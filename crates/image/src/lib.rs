@@ -25,7 +25,7 @@
 #![forbid(unsafe_code)]
 
 mod blockmap;
-mod codec;
+pub mod codec;
 mod digest;
 mod entry;
 mod error;

@@ -49,7 +49,7 @@ pub use cache::{
 };
 pub use copy::{copy_image, CopyReport};
 pub use error::StoreError;
-pub use local::{BlobWriter, KnownChunks, LocalStore};
+pub use local::{BlobWriter, KnownChunks, LayerRecord, LocalStore};
 pub use location::{OpenedStore, OriginOptions, StoreLocation};
 pub use metered::Metered;
 pub use origin::http::{

@@ -32,6 +32,7 @@ const BLOBS_SHA256: &str = "blobs/sha256";
 const IMAGES: &str = "images";
 const REFS: &str = "refs";
 const TMP: &str = "tmp";
+const LAYERS: &str = "layers";
 
 /// Temp files older than this are removed by [`LocalStore::create_or_open`].
 const STALE_TEMP_AGE: Duration = Duration::from_secs(3600);
@@ -45,6 +46,23 @@ const WRITER_BUFFER: usize = 1 << 20;
 /// `PackLocation::pack` refers to the pack list of the image the entry was found in; a new build
 /// must use the digest, not that number.
 pub type KnownChunks = HashMap<ChunkId, (Sha256Digest, PackLocation)>;
+
+/// What the store knows about one layer (`layers/<diff_id hex>-<chunk size>.json`): the layer
+/// manifest and the pack index of its chunks, both blobs of the store. Written by the builder
+/// after the image that first used the layer; see `docs/formats/store.md`.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LayerRecord {
+    /// The builder's version of the tar reading rules that produced the manifest; a reader with
+    /// other rules ignores the record (and replaces it).
+    pub reader: u32,
+    /// The layer manifest blob (`docs/formats/content-manifest.md`).
+    pub manifest: Sha256Digest,
+    /// A pack index blob locating every chunk the manifest names.
+    pub pack_index: Sha256Digest,
+    /// Uncompressed bytes of the layer's tar stream (counted against `--max-size` on reuse).
+    pub tar_bytes: u64,
+}
 
 /// A store in a local directory. Cheap to clone; safe to share between threads.
 #[derive(Debug, Clone)]
@@ -340,6 +358,60 @@ impl LocalStore {
         }
         cache.insert(*digest, Arc::clone(&blob));
         Ok(blob)
+    }
+
+    // ---- layer records --------------------------------------------------------------------------
+
+    fn layer_path(&self, diff_id: &Sha256Digest, chunk_size: u32) -> PathBuf {
+        self.root.join(LAYERS).join(format!("{}-{chunk_size}.json", diff_id.hex()))
+    }
+
+    /// The record of the layer whose uncompressed tar has sha256 `diff_id`, as built with
+    /// `chunk_size`; `None` if the store has none or it cannot be read as one (a record is only a
+    /// cache: the caller reads the layer instead).
+    pub fn layer_record(
+        &self,
+        diff_id: &Sha256Digest,
+        chunk_size: u32,
+    ) -> Result<Option<LayerRecord>, StoreError> {
+        let path = self.layer_path(diff_id, chunk_size);
+        let bytes = match fs::read(&path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(StoreError::read("read layer record", &path, e)),
+        };
+        match serde_json::from_slice::<LayerRecord>(&bytes) {
+            Ok(r) => Ok(Some(r)),
+            Err(e) => {
+                warn!(path = %path.display(), error = %e, "ignoring an unreadable layer record");
+                Ok(None)
+            }
+        }
+    }
+
+    /// Write (or atomically replace) a layer record. The blobs it names must already be present.
+    pub fn put_layer_record(
+        &self,
+        diff_id: &Sha256Digest,
+        chunk_size: u32,
+        record: &LayerRecord,
+    ) -> Result<(), StoreError> {
+        for digest in [record.manifest, record.pack_index] {
+            if !self.has_blob(&digest)? {
+                return Err(StoreError::BlobNotFound { digest, path: self.blob_path(&digest) });
+            }
+        }
+        let dir = self.root.join(LAYERS);
+        match fs::create_dir(&dir) {
+            Ok(()) => sync_parent(&dir, "create layers directory")?,
+            Err(e) if e.kind() == ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(StoreError::write("create layers directory", &dir, e)),
+        }
+        let mut json = serde_json::to_vec_pretty(record).unwrap_or_default();
+        json.push(b'\n');
+        self.write_atomic(&self.layer_path(diff_id, chunk_size), &json, "write layer record")?;
+        debug!(%diff_id, chunk_size, manifest = %record.manifest, "stored layer record");
+        Ok(())
     }
 
     // ---- entries and refs ----------------------------------------------------------------------

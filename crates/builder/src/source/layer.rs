@@ -265,14 +265,21 @@ impl LayerStream {
     }
 
     /// Read to the end, so that the decompressor checks its trailer, and verify every digest.
-    pub fn finish(mut self) -> Result<(), SourceError> {
+    pub fn finish(self) -> Result<(), SourceError> {
+        self.finish_counted().map(drop)
+    }
+
+    /// [`Self::finish`], returning the length of the uncompressed stream.
+    pub fn finish_counted(mut self) -> Result<u64, SourceError> {
         let name = self.name.clone();
         let err = |e| from_stream_error(&name, e);
         io::copy(&mut self, &mut io::sink()).map_err(err)?;
+        let len = self.pos;
         let mut raw = self.inner.inner.into_raw();
         // Bytes after the end of the compressed stream are part of the blob too.
         io::copy(&mut raw, &mut io::sink()).map_err(err)?;
-        raw.into_inner().check().map_err(err)
+        raw.into_inner().check().map_err(err)?;
+        Ok(len)
     }
 }
 
@@ -284,7 +291,7 @@ impl Read for LayerStream {
     }
 }
 
-fn parse_pax_time(v: &[u8]) -> Option<Timestamp> {
+pub(crate) fn parse_pax_time(v: &[u8]) -> Option<Timestamp> {
     let s = std::str::from_utf8(v).ok()?;
     let (neg, body) = match s.strip_prefix('-') {
         Some(b) => (true, b),
@@ -355,8 +362,32 @@ fn merge_libarchive_xattrs(xattrs: &mut Vec<Xattr>, libarchive: Vec<(Vec<u8>, Xa
 /// Parse every header of a layer (pass 1). Data is skipped, not kept; the stream is then drained
 /// and verified. The `tar` crate frames the stream; extension headers are read from a copy of
 /// the bytes between entries (see `tar_ext`).
-pub fn scan_layer(mut stream: LayerStream) -> Result<Vec<LayerEntry>, SourceError> {
+pub fn scan_layer(stream: LayerStream) -> Result<Vec<LayerEntry>, SourceError> {
+    walk_layer(stream, None).map(|(entries, _)| entries)
+}
+
+/// Receives each regular file's data during [`read_layer`]: `(ordinal, size, data)`, where the
+/// ordinal counts the layer's regular files from 0 in stream order. It must read all `size`
+/// bytes or fail.
+pub type FileSink<'a> = dyn FnMut(u64, u64, &mut dyn Read) -> io::Result<()> + 'a;
+
+/// The one pass over a layer: every header parsed as [`scan_layer`] does, and each regular
+/// file's data handed to `on_file` as the stream passes it (so every byte is inflated and
+/// hashed once). A file entry's `offset` is then its ordinal, not a stream offset. Returns the
+/// entries and the length of the uncompressed stream; the stream is drained and verified.
+pub fn read_layer(
+    stream: LayerStream,
+    on_file: &mut FileSink<'_>,
+) -> Result<(Vec<LayerEntry>, u64), SourceError> {
+    walk_layer(stream, Some(on_file))
+}
+
+fn walk_layer(
+    mut stream: LayerStream,
+    mut on_file: Option<&mut FileSink<'_>>,
+) -> Result<(Vec<LayerEntry>, u64), SourceError> {
     let name = stream.name.clone();
+    let mut files = 0u64;
     let mut out = Vec::new();
     {
         let capture = RefCell::new(Capture::default());
@@ -384,13 +415,18 @@ pub fn scan_layer(mut stream: LayerStream) -> Result<Vec<LayerEntry>, SourceErro
                 parse_entry(&name, &mut entry, &ext, raw_header)?
             };
             capture.borrow_mut().restart_at(data_end);
-            if let Some(e) = parsed {
+            if let Some(mut e) = parsed {
+                if let (Some(sink), EntryKind::File { size, offset }) = (on_file.as_mut(), &mut e.kind) {
+                    sink(files, *size, &mut entry).map_err(|e| from_stream_error(&name, e))?;
+                    *offset = files;
+                    files += 1;
+                }
                 out.push(e);
             }
         }
     }
-    stream.finish()?;
-    Ok(out)
+    let len = stream.finish_counted()?;
+    Ok((out, len))
 }
 
 /// Builds the error for a malformed header field of the entry being parsed.

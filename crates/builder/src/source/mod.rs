@@ -1,9 +1,10 @@
 //! Image sources other than a directory: OCI image layouts, docker archives and registries, their layers
 //! (tar, tar+gzip, tar+zstd) and the flattener that applies them.
 //!
-//! Two passes over each layer, never unpacking to disk: pass 1 parses headers into
-//! [`LayerEntry`]s (all layers in parallel) and the [`Flattener`] applies them in order; pass 2
-//! re-streams the layers and cuts the surviving files' bytes into chunks (see `chunk.rs`).
+//! One pass over each new layer, never unpacking to disk: [`read_layer`] parses its headers into
+//! [`LayerEntry`]s and hands each regular file's bytes to the chunker as the stream passes them,
+//! which makes the layer's content manifest (`crate::manifest`); the [`Flattener`] then applies
+//! the layers' manifests in order.
 
 mod error;
 mod flatten;
@@ -16,7 +17,8 @@ mod tests;
 
 pub use error::SourceError;
 pub use flatten::{ContentRef, EntryKind, FlatTree, Flattener, LayerEntry};
-pub use layer::{scan_layer, Digest, LayerBlob, LayerStream, Opener};
+pub(crate) use layer::parse_pax_time;
+pub use layer::{read_layer, scan_layer, Digest, FileSink, LayerBlob, LayerStream, Opener};
 pub use oci::{
     normalize_config, open_docker_archive, open_oci_layout, ImageSource, Platform, SourceSpec, MAX_DOCUMENT,
 };

@@ -32,10 +32,13 @@ pub enum SourceSpec {
         reference: Option<String>,
     },
     Registry(Box<super::registry::RegistrySpec>),
+    /// `manifest:FILE`: a content manifest (`docs/formats/manifest-text.md`).
+    Manifest(PathBuf),
 }
 
 impl SourceSpec {
-    /// Parse `DIR | oci:PATH[:REF] | docker-archive:PATH[:REF] | docker://HOST[:PORT]/REPO[:TAG|@DIGEST]`
+    /// Parse `DIR | oci:PATH[:REF] | docker-archive:PATH[:REF] | docker://HOST[:PORT]/REPO[:TAG|@DIGEST]
+    /// | manifest:FILE`
     /// (a registry source gets no credentials and secure transport; set them on the
     /// [`RegistrySpec`](super::RegistrySpec) after parsing). For `oci:`, a path that
     /// exists as a directory with the whole text is taken as is; otherwise the text after the last
@@ -64,6 +67,12 @@ impl SourceSpec {
                 return Err(SourceError::BadSource(s.to_owned()));
             }
             return Ok(parse_docker_archive(rest));
+        }
+        if let Some(rest) = s.strip_prefix("manifest:") {
+            if rest.is_empty() {
+                return Err(SourceError::BadSource(s.to_owned()));
+            }
+            return Ok(Self::Manifest(rest.into()));
         }
         if let Some(rest) = s.strip_prefix("docker://") {
             return Ok(Self::Registry(Box::new(super::registry::RegistrySpec::parse(rest)?)));
