@@ -1,5 +1,5 @@
 //! Peak memory (brief §7, VmHWM ≤ 256 MiB) with a 1 GiB incompressible file: from a directory
-//! tree, and from an OCI layout whose single gzip layer holds it (the layer is streamed twice,
+//! tree, and from an OCI layout whose single gzip layer holds it (the layer is streamed once,
 //! never held). Both images are still right (e2fsck, mount, content).
 
 use std::path::Path;
@@ -44,7 +44,7 @@ fn one_gib_incompressible_under_256_mib() -> Result<()> {
 }
 
 /// The same tree as one tar+gzip layer of an OCI layout (written with stored deflate blocks so
-/// that making it takes seconds; tessera inflates and hashes it in both passes all the same).
+/// that making it takes seconds; tessera inflates and hashes it all the same, once).
 #[test]
 fn one_gib_oci_layer_under_256_mib() -> Result<()> {
     fixtures::require_root()?;
