@@ -466,3 +466,71 @@ fn push_retries_through_503s() -> Result<()> {
     same_file(&f.local_raw, &out, "pushed through 503s")?;
     Ok(())
 }
+
+/// Credentials are never logged: `push`, `export`, `warm` and `serve` (with a guest read through
+/// it) behind bearer tokens, given `--creds`, with `RUST_LOG=trace` (every crate's every event):
+/// neither the password, nor the basic-auth header value, nor any issued token (a JWT: `eyJ…`)
+/// appears in what they print.
+#[test]
+fn credentials_are_never_logged_even_at_trace() -> Result<()> {
+    use base64::Engine as _;
+    let f = fixture("reg-secret")?;
+    let tokens = tessera_e2e::token_server::TokenServer::start()?;
+    let reg = Registry::start_with_token_server(&tokens)?;
+    let addr = reg.addr();
+    let creds = format!("{USER}:{PASSWORD}");
+    let basic = base64::engine::general_purpose::STANDARD.encode(&creds);
+    let store = format!("docker://{addr}/secret");
+    let (out, cache) = (f.t.path().join("secret.raw"), f.t.path().join("cache"));
+    let mut logs = String::new();
+    let traced = |args: &[&str]| -> Result<Output> {
+        let mut c = tessera::command(args);
+        Ok(c.env("RUST_LOG", "trace")
+            .env_remove("REGISTRY_AUTH_FILE")
+            .env_remove("DOCKER_CONFIG")
+            .output()?)
+    };
+    for args in [
+        vec!["push", "v1", "--store", s(&f.store)?, &format!("{store}:v1"), "--creds", &creds],
+        vec!["export", "v1", "--store", &store, "-o", s(&out)?, "--creds", &creds],
+        vec!["warm", "v1", "--store", &store, "--cache-dir", s(&cache)?, "--creds", &creds],
+    ] {
+        let o = ok(traced(&args)?, &format!("{} --creds with RUST_LOG=trace", args[0]))?;
+        logs.push_str(&String::from_utf8_lossy(&o.stderr));
+        logs.push_str(&String::from_utf8_lossy(&o.stdout));
+    }
+    same_file(&f.local_raw, &out, "export --creds behind bearer tokens")?;
+    // serve, and a read through it (fetched from the registry: no cache).
+    let socket = f.t.path().join("serve.sock");
+    let serve_log = f.t.path().join("serve.log");
+    let mut child =
+        tessera::command(["serve", "v1", "--store", &store, "--socket", s(&socket)?, "--read-only"])
+            .args(["--creds", &creds])
+            .env("RUST_LOG", "trace")
+            .stdout(std::process::Stdio::null())
+            .stderr(fs::File::create(&serve_log)?)
+            .spawn()?;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while !socket.exists() {
+        ensure!(child.try_wait()?.is_none(), "serve exited: {}", fs::read_to_string(&serve_log)?);
+        ensure!(std::time::Instant::now() < deadline, "serve did not listen within 30 s");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let mut client = tessera_e2e::daemon::BlkClient::connect(&socket, 1, true)?;
+    let got = client.read(0, 1 << 20)?.map_err(|e| anyhow::anyhow!("read through serve: errno {e}"))?;
+    ensure!(got == f.local_raw[..1 << 20], "serve read differs from the local export");
+    drop(client);
+    let _ = child.kill();
+    child.wait()?;
+    logs.push_str(&fs::read_to_string(&serve_log)?);
+    let tessera_traces = logs.lines().filter(|l| l.contains("TRACE") && l.contains("tessera_")).count();
+    ensure!(tessera_traces > 10, "RUST_LOG=trace printed {tessera_traces} trace events of tessera's crates");
+    for (what, secret) in
+        [("the password", PASSWORD), ("the basic-auth value", basic.as_str()), ("a token", "eyJ")]
+    {
+        let hits: Vec<&str> = logs.lines().filter(|l| l.contains(secret)).take(3).collect();
+        ensure!(hits.is_empty(), "{what} is in the logs:\n{}", hits.join("\n"));
+    }
+    eprintln!("{} log lines at trace, no secret in them", logs.lines().count());
+    Ok(())
+}

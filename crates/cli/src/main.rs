@@ -231,12 +231,27 @@ fn parse_tag(s: &str) -> Result<String, String> {
     }
 }
 
+/// Whether an event may print bytes of the wire: the HTTP and TLS crates' debug and trace
+/// events dump headers and bodies (`Authorization`, token responses). They are dropped whatever
+/// `RUST_LOG` says, so that no log level prints a credential (`tests/tests/registry_store.rs`
+/// greps a `RUST_LOG=trace` run for the secrets).
+fn leaks_wire_bytes(target: &str, level: tracing::Level) -> bool {
+    const WIRE: [&str; 4] = ["ureq", "ureq_proto", "rustls", "http"];
+    let krate = target.split("::").next().unwrap_or(target);
+    level > tracing::Level::INFO && WIRE.contains(&krate)
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn")))
-        .with_writer(std::io::stderr)
-        .init();
+    {
+        use tracing_subscriber::prelude::*;
+        tracing_subscriber::fmt()
+            .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn")))
+            .with_writer(std::io::stderr)
+            .finish()
+            .with(tracing_subscriber::filter::filter_fn(|m| !leaks_wire_bytes(m.target(), *m.level())))
+            .init();
+    }
     let result = match cli.command {
         Command::Build(a) => cmd::build(a),
         Command::Export(a) => cmd::export(a),
@@ -260,5 +275,21 @@ fn main() -> ExitCode {
             }
             ExitCode::from(if usage { 2 } else { 1 })
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::leaks_wire_bytes;
+    use tracing::Level;
+
+    #[test]
+    fn wire_level_events_of_http_and_tls_crates_are_dropped() {
+        assert!(leaks_wire_bytes("ureq_proto::util", Level::TRACE));
+        assert!(leaks_wire_bytes("ureq::unversioned::transport", Level::DEBUG));
+        assert!(leaks_wire_bytes("rustls::client::hs", Level::TRACE));
+        assert!(!leaks_wire_bytes("ureq", Level::WARN));
+        assert!(!leaks_wire_bytes("ureq_protocol_like", Level::TRACE));
+        assert!(!leaks_wire_bytes("tessera_registry::client", Level::TRACE));
     }
 }
