@@ -10,7 +10,7 @@
 //! background ([`MemTier::prefetch`]). Demand fetches always go first.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard};
 
 use moka::notification::RemovalCause;
 use moka::policy::EvictionPolicy;
@@ -99,6 +99,9 @@ struct Slots {
     epoch: AtomicU32,
 }
 
+/// A slot's chunk, borrowed.
+type SlotGuard<'a> = RwLockReadGuard<'a, Option<Arc<[u8]>>>;
+
 struct Slot {
     chunk: RwLock<Option<Arc<[u8]>>>,
     reported: AtomicU32,
@@ -130,6 +133,23 @@ impl Slots {
         Some((chunk, report))
     }
 
+    /// Chunk `index` borrowed from its slot, if memory holds it: no reference count is taken
+    /// (the count sits on the chunk's first cache line, so taking it cost a cache miss per chunk
+    /// on the hot path). The guard must be dropped before anything that may evict (a moka call).
+    /// Also whether the policy must be told of the hit.
+    #[inline]
+    fn hold(&self, index: u32) -> Option<(SlotGuard<'_>, bool)> {
+        let slot = self.get(index)?;
+        let held = slot.chunk.read().unwrap_or_else(|p| p.into_inner());
+        held.as_ref()?;
+        let epoch = self.epoch.load(Ordering::Relaxed);
+        let report = slot.reported.load(Ordering::Relaxed) != epoch;
+        if report {
+            slot.reported.store(epoch, Ordering::Relaxed);
+        }
+        Some((held, report))
+    }
+
     fn contains(&self, index: u32) -> bool {
         self.get(index).is_some_and(|s| s.chunk.read().unwrap_or_else(|p| p.into_inner()).is_some())
     }
@@ -151,6 +171,24 @@ impl Slots {
             if held.as_ref().is_some_and(|h| Arc::ptr_eq(h, chunk)) {
                 *held = None;
             }
+        }
+    }
+}
+
+/// A chunk a read copies from: borrowed from its slot (a hit) or owned (just fetched).
+enum Held<'a> {
+    Slot(SlotGuard<'a>),
+    Owned(Arc<[u8]>),
+}
+
+impl std::ops::Deref for Held<'_> {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        match self {
+            // `Slots::hold` returns only guards of a full slot.
+            Held::Slot(g) => g.as_deref().unwrap_or(&[]),
+            Held::Owned(a) => a,
         }
     }
 }
@@ -224,6 +262,24 @@ impl<S: ChunkSource> Core<S> {
                 None
             }
         }
+    }
+
+    /// Chunk `index` borrowed for a copy, if it is in memory (see [`Slots::hold`]).
+    fn held(&self, index: u32) -> Option<Held<'_>> {
+        let held = match self.slots.hold(index) {
+            Some((g, false)) => Some(g),
+            Some((g, true)) => {
+                // Tell the policy with no slot held (a moka call may evict, and eviction takes
+                // the slot's write lock), then borrow again.
+                drop(g);
+                let _ = self.cache.get(&index);
+                self.slots.hold(index).map(|(g, _)| g)
+            }
+            None => None,
+        };
+        let counter = if held.is_some() { &self.stats.hits } else { &self.stats.misses };
+        counter.fetch_add(1, Ordering::Relaxed);
+        held.map(Held::Slot)
     }
 
     /// `chunk`, just fetched, goes into memory (its slot first: see [`Slots`]).
@@ -582,9 +638,9 @@ impl<S: ChunkSource> BlockDevice for MemTier<S> {
                 trace.touch(chunk);
             }
             let data = if fetch {
-                self.core.chunk(chunk).map_err(|source| ReadError::Store { offset: at, source })?
+                Held::Owned(self.core.chunk(chunk).map_err(|source| ReadError::Store { offset: at, source })?)
             } else {
-                match self.core.cached(chunk) {
+                match self.core.held(chunk) {
                     Some(d) => d,
                     None => return Ok(None),
                 }

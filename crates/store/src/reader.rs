@@ -277,11 +277,11 @@ impl OpenImage {
     /// the chunks `chunk(index, device_offset)` supplies (verified, uncompressed; bytes a
     /// segment wants past a chunk's end read as zeros). When `chunk` returns `None` the walk
     /// stops with [`Visit::Missing`] (`out` has then had a prefix of the range).
-    pub fn walk<E: From<ReadAt>>(
+    pub fn walk<E: From<ReadAt>, C: std::ops::Deref<Target = [u8]>>(
         &self,
         offset: u64,
         len: u64,
-        mut chunk: impl FnMut(u32, u64) -> Result<Option<Arc<[u8]>>, E>,
+        mut chunk: impl FnMut(u32, u64) -> Result<Option<C>, E>,
         mut out: impl FnMut(Piece<'_>) -> Result<(), E>,
     ) -> Result<Visit, E> {
         let plan = self
