@@ -557,8 +557,11 @@ impl HttpStore {
         if support() == RANGE_IGNORED {
             return self.read_from_whole_blob(digest, offset, len);
         }
+        // Only the probe holds the lock through its request: a read that waited for it finds the
+        // support settled and goes on in parallel with the others.
         let probe = (support() == RANGE_UNKNOWN)
-            .then(|| self.inner.range_probe.lock().unwrap_or_else(|p| p.into_inner()));
+            .then(|| self.inner.range_probe.lock().unwrap_or_else(|p| p.into_inner()))
+            .filter(|_| support() == RANGE_UNKNOWN);
         if support() == RANGE_IGNORED {
             drop(probe);
             return self.read_from_whole_blob(digest, offset, len);
@@ -584,6 +587,13 @@ impl HttpStore {
                 }
                 return self.spool_whole_blob(digest, &url, resp).map(Fetched::Whole);
             }
+            // A 206 settles it: the reads waiting for the probe need not wait for its body.
+            let _ = self.inner.range_support.compare_exchange(
+                RANGE_UNKNOWN,
+                RANGE_HONORED,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            );
             let mut reader = resp.into_reader();
             let cap = usize::try_from(len).unwrap_or(usize::MAX);
             let mut out = Vec::with_capacity(cap.min(64 << 20));
