@@ -357,6 +357,29 @@ fn install_missing_packages() -> Result<()> {
     )
 }
 
+/// The cargo-deny release the gate runs (installed once with `cargo install --locked` into
+/// `$CARGO_HOME/bin`, outside the clone, when missing: about 7 CPU-minutes; the check itself
+/// takes about 2 s).
+const CARGO_DENY_VERSION: &str = "0.20.2";
+
+/// `cargo deny check` of licenses, bans and sources against `deny.toml`. Advisories need the
+/// RustSec database, which CI cannot fetch: a manual step (docs/ci.md).
+fn cargo_deny() -> Result<()> {
+    let have = cargo()
+        .args(["deny", "--version"])
+        .output()
+        .is_ok_and(|o| o.status.success() && String::from_utf8_lossy(&o.stdout).contains(CARGO_DENY_VERSION));
+    if !have {
+        eprintln!("installing cargo-deny {CARGO_DENY_VERSION} (once per machine)");
+        status(cargo().args(["install", "--locked", &format!("cargo-deny@{CARGO_DENY_VERSION}")]))?;
+    }
+    status(
+        cargo()
+            .args(["deny", "--locked", "check", "licenses", "bans", "sources"])
+            .current_dir(workspace_root()),
+    )
+}
+
 struct Steps {
     results: Vec<(String, Duration, Result<()>)>,
 }
@@ -382,6 +405,7 @@ fn cmd_test(no_install: bool, e2e_args: &[String]) -> Result<()> {
         s.run("debian packages", install_packages);
     }
     s.run("cargo fmt --all --check", || status(cargo().args(["fmt", "--all", "--check"])));
+    s.run("cargo deny --locked check licenses bans sources (deny.toml)", cargo_deny);
     s.run("cargo clippy --workspace --all-targets -- -D warnings", || {
         status(cargo().args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]))
     });
