@@ -1,8 +1,12 @@
 //! Reading one layer blob: verify its digest and size, sniff and undo its compression (gzip,
 //! zstd or none), verify the uncompressed digest (diff_id), enforce `--max-size`, and parse its tar
-//! headers into [`LayerEntry`]s. Content is never buffered here: pass 1 reads headers and skips
-//! data; pass 2 ([`LayerStream`] with [`LayerStream::skip_to`]) re-streams the blob and hands out
-//! the bytes of the files that survived flattening.
+//! headers into [`LayerEntry`]s. Content is never buffered here: a build reads each new layer once
+//! ([`read_layer`], which hands each file's bytes to the chunker as the stream passes them);
+//! [`scan_layer`] reads headers only.
+//!
+//! A change to what a layer yields (how a header field, PAX record or entry type is read) must
+//! bump `crate::LAYER_READER_VERSION`: stored layer manifests made by the old rules are then not
+//! reused, so a warm build never gives another image than a cold one.
 
 use std::cell::RefCell;
 use std::io::{self, BufRead, BufReader, Read};
