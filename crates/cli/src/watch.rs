@@ -30,8 +30,9 @@ pub fn watch_store(metrics: &Arc<Metrics>, store: &OpenedStore) {
             mirror(&m.disk_cache.evictions, c.evictions);
             mirror(&m.disk_cache.evicted_bytes, c.evicted_bytes);
             let origin = m.tiers.of(Tier::Origin);
-            mirror(&origin.hits, c.fills);
-            mirror(&origin.bytes, c.fill_bytes);
+            mirror(&origin.hits, c.fetches);
+            mirror(&origin.bytes, c.fetch_bytes);
+            mirror(&m.disk_cache.full_skips, c.full_skips);
             m.disk_cache.capacity_bytes.set(gauge_value(cache.max_bytes().unwrap_or(0)));
             match cache.size() {
                 Ok((bytes, _entries)) => m.disk_cache.bytes.set(gauge_value(bytes)),

@@ -174,6 +174,8 @@ pub struct DiskCacheMetrics {
     pub evicted_bytes: IntCounter,
     /// Entries dropped because they failed verification (then refetched).
     pub corrupt: IntCounter,
+    /// Entries not written because the cache's filesystem was full.
+    pub full_skips: IntCounter,
 }
 
 impl DiskCacheMetrics {
@@ -190,6 +192,10 @@ impl DiskCacheMetrics {
             corrupt: r.counter(
                 "tessera_disk_cache_corrupt_total",
                 "Disk cache entries that failed verification and were dropped",
+            ),
+            full_skips: r.counter(
+                "tessera_disk_cache_full_skips_total",
+                "Disk cache writes skipped because the cache's filesystem was full",
             ),
         }
     }

@@ -147,3 +147,42 @@ fn full_filesystem_is_a_full_error_and_leaves_nothing() {
     };
     assert_eq!(store.read_blob(&d).unwrap(), b"small");
 }
+
+/// A disk cache on a full filesystem keeps serving: every fetch returns the origin's bytes, the
+/// first failed write is the only one tried (and logged) until the retry interval has passed,
+/// and caching resumes once there is space again.
+#[test]
+fn a_full_cache_filesystem_degrades_to_no_caching() {
+    use std::time::Duration;
+    use tessera_store::{CacheConfig, DiskCache};
+
+    let Some(mnt) = Mount::tmpfs("size=1M") else { return };
+    let retry = Duration::from_millis(300);
+    let cache = DiskCache::open(&CacheConfig::new(mnt.path.join("cache")).with_full_retry(retry)).unwrap();
+    let blobs: Vec<Vec<u8>> = (0..8).map(|i| Rng::new(10 + i).bytes(300 << 10)).collect();
+    for (i, b) in blobs.iter().enumerate() {
+        let d = Sha256Digest::of(b);
+        let got = cache.fetch_blob(&d, || Ok(b.clone())).unwrap();
+        assert!(got == *b, "blob {i}: the origin's bytes, cached or not");
+    }
+    let s = cache.stats();
+    // 1 MiB holds three 300 KiB blobs at most; the write that finds it full starts one episode
+    // and the writes after it within the interval are skipped, not tried.
+    assert!(s.fills <= 3, "{s:?}");
+    assert_eq!(s.full_episodes, 1, "{s:?}");
+    assert!(s.full_skips >= 8 - 3 - 1, "{s:?}");
+    // Reads of what was cached still come from the cache.
+    let before = s.hits;
+    for b in &blobs {
+        let d = Sha256Digest::of(b);
+        assert!(cache.fetch_blob(&d, || Ok(b.clone())).unwrap() == *b);
+    }
+    assert_eq!(cache.stats().hits - before, s.fills, "{:?}", cache.stats());
+    // Space comes back (the cache evicts everything); after the interval caching resumes.
+    cache.trim(0).unwrap();
+    std::thread::sleep(retry + Duration::from_millis(50));
+    let small = b"small blob".to_vec();
+    let fills = cache.stats().fills;
+    cache.fetch_blob(&Sha256Digest::of(&small), || Ok(small.clone())).unwrap();
+    assert_eq!(cache.stats().fills, fills + 1, "caching resumed: {:?}", cache.stats());
+}

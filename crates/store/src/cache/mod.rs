@@ -14,6 +14,7 @@
 //! process or from many processes sharing the directory, fetch it from the origin once
 //! ([`DiskCache::get_or_fetch`], `lock.rs`).
 
+mod full;
 mod gc;
 mod index;
 mod journal;
@@ -25,7 +26,9 @@ use std::io::{ErrorKind, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
+use self::full::{FullState, DEFAULT_FULL_RETRY};
 pub use self::gc::GcReport;
 use self::index::{disk_bytes, ChunkForm, EntryKey};
 pub use self::journal::Evicted;
@@ -56,12 +59,20 @@ pub struct CacheConfig {
     /// Bound on the bytes of cached entries (default `None`: unbounded). Least recently used
     /// entries are evicted to stay within it; see `docs/formats/cache.md`.
     pub max_bytes: Option<u64>,
+    /// After a write finds the filesystem full, writes are skipped this long (reads go on).
+    pub full_retry: Duration,
 }
 
 impl CacheConfig {
     /// An unbounded cache at `dir`.
     pub fn new(dir: impl Into<PathBuf>) -> Self {
-        Self { dir: dir.into(), max_bytes: None }
+        Self { dir: dir.into(), max_bytes: None, full_retry: DEFAULT_FULL_RETRY }
+    }
+
+    /// Skip writes for `retry` after one finds the filesystem full (default 10 s).
+    pub fn with_full_retry(mut self, retry: Duration) -> Self {
+        self.full_retry = retry;
+        self
     }
 
     /// Bound the cache to `max_bytes` (`None`: unbounded).
@@ -88,6 +99,8 @@ struct Inner {
     stats: Counters,
     /// The persisted index (sizes and recency of every entry), shared through `DIR/v1/index`.
     journal: Journal,
+    /// Whether writes are being skipped because the filesystem is full.
+    full: FullState,
 }
 
 /// What [`DiskCache::remove_leftovers`] removed.
@@ -113,6 +126,11 @@ pub struct CacheStats {
     pub misses: u64,
     /// Misses answered by another thread or process's fetch after waiting for its lock.
     pub shared_fetches: u64,
+    /// Entries this process fetched from the origin on a miss (written to the cache or not:
+    /// see `fills`).
+    pub fetches: u64,
+    /// Their bytes.
+    pub fetch_bytes: u64,
     /// Entries fetched from the origin and written to the cache by this process.
     pub fills: u64,
     /// Bytes of those entries.
@@ -123,6 +141,10 @@ pub struct CacheStats {
     pub evictions: u64,
     /// Their bytes.
     pub evicted_bytes: u64,
+    /// Entries not written because the cache's filesystem was full (see `full_episodes`).
+    pub full_skips: u64,
+    /// Times a write found the cache's filesystem full (each logged once).
+    pub full_episodes: u64,
 }
 
 #[derive(Debug, Default)]
@@ -131,6 +153,8 @@ struct Counters {
     hit_bytes: AtomicU64,
     misses: AtomicU64,
     shared_fetches: AtomicU64,
+    fetches: AtomicU64,
+    fetch_bytes: AtomicU64,
     fills: AtomicU64,
     fill_bytes: AtomicU64,
     corrupt: AtomicU64,
@@ -157,6 +181,7 @@ impl DiskCache {
                 max_bytes: config.max_bytes,
                 flights: KeyedLocks::default(),
                 stats: Counters::default(),
+                full: FullState::new(config.full_retry),
             }),
         };
         cache.remove_leftovers();
@@ -254,11 +279,15 @@ impl DiskCache {
             hit_bytes: get(&c.hit_bytes),
             misses: get(&c.misses),
             shared_fetches: get(&c.shared_fetches),
+            fetches: get(&c.fetches),
+            fetch_bytes: get(&c.fetch_bytes),
             fills: get(&c.fills),
             fill_bytes: get(&c.fill_bytes),
             corrupt: get(&c.corrupt),
             evictions: get(&c.evictions),
             evicted_bytes: get(&c.evicted_bytes),
+            full_skips: get(&self.inner.full.skipped),
+            full_episodes: get(&self.inner.full.episodes),
         }
     }
 
@@ -364,7 +393,9 @@ impl DiskCache {
                 Some(l)
             }
             Err(e) => {
-                warn!(path = %lock_path.display(), error = &e as &dyn std::error::Error, "cannot take a cache lock; fetching without it");
+                if !self.inner.full.failed(&self.inner.root, &e) {
+                    warn!(path = %lock_path.display(), error = &e as &dyn std::error::Error, "cannot take a cache lock; fetching without it");
+                }
                 None
             }
         };
@@ -495,7 +526,9 @@ impl DiskCache {
                             Some(l)
                         }
                         Err(e) => {
-                            warn!(path = %lock_path.display(), error = &e as &dyn std::error::Error, "cannot take a cache lock; fetching without it");
+                            if !self.inner.full.failed(&self.inner.root, &e) {
+                                warn!(path = %lock_path.display(), error = &e as &dyn std::error::Error, "cannot take a cache lock; fetching without it");
+                            }
                             None
                         }
                     }
@@ -514,16 +547,12 @@ impl DiskCache {
             let fetched = fetch(&missing)?;
             for (&i, bytes) in missing.iter().zip(fetched) {
                 let (key, check) = &entries[i];
+                bump(&self.inner.stats.fetches, 1);
+                bump(&self.inner.stats.fetch_bytes, bytes.len() as u64);
                 if check(&bytes) {
-                    match self.try_write_atomic(key, &bytes) {
-                        Ok(true) => {
-                            bump(&self.inner.stats.fills, 1);
-                            bump(&self.inner.stats.fill_bytes, bytes.len() as u64);
-                        }
-                        Ok(false) => {}
-                        Err(e) => {
-                            warn!(entry = %key.rel_path(), error = &e as &dyn std::error::Error, "cannot write a cache entry")
-                        }
+                    if self.write_atomic(key, &bytes) {
+                        bump(&self.inner.stats.fills, 1);
+                        bump(&self.inner.stats.fill_bytes, bytes.len() as u64);
                     }
                 } else {
                     debug!(entry = %key.rel_path(), "fetched bytes fail their check; not cached");
@@ -612,9 +641,24 @@ impl DiskCache {
     /// Write `bytes` as entry `key`: a unique temp file in `tmp/`, then journal + rename (and
     /// eviction down to the bound). Not fsynced: every entry is checked when read, so one torn
     /// by a crash is dropped and refetched. Failures are logged: the cache is an optimization.
-    fn write_atomic(&self, key: &EntryKey, bytes: &[u8]) {
-        if let Err(e) = self.try_write_atomic(key, bytes) {
-            warn!(entry = %key.rel_path(), error = &e as &dyn std::error::Error, "cannot write a cache entry");
+    /// While the filesystem is full, writes are skipped ([`FullState`]). Whether the entry was
+    /// written.
+    fn write_atomic(&self, key: &EntryKey, bytes: &[u8]) -> bool {
+        let full = &self.inner.full;
+        if full.skip() {
+            return false;
+        }
+        match self.try_write_atomic(key, bytes) {
+            Ok(written) => {
+                full.succeeded(&self.inner.root);
+                written
+            }
+            Err(e) => {
+                if !full.failed(&self.inner.root, &e) {
+                    warn!(entry = %key.rel_path(), error = &e as &dyn std::error::Error, "cannot write a cache entry");
+                }
+                false
+            }
         }
     }
 
