@@ -367,3 +367,109 @@ fn read_new_layers(
     }
     Ok((layers, chunks))
 }
+
+#[cfg(test)]
+mod tests {
+    use std::io::Cursor;
+
+    use sha2::{Digest as _, Sha256};
+    use tessera_image::RuntimeConfig;
+
+    use super::*;
+    use crate::source::Digest;
+    use crate::test_support::tar_header as header;
+    use crate::NoProgress;
+
+    fn layer(name: &str, tar: Vec<u8>) -> LayerBlob {
+        let diff_id = Digest { hex: hex::encode(Sha256::digest(&tar)) };
+        let raw = Arc::new(tar);
+        LayerBlob {
+            name: name.into(),
+            open: Box::new(move || Ok(Box::new(Cursor::new(raw.as_ref().clone())) as Box<dyn Read + Send>)),
+            digest: None,
+            size: None,
+            diff_id: Some(diff_id),
+        }
+    }
+
+    /// A base layer (every kind, a 600 KiB file of two chunks) and a top layer with a whiteout, an
+    /// opaque directory, a hard link to a lower file and a replaced file.
+    fn layers() -> (Vec<u8>, Vec<u8>) {
+        let mut b = tar::Builder::new(Vec::new());
+        let big: Vec<u8> = (0..600 * 1024u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8).collect();
+        b.append(&header("opt/big", tar::EntryType::Regular, big.len() as u64, 0o644), &big[..]).unwrap();
+        b.append(&header("run/x", tar::EntryType::Regular, 2, 0o644), &b"x\n"[..]).unwrap();
+        b.append(&header("bin/ping", tar::EntryType::Regular, 5, 0o4755), &b"pong\n"[..]).unwrap();
+        let mut h = header("bin/ping2", tar::EntryType::Link, 0, 0o644);
+        b.append_link(&mut h, "bin/ping2", "./bin/ping").unwrap();
+        let mut h = header("bin/sh", tar::EntryType::Symlink, 0, 0o777);
+        b.append_link(&mut h, "bin/sh", "ping").unwrap();
+        let mut h = header("dev/sda", tar::EntryType::Block, 0, 0o660);
+        h.set_device_major(8).unwrap();
+        h.set_device_minor(0).unwrap();
+        h.set_cksum();
+        b.append(&h, &[][..]).unwrap();
+        b.append(&header("run/fifo", tar::EntryType::Fifo, 0, 0o600), &[][..]).unwrap();
+        let base = b.into_inner().unwrap();
+        let mut b = tar::Builder::new(Vec::new());
+        b.append(&header("dev/.wh.sda", tar::EntryType::Regular, 0, 0o644), &[][..]).unwrap();
+        b.append(&header("run/.wh..wh..opq", tar::EntryType::Regular, 0, 0o644), &[][..]).unwrap();
+        let mut h = header("opt/big-link", tar::EntryType::Link, 0, 0o644);
+        b.append_link(&mut h, "opt/big-link", "opt/big").unwrap();
+        b.append(&header("bin/ping", tar::EntryType::Regular, 4, 0o755), &b"new\n"[..]).unwrap();
+        (base, b.into_inner().unwrap())
+    }
+
+    fn image(layers: Vec<LayerBlob>) -> ImageSource {
+        ImageSource { layers, config: RuntimeConfig::default(), provenance: serde_json::json!({}) }
+    }
+
+    fn reused(store: &LocalStore, out: &BuildOutput) -> Vec<bool> {
+        let p = store.read_blob(&out.entry.provenance.unwrap()).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&p).unwrap();
+        v["image"]["layer_manifests"].as_array().unwrap().iter().map(|l| l["reused"] == true).collect()
+    }
+
+    #[test]
+    fn cold_warm_and_hot_stores_give_one_image() {
+        let (base, top) = layers();
+        let both = || image(vec![layer("layer 0", base.clone()), layer("layer 1", top.clone())]);
+        let config = BuildConfig { fs_time: 1000, ..BuildConfig::default() };
+        let dir = tempfile::tempdir().unwrap();
+        let cold = LocalStore::create_or_open(dir.path().join("cold")).unwrap();
+        let a = build_image(&both(), &cold, &config, &NoProgress).unwrap();
+        assert_eq!(reused(&cold, &a), [false, false]);
+
+        let warm = LocalStore::create_or_open(dir.path().join("warm")).unwrap();
+        let b0 =
+            build_image(&image(vec![layer("layer 0", base.clone())]), &warm, &config, &NoProgress).unwrap();
+        assert_eq!(reused(&warm, &b0), [false]);
+        let b = build_image(&both(), &warm, &config, &NoProgress).unwrap();
+        assert_eq!(reused(&warm, &b), [true, false]);
+        assert_eq!(b.id, a.id, "a warm store gives the cold store's image");
+        assert_eq!(b.record, a.record);
+        let c = build_image(&both(), &warm, &config, &NoProgress).unwrap();
+        assert_eq!(reused(&warm, &c), [true, true]);
+        assert_eq!(c.id, a.id);
+        // Every chunk of the image is where its pack index says (the read path verifies them).
+        tessera_store::OpenImage::open(&warm, &c.id).unwrap();
+
+        // --max-size counts reused layers too.
+        let small = BuildConfig { max_size: Some(1000), ..config.clone() };
+        assert!(matches!(
+            build_image(&both(), &warm, &small, &NoProgress),
+            Err(BuildError::Source(SourceError::TooLarge { .. }))
+        ));
+        // Another chunk size is another manifest.
+        let other = BuildConfig { chunk_size: 64 * 1024, ..config.clone() };
+        let d = build_image(&both(), &warm, &other, &NoProgress).unwrap();
+        assert_eq!(reused(&warm, &d), [false, false]);
+        // A record whose manifest blob is gone: the layer is read again, the image is the same.
+        let diff = diff_digest(&layer("layer 0", base.clone())).unwrap();
+        let rec = warm.layer_record(&diff, config.chunk_size).unwrap().unwrap();
+        std::fs::remove_file(warm.blob_path(&rec.manifest)).unwrap();
+        let e = build_image(&both(), &warm, &config, &NoProgress).unwrap();
+        assert_eq!(reused(&warm, &e), [false, true]);
+        assert_eq!(e.id, a.id);
+    }
+}
