@@ -377,7 +377,7 @@ mod tests {
 
     use super::*;
     use crate::source::Digest;
-    use crate::test_support::tar_header as header;
+    use crate::test_support::{device_header, tar_header as header};
     use crate::NoProgress;
 
     fn layer(name: &str, tar: Vec<u8>) -> LayerBlob {
@@ -404,11 +404,7 @@ mod tests {
         b.append_link(&mut h, "bin/ping2", "./bin/ping").unwrap();
         let mut h = header("bin/sh", tar::EntryType::Symlink, 0, 0o777);
         b.append_link(&mut h, "bin/sh", "ping").unwrap();
-        let mut h = header("dev/sda", tar::EntryType::Block, 0, 0o660);
-        h.set_device_major(8).unwrap();
-        h.set_device_minor(0).unwrap();
-        h.set_cksum();
-        b.append(&h, &[][..]).unwrap();
+        b.append(&device_header("dev/sda", tar::EntryType::Block, 0o660, 8, 0), &[][..]).unwrap();
         b.append(&header("run/fifo", tar::EntryType::Fifo, 0, 0o600), &[][..]).unwrap();
         let base = b.into_inner().unwrap();
         let mut b = tar::Builder::new(Vec::new());

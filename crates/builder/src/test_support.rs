@@ -13,3 +13,12 @@ pub fn tar_header(path: &str, kind: tar::EntryType, size: u64, mode: u32) -> tar
     h.set_cksum();
     h
 }
+
+/// [`tar_header`] for a device node (`kind` Char or Block) with these numbers.
+pub fn device_header(path: &str, kind: tar::EntryType, mode: u32, major: u32, minor: u32) -> tar::Header {
+    let mut h = tar_header(path, kind, 0, mode);
+    h.set_device_major(major).expect("device numbers fit a GNU header");
+    h.set_device_minor(minor).expect("device numbers fit a GNU header");
+    h.set_cksum();
+    h
+}

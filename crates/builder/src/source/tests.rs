@@ -9,7 +9,7 @@ use sha2::{Digest as _, Sha256};
 use tessera_ext4::NodeKind;
 
 use super::*;
-use crate::test_support::tar_header as header;
+use crate::test_support::{device_header, tar_header as header};
 
 /// A layer with PAX xattrs, ns times and numeric owners, a GNU long name, a long link, devices, a
 /// FIFO, a symlink and a hard link.
@@ -33,16 +33,8 @@ pub(crate) fn rich_layer() -> Vec<u8> {
     let long = format!("deep/{}/file", "x".repeat(150));
     let mut h = header("placeholder", tar::EntryType::Regular, 3, 0o644);
     b.append_data(&mut h, &long, &b"abc"[..]).unwrap();
-    let mut h = header("dev/null", tar::EntryType::Char, 0, 0o666);
-    h.set_device_major(1).unwrap();
-    h.set_device_minor(3).unwrap();
-    h.set_cksum();
-    b.append(&h, &[][..]).unwrap();
-    let mut h = header("dev/sda", tar::EntryType::Block, 0, 0o660);
-    h.set_device_major(8).unwrap();
-    h.set_device_minor(0).unwrap();
-    h.set_cksum();
-    b.append(&h, &[][..]).unwrap();
+    b.append(&device_header("dev/null", tar::EntryType::Char, 0o666, 1, 3), &[][..]).unwrap();
+    b.append(&device_header("dev/sda", tar::EntryType::Block, 0o660, 8, 0), &[][..]).unwrap();
     b.append(&header("run/fifo", tar::EntryType::Fifo, 0, 0o600), &[][..]).unwrap();
     let mut h = header("lnk", tar::EntryType::Symlink, 0, 0o777);
     b.append_link(&mut h, "lnk", format!("/{long}")).unwrap();
