@@ -3,6 +3,7 @@
 //! Exit status: 0 success, 1 failure (including an unknown image or tag), 2 usage error (bad flags,
 //! or a write to a read-only store).
 
+mod activation;
 mod cache_args;
 mod cache_cmd;
 mod cmd;

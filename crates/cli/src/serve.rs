@@ -63,6 +63,11 @@ and latency by type, chunk reads per tier, fetches, memory tier and overlay size
 described in docs/metrics.md). Port 0 picks a free port; the URL is printed on stderr (and on \
 --ready-fd). RUST_LOG=tessera_vhost=debug logs a span per request (type, sector, length, queue).\n\
 \n\
+Under systemd: with LISTEN_PID/LISTEN_FDS (a .socket unit with one ListenStream=PATH), serve \
+listens on the socket passed as fd 3 instead of binding --socket (which names it) and leaves it \
+in place on stop, so a restarted daemon comes back on the same socket; with NOTIFY_SOCKET \
+(Type=notify) it sends READY=1 once it accepts. Unit templates: docs/systemd/.\n\
+\n\
 Examples:\n  tessera serve web --store ./store --socket /run/web.sock --read-only\n  \
 tessera serve web --store ./store --socket /run/web.sock --overlay /var/lib/vm1/web.overlay\n  \
 tessera serve sha256:3f1c... --store ./store --socket /tmp/vm.sock --queues 2 --socket-mode 0660\n  \
@@ -338,11 +343,20 @@ impl ServeConfig {
 }
 
 pub fn serve(args: ServeArgs) -> Result<()> {
-    run(ServeConfig::from_args(args)?)
+    // Socket activation: the supervisor's listening socket (fd 3), taken before anything else
+    // can open a descriptor.
+    let listener = crate::activation::take_listener()?;
+    if listener.is_some() && args.ready_fd == Some(3) {
+        bail!(UsageError(
+            "--ready-fd 3 is the socket systemd passed (LISTEN_FDS); use another descriptor".into()
+        ));
+    }
+    run_on(ServeConfig::from_args(args)?, listener)
 }
 
-/// Serve `config` until SIGTERM / SIGINT.
-pub fn run(config: ServeConfig) -> Result<()> {
+/// Serve `config` until SIGTERM / SIGINT, on `listener` (socket activation: the socket at `--socket` is the supervisor's,
+/// already listening, and stays when the daemon stops) or, without one, on a socket it binds.
+pub fn run_on(config: ServeConfig, listener: Option<std::os::unix::net::UnixListener>) -> Result<()> {
     // --cpus: a thread inherits its creator's CPU set, so this thread takes the fetch CPUs while
     // the store, the engine (its fetcher threads, which spawn the origin's span threads), the
     // trace writer and the exporter start, then the queue CPUs before the server spawns the
@@ -431,10 +445,13 @@ pub fn run(config: ServeConfig) -> Result<()> {
         }
         None => {}
     }
-    let server = Server::bind(&config.socket, config.socket_mode, device, disk)
-        .with_context(|| format!("serving {id}"))?
-        .with_metrics(metrics)
-        .with_poll(config.poll);
+    let server = match listener {
+        Some(l) => Server::from_listener(l, &config.socket, device, disk),
+        None => Server::bind(&config.socket, config.socket_mode, device, disk),
+    }
+    .with_context(|| format!("serving {id}"))?
+    .with_metrics(metrics)
+    .with_poll(config.poll);
     let server = match &requests {
         Some(r) => server.with_recorder(Arc::clone(r)),
         None => server,
@@ -453,6 +470,7 @@ pub fn run(config: ServeConfig) -> Result<()> {
             writeln!(f, "metrics {}", e.url()).context("writing to --ready-fd")?;
         }
     }
+    crate::activation::notify_ready()?;
     let result = server.run();
     handle.close();
     let _ = signal_thread.join();

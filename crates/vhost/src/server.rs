@@ -36,6 +36,9 @@ pub struct Server {
     /// The same socket as `listener` (a dup), to poll it.
     poll_fd: UnixListener,
     path: PathBuf,
+    /// Whether the socket file is ours to remove ([`Server::bind`]) or the supervisor's
+    /// ([`Server::from_listener`]).
+    owns_socket: bool,
     device: DeviceConfig,
     disk: Disk,
     stop: StopHandle,
@@ -125,15 +128,7 @@ impl Server {
     /// once it accepts connections, with the right mode (an existing file at `path`, e.g. the
     /// socket of a dead daemon, is replaced).
     pub fn bind(path: &Path, mode: u32, device: DeviceConfig, disk: Disk) -> Result<Self, ServeError> {
-        if device.queues == 0 || device.queues > MAX_QUEUES {
-            return Err(ServeError::Config("the number of queues must be from 1 to 64"));
-        }
-        if device.capacity_bytes % SECTOR_SIZE != 0 {
-            return Err(ServeError::Config("the device size must be a multiple of 512 bytes"));
-        }
-        if !device.read_only && matches!(disk, Disk::Base(_)) {
-            return Err(ServeError::Config("a writable device needs a copy-on-write overlay"));
-        }
+        check_device(&device, &disk)?;
         let name = path
             .file_name()
             .ok_or_else(|| ServeError::Socket {
@@ -157,10 +152,38 @@ impl Server {
             return Err(e);
         }
         info!(socket = %path.display(), capacity = device.capacity_bytes, queues = device.queues, "listening");
+        Self::serving(listener, path, true, device, disk)
+    }
+
+    /// Serve on `listener`, a socket its supervisor bound and listens on (systemd socket
+    /// activation: `LISTEN_FDS`), named `path` in logs. The socket file is the supervisor's: it
+    /// stays in place when the server stops, so a restarted daemon (or the next one systemd
+    /// starts on a connection) serves on the same socket while the VMM reconnects.
+    pub fn from_listener(
+        listener: UnixListener,
+        path: &Path,
+        device: DeviceConfig,
+        disk: Disk,
+    ) -> Result<Self, ServeError> {
+        check_device(&device, &disk)?;
+        info!(socket = %path.display(), capacity = device.capacity_bytes, queues = device.queues, "listening on the socket passed by the supervisor");
+        Self::serving(listener, path, false, device, disk)
+    }
+
+    fn serving(
+        listener: UnixListener,
+        path: &Path,
+        owns_socket: bool,
+        device: DeviceConfig,
+        disk: Disk,
+    ) -> Result<Self, ServeError> {
+        let poll_fd =
+            listener.try_clone().map_err(|source| ServeError::Socket { path: path.to_owned(), source })?;
         Ok(Self {
-            poll_fd: listener.try_clone().map_err(sock_err(path))?,
+            poll_fd,
             listener: Listener::from(listener),
             path: path.to_owned(),
+            owns_socket,
             device,
             disk,
             stop: StopHandle::new()?,
@@ -304,8 +327,25 @@ impl Server {
     }
 }
 
+/// The device settings a server can serve.
+fn check_device(device: &DeviceConfig, disk: &Disk) -> Result<(), ServeError> {
+    if device.queues == 0 || device.queues > MAX_QUEUES {
+        return Err(ServeError::Config("the number of queues must be from 1 to 64"));
+    }
+    if device.capacity_bytes % SECTOR_SIZE != 0 {
+        return Err(ServeError::Config("the device size must be a multiple of 512 bytes"));
+    }
+    if !device.read_only && matches!(disk, Disk::Base(_)) {
+        return Err(ServeError::Config("a writable device needs a copy-on-write overlay"));
+    }
+    Ok(())
+}
+
 impl Drop for Server {
     fn drop(&mut self) {
+        if !self.owns_socket {
+            return;
+        }
         if let Err(e) = fs::remove_file(&self.path) {
             if e.kind() != std::io::ErrorKind::NotFound {
                 warn!(socket = %self.path.display(), error = &e as &dyn std::error::Error, "cannot remove the socket");
