@@ -437,7 +437,10 @@ fn signal(
 }
 
 /// Poll the avail ring and `qs`'s completions from `started` for at most `window`: whether work
-/// arrived. Notifications stay off meanwhile, so a driver adding a request does not kick.
+/// arrived. Notifications stay off meanwhile, so a driver adding a request does not kick. Each
+/// turn yields the CPU (`sched_yield`), so a thread that shares this CPU — the engine thread
+/// finishing this queue's deferred read or FLUSH, or the driver itself — runs at once instead of
+/// waiting out the window; with the CPU to itself the worker gets it straight back.
 fn poll_for_work(
     state: &mut VringState<GuestMem>,
     mem: &GuestMemoryMmap<()>,
@@ -455,7 +458,7 @@ fn poll_for_work(
         if started.elapsed() >= window {
             return Ok(false);
         }
-        std::hint::spin_loop();
+        std::thread::yield_now();
     }
 }
 
