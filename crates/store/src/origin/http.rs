@@ -513,6 +513,24 @@ impl HttpStore {
         self.inner.seen_refs.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
+    /// A blob answer saying `Accept-Ranges: bytes` settles the Range support before the first
+    /// ranged GET (nginx says it; Python's `http.server`, which ignores Range, does not), so a
+    /// burst of cold reads does not wait a round trip for a probe. A server that says it and
+    /// ignores Range anyway is still found out by its first `200` to a ranged GET.
+    fn note_accept_ranges(&self, resp: &Response) {
+        let says = resp
+            .header("accept-ranges")
+            .is_some_and(|v| v.split(',').any(|t| t.trim().eq_ignore_ascii_case("bytes")));
+        if says {
+            let _ = self.inner.range_support.compare_exchange(
+                RANGE_UNKNOWN,
+                RANGE_HONORED,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            );
+        }
+    }
+
     /// The whole blob `digest`, checked against its sha256 (bytes that do not match are
     /// fetched again, within the retry policy, then reported as [`StoreError::Corrupt`]).
     pub fn read_blob(&self, digest: &Sha256Digest) -> Result<Vec<u8>, StoreError> {
@@ -521,6 +539,7 @@ impl HttpStore {
             if resp.status() != 200 {
                 return Err(status_failure(&url, resp.status()));
             }
+            self.note_accept_ranges(&resp);
             let bytes = read_body(&url, &mut resp, MAX_HTTP_BLOB)?;
             StoreError::check_sha256("blob", digest, &bytes, || url.clone().into())
                 .map_err(|e| Failure::retry(ErrorKind::Digest, e))?;
