@@ -44,34 +44,28 @@ pub fn take_listener() -> Result<Option<UnixListener>> {
         if libc::fstat(fd, &mut st) != 0 || st.st_mode & libc::S_IFMT != libc::S_IFSOCK {
             bail!("LISTEN_FDS: descriptor {fd} is not a socket");
         }
-        let (mut listening, mut len): (libc::c_int, libc::socklen_t) = (0, 4);
-        let rc = libc::getsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            libc::SO_ACCEPTCONN,
-            (&mut listening as *mut libc::c_int).cast(),
-            &mut len,
-        );
-        if rc != 0 || listening == 0 {
+        if int_sockopt(fd, libc::SO_ACCEPTCONN) != Some(1) {
             bail!(
                 "LISTEN_FDS: descriptor {fd} is not a listening socket (ListenStream= in the .socket unit)"
             );
         }
-        let mut domain: libc::c_int = 0;
-        let mut len: libc::socklen_t = 4;
-        let rc = libc::getsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            libc::SO_DOMAIN,
-            (&mut domain as *mut libc::c_int).cast(),
-            &mut len,
-        );
-        if rc != 0 || domain != libc::AF_UNIX {
+        if int_sockopt(fd, libc::SO_DOMAIN) != Some(libc::AF_UNIX) {
             bail!("LISTEN_FDS: descriptor {fd} is not a Unix socket (ListenStream= takes a path)");
         }
         libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC);
         Ok(Some(UnixListener::from_raw_fd(fd)))
     }
+}
+
+/// An integer `SOL_SOCKET` option of socket `fd` (`None` if it cannot be read).
+fn int_sockopt(fd: RawFd, opt: libc::c_int) -> Option<libc::c_int> {
+    let (mut value, mut len): (libc::c_int, libc::socklen_t) = (0, 4);
+    // SAFETY: getsockopt writes at most `len` (4) bytes into `value`, a c_int on our stack;
+    // it only reads the descriptor's state.
+    let rc = unsafe {
+        libc::getsockopt(fd, libc::SOL_SOCKET, opt, (&mut value as *mut libc::c_int).cast(), &mut len)
+    };
+    (rc == 0).then_some(value)
 }
 
 /// Tell the supervisor the daemon is ready (`READY=1`), if it asked (`$NOTIFY_SOCKET`: a path,
