@@ -24,6 +24,7 @@ mod bench_lazy;
 mod bench_oci;
 mod bench_serve;
 mod bench_warm;
+mod reliability;
 
 #[derive(Debug, Parser)]
 #[command(name = "cargo xtask", about = "Tessera developer tasks")]
@@ -52,6 +53,9 @@ enum Cmd {
         #[arg(last = true)]
         e2e_args: Vec<String>,
     },
+    /// The reliability matrix (docs/reliability.md): every fault and hardening scenario covered
+    /// so far, each an automated test; prints each outcome and time. Needs root.
+    Reliability,
     /// Build a fixture image into target/demo-store, export it, check and mount it, inspect it.
     Demo {
         /// Which fixture.
@@ -143,6 +147,9 @@ fn main() -> ExitCode {
     let r = match cli.cmd {
         Cmd::Fixtures { out, only } => cmd_fixtures(out, &only),
         Cmd::Test { no_install, e2e_args } => cmd_test(no_install, &e2e_args),
+        Cmd::Reliability => {
+            target_dir().and_then(|t| reliability::run(cargo, &t.join("debug").join("tessera")))
+        }
         Cmd::Demo { fixture } => cmd_demo(&fixture),
         Cmd::RecordProfile { image, store, runs, work, command } => {
             cmd_record_profile(&image, &store, runs, work, &command.join(" "))

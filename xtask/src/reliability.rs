@@ -1,0 +1,56 @@
+//! `cargo xtask reliability`: the fault and hardening matrix of docs/reliability.md, one row
+//! per scenario, each an existing automated test; prints the matrix with each outcome and time.
+//! Scenarios still missing from the matrix are listed in docs/reliability.md.
+
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+
+/// (scenario, package, test binary (`None`: the library's unit tests), name filter).
+const MATRIX: &[(&str, &str, Option<&str>, &str)] = &[
+    (
+        "symlink modes from Python tarfile / GNU tar / bsdtar",
+        "tessera-e2e",
+        Some("oci"),
+        "symlink_modes_match_umoci_unpack",
+    ),
+    ("origin ignoring Range (python http.server)", "tessera-e2e", Some("range_ignoring_origin"), ""),
+    ("origin ignoring Range: concurrency, byte counts", "tessera-store", None, "range_ignoring_server"),
+    ("guest log flood (20 000 bad requests)", "tessera-vhost", Some("log_flood"), ""),
+    ("credentials at RUST_LOG=trace", "tessera-e2e", Some("registry_store"), "credentials_are_never_logged"),
+    ("serve as nobody, no capabilities", "tessera-e2e", Some("unprivileged"), ""),
+    ("socket activation, restart on one socket", "tessera-e2e", Some("socket_activation"), ""),
+];
+
+/// Run every row (e2e rows against the freshly built binary, one test at a time).
+pub fn run(cargo: impl Fn() -> Command, bin: &std::path::Path) -> Result<()> {
+    let mut rows = Vec::new();
+    let built = cargo().args(["build", "-p", "tessera-cli"]).status()?.success();
+    for &(scenario, package, test, filter) in MATRIX {
+        let mut c = cargo();
+        c.args(["test", "-p", package]);
+        match test {
+            Some(t) => c.args(["--test", t]),
+            None => c.arg("--lib"),
+        };
+        c.args(["--", "--test-threads=1", "--nocapture"]);
+        if !filter.is_empty() {
+            c.arg(filter);
+        }
+        c.env("TESSERA_BIN", bin);
+        eprintln!("\n==> reliability: {scenario}");
+        let t = Instant::now();
+        let ok = (built || package != "tessera-e2e") && c.status()?.success();
+        rows.push((scenario, ok, t.elapsed()));
+    }
+    eprintln!("\n==> reliability matrix (details: docs/reliability.md):");
+    for (scenario, ok, d) in &rows {
+        eprintln!("  {} {:>5.0}s  {scenario}", if *ok { "ok    " } else { "FAILED" }, d.as_secs_f64());
+    }
+    let failed = rows.iter().filter(|r| !r.1).count();
+    if failed > 0 {
+        bail!("{failed} scenario(s) failed");
+    }
+    Ok(())
+}
