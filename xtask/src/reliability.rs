@@ -22,9 +22,24 @@ const MATRIX: &[(&str, &str, Option<&str>, &str)] = &[
     ("serve as nobody, no capabilities", "tessera-e2e", Some("unprivileged"), ""),
     ("socket activation, restart on one socket", "tessera-e2e", Some("socket_activation"), ""),
     ("cache disk full (1 MiB tmpfs)", "tessera-store", Some("faults"), "a_full_cache_filesystem"),
-    ("power loss in FLUSH, compaction or open (40 × 6 lives)", "tessera-overlay", None, "durability_under_power_loss"),
-    ("group commit: 16 concurrent FLUSHes, power loss after", "tessera-overlay", None, "concurrent_flushes_share"),
-    ("compaction while serving: 3000 write + FLUSH rounds", "tessera-overlay", None, "the_group_commit_compacts"),
+    (
+        "power loss in FLUSH, compaction or open (40 × 6 lives)",
+        "tessera-overlay",
+        None,
+        "durability_under_power_loss",
+    ),
+    (
+        "group commit: 16 concurrent FLUSHes, power loss after",
+        "tessera-overlay",
+        None,
+        "concurrent_flushes_share",
+    ),
+    (
+        "compaction while serving: 3000 write + FLUSH rounds",
+        "tessera-overlay",
+        None,
+        "the_group_commit_compacts",
+    ),
 ];
 
 /// Run every row (e2e rows against the freshly built binary, one test at a time).

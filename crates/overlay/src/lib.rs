@@ -150,6 +150,8 @@ pub struct Overlay {
     commits: Mutex<Commits>,
     /// Checkpoints written (at open and by compaction).
     checkpoints: AtomicU64,
+    /// A compaction is queued or running.
+    compacting: AtomicBool,
     /// The group commit compacts the log once it holds this many records (and 4× the map's).
     compact_min_records: u64,
 }
@@ -454,6 +456,7 @@ impl Overlay {
             syncs: AtomicU64::new(0),
             commits: Mutex::new(Commits::default()),
             checkpoints: AtomicU64::new(0),
+            compacting: AtomicBool::new(false),
             compact_min_records: COMPACT_MIN_RECORDS,
         }
     }
@@ -872,6 +875,18 @@ impl Overlay {
     /// `sync_data` for the lot; at most one commit runs at a time, on one of the base's worker
     /// threads ([`BlockDevice::spawn`]), so the callers (queue workers) never wait for a sync.
     pub fn flush_async(self: &Arc<Self>, done: FlushDone) {
+        self.join_commit(done, false);
+    }
+
+    /// [`Self::flush_async`] for a caller with nothing else to do meanwhile (a queue worker
+    /// whose ring is empty): if no commit is running, run it here, on the caller's thread,
+    /// saving the two thread hand-offs of a lone FLUSH; FLUSHes arriving meanwhile (other
+    /// queues) still join it. If one is running, join it and return at once.
+    pub fn flush_here(self: &Arc<Self>, done: FlushDone) {
+        self.join_commit(done, true);
+    }
+
+    fn join_commit(self: &Arc<Self>, done: FlushDone, here: bool) {
         if self.mode == Mode::ReadOnly {
             return done(Ok(()));
         }
@@ -880,7 +895,9 @@ impl Overlay {
             c.waiting.push(done);
             !std::mem::replace(&mut c.running, true)
         };
-        if start {
+        if start && here {
+            self.commit();
+        } else if start {
             let me = Arc::clone(self);
             self.base.spawn(Box::new(move || me.commit()));
         }
@@ -888,7 +905,7 @@ impl Overlay {
 
     /// Run commits until no FLUSH waits: each takes every FLUSH waiting at its start, then the
     /// writes queued by then (which include every write completed before those FLUSHes).
-    fn commit(&self) {
+    fn commit(self: &Arc<Self>) {
         loop {
             let batch = {
                 let mut c = lock_mutex(&self.commits);
@@ -903,10 +920,15 @@ impl Overlay {
             for done in batch {
                 done(result.clone());
             }
-            // After answering: the FLUSHes arriving meanwhile wait for the compaction, reads
-            // and writes do not.
-            if result.is_ok() && self.compaction_due() {
-                let _ = self.compact();
+            // After answering, on a worker thread (never a queue worker's, which may be running
+            // this commit): the FLUSHes arriving meanwhile wait for the compaction, reads and
+            // writes do not.
+            if result.is_ok() && self.compaction_due() && !self.compacting.swap(true, Ordering::AcqRel) {
+                let me = Arc::clone(self);
+                self.base.spawn(Box::new(move || {
+                    let _ = me.compact();
+                    me.compacting.store(false, Ordering::Release);
+                }));
             }
         }
     }

@@ -20,6 +20,7 @@ use crate::config::{DeviceConfig, MAX_QUEUE_SIZE};
 use crate::execute::{start_chain, DeferredFlush, DeferredRead, Disk, Started};
 use crate::poll::PollWindow;
 use crate::record::RequestRecorder;
+use tessera_overlay::FlushDone;
 
 /// Guest memory as the framework hands it over (no dirty-page bitmap).
 pub type GuestMem = GuestMemoryAtomic<GuestMemoryMmap<()>>;
@@ -253,7 +254,13 @@ impl BlkBackend {
                                 served += 1;
                             }
                             Started::Deferred(d) => self.defer(queue, head, d, mem.into_inner(), taken),
-                            Started::Flush(f) => self.commit(queue, head, f, mem.into_inner(), taken),
+                            Started::Flush(f) => {
+                                // Nothing queued behind it: commit on this thread (a lone FLUSH
+                                // then costs no hand-off); else let the ring go on meanwhile.
+                                let q = state.get_queue_mut();
+                                let idle = q.avail_idx(&*mem, Ordering::Acquire)?.0 == q.next_avail();
+                                self.commit(queue, head, f, mem.into_inner(), taken, idle)
+                            }
                         }
                     }
                     if served > 0 {
@@ -316,6 +323,8 @@ impl BlkBackend {
 
     /// Hand a FLUSH to the overlay's group commit; it completes through the queue's completion
     /// eventfd, so reads on this queue go on while the commit syncs.
+    /// `here`: run the commit on this thread if none is running
+    /// ([`tessera_overlay::Overlay::flush_here`]).
     fn commit(
         &self,
         queue: usize,
@@ -323,12 +332,13 @@ impl BlkBackend {
         flush: DeferredFlush,
         mem: Arc<GuestMemoryMmap<()>>,
         taken: Instant,
+        here: bool,
     ) {
         let Disk::Overlay(overlay) = &self.inner.disk else { return };
         let Some(generation) = self.start_deferred(queue) else { return };
         trace!(queue, head, "flush to the group commit");
         let inner = Arc::clone(&self.inner);
-        overlay.flush_async(Box::new(move |result| {
+        let done: FlushDone = Box::new(move |result| {
             let done = debug_span!("queue", queue).in_scope(|| flush.committed(&*mem, result));
             drop(mem);
             let requests = &inner.metrics.requests;
@@ -338,7 +348,12 @@ impl BlkBackend {
                 r.record(queue, &done, taken);
             }
             inner.complete(queue, generation, head, done.used_len);
-        }));
+        });
+        if here {
+            overlay.flush_here(done);
+        } else {
+            overlay.flush_async(done);
+        }
     }
 
     /// Hand a read missing the memory tier to the read engine; it completes through the queue's
