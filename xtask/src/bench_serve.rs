@@ -59,6 +59,11 @@ pub struct ServeBench {
     /// for every daemon.
     #[arg(long, value_name = "N")]
     queue_size: Option<u32>,
+    /// The client polls for completions (libblkio poll queues: no completion eventfd, no
+    /// wake-up), the same for every daemon: shows how much of a QD1 round trip is the client's
+    /// own wake-up.
+    #[arg(long)]
+    client_poll: bool,
     /// How the client checks the bytes of the timed reads against the raw export: `sample`
     /// (16 bytes of every 4 KiB block), `full` (every byte; slows the client), `none`. The warm
     /// pass and one QD32 random-read pass per daemon are always checked in full.
@@ -212,6 +217,7 @@ struct Client<'a> {
     lo: u64,
     hi: u64,
     queue_size: Option<u32>,
+    poll: bool,
     check: &'a str,
     reference: &'a Path,
 }
@@ -227,6 +233,9 @@ impl Client<'_> {
         cmd.args(["--queues", &queues.to_string(), "--daemon-pid", &pid.to_string()]);
         if let Some(n) = self.queue_size {
             cmd.args(["--queue-size", &n.to_string()]);
+        }
+        if self.poll {
+            cmd.arg("--poll-queues");
         }
         cmd.arg("--verify").arg(self.reference).args(["--check", self.check]);
         cmd.args(tests);
@@ -450,6 +459,7 @@ pub fn run(opts: &ServeBench) -> Result<()> {
             lo,
             hi,
             queue_size: opts.queue_size,
+            poll: opts.client_poll,
             check: &opts.check,
             reference: &reference,
         };

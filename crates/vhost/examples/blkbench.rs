@@ -4,7 +4,8 @@
 //!
 //! ```text
 //! blkbench [--socket SOCK] [--cpu N] [--secs S] [--lo BYTES --hi BYTES] [--queues N]
-//!          [--queue-size N] [--verify RAW [--check sample|full|none]] [--daemon-pid PID] TEST...
+//!          [--queue-size N] [--poll-queues] [--verify RAW [--check sample|full|none]]
+//!          [--daemon-pid PID] TEST...
 //! TEST: warm | randread:QD[/full] | seqread:QD[/full] | writeflush | memcpy
 //! ```
 //!
@@ -24,6 +25,11 @@
 //!   (16 B per block, ~0.7 MB for 171 MiB: it stays in the cache); a 1 MiB read checks 16 of its
 //!   256 blocks (a different 16 on each read). Some 10 ns per request, under 1% of the cheapest
 //!   request measured here; `--check none` turns it off to show that.
+//!
+//! `--poll-queues`: libblkio poll queues instead of interrupt-driven ones: the client busy-polls
+//! the used ring for completions (no completion eventfd, no wake-up; the device is asked not to
+//! signal), as a guest driver with `io_poll` would. Same for every daemon; it shows how much of a
+//! QD1 round trip is the client's own wake-up.
 //!
 //! `--daemon-pid PID`: the daemon's CPU time (utime + stime of every thread, from
 //! `/proc/PID/stat`) over each test, reported per request (`cpu_us_per_op`) and as a share of
@@ -60,6 +66,7 @@ struct Args {
     hi: Option<u64>,
     queues: usize,
     queue_size: Option<i32>,
+    poll_queues: bool,
     verify: Option<PathBuf>,
     check: Check,
     daemon_pid: Option<u32>,
@@ -75,6 +82,7 @@ fn parse_args() -> Result<Args, String> {
         hi: None,
         queues: 1,
         queue_size: None,
+        poll_queues: false,
         verify: None,
         check: Check::Sample,
         daemon_pid: None,
@@ -94,6 +102,7 @@ fn parse_args() -> Result<Args, String> {
                 a.queue_size = Some(value("--queue-size")?.parse().map_err(|e| format!("--queue-size: {e}"))?)
             }
             "--verify" => a.verify = Some(value("--verify")?.into()),
+            "--poll-queues" => a.poll_queues = true,
             "--check" => {
                 a.check = match value("--check")?.as_str() {
                     "none" => Check::None,
@@ -236,19 +245,25 @@ struct Client {
 }
 
 impl Client {
-    fn connect(socket: &str, queues: usize, queue_size: Option<i32>) -> Client {
+    fn connect(socket: &str, queues: usize, queue_size: Option<i32>, poll: bool) -> Client {
         let mut blkio = Blkio::new("virtio-blk-vhost-user").unwrap();
         blkio.set_str("path", socket).unwrap();
         blkio.connect().unwrap();
         let capacity = blkio.get_u64("capacity").unwrap();
-        blkio.set_i32("num-queues", queues as i32).unwrap();
+        if poll {
+            blkio.set_i32("num-queues", 0).unwrap();
+            blkio.set_i32("num-poll-queues", queues as i32).unwrap();
+        } else {
+            blkio.set_i32("num-queues", queues as i32).unwrap();
+        }
         if let Some(n) = queue_size {
             blkio.set_i32("queue-size", n).unwrap();
         }
         let started = blkio.start().unwrap();
+        let queues = if poll { started.poll_queues } else { started.queues };
         let region = blkio.alloc_mem_region(REGION).unwrap();
         blkio.map_mem_region(&region).unwrap();
-        Client { _blkio: blkio, queues: started.queues, region, capacity }
+        Client { _blkio: blkio, queues, region, capacity }
     }
 }
 
@@ -476,7 +491,7 @@ fn main() {
         }
         return;
     }
-    let mut c = Client::connect(&args.socket, args.queues, args.queue_size);
+    let mut c = Client::connect(&args.socket, args.queues, args.queue_size, args.poll_queues);
     let lo = args.lo.unwrap_or(0) / 4096 * 4096;
     let hi = args.hi.unwrap_or(c.capacity).min(c.capacity) / 4096 * 4096;
     assert!(hi > lo + (2 << 20), "the range [{lo}, {hi}) is too small");
