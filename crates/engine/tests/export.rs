@@ -8,26 +8,12 @@ mod common;
 
 use std::fs::OpenOptions;
 use std::os::unix::fs::{FileExt, MetadataExt};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use common::{build_image, BS};
+use common::{build_image, Counting, BS};
 use tessera_engine::{export_raw, BlockDevice, ExportError, ExportOptions, FetchLimits, MemTier, ReadError};
-use tessera_image::Sha256Digest;
-use tessera_store::{ChunkSource, ImageReader, LocalStore, OpenImage, StoreError};
-
-/// Counts pack reads.
-struct Counting {
-    inner: LocalStore,
-    reads: AtomicUsize,
-}
-
-impl ChunkSource for Counting {
-    fn read_stored(&self, pack: &Sha256Digest, offset: u64, len: u32) -> Result<Vec<u8>, StoreError> {
-        self.reads.fetch_add(1, Ordering::Relaxed);
-        self.inner.read_stored(pack, offset, len)
-    }
-}
+use tessera_store::{ImageReader, LocalStore, OpenImage, StoreError};
 
 #[test]
 fn export_is_exact_and_sparse_serial_and_parallel() {
@@ -37,7 +23,7 @@ fn export_is_exact_and_sparse_serial_and_parallel() {
     let img = build_image(&store, blocks);
     let image = Arc::new(OpenImage::open(&store, &img.id).unwrap());
     let chunks = image.record().block_map.chunks().len();
-    let source = Arc::new(Counting { inner: store.clone(), reads: AtomicUsize::new(0) });
+    let source = Arc::new(Counting::new(store.clone()));
     let serial = ImageReader::new(Arc::clone(&image), Arc::clone(&source));
     let tier = MemTier::streaming(
         ImageReader::new(Arc::clone(&image), Arc::clone(&source)),

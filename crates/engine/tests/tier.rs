@@ -6,29 +6,16 @@
 #[path = "../../store/tests/common/mod.rs"]
 mod common;
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use common::build_image;
+use common::{build_image, Counting};
 use tessera_engine::{FetchLimits, MemTier};
-use tessera_image::Sha256Digest;
-use tessera_store::{ChunkSource, ImageReader, LocalStore, OpenImage, StoreError};
-
-/// Counts pack reads.
-struct Counting {
-    inner: LocalStore,
-    reads: AtomicUsize,
-}
-
-impl ChunkSource for Counting {
-    fn read_stored(&self, pack: &Sha256Digest, offset: u64, len: u32) -> Result<Vec<u8>, StoreError> {
-        self.reads.fetch_add(1, Ordering::Relaxed);
-        self.inner.read_stored(pack, offset, len)
-    }
-}
+use tessera_store::{ImageReader, LocalStore, OpenImage};
 
 /// A tier of `capacity` bytes over the test image, its counted source, and the chunks' bytes.
-type Fixture = (tempfile::TempDir, MemTier<Arc<Counting>>, Arc<Counting>, Vec<Vec<u8>>);
+type Fixture =
+    (tempfile::TempDir, MemTier<Arc<Counting<LocalStore>>>, Arc<Counting<LocalStore>>, Vec<Vec<u8>>);
 
 fn tier(capacity: u64) -> Fixture {
     let dir = tempfile::tempdir().unwrap();
@@ -39,14 +26,14 @@ fn tier(capacity: u64) -> Fixture {
     let data = (0..image.record().block_map.chunks().len() as u32)
         .map(|i| ImageReader::new(Arc::clone(&image), store.clone()).fetch_chunk(i).unwrap())
         .collect();
-    let source = Arc::new(Counting { inner: store, reads: AtomicUsize::new(0) });
+    let source = Arc::new(Counting::new(store));
     let tier =
         MemTier::new(ImageReader::new(image, Arc::clone(&source)), capacity, FetchLimits::new(2)).unwrap();
     (dir, tier, source, data)
 }
 
 /// The chunks the slots hold, after moka has run its pending evictions.
-fn held(tier: &MemTier<Arc<Counting>>, n: usize) -> Vec<u32> {
+fn held(tier: &MemTier<Arc<Counting<LocalStore>>>, n: usize) -> Vec<u32> {
     tier.weighted_size(); // runs pending tasks (evictions, refused admissions)
     (0..n as u32).filter(|&i| tier.contains(i)).collect()
 }

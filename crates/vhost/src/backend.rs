@@ -17,7 +17,7 @@ use vmm_sys_util::event::{new_event_consumer_and_notifier, EventConsumer, EventF
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::config::{DeviceConfig, MAX_QUEUE_SIZE};
-use crate::execute::{start_chain, DeferredFlush, DeferredRead, Disk, Started};
+use crate::execute::{start_chain, Completion, DeferredFlush, DeferredRead, Disk, Started};
 use crate::poll::PollWindow;
 use crate::record::RequestRecorder;
 use tessera_overlay::FlushDone;
@@ -341,13 +341,7 @@ impl BlkBackend {
         let done: FlushDone = Box::new(move |result| {
             let done = debug_span!("queue", queue).in_scope(|| flush.committed(&*mem, result));
             drop(mem);
-            let requests = &inner.metrics.requests;
-            requests.in_flight.dec();
-            requests.of(done.kind).record(done.metric_status(), done.bytes, taken.elapsed());
-            if let Some(r) = &inner.recorder {
-                r.record(queue, &done, taken);
-            }
-            inner.complete(queue, generation, head, done.used_len);
+            inner.finished(queue, generation, head, &done, taken);
         });
         if here {
             overlay.flush_here(done);
@@ -384,13 +378,7 @@ impl BlkBackend {
                     Err(e) => read.fail(&*mem, e),
                 });
                 drop(mem);
-                let requests = &inner.metrics.requests;
-                requests.in_flight.dec();
-                requests.of(done.kind).record(done.metric_status(), done.bytes, taken.elapsed());
-                if let Some(r) = &inner.recorder {
-                    r.record(queue, &done, taken);
-                }
-                inner.complete(queue, generation, head, done.used_len);
+                inner.finished(queue, generation, head, &done, taken);
             }),
         );
     }
@@ -418,6 +406,18 @@ impl BlkBackend {
 }
 
 impl Inner {
+    /// A request completed off the queue thread (taken off the ring at `taken`): count it,
+    /// record it, and queue its completion for the worker.
+    fn finished(&self, queue: usize, generation: u64, head: u16, done: &Completion, taken: Instant) {
+        let requests = &self.metrics.requests;
+        requests.in_flight.dec();
+        requests.of(done.kind).record(done.metric_status(), done.bytes, taken.elapsed());
+        if let Some(r) = &self.recorder {
+            r.record(queue, done, taken);
+        }
+        self.complete(queue, generation, head, done.used_len);
+    }
+
     /// A fetch thread finished a deferred read: queue its completion for the worker.
     fn complete(&self, queue: usize, generation: u64, head: u16, used_len: u32) {
         let Some(qs) = self.queues.get(queue) else { return };

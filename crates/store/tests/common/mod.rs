@@ -8,7 +8,7 @@ use tessera_image::{
     BlockMap, BuildOptions, ChunkId, Compression, Geometry, ImageEntry, ImageId, ImageRecord, ImageStats,
     PackIndex, PackLocation, PrefixInfo, RuntimeConfig, Sha256Digest, BLOCK_SIZE,
 };
-use tessera_store::LocalStore;
+use tessera_store::{ChunkSource, LocalStore, StoreError};
 
 pub const BS: usize = BLOCK_SIZE as usize;
 
@@ -228,5 +228,29 @@ impl Mount {
 impl Drop for Mount {
     fn drop(&mut self) {
         let _ = Command::new("umount").arg(&self.path).status();
+    }
+}
+
+/// A chunk source that counts the pack reads it passes on.
+pub struct Counting<S> {
+    pub inner: S,
+    pub reads: std::sync::atomic::AtomicUsize,
+}
+
+impl<S> Counting<S> {
+    pub fn new(inner: S) -> Self {
+        Self { inner, reads: std::sync::atomic::AtomicUsize::new(0) }
+    }
+
+    /// Pack reads so far.
+    pub fn reads(&self) -> usize {
+        self.reads.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+impl<S: ChunkSource> ChunkSource for Counting<S> {
+    fn read_stored(&self, pack: &Sha256Digest, offset: u64, len: u32) -> Result<Vec<u8>, StoreError> {
+        self.reads.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.inner.read_stored(pack, offset, len)
     }
 }
