@@ -9,6 +9,7 @@
 #![allow(clippy::unwrap_used)]
 
 pub mod content_manifest;
+pub mod gzip_index;
 pub mod image_record;
 pub mod oci_layers;
 pub mod overlay_replay;

@@ -27,7 +27,7 @@ use crate::Output;
 pub type Seeds = Vec<(String, Vec<u8>)>;
 
 /// Seeds of the named target (`vhost_request`, `image_record`, `overlay_replay`, `oci_layers`,
-/// `content_manifest`).
+/// `content_manifest`, `gzip_index`).
 pub fn for_target(target: &str) -> Seeds {
     match target {
         "vhost_request" => vhost_request(),
@@ -35,12 +35,13 @@ pub fn for_target(target: &str) -> Seeds {
         "overlay_replay" => overlay_replay(),
         "oci_layers" => oci_layers(),
         "content_manifest" => crate::content_manifest::seeds(),
+        "gzip_index" => crate::gzip_index::seeds(),
         other => panic!("unknown fuzz target {other}"),
     }
 }
 
-pub const TARGETS: [&str; 5] =
-    ["vhost_request", "image_record", "overlay_replay", "oci_layers", "content_manifest"];
+pub const TARGETS: [&str; 6] =
+    ["vhost_request", "image_record", "overlay_replay", "oci_layers", "content_manifest", "gzip_index"];
 
 const CAP: u64 = 4 << 20;
 

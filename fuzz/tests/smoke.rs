@@ -12,6 +12,7 @@ fn run(target: &str, data: &[u8]) {
         "overlay_replay" => tessera_fuzz::overlay_replay::run(data),
         "oci_layers" => tessera_fuzz::oci_layers::run(data),
         "content_manifest" => tessera_fuzz::content_manifest::run(data),
+        "gzip_index" => tessera_fuzz::gzip_index::run(data),
         _ => unreachable!(),
     }
 }
@@ -91,4 +92,9 @@ fn mutated_seeds() {
 #[test]
 fn content_manifest_seeds() {
     seeds("content_manifest");
+}
+
+#[test]
+fn gzip_index_seeds() {
+    seeds("gzip_index");
 }

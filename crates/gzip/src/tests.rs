@@ -1,0 +1,151 @@
+use std::io::Write;
+
+use rand::{Rng, SeedableRng};
+
+use super::*;
+
+fn gzip(data: &[u8], level: u32) -> Vec<u8> {
+    let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::new(level));
+    e.write_all(data).unwrap();
+    e.finish().unwrap()
+}
+
+/// Text-like data with long-range repeats (so windows matter) and random stretches.
+fn sample(rng: &mut impl Rng, len: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(len);
+    while out.len() < len {
+        match rng.gen_range(0..3) {
+            0 if out.len() > 100 => {
+                let back = rng.gen_range(1..out.len().min(WINDOW));
+                let n = rng.gen_range(3..300);
+                for _ in 0..n {
+                    out.push(out[out.len() - back]);
+                }
+            }
+            1 => out.extend((0..rng.gen_range(1..200)).map(|_| rng.gen::<u8>())),
+            _ => out.extend_from_slice(b"the quick brown fox jumps over the lazy dog\n"),
+        }
+    }
+    out.truncate(len);
+    out
+}
+
+fn check_ranges(blob: &[u8], data: &[u8], index: &GzipIndex, rng: &mut impl Rng, n: usize) {
+    assert_eq!(index.uncompressed_len, data.len() as u64);
+    assert_eq!(index.compressed_len, blob.len() as u64);
+    for k in 0..index.checkpoints.len() {
+        let span = index.span(k).unwrap();
+        let got = index.decode_span(blob, k).unwrap();
+        assert_eq!(got, &data[span.uncompressed.0 as usize..span.uncompressed.1 as usize], "span {k}");
+    }
+    for _ in 0..n {
+        let a = rng.gen_range(0..data.len());
+        let b = rng.gen_range(a..=data.len().min(a + 3 * (1 << 16)));
+        assert_eq!(index.read(blob, a as u64, b as u64).unwrap(), &data[a..b], "range {a}..{b}");
+    }
+}
+
+#[test]
+fn every_range_equals_a_straight_inflate() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    for (len, level, spacing) in
+        [(1usize << 20, 6, 64 << 10), (300_000, 1, 1 << 14), (200_000, 9, 1), (10, 6, 1)]
+    {
+        let data = sample(&mut rng, len);
+        let blob = gzip(&data, level);
+        let (out, index) = index_all(&blob, spacing).unwrap();
+        assert_eq!(out, data);
+        assert!(!index.checkpoints.is_empty());
+        assert_eq!(index.checkpoints[0].out_offset, 0);
+        check_ranges(&blob, &data, &index, &mut rng, 50);
+    }
+}
+
+#[test]
+fn checkpoints_follow_the_spacing_and_carry_bits_and_windows() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+    let data = sample(&mut rng, 4 << 20);
+    let blob = gzip(&data, 6);
+    let (_, index) = index_all(&blob, 256 << 10).unwrap();
+    let n = index.checkpoints.len();
+    assert!((8..=17).contains(&n), "{n} checkpoints for 4 MiB at 256 KiB");
+    assert!(index.checkpoints.iter().any(|c| c.bits != 0), "some boundary falls inside a byte");
+    for w in index.checkpoints.windows(2) {
+        assert!(w[1].out_offset - w[0].out_offset >= 256 << 10);
+        assert!(w[1].in_offset > w[0].in_offset);
+    }
+    assert!(index.checkpoints[0].window.is_empty());
+    assert_eq!(index.checkpoints[1].window().unwrap().len(), WINDOW);
+}
+
+#[test]
+fn multi_member_streams_and_empty_members() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(2);
+    let a = sample(&mut rng, 100_000);
+    let b = sample(&mut rng, 150_000);
+    let mut blob = gzip(&a, 6);
+    blob.extend(gzip(b"", 6));
+    blob.extend(gzip(&b, 1));
+    let data = [a.clone(), b].concat();
+    let (out, index) = index_all(&blob, 1 << 15).unwrap();
+    assert_eq!(out, data);
+    // Every member starts a span with an empty window; no span crosses members.
+    assert!(index.checkpoints.iter().any(|c| c.out_offset == a.len() as u64 && c.window.is_empty()));
+    check_ranges(&blob, &data, &index, &mut rng, 50);
+}
+
+#[test]
+fn bad_streams_are_errors() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+    let data = sample(&mut rng, 200_000);
+    let blob = gzip(&data, 6);
+    assert!(matches!(index_all(&blob[..blob.len() / 2], 1 << 16), Err(GzipError::Truncated { .. })));
+    assert!(matches!(index_all(&blob[..blob.len() - 4], 1 << 16), Err(GzipError::Truncated { .. })));
+    assert!(matches!(index_all(b"", 1 << 16), Err(GzipError::Empty)));
+    assert!(matches!(index_all(b"not gzip at all", 1 << 16), Err(GzipError::Corrupt { .. })));
+    let mut bad = blob.clone();
+    let n = bad.len();
+    bad[n - 6] ^= 0xff; // the CRC
+    assert!(matches!(index_all(&bad, 1 << 16), Err(GzipError::Corrupt { .. })));
+    // A span fed the wrong bytes: an error or other bytes, never a panic; short input is an error.
+    let (_, index) = index_all(&blob, 1 << 16).unwrap();
+    let span = index.span(1).unwrap();
+    let cp = &index.checkpoints[1];
+    let bytes = &blob[span.compressed.0 as usize..span.compressed.1 as usize];
+    let len = span.uncompressed.1 - span.uncompressed.0;
+    assert!(inflate_span(&bytes[..bytes.len() / 2], cp.bits, &cp.window().unwrap(), len).is_err());
+    assert!(index.read(&blob, 0, data.len() as u64 + 1).is_err());
+}
+
+/// The spacing measurement behind `DEFAULT_SPACING` (run with `--ignored --nocapture`).
+#[test]
+#[ignore]
+fn measure_spacing() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+    // TESSERA_GZIP_MEASURE=FILE measures on a real tar (the e2e suite's Debian root is one).
+    let data = match std::env::var_os("TESSERA_GZIP_MEASURE") {
+        Some(path) => std::fs::read(path).unwrap(),
+        None => sample(&mut rng, 64 << 20),
+    };
+    let blob = gzip(&data, 6);
+    for spacing in [256u64 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20] {
+        let (_, index) = index_all(&blob, spacing).unwrap();
+        let windows: usize = index.checkpoints.iter().map(|c| c.window.len()).sum();
+        let t = std::time::Instant::now();
+        let reads = 200;
+        for _ in 0..reads {
+            let a = rng.gen_range(0..data.len() - 4096) as u64;
+            index.read(&blob, a, a + 4096).unwrap();
+        }
+        let per = t.elapsed() / reads;
+        println!(
+            "spacing {} KiB: {} checkpoints, windows {} KiB compressed ({:.2}% of {} MiB gzip), random 4 KiB read {:?}",
+            spacing >> 10,
+            index.checkpoints.len(),
+            windows >> 10,
+            100.0 * windows as f64 / blob.len() as f64,
+            blob.len() >> 20,
+            per
+        );
+    }
+}
