@@ -1,16 +1,17 @@
 //! `image_record`: the store's byte formats, as read by the daemon and `export` —
-//! [`ImageRecord::decode`], [`PackIndex::decode`], [`ImageEntry::from_json`] — and read planning
+//! [`ImageRecord::decode`], [`PackIndex::decode`], [`RefIndex::decode`], [`ImageEntry::from_json`] — and read planning
 //! ([`BlockMap::plan`]) on every record that decodes.
 //!
 //! Input: `u8 mode` then
 //!
-//! | mode % 5 | rest |
+//! | mode % 6 | rest |
 //! |---|---|
 //! | 0 | raw image record bytes |
 //! | 1 | raw pack index bytes |
 //! | 2 | raw image entry JSON |
 //! | 3 | a structured block map + config (see [`structured_record`]), built with the public builder, encoded, decoded |
 //! | 4 | a structured pack index, built with [`PackIndex::new`], encoded, decoded |
+//! | 5 | raw reference pack index bytes ([`RefIndex::decode`]) |
 //!
 //! Properties: never a panic, no allocation beyond the input's size; what decodes re-encodes to
 //! the identical bytes (the record's sha256 is the image ID); an entry survives a JSON round
@@ -19,7 +20,7 @@
 
 use tessera_image::{
     BlockMap, BuildOptions, ChunkId, Compression, Geometry, ImageEntry, ImageRecord, ImageStats, PackIndex,
-    PackLocation, PrefixInfo, RuntimeConfig, Segment, SegmentSource, Sha256Digest,
+    PackLocation, PrefixInfo, RefIndex, RuntimeConfig, Segment, SegmentSource, Sha256Digest,
 };
 
 use crate::Input;
@@ -29,13 +30,14 @@ pub const MODE_PACK_INDEX: u8 = 1;
 pub const MODE_ENTRY: u8 = 2;
 pub const MODE_STRUCTURED_RECORD: u8 = 3;
 pub const MODE_STRUCTURED_PACK_INDEX: u8 = 4;
+pub const MODE_REF_INDEX: u8 = 5;
 
 const BS: u64 = 4096;
 
 /// The fuzz target body.
 pub fn run(data: &[u8]) {
     let Some((&mode, rest)) = data.split_first() else { return };
-    match mode % 5 {
+    match mode % 6 {
         MODE_RECORD => record(rest),
         MODE_PACK_INDEX => pack_index(rest),
         MODE_ENTRY => entry(rest),
@@ -48,7 +50,21 @@ pub fn run(data: &[u8]) {
                 record(&bytes);
             }
         }
-        _ => structured_pack_index(rest),
+        MODE_STRUCTURED_PACK_INDEX => structured_pack_index(rest),
+        _ => ref_index(rest),
+    }
+}
+
+fn ref_index(bytes: &[u8]) {
+    let Ok(idx) = RefIndex::decode(bytes) else { return };
+    assert!(idx.encode() == bytes, "reference index decode/encode is not the identity");
+    for (id, loc) in idx.entries() {
+        assert_eq!(idx.get(id), Some(*loc), "an indexed chunk is not found");
+        let layer = &idx.layers[loc.layer as usize];
+        let (first, last) =
+            layer.spans_covering(loc.offset, u64::from(loc.len)).expect("a chunk has no spans");
+        assert!(first <= last && layer.span_range(first).unwrap().0 <= loc.offset);
+        assert!(layer.span_range(last).unwrap().1 >= loc.offset + u64::from(loc.len));
     }
 }
 

@@ -150,6 +150,10 @@ pub fn image_record() -> Seeds {
         v.extend_from_slice(bytes);
         v
     };
+    out.push((
+        "ref-index".into(),
+        with_mode(crate::image_record::MODE_REF_INDEX, &tessera_image::RefIndex::example().encode()),
+    ));
     let r = ImageRecord::example();
     out.push(("record".into(), with_mode(MODE_RECORD, &r.encode())));
     let mut empty = r.clone();

@@ -7,6 +7,8 @@
 //! - [`BlockMap`]: which device blocks come from the metadata prefix, which from chunks; the rest is zeros.
 //! - [`ImageRecord`]: the canonical, versioned binary record whose sha256 is the image ID.
 //! - [`PackIndex`]: where each chunk sits inside the store's packs (per store, not part of the ID).
+//! - [`RefIndex`]: the same for `--reference-layers` images, whose chunks stay in the source
+//!   image's gzip layers (with the checkpoints that decode any span of them).
 //! - [`Trace`] / [`Profile`]: boot traces and the prefetch profiles merged from them (per store).
 //! - [`RequestTrace`]: every virtio request a daemon answered (`serve --record-requests`).
 //! - [`ImageEntry`]: the JSON document tying an image ID to its blobs in one store.
@@ -32,6 +34,7 @@ mod error;
 mod packindex;
 mod profile;
 mod record;
+mod refindex;
 mod requests;
 mod units;
 
@@ -45,6 +48,9 @@ pub use profile::{
 };
 pub use record::{
     BuildOptions, Geometry, ImageRecord, ImageStats, PrefixInfo, RuntimeConfig, RECORD_VERSION,
+};
+pub use refindex::{
+    RefCheckpoint, RefIndex, RefLayer, RefLocation, MAX_STORED_WINDOW, REF_INDEX_MAGIC, REF_INDEX_VERSION,
 };
 pub use requests::{
     RequestOp, RequestRecord, RequestStatus, RequestTrace, RequestTraceHeader, REQUEST_HEADER_LEN,

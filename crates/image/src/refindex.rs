@@ -1,0 +1,318 @@
+//! The reference pack index: where each chunk of a `--reference-layers` image sits in the source
+//! image's gzip layer blobs, and the checkpoints that let a reader decode any span of a layer
+//! alone. Byte layout: `docs/formats/reference-index.md`. Not part of the image ID.
+
+use crate::codec::{Reader, Writer};
+use crate::digest::{ChunkId, ImageId, Sha256Digest};
+use crate::error::DecodeError;
+
+/// The first 8 bytes of a reference pack index (a plain pack index starts `TESSPIX\0`).
+pub const REF_INDEX_MAGIC: &[u8; 8] = b"TESSRIX\0";
+/// The version this code writes and reads.
+pub const REF_INDEX_VERSION: u32 = 1;
+/// Largest stored (zstd) window accepted: a 32 KiB window that did not compress, plus zstd's
+/// frame overhead.
+pub const MAX_STORED_WINDOW: u32 = (32 << 10) + 1024;
+
+/// A place in a layer's gzip stream where inflation can resume (a deflate block boundary).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RefCheckpoint {
+    /// Compressed bytes consumed at the boundary (offset in the layer blob).
+    pub in_offset: u64,
+    /// Bits of the byte at `in_offset - 1` not yet read (0..=7).
+    pub bits: u8,
+    /// Uncompressed offset of the boundary (in the layer's tar stream).
+    pub out_offset: u64,
+    /// End (exclusive) of the compressed bytes that hold this checkpoint's span.
+    pub span_end: u64,
+    /// blake3 of the compressed span bytes `[start, span_end)`.
+    pub span_digest: [u8; 32],
+    /// The preceding up to 32 KiB of uncompressed bytes of its member, zstd-compressed (empty at
+    /// a member start).
+    pub window: Vec<u8>,
+}
+
+impl RefCheckpoint {
+    /// First compressed byte of the span (one before `in_offset` when the boundary is inside a byte).
+    pub fn start(&self) -> u64 {
+        self.in_offset - u64::from(self.bits > 0)
+    }
+}
+
+/// One source layer blob.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RefLayer {
+    /// sha256 of the blob as stored (the OCI layer digest).
+    pub digest: Sha256Digest,
+    /// Size of the blob.
+    pub compressed_len: u64,
+    /// Size of the uncompressed tar stream.
+    pub uncompressed_len: u64,
+    /// Ascending; the first at uncompressed offset 0.
+    pub checkpoints: Vec<RefCheckpoint>,
+}
+
+impl RefLayer {
+    /// The uncompressed range `[start, end)` of span `k`.
+    pub fn span_range(&self, k: usize) -> Option<(u64, u64)> {
+        let cp = self.checkpoints.get(k)?;
+        let end = self.checkpoints.get(k + 1).map_or(self.uncompressed_len, |n| n.out_offset);
+        Some((cp.out_offset, end))
+    }
+
+    /// The spans `first..=last` covering the uncompressed range `[a, a + len)` (`len > 0`).
+    pub fn spans_covering(&self, a: u64, len: u64) -> Option<(usize, usize)> {
+        let b = a.checked_add(len)?;
+        if len == 0 || b > self.uncompressed_len {
+            return None;
+        }
+        let find = |u: u64| self.checkpoints.partition_point(|c| c.out_offset <= u).checked_sub(1);
+        Some((find(a)?, find(b - 1)?))
+    }
+}
+
+/// Where one chunk's bytes are: `len` bytes at uncompressed `offset` of layer `layer`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RefLocation {
+    /// Index into [`RefIndex::layers`].
+    pub layer: u32,
+    pub offset: u64,
+    pub len: u32,
+}
+
+/// ChunkId → place in a layer, plus the layers' checkpoints; tied to one image.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RefIndex {
+    /// The image this index belongs to (its record's sha256).
+    pub image: ImageId,
+    pub layers: Vec<RefLayer>,
+    entries: Vec<(ChunkId, RefLocation)>,
+}
+
+impl RefIndex {
+    /// Build from parts (entries sorted here; duplicate chunk ids keep the first location).
+    pub fn new(image: ImageId, layers: Vec<RefLayer>, mut entries: Vec<(ChunkId, RefLocation)>) -> Self {
+        entries.sort_by_key(|e| e.0);
+        entries.dedup_by(|b, a| a.0 == b.0);
+        Self { image, layers, entries }
+    }
+
+    /// Whether `bytes` start like a reference pack index (of any version).
+    pub fn sniff(bytes: &[u8]) -> bool {
+        bytes.starts_with(REF_INDEX_MAGIC)
+    }
+
+    /// All entries, sorted by chunk id.
+    pub fn entries(&self) -> &[(ChunkId, RefLocation)] {
+        &self.entries
+    }
+
+    /// Look a chunk up.
+    pub fn get(&self, id: &ChunkId) -> Option<RefLocation> {
+        let i = self.entries.binary_search_by(|e| e.0.cmp(id)).ok()?;
+        Some(self.entries[i].1)
+    }
+
+    /// Bytes of stored windows (what the index adds to the layers).
+    pub fn window_bytes(&self) -> u64 {
+        self.layers.iter().flat_map(|l| &l.checkpoints).map(|c| c.window.len() as u64).sum()
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        let mut w = Writer::default();
+        w.bytes(REF_INDEX_MAGIC);
+        w.u32(REF_INDEX_VERSION);
+        w.bytes(&self.image.digest().0);
+        w.len(self.layers.len());
+        for l in &self.layers {
+            w.bytes(&l.digest.0);
+            w.u64(l.compressed_len);
+            w.u64(l.uncompressed_len);
+            w.len(l.checkpoints.len());
+            for c in &l.checkpoints {
+                w.u64(c.in_offset);
+                w.u8(c.bits);
+                w.u64(c.out_offset);
+                w.u64(c.span_end);
+                w.bytes(&c.span_digest);
+                w.blob(&c.window);
+            }
+        }
+        w.len(self.entries.len());
+        for (id, loc) in &self.entries {
+            w.bytes(&id.0);
+            w.u32(loc.layer);
+            w.u64(loc.offset);
+            w.u32(loc.len);
+        }
+        w.buf
+    }
+
+    /// Decode strictly: anything a reader would have to guess about is an error.
+    pub fn decode(bytes: &[u8]) -> Result<Self, DecodeError> {
+        let mut r = Reader::new(bytes, "reference pack index");
+        r.header(REF_INDEX_MAGIC, REF_INDEX_VERSION)?;
+        let image = ImageId(Sha256Digest(r.array()?));
+        let n = r.count(56)?;
+        let mut layers = Vec::with_capacity(n);
+        for _ in 0..n {
+            let digest = Sha256Digest(r.array()?);
+            let compressed_len = r.u64()?;
+            let uncompressed_len = r.u64()?;
+            let n = r.count(61)?;
+            let mut checkpoints: Vec<RefCheckpoint> = Vec::with_capacity(n);
+            for _ in 0..n {
+                let in_offset = r.u64()?;
+                let bits = r.u8()?;
+                let out_offset = r.u64()?;
+                let span_end = r.u64()?;
+                let span_digest = r.array()?;
+                let window = r.blob()?;
+                if bits > 7 || (bits > 0 && in_offset == 0) {
+                    return Err(r.not_canonical("bits", "bit count not 0..=7 or before the stream"));
+                }
+                let start = in_offset - u64::from(bits > 0);
+                if start >= span_end || span_end > compressed_len {
+                    return Err(r.not_canonical("span_end", "span outside the layer blob"));
+                }
+                if out_offset >= uncompressed_len {
+                    return Err(r.not_canonical("out_offset", "checkpoint past the layer's end"));
+                }
+                if window.len() > MAX_STORED_WINDOW as usize {
+                    return Err(r.not_canonical("window", "stored window too large"));
+                }
+                match checkpoints.last() {
+                    None if out_offset != 0 => {
+                        return Err(r.not_canonical("checkpoints", "the first checkpoint is not at offset 0"))
+                    }
+                    Some(p) if p.out_offset >= out_offset || p.in_offset >= in_offset => {
+                        return Err(r.not_canonical("checkpoints", "checkpoints not strictly ascending"))
+                    }
+                    _ => {}
+                }
+                checkpoints.push(RefCheckpoint {
+                    in_offset,
+                    bits,
+                    out_offset,
+                    span_end,
+                    span_digest,
+                    window: window.to_vec(),
+                });
+            }
+            if checkpoints.is_empty() && uncompressed_len != 0 {
+                return Err(r.not_canonical("checkpoints", "a non-empty layer without checkpoints"));
+            }
+            layers.push(RefLayer { digest, compressed_len, uncompressed_len, checkpoints });
+        }
+        let n = r.count(48)?;
+        let mut entries: Vec<(ChunkId, RefLocation)> = Vec::with_capacity(n);
+        for _ in 0..n {
+            let id = ChunkId(r.array()?);
+            let layer = r.u32()?;
+            let offset = r.u64()?;
+            let len = r.u32()?;
+            let Some(l) = layers.get(layer as usize) else {
+                return Err(r.not_canonical("layer", "layer number out of range"));
+            };
+            if len == 0 || offset.checked_add(u64::from(len)).is_none_or(|end| end > l.uncompressed_len) {
+                return Err(r.not_canonical("offset", "chunk empty or past its layer's end"));
+            }
+            if entries.last().is_some_and(|(prev, _)| *prev >= id) {
+                return Err(r.not_canonical("entries", "chunk ids not strictly ascending"));
+            }
+            entries.push((id, RefLocation { layer, offset, len }));
+        }
+        r.finish()?;
+        Ok(Self { image, layers, entries })
+    }
+
+    /// An index with two layers and three chunks, for tests and fuzz seeds (feature
+    /// `test-support`).
+    #[cfg(any(test, feature = "test-support"))]
+    pub fn example() -> Self {
+        let cp = |in_offset, bits, out_offset, span_end, window: &[u8]| RefCheckpoint {
+            in_offset,
+            bits,
+            out_offset,
+            span_end,
+            span_digest: *blake3::hash(&in_offset.to_le_bytes()).as_bytes(),
+            window: window.to_vec(),
+        };
+        let layers = vec![
+            RefLayer {
+                digest: Sha256Digest::of(b"layer 0"),
+                compressed_len: 5000,
+                uncompressed_len: 20_000,
+                checkpoints: vec![cp(10, 0, 0, 3000, b""), cp(3000, 5, 9000, 4990, b"window")],
+            },
+            RefLayer {
+                digest: Sha256Digest::of(b"layer 1"),
+                compressed_len: 300,
+                uncompressed_len: 2048,
+                checkpoints: vec![cp(20, 3, 0, 300, b"")],
+            },
+        ];
+        let loc = |layer, offset, len| RefLocation { layer, offset, len };
+        RefIndex::new(
+            ImageId(Sha256Digest::of(b"record")),
+            layers,
+            vec![
+                (ChunkId::of(b"a"), loc(0, 512, 9000)),
+                (ChunkId::of(b"b"), loc(0, 10_000, 10_000)),
+                (ChunkId::of(b"c"), loc(1, 0, 2048)),
+            ],
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn roundtrip_lookup_and_spans() {
+        let idx = RefIndex::example();
+        let bytes = idx.encode();
+        assert!(RefIndex::sniff(&bytes));
+        let back = RefIndex::decode(&bytes).unwrap();
+        assert_eq!(back, idx);
+        assert_eq!(back.get(&ChunkId::of(b"b")), Some(RefLocation { layer: 0, offset: 10_000, len: 10_000 }));
+        assert_eq!(back.get(&ChunkId::of(b"z")), None);
+        let l = &back.layers[0];
+        assert_eq!(l.spans_covering(0, 9000), Some((0, 0)));
+        assert_eq!(l.spans_covering(8999, 2), Some((0, 1)));
+        assert_eq!(l.spans_covering(19_999, 1), Some((1, 1)));
+        assert_eq!(l.spans_covering(19_999, 2), None);
+        assert_eq!(l.span_range(1), Some((9000, 20_000)));
+        assert_eq!(l.checkpoints[1].start(), 2999);
+        for cut in [0, 8, 12, 44, bytes.len() - 1] {
+            assert!(RefIndex::decode(&bytes[..cut]).is_err(), "cut {cut}");
+        }
+    }
+
+    #[test]
+    fn strict_decoding() {
+        let good = RefIndex::example();
+        let refuse = |f: &dyn Fn(&mut RefIndex)| {
+            let mut i = good.clone();
+            f(&mut i);
+            RefIndex::decode(&i.encode()).unwrap_err().to_string()
+        };
+        assert!(refuse(&|i| i.layers[0].checkpoints[1].bits = 8).contains("bits"));
+        assert!(refuse(&|i| i.layers[0].checkpoints[1].out_offset = 0).contains("ascending"));
+        assert!(refuse(&|i| i.layers[0].checkpoints[0].out_offset = 1).contains("offset 0"));
+        assert!(refuse(&|i| i.layers[0].checkpoints[1].span_end = 6000).contains("span"));
+        assert!(refuse(&|i| i.layers[1].checkpoints.clear()).contains("without checkpoints"));
+        assert!(refuse(&|i| i.entries[0].1.layer = 2).contains("layer"));
+        assert!(refuse(&|i| i.entries[0].1.offset = 19_000).contains("past"));
+        assert!(refuse(&|i| i.entries.swap(0, 1)).contains("ascending"));
+        let mut bytes = good.encode();
+        bytes[8] = 2;
+        let e = RefIndex::decode(&bytes).unwrap_err();
+        assert!(matches!(e, DecodeError::UnsupportedVersion { version: 2, .. }), "{e}");
+        assert!(e.to_string().contains("unsupported reference pack index version 2"), "{e}");
+        bytes[8] = 1;
+        bytes.push(0);
+        assert!(matches!(RefIndex::decode(&bytes), Err(DecodeError::TrailingBytes { .. })));
+    }
+}
