@@ -26,10 +26,12 @@
 //! # Ok(()) }
 //! ```
 
+pub mod cold;
 pub mod compare;
 pub mod daemon;
 pub mod debian;
 pub mod fixtures;
+pub mod floor;
 pub mod guest;
 pub mod judge;
 pub mod metrics;

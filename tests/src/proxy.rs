@@ -107,6 +107,12 @@ pub struct LoggedRequest {
     pub at: Instant,
     /// The client connection it came on (1 for the first accepted, and so on).
     pub connection: u64,
+    /// Whether it was the connection's first request (it paid the connect round trip).
+    pub fresh: bool,
+    /// Body bytes handed to the client for it.
+    pub body_bytes: u64,
+    /// When its last byte was handed to the client (`None`: not finished, or failed).
+    pub done: Option<Instant>,
 }
 
 /// Counters of a [`Proxy`].
@@ -147,6 +153,14 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Shared {
+    /// Log entry `logged` was answered in full: `bytes` of body, its last byte handed over now.
+    fn finished(&self, logged: usize, bytes: u64) {
+        if let Some(r) = lock(&self.log).get_mut(logged) {
+            r.body_bytes = bytes;
+            r.done = Some(Instant::now());
+        }
+    }
+
     fn take_fault(&self, path: &str) -> Option<Fault> {
         let mut rules = lock(&self.rules);
         let rule = rules.iter_mut().find(|r| r.left > 0 && path.contains(&r.pattern))?;
@@ -420,6 +434,7 @@ fn serve_connection(client: TcpStream, id: u64, s: &Shared) -> std::io::Result<(
     let mut reader = BufReader::new(client.try_clone()?);
     let mut client = client;
     let mut upstream = Upstream { addr: s.upstream, conn: None };
+    let mut fresh = true;
     loop {
         let Some(req) = read_head(&mut reader)? else { return Ok(()) };
         let received = Instant::now();
@@ -432,14 +447,22 @@ fn serve_connection(client: TcpStream, id: u64, s: &Shared) -> std::io::Result<(
         let req_body = req.content_length()?;
         reader.by_ref().take(req_body).read_to_end(&mut request)?;
         let fault = s.take_fault(&path);
-        lock(&s.log).push(LoggedRequest {
-            method: method.clone(),
-            path: path.clone(),
-            range: req.header("range").map(str::to_owned),
-            fault,
-            at: received,
-            connection: id,
-        });
+        let logged = {
+            let mut log = lock(&s.log);
+            log.push(LoggedRequest {
+                method: method.clone(),
+                path: path.clone(),
+                range: req.header("range").map(str::to_owned),
+                fault,
+                at: received,
+                connection: id,
+                fresh,
+                body_bytes: 0,
+                done: None,
+            });
+            log.len() - 1
+        };
+        fresh = false;
         // Half a round trip to the origin, half back: the answer starts one RTT after the ask.
         let answer_at = received + s.config.rtt;
         match fault {
@@ -447,6 +470,7 @@ fn serve_connection(client: TcpStream, id: u64, s: &Shared) -> std::io::Result<(
                 sleep_until(answer_at);
                 let head = format!("HTTP/1.1 {code} {}\r\nContent-Length: 0\r\n\r\n", status_text(code));
                 s.send(&mut client, head.as_bytes())?;
+                s.finished(logged, 0);
                 if req.wants_close() {
                     return Ok(());
                 }
@@ -491,6 +515,7 @@ fn serve_connection(client: TcpStream, id: u64, s: &Shared) -> std::io::Result<(
             s.send(&mut client, &buf[..n])?;
             pos += n as u64;
         }
+        s.finished(logged, deliver);
         match fault {
             Some(Fault::Reset { .. }) => {
                 // Linger 0: close sends RST instead of FIN.

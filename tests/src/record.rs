@@ -105,3 +105,24 @@ pub fn record_profile(
     ensure!(out.status.success(), "tessera profile failed: {}", String::from_utf8_lossy(&out.stderr));
     Ok((traces, String::from_utf8_lossy(&out.stdout).trim().to_owned()))
 }
+
+/// Boot `image` from the local `store` once, run `command` in it (it must exit 0) and record
+/// every virtio request the guest made to `out` (`tessera serve --record-requests`): a request
+/// trace to replay on the host (`cargo xtask replay`, `cargo xtask bench cold`). Returns the
+/// guest's run.
+pub fn record_requests(
+    image: &str,
+    store: &Path,
+    command: &str,
+    work: &Path,
+    out: &Path,
+) -> Result<GuestRun> {
+    let kit = guest::kit()?;
+    let store_s = store.to_str().context("store path is not UTF-8")?;
+    let out_s = out.to_str().context("trace path is not UTF-8")?;
+    let run = run_in_guest(&kit, image, store_s, command, work, None, &["--record-requests", out_s])?;
+    if run.status != 0 {
+        bail!("the command exited with {} in the guest; output:\n{}", run.status, run.output);
+    }
+    Ok(run)
+}

@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
 use clap::Args;
+use tessera_e2e::floor::{Breakdown, Link, StoreImage};
 use tessera_e2e::nginx::Nginx;
 use tessera_e2e::prng::Prng;
 use tessera_e2e::proxy::{Proxy, ProxyConfig};
@@ -132,6 +133,8 @@ pub fn run(opts: &LazyBench) -> Result<()> {
 
     // Lazy: tessera serve from the origin, nothing cached.
     let before = proxy.stats();
+    let logged = proxy.log().len();
+    let requests = dir.join("lazy.requests");
     let t = Instant::now();
     let sock = dir.join("lazy.sock");
     let mut cmd = Command::new(&bin);
@@ -139,7 +142,10 @@ pub fn run(opts: &LazyBench) -> Result<()> {
         .arg(proxy.url("s/store"))
         .arg("--socket")
         .arg(&sock)
-        .arg("--read-only");
+        .arg("--read-only")
+        .arg("--record-requests")
+        .arg(&requests)
+        .args(&opts.serve_arg);
     let daemon = Daemon::spawn(cmd, &sock, &dir.join("serve.log"))?;
     let started = t.elapsed();
     let log = guest::boot(&kit, &initramfs, &sock, &dir, guest_timeout)?;
@@ -147,6 +153,12 @@ pub fn run(opts: &LazyBench) -> Result<()> {
     let lazy_stats = proxy.stats();
     daemon.stop()?;
     check_workload(&log, "tessera serve")?;
+    // The link floor of what the guest read, and where the cold run's time went.
+    let link = Link { bytes_per_sec: opts.mbit * 1_000_000 / 8, rtt: Duration::from_millis(opts.rtt_ms) };
+    let image = StoreImage::load(&store, "bench")?;
+    let floor = image.floor(&tessera_e2e::replay::load(&requests)?, link)?;
+    let run_log: Vec<_> = proxy.log().into_iter().skip(logged).collect();
+    let breakdown = Breakdown::of(|p| image.classify(p), &run_log, t, t + started, t + lazy, floor, None);
     let lazy_bytes = lazy_stats.body_bytes - before.body_bytes;
     let lazy_requests = lazy_stats.requests - before.requests;
     let lazy_conns = lazy_stats.connections - before.connections;
@@ -210,6 +222,8 @@ pub fn run(opts: &LazyBench) -> Result<()> {
         downloaded.as_secs_f64(),
         mib(peer_bytes)
     );
+    println!("{}", floor.summary());
+    print!("tessera serve (lazy, guest) {}", breakdown.summary());
     println!(
         "time ratio {:.3}× (target ≤ 0.25×); origin bytes / file bytes read {:.3} (target ≤ 1.5)",
         lazy.as_secs_f64() / peer.as_secs_f64(),

@@ -4,12 +4,17 @@
 //! - `cargo xtask test` — the one gate CI runs (`.ci/run`): Debian packages (as root, only the
 //!   missing ones), fmt, clippy, build the CLI, unit tests, end-to-end tests.
 //! - `cargo xtask demo` — build a fixture image into `target/demo-store`, export, judge, mount.
-//! - `cargo xtask replay --trace FILE --socket PATH [--raw RAW] [--writes] [--json]` — replay a
-//!   request trace through libblkio (`tests/src/replay.rs`).
+//! - `cargo xtask replay --trace FILE --socket PATH [--raw RAW] [--writes] [--json]
+//!   [--store DIR --image REF [--rtt-ms N] [--mbit N]]` — replay a request trace through libblkio
+//!   (`tests/src/replay.rs`); with `--store`, also print its link floor (`tests/src/floor.rs`).
+//! - `cargo xtask record-requests IMAGE --store DIR --out FILE -- CMD` — record the virtio
+//!   requests of CMD run in the QEMU guest (TCG) as a request trace.
 //! - `cargo xtask bench build` — `tessera build` vs `mkfs.ext4 -d` on a 20 000-file tree.
 //! - `cargo xtask bench serve` — `tessera serve` vs `qemu-storage-daemon` (`bench_serve.rs`).
 //! - `cargo xtask bench lazy` — a guest reading 10% of a ≥ 1 GiB image through `tessera serve`
 //!   from an origin behind the latency proxy vs download + qemu-storage-daemon (`bench_lazy.rs`).
+//! - `cargo xtask bench cold` — a request trace replayed against cold `tessera serve` through the
+//!   latency proxy: every run's link floor and time breakdown, A/B arms interleaved (`bench_cold.rs`).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
@@ -19,6 +24,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use tessera_e2e::{compare, fixtures, judge};
 
+mod bench_cold;
 mod bench_export;
 mod bench_lazy;
 mod bench_oci;
@@ -83,6 +89,24 @@ enum Cmd {
         #[arg(last = true, required = true)]
         command: Vec<String>,
     },
+    /// Boot IMAGE in the QEMU guest (TCG), run CMD in it (chroot into the image) and record every
+    /// virtio request it made (`tessera serve --record-requests`) to --out: a request trace to
+    /// replay on the host (`cargo xtask replay`, `cargo xtask bench cold`). Needs root.
+    ///
+    /// Example: cargo xtask record-requests deb --store ./store --out stat.requests -- 'find /usr -type f -exec stat {} + >/dev/null'
+    RecordRequests {
+        /// The image: a tag or sha256:<64 hex>.
+        image: String,
+        /// The local store holding it.
+        #[arg(long)]
+        store: PathBuf,
+        /// Where the request trace goes.
+        #[arg(long)]
+        out: PathBuf,
+        /// The command, run by the image's /bin/sh.
+        #[arg(last = true, required = true)]
+        command: Vec<String>,
+    },
     /// Replay a request trace (`tessera serve --record-requests FILE`) against a vhost-user-blk
     /// socket through libblkio, as fast as its dependencies allow: a request is issued once every
     /// request that had completed before it was issued in the recording has completed; think
@@ -107,6 +131,18 @@ enum Cmd {
         /// Print the report as JSON on stdout.
         #[arg(long)]
         json: bool,
+        /// With --store: print the trace's link floor for the image in this local store.
+        #[arg(long, requires = "image")]
+        store: Option<PathBuf>,
+        /// The image (tag or sha256:<64 hex>) whose floor --store prints.
+        #[arg(long, requires = "store")]
+        image: Option<String>,
+        /// Round-trip time of the link the floor is for, in milliseconds.
+        #[arg(long, default_value_t = 20)]
+        rtt_ms: u64,
+        /// Bandwidth of the link the floor is for, in Mbit/s.
+        #[arg(long, default_value_t = 200)]
+        mbit: u64,
     },
     /// Benchmarks (never in CI).
     Bench {
@@ -136,6 +172,11 @@ enum Bench {
     /// A guest reading 10% of a ≥ 1 GiB image lazily from an origin (20 ms RTT, 200 Mbit/s)
     /// vs downloading the raw image and serving it with qemu-storage-daemon.
     Lazy(bench_lazy::LazyBench),
+    /// A request trace replayed against a cold `tessera serve` from an origin behind the latency
+    /// proxy: every run's link floor and where its time went; arms interleaved, medians.
+    ///
+    /// Example: cargo xtask bench cold --store ./store --image web --trace boot.requests --arm base= --arm ra=--readahead=0
+    Cold(bench_cold::ColdBench),
     /// Guest start-up from an origin at 20 ms RTT: no profile vs profile vs warmed cache vs local.
     BootProfile(bench_warm::BootProfileBench),
     /// `tessera export` of a remote image (20 ms RTT, 200 Mbit/s) vs curl of its blobs.
@@ -154,11 +195,25 @@ fn main() -> ExitCode {
         Cmd::RecordProfile { image, store, runs, work, command } => {
             cmd_record_profile(&image, &store, runs, work, &command.join(" "))
         }
-        Cmd::Replay { trace, socket, raw, writes, json } => cmd_replay(&trace, &socket, raw, writes, json),
+        Cmd::RecordRequests { image, store, out, command } => {
+            cmd_record_requests(&image, &store, &out, &command.join(" "))
+        }
+        Cmd::Replay { trace, socket, raw, writes, json, store, image, rtt_ms, mbit } => {
+            let floor = store.zip(image).map(|(store, image)| FloorOf {
+                store,
+                image,
+                link: tessera_e2e::floor::Link {
+                    bytes_per_sec: mbit * 1_000_000 / 8,
+                    rtt: Duration::from_millis(rtt_ms),
+                },
+            });
+            cmd_replay(&trace, &socket, raw, writes, json, floor)
+        }
         Cmd::Bench { what: Bench::Build { files, runs, cold } } => bench_build(files, runs, cold),
         Cmd::Bench { what: Bench::Serve(opts) } => bench_serve::run(&opts),
         Cmd::Bench { what: Bench::BuildOci(opts) } => bench_oci::run(&opts),
         Cmd::Bench { what: Bench::Lazy(opts) } => bench_lazy::run(&opts),
+        Cmd::Bench { what: Bench::Cold(opts) } => bench_cold::run(&opts),
         Cmd::Bench { what: Bench::BootProfile(opts) } => bench_warm::run(&opts),
         Cmd::Bench { what: Bench::Export(opts) } => bench_export::run(&opts),
     };
@@ -171,14 +226,44 @@ fn main() -> ExitCode {
     }
 }
 
-fn cmd_replay(trace: &Path, socket: &Path, raw: Option<PathBuf>, writes: bool, json: bool) -> Result<()> {
+/// The image and link `cargo xtask replay --store` prints the floor for.
+struct FloorOf {
+    store: PathBuf,
+    image: String,
+    link: tessera_e2e::floor::Link,
+}
+
+fn cmd_replay(
+    trace: &Path,
+    socket: &Path,
+    raw: Option<PathBuf>,
+    writes: bool,
+    json: bool,
+    floor: Option<FloorOf>,
+) -> Result<()> {
     let trace = tessera_e2e::replay::load(trace)?;
+    let floor = match floor {
+        Some(f) => Some(tessera_e2e::floor::StoreImage::load(&f.store, &f.image)?.floor(&trace, f.link)?),
+        None => None,
+    };
     let report =
         tessera_e2e::replay::replay(&trace, socket, &tessera_e2e::replay::ReplayOptions { raw, writes })?;
     if json {
-        println!("{}", report.json());
+        let mut v = report.json();
+        if let Some(f) = floor {
+            v["floor"] = serde_json::json!({
+                "chunks": f.chunks,
+                "chunk_bytes": f.chunk_bytes,
+                "metadata_bytes": f.metadata_bytes,
+                "time_ns": u64::try_from(f.time().as_nanos()).unwrap_or(u64::MAX),
+            });
+        }
+        println!("{v}");
     } else {
         println!("{}", report.summary());
+        if let Some(f) = floor {
+            println!("{}", f.summary());
+        }
     }
     Ok(())
 }
@@ -531,6 +616,27 @@ fn cmd_record_profile(
     println!("==> profile {digest} stored with {image}");
     let bin = target_dir()?.join("debug").join("tessera");
     status(Command::new(bin).args(["inspect", image, "--store"]).arg(store))
+}
+
+fn cmd_record_requests(image: &str, store: &Path, out: &Path, command: &str) -> Result<()> {
+    fixtures::require_root()?;
+    status(cargo().args(["build", "-p", "tessera-cli"]))?;
+    let work = target_dir()?.join("record-requests");
+    std::fs::create_dir_all(&work).with_context(|| format!("creating {}", work.display()))?;
+    println!("==> recording {image} running: {command}");
+    let t = Instant::now();
+    let run = tessera_e2e::record::record_requests(image, store, command, &work, out)?;
+    let trace = tessera_e2e::replay::load(out)?;
+    let (n, bytes) =
+        tessera_e2e::floor::reads(&trace).fold((0u64, 0u64), |(n, b), (_, len)| (n + 1, b + len));
+    eprintln!("---- guest output ----\n{}\n---- end ----", run.output);
+    println!(
+        "==> {} requests ({n} reads, {bytes} bytes) recorded to {} in {:.1} s (guest, TCG)",
+        trace.records.len(),
+        out.display(),
+        t.elapsed().as_secs_f64()
+    );
+    Ok(())
 }
 
 fn demo_boot(bin: &Path, work: &Path) -> Result<()> {

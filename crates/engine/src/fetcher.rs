@@ -127,6 +127,9 @@ pub struct FetcherStats {
     /// Chunks fetched in a batch behind another chunk (a request saved: fetches run are
     /// `demand + background - batched`).
     pub batched: std::sync::atomic::AtomicU64,
+    /// Demand requests for a chunk a background fetch had already started (the read waits for
+    /// readahead or prefetch instead of being first in line).
+    pub behind_background: std::sync::atomic::AtomicU64,
 }
 
 /// Where a chunk is stored: what batching and the background bandwidth cap look at.
@@ -309,6 +312,9 @@ impl ChunkFetcher {
                         self.shared.stats.joined.fetch_add(1, Ordering::Relaxed);
                         if let Some(w) = &waiter {
                             e.waiters.push(Arc::clone(w));
+                        }
+                        if priority == Priority::Demand && e.started && e.priority != Priority::Demand {
+                            self.shared.stats.behind_background.fetch_add(1, Ordering::Relaxed);
                         }
                         if priority < e.priority && !e.started {
                             e.priority = priority;

@@ -168,6 +168,8 @@ pub struct FetchMetrics {
     pub background_fetches: IntCounter,
     /// Requests for a chunk already queued or being fetched (single flight).
     pub joined: IntCounter,
+    /// Demand requests for a chunk a background fetch had already started.
+    pub behind_background: IntCounter,
 }
 
 impl FetchMetrics {
@@ -188,6 +190,10 @@ impl FetchMetrics {
             joined: r.counter(
                 "tessera_fetch_joined_total",
                 "Requests for a chunk already queued or being fetched (single flight)",
+            ),
+            behind_background: r.counter(
+                "tessera_fetch_behind_background_total",
+                "Demand requests for a chunk a readahead or prefetch fetch had already started",
             ),
         }
     }

@@ -1,0 +1,104 @@
+//! One cold run (issue 15, point 4): `tessera serve` from an origin behind the latency proxy with
+//! nothing local, a request trace replayed against it, and what the run cost against the link
+//! floor ([`crate::floor`]). Used by `cargo xtask bench cold` and `cargo xtask bench lazy`.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use tessera_image::RequestTrace;
+
+use crate::floor::{Breakdown, FetchCounts, Floor, Link, StoreImage};
+use crate::proxy::Proxy;
+use crate::replay::{self, ReplayOptions, ReplayReport};
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct ColdRun<'a> {
+    /// The `tessera` binary.
+    pub bin: &'a Path,
+    /// The store URL (through the proxy).
+    pub store_url: String,
+    /// The image reference given to `tessera serve`.
+    pub image: &'a str,
+    /// Extra `tessera serve` arguments.
+    pub serve_args: &'a [String],
+    /// The socket path (removed first).
+    pub socket: PathBuf,
+    /// The raw export every byte read is checked against, if any.
+    pub raw: Option<PathBuf>,
+}
+
+/// What one cold run did.
+#[derive(Debug, Clone)]
+pub struct ColdResult {
+    pub replay: ReplayReport,
+    pub breakdown: Breakdown,
+}
+
+impl ColdRun<'_> {
+    /// Start the daemon (fresh: no cache dir), replay `trace` once it is ready, stop it; the
+    /// breakdown from `proxy`'s log of this run.
+    pub fn run(
+        &self,
+        trace: &RequestTrace,
+        proxy: &Proxy,
+        image: &StoreImage,
+        link: Link,
+    ) -> Result<ColdResult> {
+        let floor: Floor = image.floor(trace, link)?;
+        let _ = std::fs::remove_file(&self.socket);
+        let logged = proxy.log().len();
+        let mut cmd = Command::new(self.bin);
+        cmd.args(["serve", self.image, "--store", &self.store_url, "--socket"])
+            .arg(&self.socket)
+            .arg("--read-only")
+            .args(self.serve_args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit());
+        let spawned = Instant::now();
+        let (mut child, metrics) = crate::metrics::spawn_with_metrics(&mut cmd)?;
+        let ready = Instant::now();
+        let result =
+            replay::replay(trace, &self.socket, &ReplayOptions { raw: self.raw.clone(), writes: false });
+        let end = Instant::now();
+        let counts = fetch_counts(&metrics).ok();
+        let _ = child.kill();
+        let _ = child.wait();
+        let report = result.context("replaying the trace")?;
+        // Requests still being answered when the replay ended (background fetches) are in the log
+        // without their end; the bytes they had moved are not counted: give them a moment.
+        std::thread::sleep(Duration::from_millis(50)); // settling time, not a synchronization
+        let log: Vec<_> = proxy.log().into_iter().skip(logged).collect();
+        let breakdown = Breakdown::of(|p| image.classify(p), &log, spawned, ready, end, floor, counts);
+        Ok(ColdResult { replay: report, breakdown })
+    }
+}
+
+/// The daemon's fetch counters.
+pub fn fetch_counts(metrics: &str) -> Result<FetchCounts> {
+    let m = crate::metrics::scrape(metrics)?;
+    let get = |name: &str, labels: &[(&str, &str)]| m.sum(name, labels) as u64;
+    Ok(FetchCounts {
+        demand: get("tessera_chunk_fetches_total", &[("priority", "demand")]),
+        background: get("tessera_chunk_fetches_total", &[("priority", "background")]),
+        joined: get("tessera_fetch_joined_total", &[]),
+        behind_background: get("tessera_fetch_behind_background_total", &[]),
+        prefetch_unused_bytes: get("tessera_prefetch_unused_bytes", &[]),
+    })
+}
+
+/// The median of `v` (the mean of the middle two for an even count); zero when empty.
+pub fn median(mut v: Vec<f64>) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
