@@ -195,6 +195,31 @@ pub fn boot(
     work: &Path,
     timeout: Duration,
 ) -> Result<String> {
+    boot_with(kit, initramfs, socket, work, timeout, "")
+}
+
+/// [`boot`] with QEMU reconnecting to the socket `reconnect_ms` after the daemon goes away
+/// (`-chardev socket,reconnect-ms=N`): a daemon killed and restarted on the same socket gets
+/// the VM's disk back. The serial log is `work/serial.log` meanwhile.
+pub fn boot_reconnecting(
+    kit: &GuestKit,
+    initramfs: &Path,
+    socket: &Path,
+    work: &Path,
+    timeout: Duration,
+    reconnect_ms: u32,
+) -> Result<String> {
+    boot_with(kit, initramfs, socket, work, timeout, &format!(",reconnect-ms={reconnect_ms}"))
+}
+
+fn boot_with(
+    kit: &GuestKit,
+    initramfs: &Path,
+    socket: &Path,
+    work: &Path,
+    timeout: Duration,
+    chardev_opts: &str,
+) -> Result<String> {
     let serial = work.join("serial.log");
     let _ = fs::remove_file(&serial);
     let mut child = Command::new("qemu-system-x86_64")
@@ -204,7 +229,7 @@ pub fn boot(
         .args(["-global", "virtio-mmio.force-legacy=false", "-cpu", "max", "-m", "512M"])
         .args(["-object", "memory-backend-memfd,id=mem,size=512M,share=on"])
         .arg("-chardev")
-        .arg(format!("socket,id=c0,path={}", socket.display()))
+        .arg(format!("socket,id=c0,path={}{chardev_opts}", socket.display()))
         .args(["-device", "vhost-user-blk,chardev=c0,num-queues=1"])
         .args(["-nodefaults", "-display", "none", "-no-reboot"])
         .arg("-serial")

@@ -8,7 +8,12 @@ use std::time::Instant;
 use anyhow::{bail, Result};
 
 /// (scenario, package, test binary (`None`: the library's unit tests), name filter).
-const MATRIX: &[(&str, &str, Option<&str>, &str)] = &[
+type Row = (&'static str, &'static str, Option<&'static str>, &'static str);
+
+/// The environment of the full (not the gate's shortened) form of a row's test.
+const FULL: &[(&str, &str)] = &[("TESSERA_RESTART_KILLS", "20")];
+
+const MATRIX: &[Row] = &[
     (
         "symlink modes from Python tarfile / GNU tar / bsdtar",
         "tessera-e2e",
@@ -40,6 +45,8 @@ const MATRIX: &[(&str, &str, Option<&str>, &str)] = &[
         None,
         "the_group_commit_compacts",
     ),
+    ("in-flight area: bookkeeping, recovery, chain walk", "tessera-vhost", None, "inflight::"),
+    ("kill -9 ×20 under a QEMU guest's reads", "tessera-e2e", Some("daemon_restart"), "kill_9_under_guest_reads"),
 ];
 
 /// Run every row (e2e rows against the freshly built binary, one test at a time).
@@ -58,6 +65,7 @@ pub fn run(cargo: impl Fn() -> Command, bin: &std::path::Path) -> Result<()> {
             c.arg(filter);
         }
         c.env("TESSERA_BIN", bin);
+        c.envs(FULL.iter().copied());
         eprintln!("\n==> reliability: {scenario}");
         let t = Instant::now();
         let ok = (built || package != "tessera-e2e") && c.status()?.success();

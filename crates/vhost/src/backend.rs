@@ -3,12 +3,12 @@
 
 use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
 use tessera_metrics::Metrics;
-use tracing::{debug, debug_span, trace, warn};
-use vhost::vhost_user::message::VhostUserProtocolFeatures;
+use tracing::{debug, debug_span, info, trace, warn};
+use vhost::vhost_user::message::{VhostUserInflight, VhostUserProtocolFeatures};
 use vhost_user_backend::{VhostUserBackend, VringRwLock, VringState, VringT};
 use virtio_queue::QueueT;
 use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
@@ -18,6 +18,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 
 use crate::config::{DeviceConfig, MAX_QUEUE_SIZE};
 use crate::execute::{start_chain, Completion, DeferredFlush, DeferredRead, Disk, Started};
+use crate::inflight::{self, InflightArea, QueueInflight};
 use crate::poll::PollWindow;
 use crate::record::RequestRecorder;
 use tessera_overlay::FlushDone;
@@ -49,6 +50,8 @@ struct Inner {
     metrics: Arc<Metrics>,
     /// `--record-requests`: every completed request goes to the trace.
     recorder: Option<Arc<RequestRecorder>>,
+    /// The in-flight tracking area the front-end shares (`SET_INFLIGHT_FD`), if any.
+    inflight: RwLock<Option<Arc<InflightArea>>>,
 }
 
 /// Per queue: the worker's own state and the out-of-order completions.
@@ -153,6 +156,7 @@ impl BlkBackend {
                 queues,
                 metrics,
                 recorder: None,
+                inflight: RwLock::new(None),
             }),
         })
     }
@@ -223,19 +227,25 @@ impl BlkBackend {
         let _span = debug_span!("queue", queue).entered();
         let mut state = vring.get_mut();
         let mut polled_from = None;
+        let area = self.inner.inflight_area();
+        let track = area.as_ref().and_then(|a| a.queue(queue));
+        let mut resubmit = track.as_ref().map(QueueInflight::take_resubmit).unwrap_or_default().into_iter();
         let result = (|| -> Result<(), virtio_queue::Error> {
             loop {
                 state.get_queue_mut().disable_notification(&*atomic.memory())?;
                 loop {
-                    let mut served = self.take_completions(qs, &mut state, &atomic)?;
+                    let mut served = self.take_completions(qs, &mut state, &atomic, track.as_ref())?;
                     loop {
                         // A fresh snapshot per chain (an atomic load): the GuestMemoryAtomic
                         // changes on every ADD_MEM_REG (libblkio maps its buffers right before
                         // its first request), and a chain made available after a map must see
                         // the new memory.
                         let mem = atomic.memory();
-                        let Some(chain) = state.get_queue_mut().pop_descriptor_chain(&*mem) else { break };
-                        let head = chain.head_index();
+                        let Some((head, chain)) =
+                            inflight::next_chain(state.get_queue_mut(), &*mem, track.as_ref(), &mut resubmit)
+                        else {
+                            break;
+                        };
                         let taken = Instant::now();
                         requests.in_flight.inc();
                         match start_chain(chain, &*mem, &self.inner.disk, &self.inner.device, bounce, inline)
@@ -250,7 +260,13 @@ impl BlkBackend {
                                 if let Some(r) = &self.inner.recorder {
                                     r.record(queue, &done, taken);
                                 }
-                                state.get_queue_mut().add_used(&*mem, head, done.used_len)?;
+                                inflight::add_used(
+                                    track.as_ref(),
+                                    state.get_queue_mut(),
+                                    &*mem,
+                                    head,
+                                    done.used_len,
+                                )?;
                                 served += 1;
                             }
                             Started::Deferred(d) => self.defer(queue, head, d, mem.into_inner(), taken),
@@ -296,6 +312,7 @@ impl BlkBackend {
         qs: &QueueState,
         state: &mut VringState<GuestMem>,
         atomic: &GuestMem,
+        track: Option<&QueueInflight<'_>>,
     ) -> Result<usize, virtio_queue::Error> {
         if !qs.pending.swap(false, Ordering::AcqRel) {
             return Ok(0);
@@ -305,7 +322,7 @@ impl BlkBackend {
         let done = std::mem::take(&mut lock(&qs.completions).done);
         let mem = atomic.memory();
         for &(head, len) in &done {
-            state.get_queue_mut().add_used(&*mem, head, len)?;
+            inflight::add_used(track, state.get_queue_mut(), &*mem, head, len)?;
         }
         if !done.is_empty() {
             trace!(completed = done.len(), "out-of-order completions");
@@ -392,9 +409,11 @@ impl BlkBackend {
         };
         let mem = atomic.memory();
         let mut state = vring.get_mut();
+        let area = self.inner.inflight_area();
+        let track = area.as_ref().and_then(|a| a.queue(queue));
         let result = (|| -> Result<(), virtio_queue::Error> {
             for &(head, len) in done {
-                state.get_queue_mut().add_used(&*mem, head, len)?;
+                inflight::add_used(track.as_ref(), state.get_queue_mut(), &*mem, head, len)?;
             }
             trace!(queue, completed = done.len(), "out-of-order completions");
             signal(&mut state, &mem, queue)
@@ -406,6 +425,15 @@ impl BlkBackend {
 }
 
 impl Inner {
+    /// The in-flight tracking area, if the front-end shared one.
+    fn inflight_area(&self) -> Option<Arc<InflightArea>> {
+        self.inflight.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    fn set_inflight_area(&self, area: InflightArea) {
+        *self.inflight.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(area));
+    }
+
     /// A request completed off the queue thread (taken off the ring at `taken`): count it,
     /// record it, and queue its completion for the worker.
     fn finished(&self, queue: usize, generation: u64, head: u16, done: &Completion, taken: Instant) {
@@ -596,5 +624,54 @@ impl VhostUserBackend for BlkBackend {
             self.add_used(&vring, queue, &done);
         }
         Ok(())
+    }
+
+    /// `GET_INFLIGHT_FD`: a fresh tracking area ([`crate::inflight`]).
+    fn get_inflight_fd(&self, request: &VhostUserInflight) -> io::Result<(VhostUserInflight, std::fs::File)> {
+        let (area, reply, file) = InflightArea::create(request.num_queues, request.queue_size)?;
+        debug!(connection = self.inner.connection, size = reply.mmap_size, "inflight area created");
+        self.inner.set_inflight_area(area);
+        Ok((reply, file))
+    }
+
+    /// `SET_INFLIGHT_FD`: the area this or an earlier daemon filled; recovered per queue as
+    /// each ring starts ([`Self::vring_ready`]).
+    fn set_inflight_fd(&self, request: &VhostUserInflight, file: std::fs::File) -> io::Result<()> {
+        self.inner.set_inflight_area(InflightArea::open(file, request)?);
+        debug!(
+            connection = self.inner.connection,
+            size = request.mmap_size,
+            "inflight area from the front-end"
+        );
+        Ok(())
+    }
+
+    /// A ring started: recover what an earlier daemon left in flight (if the front-end shares an
+    /// in-flight area), then kick the ring, so its worker serves what waits there — the
+    /// resubmitted requests first — as soon as it watches the kick.
+    fn vring_ready(&self, queue_index: u16, vring: &Self::Vring) -> io::Result<()> {
+        let mut state = vring.get_mut();
+        let area = self.inner.inflight_area();
+        let mem = lock(&self.inner.mem).clone();
+        if let (Some(track), Some(atomic)) =
+            (area.as_ref().and_then(|a| a.queue(usize::from(queue_index))), mem)
+        {
+            let resubmitted = inflight::recover(&mut state, &*atomic.memory(), &track)?;
+            debug!(
+                connection = self.inner.connection,
+                queue = queue_index,
+                resubmitted,
+                "ring started, inflight area recovered"
+            );
+            if resubmitted > 0 {
+                info!(
+                    connection = self.inner.connection,
+                    queue = queue_index,
+                    resubmitted,
+                    "resubmitting requests in flight when the last daemon stopped"
+                );
+            }
+        }
+        inflight::kick(&state)
     }
 }

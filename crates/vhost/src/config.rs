@@ -72,6 +72,7 @@ impl DeviceConfig {
             | VhostUserProtocolFeatures::REPLY_ACK
             | VhostUserProtocolFeatures::MQ
             | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
+            | VhostUserProtocolFeatures::INFLIGHT_SHMFD
     }
 
     /// The whole configuration space.

@@ -42,6 +42,7 @@ pub mod backend;
 pub mod config;
 pub mod error;
 pub mod execute;
+pub mod inflight;
 pub mod log_limit;
 pub mod plan;
 pub mod poll;
