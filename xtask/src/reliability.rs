@@ -46,7 +46,12 @@ const MATRIX: &[Row] = &[
         "the_group_commit_compacts",
     ),
     ("in-flight area: bookkeeping, recovery, chain walk", "tessera-vhost", None, "inflight::"),
-    ("kill -9 ×20 under a QEMU guest's reads", "tessera-e2e", Some("daemon_restart"), "kill_9_under_guest_reads"),
+    (
+        "kill -9 ×20 under a QEMU guest's reads",
+        "tessera-e2e",
+        Some("daemon_restart"),
+        "kill_9_under_guest_reads",
+    ),
 ];
 
 /// Run every row (e2e rows against the freshly built binary, one test at a time).
