@@ -62,18 +62,7 @@ impl Nginx {
         for _ in 0..5 {
             let port = free_port()?;
             fs::write(&conf_path, config(dir.path(), &root, prefix, port, tls))?;
-            let mut child = Command::new(nginx_bin())
-                .arg("-p")
-                .arg(dir.path())
-                .arg("-c")
-                .arg(&conf_path)
-                .arg("-e")
-                .arg(&error_log)
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .with_context(|| format!("spawn {} (apt-get install nginx)", nginx_bin().display()))?;
+            let mut child = spawn(dir.path())?;
             match wait_ready(&mut child, port, &error_log, Duration::from_secs(10)) {
                 Ok(()) => {
                     let prefix = prefix.trim_matches('/').to_owned();
@@ -122,6 +111,24 @@ impl Nginx {
     /// The error log so far.
     pub fn error_log(&self) -> String {
         fs::read_to_string(self.dir.path().join("error.log")).unwrap_or_default()
+    }
+
+    /// Start a [stopped](Self::stop) nginx again, on the same port with the same configuration:
+    /// the origin comes back at the same URL. Nothing if it runs.
+    pub fn restart(&mut self) -> Result<()> {
+        if self.child.is_some() {
+            return Ok(());
+        }
+        let mut child = spawn(self.dir.path())?;
+        if let Err(e) =
+            wait_ready(&mut child, self.port, &self.dir.path().join("error.log"), Duration::from_secs(10))
+        {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(e);
+        }
+        self.child = Some(child);
+        Ok(())
     }
 
     /// Stop nginx (kill and reap); the origin is then unreachable. Idempotent.
@@ -284,6 +291,22 @@ http {{
 "#,
         root = root.display()
     )
+}
+
+/// nginx with the configuration `dir/nginx.conf` (errors to `dir/error.log`).
+fn spawn(dir: &Path) -> Result<std::process::Child> {
+    Command::new(nginx_bin())
+        .arg("-p")
+        .arg(dir)
+        .arg("-c")
+        .arg(dir.join("nginx.conf"))
+        .arg("-e")
+        .arg(dir.join("error.log"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .with_context(|| format!("spawn {} (apt-get install nginx)", nginx_bin().display()))
 }
 
 #[cfg(test)]

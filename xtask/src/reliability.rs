@@ -45,6 +45,7 @@ const MATRIX: &[Row] = &[
         None,
         "the_group_commit_compacts",
     ),
+    ("origin gone: cached reads served, EIO within 30 s, recovery", "tessera-e2e", Some("origin_gone"), ""),
     ("in-flight area: bookkeeping, recovery, chain walk", "tessera-vhost", None, "inflight::"),
     (
         "kill -9 ×20 under a QEMU guest's reads",
