@@ -112,6 +112,13 @@ pub struct ServeArgs {
     /// ahead, in the background (0 turns readahead off).
     #[arg(long, value_name = "SIZE", default_value = "2M", value_parser = crate::parse_size_arg)]
     readahead: u64,
+    /// A read missing memory also fetches, in the background, up to this many stored bytes of
+    /// the chunks stored after the missed ones in their pack, whatever files they belong to
+    /// (the builder packs in tree order: what it laid out together is read together). Remote
+    /// stores only; 0 turns it off. The default, 128K, took a cold `find /usr -type f -exec
+    /// stat {} +` from 17 serial round trips to 14 for 1.34x the bytes it needs (256K: 10, 1.7x).
+    #[arg(long, value_name = "SIZE", default_value = "128K", value_parser = crate::parse_size_arg)]
+    pack_readahead: u64,
     /// Bandwidth cap for background fetches (readahead and profile prefetch), in stored bytes
     /// per second (e.g. 20M). Default: no cap. Demand fetches are never capped and always go
     /// first; background fetches use at most a quarter of --fetch-jobs.
@@ -284,6 +291,8 @@ pub struct ServeConfig {
     pub prefetch_rate: Option<u64>,
     /// Readahead within a file, bytes (0: off).
     pub readahead: u64,
+    /// Pack-order readahead window (stored bytes; 0: off; remote stores only).
+    pub pack_readahead: u64,
     /// Prefetch the image's profile, if it has one.
     pub prefetch: bool,
     /// `--metrics HOST:PORT`.
@@ -334,6 +343,7 @@ impl ServeConfig {
             fetch_jobs: args.fetch_jobs.map_or(default_jobs, usize::from),
             prefetch_rate: args.prefetch_rate.filter(|&r| r > 0),
             readahead: args.readahead,
+            pack_readahead: args.pack_readahead,
             prefetch: !args.no_prefetch,
             metrics: args.metrics,
             record_trace: args.record_trace,
@@ -388,6 +398,9 @@ pub fn run_on(config: ServeConfig, listener: Option<std::os::unix::net::UnixList
     };
     let mut tier = MemTier::new(ImageReader::new(Arc::clone(&image), source), config.mem_cache, limits)?
         .with_readahead(config.readahead);
+    if location.local_path().is_none() {
+        tier = tier.with_pack_readahead(config.pack_readahead);
+    }
     if let Some(t) = &trace {
         tier = tier.with_trace(t.recorder());
     }

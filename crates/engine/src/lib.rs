@@ -36,6 +36,7 @@ pub mod error;
 pub mod export;
 pub mod fetcher;
 pub mod metrics;
+pub mod packorder;
 pub mod tier;
 pub mod trace;
 pub mod warm;

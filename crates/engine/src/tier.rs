@@ -21,6 +21,7 @@ use tessera_store::{ChunkSource, ImageReader, Piece, StoreError, Visit};
 use crate::device::{BlockDevice, BufSink, Sink};
 use crate::error::{ReadError, StartError};
 use crate::fetcher::{ChunkFetcher, ChunkPlace, FetchDone, FetchLimits, FetchResult, FetcherStats, Priority};
+use crate::packorder::PackOrder;
 use crate::trace::TraceRecorder;
 
 /// `--mem-cache` unless told otherwise: 256 MiB of decoded chunks.
@@ -198,6 +199,8 @@ pub struct MemTier<S> {
     core: Arc<Core<S>>,
     fetcher: ChunkFetcher,
     readahead: u64,
+    /// Pack-order readahead: the order and the window in stored bytes ([`Self::with_pack_readahead`]).
+    pack_ahead: Option<(PackOrder, u64)>,
     /// End offsets of recent reads: a read starting at one of them is sequential.
     streams: Mutex<Streams>,
     trace: Option<Arc<TraceRecorder>>,
@@ -479,7 +482,7 @@ impl<S: ChunkSource> MemTier<S> {
             move |c| place_core.place(c),
         )
         .map_err(StartError)?;
-        Ok(Self { core, fetcher, readahead: 0, streams: Mutex::default(), trace: None })
+        Ok(Self { core, fetcher, readahead: 0, pack_ahead: None, streams: Mutex::default(), trace: None })
     }
 
     /// Record the first touch of every chunk a read needs (`--record-trace`).
@@ -491,6 +494,32 @@ impl<S: ChunkSource> MemTier<S> {
     /// read continues the previous one (0 turns readahead off).
     pub fn with_readahead(self, bytes: u64) -> Self {
         Self { readahead: bytes, ..self }
+    }
+
+    /// When a read misses memory, fetch up to `bytes` (stored) of the chunks stored after each
+    /// missed chunk in its pack, whatever file they belong to, in the background
+    /// ([`crate::packorder`]; 0 turns it off).
+    pub fn with_pack_readahead(self, bytes: u64) -> Self {
+        let pack_ahead = (bytes > 0 && self.core.capacity > 0).then(|| {
+            let chunks = self.core.reader.image().record().block_map.chunks().len();
+            (PackOrder::new(chunks, |c| self.core.place(c)), bytes)
+        });
+        Self { pack_ahead, ..self }
+    }
+
+    /// The chunks pack-order readahead adds to the demand fetch of `missed`.
+    fn pack_ahead(&self, missed: &[u32]) -> Vec<u32> {
+        let Some((order, window)) = &self.pack_ahead else { return Vec::new() };
+        let mut out: Vec<u32> = Vec::new();
+        for &c in missed {
+            let stored = |n: u32| self.core.place(n).map_or(0, |p| u64::from(p.stored_len));
+            let skip = |n: u32| {
+                missed.contains(&n) || out.contains(&n) || self.contains(n) || self.fetcher.is_pending(n)
+            };
+            let more = order.after(c, *window, stored, skip);
+            out.extend(more);
+        }
+        out
     }
 
     /// The reader underneath.
@@ -667,7 +696,14 @@ impl<S: ChunkSource> BlockDevice for MemTier<S> {
             return self.fetcher.run(Box::new(move || done(Ok(()))));
         }
         match self.core.missing(offset, len) {
-            Ok(chunks) => self.fetcher.fetch(&chunks, Priority::Demand, Some(done)),
+            Ok(chunks) => {
+                let ahead = self.pack_ahead(&chunks);
+                self.fetcher.fetch(&chunks, Priority::Demand, Some(done));
+                if !ahead.is_empty() {
+                    self.core.stats.readahead_chunks.fetch_add(ahead.len() as u64, Ordering::Relaxed);
+                    self.fetcher.fetch(&ahead, Priority::Readahead, None);
+                }
+            }
             Err(e) => done(Err(Arc::new(e))),
         }
     }

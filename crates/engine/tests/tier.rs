@@ -91,3 +91,52 @@ fn no_memory_holds_nothing() {
     tier.chunk(0).unwrap();
     assert!(source.reads.load(Ordering::Relaxed) > before, "with no memory every read goes to the source");
 }
+
+#[test]
+fn a_miss_also_fetches_what_follows_it_in_its_pack() {
+    use tessera_engine::BlockDevice;
+    use tessera_image::RunSource;
+    let (_dir, tier, _source, _data) = tier(1 << 20);
+    let tier = tier.with_pack_readahead(1 << 20);
+    let image = tier.reader().image();
+    let n = image.record().block_map.chunks().len() as u32;
+    let mut order: Vec<(u32, u64, u32)> = (0..n)
+        .map(|i| {
+            let (_, _, loc) = image.chunk_location(i).unwrap();
+            (loc.pack, loc.offset, i)
+        })
+        .collect();
+    order.sort();
+    let first = order[0].2;
+    let run = image
+        .record()
+        .block_map
+        .runs()
+        .iter()
+        .find(|r| r.source == RunSource::Chunk { chunk: first, block: 0 })
+        .copied()
+        .unwrap();
+    // A one-byte read of the pack's first chunk misses only that chunk.
+    let (tx, rx) = std::sync::mpsc::channel();
+    tier.fetch_ahead(
+        run.start * 4096,
+        1,
+        Box::new(move |r| {
+            let _ = tx.send(r.is_ok());
+        }),
+    );
+    assert!(rx.recv_timeout(std::time::Duration::from_secs(10)).unwrap());
+    // The chunks stored after it in the same pack arrive too, in the background.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let same_pack: Vec<u32> = order.iter().filter(|o| o.0 == order[0].0).map(|o| o.2).collect();
+    assert!(same_pack.len() > 1, "the test image packs several chunks together");
+    while !same_pack.iter().all(|&c| tier.contains(c)) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "only {:?} of {same_pack:?} in memory",
+            held(&tier, n as usize)
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5)); // polling interval
+    }
+    assert_eq!(tier.stats().readahead_chunks.load(Ordering::Relaxed), same_pack.len() as u64 - 1);
+}

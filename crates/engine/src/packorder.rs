@@ -1,0 +1,112 @@
+//! Pack-order readahead (issue 15, point 4): the builder packs chunks in tree order, so what it
+//! laid out together (the files of one directory, a program and the libraries beside it) is
+//! stored together. When a guest read misses chunk `c`, the chunks stored right after `c` in its
+//! pack — whatever files they belong to — are likely wanted soon; fetched in the background in
+//! the same round trip as `c`, a serial reader (a program start: open, read, open the next) stops
+//! paying one round trip per file. Fetch-once holds: chunks in memory or already pending are
+//! skipped, and the window is counted in stored bytes.
+
+use crate::fetcher::ChunkPlace;
+
+/// No following chunk.
+const NONE: u32 = u32::MAX;
+
+/// For every chunk of an image (BlockMap index), the chunk stored right after it in the same
+/// pack, if any.
+#[derive(Debug, Clone)]
+pub struct PackOrder {
+    next: Vec<u32>,
+}
+
+impl PackOrder {
+    /// The order of `chunks` chunks stored as `place` says (a chunk without a place has no
+    /// neighbours; chunks stored at the same place, the same content under two indexes, follow
+    /// each other).
+    pub fn new(chunks: usize, place: impl Fn(u32) -> Option<ChunkPlace>) -> Self {
+        let mut placed: Vec<(u32, u64, u32, u32)> = (0..chunks)
+            .filter_map(|c| {
+                let c = u32::try_from(c).ok()?;
+                place(c).map(|p| (p.pack, p.offset, p.stored_len, c))
+            })
+            .collect();
+        placed.sort_unstable();
+        let mut next = vec![NONE; chunks];
+        for w in placed.windows(2) {
+            let (pack, offset, len, c) = w[0];
+            let (next_pack, next_offset, _, d) = w[1];
+            // Back to back (or the same bytes): a request can carry both without a gap.
+            if pack == next_pack
+                && (next_offset == offset || offset.checked_add(u64::from(len)) == Some(next_offset))
+            {
+                next[c as usize] = d;
+            }
+        }
+        Self { next }
+    }
+
+    /// The chunk stored right after `c`, if any.
+    pub fn next(&self, c: u32) -> Option<u32> {
+        self.next.get(c as usize).copied().filter(|&n| n != NONE)
+    }
+
+    /// The chunks stored after `c` in its pack, back to back, within `window` stored bytes
+    /// (`stored(c)` says how many a chunk has), leaving out those `skip` says are at hand (in
+    /// memory, pending, or asked for already); stops at a gap or after 4096 chunks.
+    pub fn after(
+        &self,
+        c: u32,
+        window: u64,
+        stored: impl Fn(u32) -> u64,
+        skip: impl Fn(u32) -> bool,
+    ) -> Vec<u32> {
+        let mut out = Vec::new();
+        let mut used = 0u64;
+        let mut at = c;
+        for _ in 0..4096 {
+            let Some(n) = self.next(at) else { break };
+            used += stored(n);
+            if used > window {
+                break;
+            }
+            if !skip(n) {
+                out.push(n);
+            }
+            at = n;
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Pack 0: chunks 3, 1, 0 back to back (100 bytes each), a gap, then 4; pack 1: 2.
+    fn place(c: u32) -> Option<ChunkPlace> {
+        let (pack, offset) = match c {
+            3 => (0, 0),
+            1 => (0, 100),
+            0 => (0, 200),
+            4 => (0, 1000),
+            2 => (1, 300),
+            _ => return None,
+        };
+        Some(ChunkPlace { pack, offset, stored_len: 100 })
+    }
+
+    #[test]
+    fn chunks_follow_pack_order_not_index_order_and_stop_at_gaps() {
+        let order = PackOrder::new(6, place);
+        assert_eq!(order.next(3), Some(1));
+        assert_eq!(order.next(1), Some(0));
+        assert_eq!(order.next(0), None, "a gap before 4");
+        assert_eq!(order.next(2), None, "last of pack 1");
+        assert_eq!(order.next(5), None, "no place");
+        let stored = |_| 100;
+        assert_eq!(order.after(3, 1000, stored, |_| false), vec![1, 0]);
+        // The window counts stored bytes; skipped chunks still use it.
+        assert_eq!(order.after(3, 150, stored, |_| false), vec![1]);
+        assert_eq!(order.after(3, 1000, stored, |c| c == 1), vec![0]);
+        assert!(order.after(0, 1000, stored, |_| false).is_empty());
+    }
+}
