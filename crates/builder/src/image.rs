@@ -47,11 +47,11 @@ const READER_BUFFER: u64 = 8 << 20;
 pub const LAYER_READER_VERSION: u32 = 1;
 
 /// A layer's manifest and where it came from.
-struct Layer {
-    manifest: ContentManifest,
+pub(crate) struct Layer {
+    pub(crate) manifest: ContentManifest,
     /// The stored record it was taken from (`None`: read by this build).
-    reused: Option<LayerRecord>,
-    tar_bytes: u64,
+    pub(crate) reused: Option<LayerRecord>,
+    pub(crate) tar_bytes: u64,
 }
 
 /// Build `source` into `store`.
@@ -61,6 +61,9 @@ pub fn build_image(
     config: &BuildConfig,
     progress: &dyn Progress,
 ) -> Result<BuildOutput, BuildError> {
+    if config.reference_layers {
+        return crate::reference::build_referenced(source, store, config, progress);
+    }
     check_chunk_size(config.chunk_size)?;
     let mut layers: Vec<Option<Layer>> = Vec::with_capacity(source.layers.len());
     let mut homes: HashMap<ChunkId, ChunkHome> = HashMap::new();
@@ -221,7 +224,7 @@ impl std::fmt::Debug for Flat {
 
 /// Apply the layers' manifests in order and give each regular file its chunks (and the data
 /// ranges they cover).
-fn flatten(blobs: &[LayerBlob], layers: &[Layer], fs_time: i64) -> Result<Flat, BuildError> {
+pub(crate) fn flatten(blobs: &[LayerBlob], layers: &[Layer], fs_time: i64) -> Result<Flat, BuildError> {
     let mut flattener = Flattener::new(fs_time);
     for (i, (blob, layer)) in blobs.iter().zip(layers).enumerate() {
         flattener.apply_layer(i, &blob.name, &layer.manifest.entries)?;
@@ -268,7 +271,7 @@ fn read_one(
     tx: &mpsc::SyncSender<Msg>,
 ) -> Result<(Vec<LayerEntry>, u64), BuildError> {
     let stream = LayerStream::open(blob, budget)?;
-    let mut sink = |ordinal: u64, size: u64, data: &mut dyn Read| -> std::io::Result<()> {
+    let mut sink = |ordinal: u64, size: u64, _position: u64, data: &mut dyn Read| -> std::io::Result<()> {
         let mut done = 0u64;
         while done < size {
             let len = (size - done).min(chunk_size);

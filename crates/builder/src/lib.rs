@@ -15,6 +15,7 @@ mod image;
 pub mod manifest;
 mod manifest_text;
 mod pipeline;
+mod reference;
 mod seed;
 pub mod source;
 #[cfg(any(test, feature = "test-support"))]

@@ -50,6 +50,9 @@ pub struct BuildConfig {
     pub source_ref: String,
     /// Limit on the uncompressed bytes of all layers together (`--max-size`; image sources only).
     pub max_size: Option<u64>,
+    /// Keep file data in the source image's gzip layers (`--reference-layers`; OCI layouts only):
+    /// the store gets the layer blobs as they are and a reference pack index.
+    pub reference_layers: bool,
 }
 
 impl Default for BuildConfig {
@@ -61,6 +64,7 @@ impl Default for BuildConfig {
             fs_time: fs_time(None),
             source_ref: String::new(),
             max_size: None,
+            reference_layers: false,
         }
     }
 }
@@ -110,7 +114,27 @@ pub(crate) fn finish_image(
     runtime: RuntimeConfig,
     source_provenance: serde_json::Value,
 ) -> Result<BuildOutput, BuildError> {
-    let seed = tree_seed(tree, &chunks.files);
+    let mut out =
+        finish_image_with(tree, &chunks.files, store, config, runtime, source_provenance, |record, _| {
+            Ok(index_of(record.block_map.chunks().iter().map(|c| c.id), chunks)?.encode())
+        })?;
+    out.new_chunks = chunks.new_chunks;
+    out.new_stored_bytes = chunks.new_stored_bytes;
+    Ok(out)
+}
+
+/// [`finish_image`] with the pack index made by `pack_index` from the record and the image ID
+/// (a plain pack index, or a reference pack index for `--reference-layers`).
+pub(crate) fn finish_image_with(
+    tree: &Tree,
+    files: &[crate::seed::FileChunks],
+    store: &LocalStore,
+    config: &BuildConfig,
+    runtime: RuntimeConfig,
+    source_provenance: serde_json::Value,
+    pack_index: impl FnOnce(&ImageRecord, ImageId) -> Result<Vec<u8>, BuildError>,
+) -> Result<BuildOutput, BuildError> {
+    let seed = tree_seed(tree, files);
     let options = Options {
         size: config.size,
         inodes: config.inodes,
@@ -124,11 +148,11 @@ pub(crate) fn finish_image(
 
     let mut map = BlockMap::builder(g.blocks);
     let prefix = push_prefix(&mut map, &fs.metadata)?;
-    push_file_data(&mut map, &fs.placements, &chunks.files)?;
+    push_file_data(&mut map, &fs.placements, files)?;
     let record = ImageRecord {
         options: BuildOptions { chunk_size: config.chunk_size },
         geometry: *g,
-        stats: tree_stats(tree, g, &chunks.files),
+        stats: tree_stats(tree, g, files),
         prefix: PrefixInfo {
             digest: Sha256Digest::of(&prefix),
             blocks: prefix.len() as u64 / BlockSize::U64,
@@ -136,15 +160,10 @@ pub(crate) fn finish_image(
         block_map: map.finish()?,
         config: runtime,
     };
-    let pack_index = index_of(record.block_map.chunks().iter().map(|c| c.id), chunks)?;
+    let id = ImageId(Sha256Digest::of(&record.encode()));
+    let pack_index = pack_index(&record, id)?;
     let (id, entry) = write_image(store, config, &record, &prefix, &pack_index, source_provenance)?;
-    Ok(BuildOutput {
-        id,
-        record,
-        entry,
-        new_chunks: chunks.new_chunks,
-        new_stored_bytes: chunks.new_stored_bytes,
-    })
+    Ok(BuildOutput { id, record, entry, new_chunks: 0, new_stored_bytes: 0 })
 }
 
 /// The metadata prefix: every non-zero metadata block, concatenated in device order, mapped.
@@ -227,7 +246,7 @@ fn write_image(
     config: &BuildConfig,
     record: &ImageRecord,
     prefix: &[u8],
-    pack_index: &PackIndex,
+    pack_index: &[u8],
     source_provenance: serde_json::Value,
 ) -> Result<(ImageId, ImageEntry), BuildError> {
     let record_bytes = record.encode();
@@ -235,7 +254,7 @@ fn write_image(
     let compressed_prefix =
         zstd::bulk::compress(prefix, 3).map_err(BuildError::io(store.root(), "compress prefix"))?;
     let prefix_digest = store.put_blob(&compressed_prefix)?;
-    let pack_index_digest = store.put_blob(&pack_index.encode())?;
+    let pack_index_digest = store.put_blob(pack_index)?;
     let provenance = serde_json::json!({
         "source": config.source_ref,
         "built_at": SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
@@ -285,6 +304,11 @@ pub fn build_source(
     config: &BuildConfig,
     progress: &dyn Progress,
 ) -> Result<BuildOutput, BuildError> {
+    if config.reference_layers && !matches!(spec, SourceSpec::Oci { .. }) {
+        return Err(BuildError::Unsupported {
+            what: "--reference-layers builds of sources other than OCI layouts (oci:PATH)".into(),
+        });
+    }
     let image = match spec {
         SourceSpec::Dir(path) => return build_dir(path, store, config, progress),
         SourceSpec::Oci { path, reference } => open_oci_layout(path, reference.as_deref(), platform)?,

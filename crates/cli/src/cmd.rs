@@ -11,7 +11,7 @@ use tessera_builder::Progress;
 use tessera_builder::{BuildConfig, BuildError};
 use tessera_engine::{export_raw, ExportError, ExportOptions, FetchLimits, MemTier};
 use tessera_ext4::SizePolicy;
-use tessera_image::{ImageId, ImageRecord, PackIndex, RuntimeConfig};
+use tessera_image::{AnyPackIndex, ImageId, ImageRecord, RuntimeConfig};
 use tessera_store::{read_profile, ImageReader, ReadStore, StoreError, StoreLocation};
 
 use crate::cache_args::CacheArgs;
@@ -85,6 +85,7 @@ pub fn build(args: BuildArgs) -> Result<()> {
         inodes: args.inodes,
         source_ref,
         max_size: args.max_size,
+        reference_layers: args.reference_layers,
         fs_time: tessera_builder::fs_time(source_date_epoch),
     };
     let bar = Bar::new("building");
@@ -260,7 +261,7 @@ impl Inspect {
         let entry = store.get_entry(&id)?;
         let record = ImageRecord::decode(&store.read_blob(&entry.record)?)
             .with_context(|| format!("image {id}: decoding the record"))?;
-        let index = PackIndex::decode(&store.read_blob(&entry.pack_index)?)
+        let index = AnyPackIndex::decode(&store.read_blob(&entry.pack_index)?)
             .with_context(|| format!("image {id}: decoding the pack index"))?;
         let tags: Vec<String> = store
             .list_refs()?
@@ -301,7 +302,7 @@ impl Inspect {
             stored_bytes: stored_chunk_bytes + prefix_stored_bytes,
             stored_chunk_bytes,
             chunks: record.block_map.chunks().len() as u64,
-            packs: index.packs().len() as u64,
+            packs: index.data_blobs().len() as u64,
             dedup_ratio: ratio(s.data_bytes, unique_chunk_bytes),
             compression_ratio: ratio(unique_chunk_bytes, stored_chunk_bytes),
             prefix_bytes: record.prefix.blocks * tessera_image::BlockSize::U64,

@@ -94,6 +94,7 @@ Examples:\n  tessera build ./rootfs --store ./store\n  tessera build ./rootfs --
 tessera build ./rootfs --store file:///var/lib/tessera --size 4G --inodes 200000 --chunk-size 1M\n  \
 tessera build oci:./layout:v1 --store ./store --tag app\n  \
 tessera build oci:./multiarch --platform linux/arm64/v8 --store ./store --max-size 8G\n  \
+tessera build oci:./layout:v1 --store ./store --reference-layers\n  \
 tessera build docker-archive:./app.tar --store ./store\n  \
 tessera build docker-archive:./images.tar:example.com/app:v1 --store ./store\n  \
 tessera build docker://registry.example.com/team/app:v1 --store ./store --creds bot:s3cret\n  \
@@ -142,6 +143,12 @@ pub struct BuildArgs {
     /// limit).
     #[arg(long, value_parser = parse_size_arg)]
     max_size: Option<u64>,
+    /// Keep file data in the source image's gzip layers instead of converting it (oci: sources):
+    /// the store gets the layer blobs as they are, the metadata prefix, the record and a reference
+    /// pack index with gzip checkpoints (docs/formats/reference-index.md). The image ID is the one
+    /// a converted build gives.
+    #[arg(long)]
+    reference_layers: bool,
     /// For a docker:// source.
     #[command(flatten)]
     origin: origin_args::OriginArgs,

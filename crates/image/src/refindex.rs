@@ -265,6 +265,41 @@ impl RefIndex {
     }
 }
 
+/// Either kind of pack index an image entry may name, told apart by the magic.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AnyPackIndex {
+    /// Chunks in the store's packs (`docs/formats/pack-index.md`).
+    Packs(crate::PackIndex),
+    /// Chunks in the source image's layers (`docs/formats/reference-index.md`).
+    Reference(RefIndex),
+}
+
+impl AnyPackIndex {
+    pub fn decode(bytes: &[u8]) -> Result<Self, DecodeError> {
+        if RefIndex::sniff(bytes) {
+            RefIndex::decode(bytes).map(Self::Reference)
+        } else {
+            crate::PackIndex::decode(bytes).map(Self::Packs)
+        }
+    }
+
+    /// The blobs holding the chunks: the packs, or the referenced layer blobs.
+    pub fn data_blobs(&self) -> Vec<Sha256Digest> {
+        match self {
+            Self::Packs(p) => p.packs().to_vec(),
+            Self::Reference(r) => r.layers.iter().map(|l| l.digest).collect(),
+        }
+    }
+
+    /// Stored bytes of the indexed chunks (for a reference index, of the layer blobs).
+    pub fn stored_bytes(&self) -> u64 {
+        match self {
+            Self::Packs(p) => p.stored_bytes(),
+            Self::Reference(r) => r.layers.iter().map(|l| l.compressed_len).sum(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -8,7 +8,7 @@
 
 use std::io::Read;
 
-use tessera_image::{ImageId, PackIndex, Sha256Digest};
+use tessera_image::{AnyPackIndex, ImageId, Sha256Digest};
 use tracing::debug;
 
 use crate::error::StoreError;
@@ -50,13 +50,13 @@ pub fn copy_image(
     }
     let entry = source.get_entry(id)?;
     let index_bytes = source.read_blob(&entry.pack_index)?;
-    let index = PackIndex::decode(&index_bytes).map_err(|source| StoreError::Decode {
+    let index = AnyPackIndex::decode(&index_bytes).map_err(|source| StoreError::Decode {
         what: "pack index",
         digest: entry.pack_index,
         source,
     })?;
     // Packs first (the bulk), then the small blobs; the entry after all of them.
-    let mut blobs: Vec<(Sha256Digest, bool)> = index.packs().iter().map(|p| (*p, true)).collect();
+    let mut blobs: Vec<(Sha256Digest, bool)> = index.data_blobs().into_iter().map(|p| (p, true)).collect();
     let small =
         [Some(entry.pack_index), Some(entry.prefix), Some(entry.record), entry.provenance, entry.profile];
     blobs.extend(small.into_iter().flatten().map(|d| (d, false)));

@@ -105,6 +105,10 @@ pub enum StoreError {
     /// A stored chunk does not decompress to the bytes its id names. No bytes are returned.
     #[error("chunk {chunk} in pack {pack} at offset {offset} is corrupt: {reason}")]
     CorruptChunk { chunk: ChunkId, pack: Sha256Digest, offset: u64, reason: &'static str },
+    /// A span of a referenced layer blob (`--reference-layers` images) does not match its
+    /// checkpoint: the blob changed since the build. No bytes are returned.
+    #[error("layer blob {layer}: the span at compressed offset {offset} is corrupt: {reason}")]
+    CorruptSpan { layer: Sha256Digest, offset: u64, reason: String },
     /// A read outside the device.
     #[error("read outside the device")]
     OutOfRange(#[source] tessera_image::Error),

@@ -41,6 +41,7 @@ mod origin;
 mod profile;
 mod read_store;
 mod reader;
+mod reference;
 mod source;
 
 pub use cache::{
@@ -63,6 +64,7 @@ pub use read_store::ReadStore;
 pub use reader::{
     decode_stored_chunk, ImageReader, OpenImage, Piece, ReadAt, Visit, DEFAULT_CHUNK_CACHE, MAX_CHUNK_LEN,
 };
+pub use reference::{decode_span, RefImage, DEFAULT_SPAN_CACHE};
 pub use source::ChunkSource;
 pub use tessera_registry::PushOptions;
 /// An origin's request counters (the same meaning for HTTP and registry stores).

@@ -11,13 +11,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use tessera_image::{
-    ChunkId, ChunkRef, Compression, ImageEntry, ImageId, ImageRecord, PackIndex, PackLocation, SegmentSource,
-    Sha256Digest, BLOCK_SIZE,
+    ChunkId, ChunkRef, Compression, ImageEntry, ImageId, ImageRecord, PackIndex, PackLocation, RefIndex,
+    SegmentSource, Sha256Digest, BLOCK_SIZE,
 };
 use tracing::{debug, trace, warn};
 
 use crate::error::StoreError;
 use crate::local::LocalStore;
+use crate::reference::{fetch_reference_chunk, RefImage, SpanCache, DEFAULT_SPAN_CACHE};
 use crate::source::ChunkSource;
 
 /// Largest chunk the reader accepts (chunk sizes go up to 16 MiB; this leaves room and stops a
@@ -40,6 +41,9 @@ pub struct OpenImage {
     locations: Vec<(Sha256Digest, PackLocation)>,
     /// BlockMap chunk index of each chunk id (its first use), built on first need.
     index_of: OnceLock<HashMap<ChunkId, u32>>,
+    /// For a `--reference-layers` image: its reference pack index (then `pack_index` is empty
+    /// and `locations` give each chunk's first span range in its layer blob).
+    reference: Option<RefImage>,
 }
 
 /// One piece of a read, in device order ([`OpenImage::walk`]).
@@ -106,6 +110,22 @@ impl OpenImage {
         let prefix = store.read_blob_as(&entry.prefix, "metadata prefix")?;
         let pack_index = store.read_blob_as(&entry.pack_index, "pack index")?;
         let image = Self::assemble(*id, entry, &record, &prefix, &pack_index)?;
+        if let Some(r) = &image.reference {
+            for l in &r.index.layers {
+                let len = store.blob_len(&l.digest)?;
+                if len != l.compressed_len {
+                    return Err(inconsistent(
+                        id,
+                        format!(
+                            "layer blob {} has {len} bytes, its reference index says {}",
+                            l.digest, l.compressed_len
+                        ),
+                    ));
+                }
+            }
+            debug!(image = %id, chunks = image.locations.len(), "opened reference image");
+            return Ok(image);
+        }
         let mut needed: std::collections::HashMap<Sha256Digest, u64> = Default::default();
         for (pack, loc) in &image.locations {
             let end = loc.offset.saturating_add(u64::from(loc.stored_len));
@@ -190,6 +210,9 @@ impl OpenImage {
             });
         }
 
+        if RefIndex::sniff(pack_index_bytes) {
+            return Self::assemble_reference(id, entry, record, prefix, pack_index_bytes);
+        }
         let pack_index = PackIndex::decode(pack_index_bytes).map_err(|source| StoreError::Decode {
             what: "pack index",
             digest: entry.pack_index,
@@ -214,7 +237,70 @@ impl OpenImage {
             }
             locations.push((pack, loc));
         }
-        Ok(Self { id, entry, record, prefix, pack_index, locations, index_of: OnceLock::new() })
+        Ok(Self {
+            id,
+            entry,
+            record,
+            prefix,
+            pack_index,
+            locations,
+            index_of: OnceLock::new(),
+            reference: None,
+        })
+    }
+
+    /// [`Self::assemble`] for a `--reference-layers` image: its reference pack index must name
+    /// this image and hold every chunk with its length.
+    fn assemble_reference(
+        id: ImageId,
+        entry: ImageEntry,
+        record: ImageRecord,
+        prefix: Vec<u8>,
+        index_bytes: &[u8],
+    ) -> Result<Self, StoreError> {
+        let index = RefIndex::decode(index_bytes).map_err(|source| StoreError::Decode {
+            what: "reference pack index",
+            digest: entry.pack_index,
+            source,
+        })?;
+        let reference =
+            RefImage::new(&id, index, record.block_map.chunks()).map_err(|r| inconsistent(&id, r))?;
+        let mut locations = Vec::with_capacity(reference.chunks.len());
+        for (i, c) in record.block_map.chunks().iter().enumerate() {
+            let place = u32::try_from(i).ok().and_then(|i| reference.locate(i)).and_then(|(layer, loc)| {
+                let (first, last) = layer.spans_covering(loc.offset, u64::from(loc.len))?;
+                let start = layer.checkpoints.get(first)?.start();
+                let end = layer.checkpoints.get(last)?.span_end;
+                let stored_len = u32::try_from(end - start).unwrap_or(u32::MAX);
+                Some((
+                    layer.digest,
+                    PackLocation {
+                        pack: loc.layer,
+                        offset: start,
+                        stored_len,
+                        raw_len: c.len,
+                        compression: Compression::None,
+                    },
+                ))
+            });
+            locations
+                .push(place.ok_or_else(|| inconsistent(&id, format!("chunk #{i} {} has no span", c.id)))?);
+        }
+        Ok(Self {
+            id,
+            entry,
+            record,
+            prefix,
+            pack_index: PackIndex::default(),
+            locations,
+            index_of: OnceLock::new(),
+            reference: Some(reference),
+        })
+    }
+
+    /// The reference pack index, for a `--reference-layers` image.
+    pub fn reference(&self) -> Option<&RefImage> {
+        self.reference.as_ref()
     }
 
     /// The image ID.
@@ -382,6 +468,8 @@ pub struct ImageReader<S> {
     source: S,
     cache: Mutex<ChunkCache>,
     refetches: AtomicU64,
+    /// Decoded spans of a reference image's layers.
+    spans: SpanCache,
 }
 
 impl<S: ChunkSource> ImageReader<S> {
@@ -392,6 +480,7 @@ impl<S: ChunkSource> ImageReader<S> {
             source,
             cache: Mutex::new(ChunkCache::new(DEFAULT_CHUNK_CACHE)),
             refetches: AtomicU64::new(0),
+            spans: SpanCache::new(DEFAULT_SPAN_CACHE),
         }
     }
 
@@ -509,6 +598,10 @@ impl<S: ChunkSource> ImageReader<S> {
     /// One fetch and check of chunk `index`.
     fn fetch_once(&self, index: u32) -> Result<Vec<u8>, StoreError> {
         let (chunk, pack, loc) = self.locate(index)?;
+        if let Some(r) = self.image.reference() {
+            trace!(index, chunk = %chunk.id, layer = %pack, "fetch referenced chunk");
+            return fetch_reference_chunk(r, &chunk, index, &self.spans, &self.source);
+        }
         trace!(index, chunk = %chunk.id, %pack, offset = loc.offset, len = loc.stored_len, "fetch chunk");
         let stored = self.source.read_stored(&pack, loc.offset, loc.stored_len)?;
         decode_stored_chunk(&chunk, &pack, &loc, &stored)
@@ -521,7 +614,7 @@ impl<S: ChunkSource> ImageReader<S> {
         first: Result<Vec<u8>, StoreError>,
     ) -> Result<Vec<u8>, StoreError> {
         match first {
-            Err(e @ StoreError::CorruptChunk { .. }) => {
+            Err(e @ (StoreError::CorruptChunk { .. } | StoreError::CorruptSpan { .. })) => {
                 warn!(
                     index,
                     error = &e as &dyn std::error::Error,
@@ -545,6 +638,10 @@ impl<S: ChunkSource> ImageReader<S> {
     /// pack (they share the error), a chunk failing verification is fetched once more, as in
     /// [`Self::fetch_chunk`], and fails alone.
     pub fn fetch_chunks(&self, indexes: &[u32]) -> Vec<Result<Vec<u8>, Arc<StoreError>>> {
+        if self.image.reference().is_some() {
+            // Chunks of one span share its fetch through the span cache.
+            return indexes.iter().map(|&i| self.fetch_chunk(i).map_err(Arc::new)).collect();
+        }
         let mut out: Vec<Option<Result<Vec<u8>, Arc<StoreError>>>> = vec![None; indexes.len()];
         let mut located = Vec::with_capacity(indexes.len());
         for (k, &i) in indexes.iter().enumerate() {

@@ -30,6 +30,11 @@ pub enum SourceError {
     UnsupportedEntry { layer: String, path: String, kind: char },
     #[error("{layer}: entry {path:?}: bad header field {field}: {reason}")]
     BadHeader { layer: String, path: String, field: &'static str, reason: String },
+    #[error(
+        "{layer} is {format}: --reference-layers serves data from gzip layers only (zstd frames are not \
+         indexed yet); build without --reference-layers to convert the image"
+    )]
+    NotGzip { layer: String, format: &'static str },
     #[error("{layer}: corrupt or truncated stream")]
     Corrupt { layer: String, source: io::Error },
     #[error("{what}: digest mismatch: expected {expected}, got {actual}")]

@@ -149,6 +149,8 @@ enum Decoded {
     Plain(Box<Raw>),
     Gzip(Box<flate2::bufread::MultiGzDecoder<Raw>>),
     Zstd(Box<zstd::stream::read::Decoder<'static, Raw>>),
+    /// Gzip, inflated by a checkpoint indexer (`--reference-layers`).
+    Indexed(Box<IndexingReader<Raw>>),
 }
 
 impl Read for Decoded {
@@ -157,6 +159,7 @@ impl Read for Decoded {
             Self::Plain(r) => r.read(buf),
             Self::Gzip(r) => r.read(buf),
             Self::Zstd(r) => r.read(buf),
+            Self::Indexed(r) => r.read(buf),
         }
     }
 }
@@ -167,6 +170,67 @@ impl Decoded {
             Self::Plain(r) => *r,
             Self::Gzip(r) => r.into_inner(),
             Self::Zstd(r) => r.finish(),
+            Self::Indexed(r) => r.inner,
+        }
+    }
+}
+
+/// Compressed bytes handed to the indexer at once: bounds the output one step can make (deflate
+/// expands at most about 1032:1).
+const INDEX_INPUT: usize = 16 << 10;
+
+/// Where [`LayerStream::open_indexed`] leaves the gzip index once the stream has ended.
+#[derive(Debug, Clone, Default)]
+pub struct GzipIndexHandle(Arc<std::sync::Mutex<Option<tessera_gzip::GzipIndex>>>);
+
+impl GzipIndexHandle {
+    /// The index, once the stream was read to its end (taken: a second call gives `None`).
+    pub fn take(&self) -> Option<tessera_gzip::GzipIndex> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+}
+
+/// Inflates a gzip stream through a [`tessera_gzip::Indexer`].
+pub(crate) struct IndexingReader<R> {
+    inner: R,
+    indexer: Option<tessera_gzip::Indexer>,
+    /// Inflated bytes not yet read, from `pos`.
+    pending: Vec<u8>,
+    pos: usize,
+    input: Vec<u8>,
+    handle: GzipIndexHandle,
+}
+
+impl<R: Read> Read for IndexingReader<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        loop {
+            if self.pos < self.pending.len() {
+                let n = buf.len().min(self.pending.len() - self.pos);
+                buf[..n].copy_from_slice(&self.pending[self.pos..self.pos + n]);
+                self.pos += n;
+                return Ok(n);
+            }
+            let Some(indexer) = self.indexer.as_mut() else { return Ok(0) };
+            self.pending.clear();
+            self.pos = 0;
+            let n = self.inner.read(&mut self.input)?;
+            let bad = |e: tessera_gzip::GzipError| io::Error::new(io::ErrorKind::InvalidData, e);
+            if n == 0 {
+                let index =
+                    self.indexer.take().map(tessera_gzip::Indexer::finish).transpose().map_err(bad)?;
+                *self.handle.0.lock().unwrap_or_else(|p| p.into_inner()) = index;
+                return Ok(0);
+            }
+            let pending = &mut self.pending;
+            indexer
+                .push(&self.input[..n], &mut |b: &[u8]| {
+                    pending.extend_from_slice(b);
+                    Ok::<(), std::convert::Infallible>(())
+                })
+                .map_err(|e| match e {
+                    tessera_gzip::PushError::Gzip(g) => bad(g),
+                    tessera_gzip::PushError::Sink(never) => match never {},
+                })?;
         }
     }
 }
@@ -201,17 +265,57 @@ impl LayerStream {
         Self::open_checked(blob, None, blob.digest.is_none())
     }
 
+    /// Open a gzip `blob` for `--reference-layers`: as [`Self::open`], inflated by a
+    /// [`tessera_gzip::Indexer`] recording a checkpoint every `spacing` bytes. Once the stream has
+    /// been read to its end, the index is in the returned handle. A layer that is not gzip is
+    /// [`SourceError::NotGzip`].
+    pub fn open_indexed(
+        blob: &LayerBlob,
+        budget: Option<(Arc<AtomicU64>, u64)>,
+        spacing: u64,
+    ) -> Result<(Self, GzipIndexHandle), SourceError> {
+        let handle = GzipIndexHandle::default();
+        let stream = Self::open_with(blob, budget, true, Some((spacing, handle.clone())))?;
+        Ok((stream, handle))
+    }
+
     fn open_checked(
         blob: &LayerBlob,
         budget: Option<(Arc<AtomicU64>, u64)>,
         check_diff_id: bool,
+    ) -> Result<Self, SourceError> {
+        Self::open_with(blob, budget, check_diff_id, None)
+    }
+
+    fn open_with(
+        blob: &LayerBlob,
+        budget: Option<(Arc<AtomicU64>, u64)>,
+        check_diff_id: bool,
+        index: Option<(u64, GzipIndexHandle)>,
     ) -> Result<Self, SourceError> {
         let err = |e| from_stream_error(&blob.name, e);
         let raw = (blob.open)().map_err(err)?;
         let mut raw =
             BufReader::with_capacity(256 << 10, Verify::new(raw, blob.digest.clone(), blob.size, None));
         let head = raw.fill_buf().map_err(err)?;
-        let decoded = if head.starts_with(&[0x1f, 0x8b]) {
+        let gzip = head.starts_with(&[0x1f, 0x8b]);
+        let decoded = if let Some((spacing, handle)) = index {
+            if !gzip {
+                let format =
+                    if head.starts_with(&[0x28, 0xb5, 0x2f, 0xfd]) { "zstd" } else { "uncompressed" };
+                return Err(SourceError::NotGzip { layer: blob.name.clone(), format });
+            }
+            let indexer = tessera_gzip::Indexer::new(spacing)
+                .map_err(|e| err(io::Error::new(io::ErrorKind::InvalidData, e)))?;
+            Decoded::Indexed(Box::new(IndexingReader {
+                inner: raw,
+                indexer: Some(indexer),
+                pending: Vec::new(),
+                pos: 0,
+                input: vec![0u8; INDEX_INPUT],
+                handle,
+            }))
+        } else if gzip {
             Decoded::Gzip(Box::new(flate2::bufread::MultiGzDecoder::new(raw)))
         } else if head.starts_with(&[0x28, 0xb5, 0x2f, 0xfd]) {
             Decoded::Zstd(Box::new(zstd::stream::read::Decoder::with_buffer(raw).map_err(err)?))
@@ -370,10 +474,11 @@ pub fn scan_layer(stream: LayerStream) -> Result<Vec<LayerEntry>, SourceError> {
     walk_layer(stream, None).map(|(entries, _)| entries)
 }
 
-/// Receives each regular file's data during [`read_layer`]: `(ordinal, size, data)`, where the
-/// ordinal counts the layer's regular files from 0 in stream order. It must read all `size`
-/// bytes or fail.
-pub type FileSink<'a> = dyn FnMut(u64, u64, &mut dyn Read) -> io::Result<()> + 'a;
+/// Receives each regular file's data during [`read_layer`]: `(ordinal, size, position, data)`,
+/// where the ordinal counts the layer's regular files from 0 in stream order and `position` is
+/// the offset of the file's first byte in the uncompressed tar stream (its data is contiguous
+/// there: sparse entries are refused). It must read all `size` bytes or fail.
+pub type FileSink<'a> = dyn FnMut(u64, u64, u64, &mut dyn Read) -> io::Result<()> + 'a;
 
 /// The one pass over a layer: every header parsed as [`scan_layer`] does, and each regular
 /// file's data handed to `on_file` as the stream passes it (so every byte is inflated and
@@ -421,7 +526,8 @@ fn walk_layer(
             capture.borrow_mut().restart_at(data_end);
             if let Some(mut e) = parsed {
                 if let (Some(sink), EntryKind::File { size, offset }) = (on_file.as_mut(), &mut e.kind) {
-                    sink(files, *size, &mut entry).map_err(|e| from_stream_error(&name, e))?;
+                    let position = entry.raw_file_position();
+                    sink(files, *size, position, &mut entry).map_err(|e| from_stream_error(&name, e))?;
                     *offset = files;
                     files += 1;
                 }

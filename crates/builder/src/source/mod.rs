@@ -18,7 +18,7 @@ mod tests;
 pub use error::SourceError;
 pub use flatten::{ContentRef, EntryKind, FlatTree, Flattener, LayerEntry};
 pub(crate) use layer::parse_pax_time;
-pub use layer::{read_layer, scan_layer, Digest, FileSink, LayerBlob, LayerStream, Opener};
+pub use layer::{read_layer, scan_layer, Digest, FileSink, GzipIndexHandle, LayerBlob, LayerStream, Opener};
 pub use oci::{
     normalize_config, open_docker_archive, open_oci_layout, ImageSource, Platform, SourceSpec, MAX_DOCUMENT,
 };

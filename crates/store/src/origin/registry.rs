@@ -17,7 +17,7 @@ use std::collections::HashMap;
 use std::io::Read;
 use std::sync::{Arc, Mutex};
 
-use tessera_image::{validate_tag, ImageEntry, ImageId, PackIndex, Sha256Digest};
+use tessera_image::{validate_tag, AnyPackIndex, ImageEntry, ImageId, Sha256Digest};
 use tessera_registry::{
     BlobPush, Client, ClientOptions, Digest, ManifestKind, PushOptions, Reference, RegistryError, Target,
 };
@@ -355,11 +355,8 @@ pub fn push_image(
         return Err(StoreError::InvalidTag { tag: target.tag.clone() });
     }
     let entry = source.get_entry(id)?;
-    let index = PackIndex::decode(&source.read_blob(&entry.pack_index)?).map_err(|e| StoreError::Decode {
-        what: "pack index",
-        digest: entry.pack_index,
-        source: e,
-    })?;
+    let index = AnyPackIndex::decode(&source.read_blob(&entry.pack_index)?)
+        .map_err(|e| StoreError::Decode { what: "pack index", digest: entry.pack_index, source: e })?;
     let mut layers = Vec::new();
     let named = [
         (Role::Record, Some(entry.record)),
@@ -373,9 +370,9 @@ pub fn push_image(
             layers.push(Layer { role, digest: d, size: source.blob_len(&d)? });
         }
     }
-    for pack in index.packs() {
-        if !layers.iter().any(|l| l.digest == *pack) {
-            layers.push(Layer { role: Role::Pack, digest: *pack, size: source.blob_len(pack)? });
+    for pack in index.data_blobs() {
+        if !layers.iter().any(|l| l.digest == pack) {
+            layers.push(Layer { role: Role::Pack, digest: pack, size: source.blob_len(&pack)? });
         }
     }
     let entry_json = entry.to_json();
