@@ -197,27 +197,7 @@ impl BlkClient {
             placed.push(at);
             at += len;
         }
-        let mut rets = vec![None; reads.len()];
-        let mut completions: Vec<MaybeUninit<Completion>> =
-            (0..reads.len()).map(|_| MaybeUninit::uninit()).collect();
-        let deadline = Instant::now() + Duration::from_secs(60);
-        let mut done = 0;
-        while done < reads.len() {
-            let want = reads.len() - done;
-            let mut timeout = deadline.saturating_duration_since(Instant::now());
-            let got = queue
-                .do_io(&mut completions[..want], 1, Some(&mut timeout), None)
-                .map_err(|e| anyhow::anyhow!("libblkio do_io: {e}"))?;
-            ensure!(got > 0, "{want} of {} reads did not complete within 60 s", reads.len());
-            for c in &completions[..got] {
-                // SAFETY: do_io initialized the first `got` entries.
-                let c = unsafe { c.assume_init_ref() };
-                let slot = rets.get_mut(c.user_data).context("a completion with an unknown user_data")?;
-                ensure!(slot.is_none(), "read {} completed twice", c.user_data);
-                *slot = Some(c.ret);
-                done += 1;
-            }
-        }
+        let rets = wait_all(queue, reads.len(), Duration::from_secs(60))?;
         let mut out = Vec::with_capacity(reads.len());
         for ((ret, &(_, len)), at) in rets.into_iter().zip(reads).zip(placed) {
             match ret {
@@ -234,6 +214,53 @@ impl BlkClient {
             }
         }
         Ok(out)
+    }
+
+    /// Write every `(offset, bytes)` of `writes` at once on queue 0 (together they must fit the
+    /// buffer region), wait for them, then FLUSH and wait for it (each at most `timeout`): the
+    /// writes' statuses and the FLUSH's (0 or libblkio's negative errno).
+    pub fn write_and_flush(
+        &mut self,
+        writes: &[(u64, Vec<u8>)],
+        timeout: Duration,
+    ) -> Result<(Vec<i32>, i32)> {
+        let total: usize = writes.iter().map(|w| w.1.len()).sum();
+        ensure!(total <= self.region.len, "{total} bytes of writes do not fit the region");
+        let queue = self.queues.first_mut().context("no queue 0")?;
+        let mut at = 0usize;
+        for (i, (offset, bytes)) in writes.iter().enumerate() {
+            // SAFETY: the region is a live mapping of `region.len` bytes owned by `self.blkio`,
+            // `at + len <= total <= region.len`, and no request uses it now.
+            let buf =
+                unsafe { std::slice::from_raw_parts_mut((self.region.addr + at) as *mut u8, bytes.len()) };
+            buf.copy_from_slice(bytes);
+            queue.write(*offset, buf.as_ptr(), bytes.len(), i, ReqFlags::empty());
+            at += bytes.len();
+        }
+        let rets = wait_all(queue, writes.len(), timeout)?;
+        let rets: Vec<i32> = rets.into_iter().map(|r| r.unwrap_or(i32::MIN)).collect();
+        queue.flush(0, ReqFlags::empty());
+        let flush = wait_all(queue, 1, timeout)?.remove(0).unwrap_or(i32::MIN);
+        Ok((rets, flush))
+    }
+
+    /// Submit `reads` on queue 0 and return without waiting for them (a client about to go away
+    /// with requests in flight).
+    pub fn submit_reads(&mut self, reads: &[(u64, usize)]) -> Result<()> {
+        let total: usize = reads.iter().map(|r| r.1).sum();
+        ensure!(total <= self.region.len, "{total} bytes of reads do not fit the region");
+        let queue = self.queues.first_mut().context("no queue 0")?;
+        let mut at = 0usize;
+        for (i, &(offset, len)) in reads.iter().enumerate() {
+            queue.read(offset, (self.region.addr + at) as *mut u8, len, i, ReqFlags::empty());
+            at += len;
+        }
+        let mut none: [MaybeUninit<Completion>; 0] = [];
+        let mut zero = Duration::ZERO;
+        queue
+            .do_io(&mut none, 0, Some(&mut zero), None)
+            .map_err(|e| anyhow::anyhow!("libblkio do_io: {e}"))?;
+        Ok(())
     }
 
     /// Read the whole device in `piece`-byte requests, `depth` at a time on queue 0. Returns the
@@ -262,4 +289,30 @@ impl BlkClient {
         }
         Ok((out, failed))
     }
+}
+
+/// Wait for the completions of the `n` requests submitted on `queue` (user_data `0..n`), at most
+/// `limit` in all: each request's `ret` (`None`: never completed — an error is returned first).
+fn wait_all(queue: &mut Blkioq, n: usize, limit: Duration) -> Result<Vec<Option<i32>>> {
+    let mut rets = vec![None; n];
+    let mut completions: Vec<MaybeUninit<Completion>> = (0..n).map(|_| MaybeUninit::uninit()).collect();
+    let deadline = Instant::now() + limit;
+    let mut done = 0;
+    while done < n {
+        let want = n - done;
+        let mut timeout = deadline.saturating_duration_since(Instant::now());
+        let got = queue
+            .do_io(&mut completions[..want], 1, Some(&mut timeout), None)
+            .map_err(|e| anyhow::anyhow!("libblkio do_io: {e}"))?;
+        ensure!(got > 0, "{want} of {n} requests did not complete within {limit:?}");
+        for c in &completions[..got] {
+            // SAFETY: do_io initialized the first `got` entries.
+            let c = unsafe { c.assume_init_ref() };
+            let slot = rets.get_mut(c.user_data).context("a completion with an unknown user_data")?;
+            ensure!(slot.is_none(), "request {} completed twice", c.user_data);
+            *slot = Some(c.ret);
+            done += 1;
+        }
+    }
+    Ok(rets)
 }

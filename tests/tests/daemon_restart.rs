@@ -6,7 +6,7 @@
 //!
 //! The guest writes a file and `sync`s (a FLUSH) per step, printing a marker once the FLUSH
 //! returned, while a second loop re-reads a base file (caches dropped) and compares its sum. The
-//! host kills the daemon `TESSERA_RESTART_KILLS` times (default 3, the gate's short form; the
+//! host kills the daemon `TESSERA_RESTART_KILLS` times (default 2, the gate's short form; the
 //! reliability matrix runs 20), each after the guest made progress on the previous daemon.
 //! Then: no I/O error in the guest, every read right, every flushed file present with its bytes
 //! (in the guest after the last restart, and in the exported base+overlay), e2fsck clean.
@@ -186,7 +186,7 @@ fn kill_9_under_guest_writes_loses_nothing_flushed() -> Result<()> {
 
 fn kill_9_under_guest_io(writes: bool) -> Result<()> {
     fixtures::require_root()?;
-    let kills: u64 = std::env::var("TESSERA_RESTART_KILLS").ok().and_then(|v| v.parse().ok()).unwrap_or(3);
+    let kills: u64 = std::env::var("TESSERA_RESTART_KILLS").ok().and_then(|v| v.parse().ok()).unwrap_or(2);
     let kit = guest::kit()?;
     let t = tmp("daemon-restart")?;
     let work = t.path().to_owned();
@@ -213,7 +213,7 @@ fn kill_9_under_guest_io(writes: bool) -> Result<()> {
     let mut logs = vec![life.log.clone()];
     let initrd = work.join("restart.cpio");
     // Enough guest time for every kill cycle (a cycle takes 1–2 s under TCG).
-    let loop_secs = 20 + 6 * kills;
+    let loop_secs = 12 + 6 * kills;
     guest::initramfs(&kit, &guest_script(&read_path, &read_sum, loop_secs, writes), &initrd)?;
     let guest = {
         let (kit, initrd, socket, work) = (kit.clone(), initrd.clone(), socket.clone(), work.clone());

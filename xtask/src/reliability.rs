@@ -45,6 +45,18 @@ const MATRIX: &[Row] = &[
         None,
         "the_group_commit_compacts",
     ),
+    (
+        "kill -9 ×20 under writes + FLUSH (libblkio), 4 more while opening",
+        "tessera-e2e",
+        Some("restart_under_load"),
+        "kill_9_under_writes",
+    ),
+    (
+        "100 reconnects under load (libblkio)",
+        "tessera-e2e",
+        Some("restart_under_load"),
+        "a_hundred_reconnects",
+    ),
     ("origin gone: cached reads served, EIO within 30 s, recovery", "tessera-e2e", Some("origin_gone"), ""),
     ("in-flight area: bookkeeping, recovery, chain walk", "tessera-vhost", None, "inflight::"),
     (
