@@ -150,12 +150,14 @@ fn continues(a: Mapping, len: u64, b: Mapping) -> bool {
 pub struct FreeSpace {
     runs: BTreeMap<u64, u64>,
     end: u64,
+    /// Sum of `runs`.
+    below: u64,
 }
 
 impl FreeSpace {
     /// Slots `first..end` free, none below.
     pub fn new(end: u64) -> Self {
-        Self { runs: BTreeMap::new(), end }
+        Self { runs: BTreeMap::new(), end, below: 0 }
     }
 
     /// The first slot never allocated: the file needs `end` slots.
@@ -174,6 +176,7 @@ impl FreeSpace {
                 self.runs.insert(s + take, l - take);
             }
             push_run(&mut out, s, take);
+            self.below -= take;
             n -= take;
         }
         if n > 0 {
@@ -183,11 +186,19 @@ impl FreeSpace {
         out
     }
 
+    /// Take `n` slots from the end (none from the runs below it); returns the first.
+    pub fn take_end(&mut self, n: u64) -> u64 {
+        let first = self.end;
+        self.end += n;
+        first
+    }
+
     /// Return `count` slots from `slot` (must be allocated).
     pub fn free(&mut self, slot: u64, count: u64) {
         if count == 0 {
             return;
         }
+        self.below += count;
         let (mut s, mut l) = (slot, count);
         if let Some((&ps, &pl)) = self.runs.range(..s).next_back() {
             if ps + pl == s {
@@ -204,7 +215,7 @@ impl FreeSpace {
 
     /// Free slots below the end.
     pub fn free_below_end(&self) -> u64 {
-        self.runs.values().sum()
+        self.below
     }
 }
 
@@ -332,6 +343,14 @@ mod tests {
         f.free(1, 1);
         f.free(3, 1);
         assert_eq!(f.alloc(3), vec![(1, 1), (3, 1), (15, 1)]);
+        assert_eq!(f.free_below_end(), 0);
+        // Slots taken from the end and given back become a run below it.
+        assert_eq!(f.take_end(4), 16);
+        assert_eq!(f.end(), 20);
+        assert_eq!(f.alloc(1), vec![(20, 1)], "taken slots are not free until given back");
+        f.free(16, 4);
+        assert_eq!(f.free_below_end(), 4);
+        assert_eq!(f.alloc(5), vec![(16, 4), (21, 1)]);
         assert_eq!(f.free_below_end(), 0);
     }
 }

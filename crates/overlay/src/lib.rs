@@ -24,6 +24,7 @@ use std::io as stdio;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::time::{Duration, Instant};
 
 use tessera_engine::{BlockDevice, FetchDone, ReadError, Sink, SinkError, Visit};
 use tessera_image::ImageId;
@@ -130,6 +131,9 @@ pub struct OverlayStats {
     pub syncs: u64,
     /// Checkpoints written: at open, and by compaction while serving.
     pub checkpoints: u64,
+    /// Slots zero-filled and synced ahead of the allocation frontier
+    /// ([`Overlay::prepare_ahead`]).
+    pub prepared_slots: u64,
 }
 
 /// The copy-on-write overlay of one device.
@@ -154,7 +158,29 @@ pub struct Overlay {
     compacting: AtomicBool,
     /// The group commit compacts the log once it holds this many records (and 4× the map's).
     compact_min_records: u64,
+    /// Bytes of zero-filled free slots kept ready past the allocation frontier (0: none).
+    prepare_ahead: u64,
+    /// A preparation is queued or running.
+    preparing: AtomicBool,
+    /// No preparation before this instant (one failed to write, e.g. on a full disk).
+    prepare_paused: Mutex<Option<Instant>>,
+    /// Slots zero-filled by preparations.
+    prepared: AtomicU64,
 }
+
+/// Free space kept ready ahead of the allocation frontier by overlay files opened for durable
+/// writes ([`Overlay::prepare_ahead`]). A write into a slot past the end of the file grows it,
+/// and the FLUSH's `fdatasync` then also commits the file system's allocation (a journal commit
+/// on ext4: measured at 1.7× the latency of an overwrite's); slots zero-filled and synced
+/// beforehand, off the FLUSH's path, make the FLUSH's writes overwrites.
+pub const PREPARE_AHEAD_BYTES: u64 = 16 << 20;
+
+/// Zeros written (and synced) per step of a preparation: small enough that a FLUSH arriving
+/// meanwhile waits for little write-back of them.
+const PREPARE_CHUNK_BYTES: u64 = 1 << 20;
+
+/// How long preparations stop after one failed to write.
+const PREPARE_PAUSE: Duration = Duration::from_secs(10);
 
 /// Log records since the last checkpoint before the group commit compacts the log (a record is
 /// 64 bytes: 4 MiB of log, replayed at every open until compacted).
@@ -232,7 +258,8 @@ impl Overlay {
                 .map_err(OverlayError::io("creating", 0))?;
             lock(&file, true)?;
             let io = FileIo::new(file);
-            let overlay = Self::create(Box::new(io), params, base, Mode::Durable)?;
+            let overlay =
+                Self::create(Box::new(io), params, base, Mode::Durable)?.prepare_ahead(PREPARE_AHEAD_BYTES);
             fs::rename(&tmp, path).map_err(OverlayError::io("renaming into place", 0))?;
             if let Some(dir) =
                 path.parent().map(|p| if p.as_os_str().is_empty() { Path::new(".") } else { p })
@@ -276,7 +303,9 @@ impl Overlay {
             .open(path)
             .map_err(|e| OverlayError::io("opening", 0)(e).at(path))?;
         lock(&file, writable).map_err(|e| e.at(path))?;
-        Self::open(Box::new(FileIo::new(file)), params, base, mode).map_err(|e| e.at(path))
+        Self::open(Box::new(FileIo::new(file)), params, base, mode)
+            .map(|o| o.prepare_ahead(PREPARE_AHEAD_BYTES))
+            .map_err(|e| e.at(path))
     }
 
     /// A temporary overlay: an unlinked file in `dir`, gone with the process, never synced.
@@ -458,6 +487,10 @@ impl Overlay {
             checkpoints: AtomicU64::new(0),
             compacting: AtomicBool::new(false),
             compact_min_records: COMPACT_MIN_RECORDS,
+            prepare_ahead: 0,
+            preparing: AtomicBool::new(false),
+            prepare_paused: Mutex::new(None),
+            prepared: AtomicU64::new(0),
         }
     }
 
@@ -599,6 +632,7 @@ impl Overlay {
             pending_records: st.pending.len() as u64,
             syncs: self.syncs.load(Ordering::Relaxed),
             checkpoints: self.checkpoints.load(Ordering::Relaxed),
+            prepared_slots: self.prepared.load(Ordering::Relaxed),
             ..OverlayStats::default()
         };
         for (_, len, m) in st.map.iter() {
@@ -615,6 +649,86 @@ impl Overlay {
             Some(end) if end <= self.params.device_bytes => Ok(()),
             _ => Err(OverlayError::OutOfRange { offset, len, device_bytes: self.params.device_bytes }),
         }
+    }
+
+    /// Keep `bytes` of zero-filled, synced free slots ready past the allocation frontier: after a
+    /// group commit finds fewer than half of them left, a worker thread prepares more
+    /// ([`Self::prepare`]). Durable overlays only; 0 (the default of [`Self::create`] and
+    /// [`Self::open`]) turns it off; overlay files ([`Self::create_file`], [`Self::open_file`])
+    /// keep [`PREPARE_AHEAD_BYTES`].
+    pub fn prepare_ahead(mut self, bytes: u64) -> Self {
+        if self.mode == Mode::Durable {
+            self.prepare_ahead = bytes;
+        }
+        self
+    }
+
+    /// Whether the group commit should start a preparation ([`Self::prepare`]): fewer than
+    /// half the prepared bytes are left, and the file is below its cap.
+    fn prepare_due(&self) -> bool {
+        if self.prepare_ahead == 0 || self.preparing.load(Ordering::Acquire) {
+            return false;
+        }
+        let low = {
+            let st = read_state(&self.state);
+            st.free.free_below_end() * self.bs < self.prepare_ahead / 2 && st.free.end() < self.prepare_cap()
+        };
+        low && lock_mutex(&self.prepare_paused).is_none_or(|until| Instant::now() >= until)
+    }
+
+    /// Preparations stop at a file of this many slots: room for every device block, and an
+    /// eighth more (plus 64) for blocks released but not yet reusable and log segments; more
+    /// than that the device can never use.
+    fn prepare_cap(&self) -> u64 {
+        let blocks = self.params.device_bytes / self.bs;
+        blocks + blocks / 8 + 64
+    }
+
+    /// Zero-fill and sync slots past the end of the file, a step at a time, until
+    /// [`Self::prepare_ahead`] bytes of free slots are ready; each step's slots become free (the
+    /// next allocations take them) once synced. Returns the slots prepared. Slots being
+    /// zero-filled are taken from the end first, so no write can be placed in them meanwhile;
+    /// the zeros land only in slots no durable state references, so a crash at any point is
+    /// harmless. A step that fails to write (a full disk) gives its slots back and pauses
+    /// preparations for a while; a failed sync fails the overlay like a failed FLUSH (it may
+    /// have reported, and so consumed, a write-back error of the guest's data).
+    pub fn prepare(&self) -> Result<u64, OverlayError> {
+        let bs = self.bs;
+        let want = self.prepare_ahead / bs;
+        let step = (PREPARE_CHUNK_BYTES.min(self.prepare_ahead) / bs).max(1);
+        let cap = self.prepare_cap();
+        let zeros = vec![0u8; usize::try_from(step * bs).unwrap_or(0)];
+        let mut made = 0;
+        while !self.failed.load(Ordering::Acquire) {
+            let (first, n) = {
+                let mut st = write_state(&self.state);
+                let n = step.min(cap.saturating_sub(st.free.end()));
+                if st.free.free_below_end() >= want || n == 0 {
+                    break;
+                }
+                (st.free.take_end(n), n)
+            };
+            let at = first * bs;
+            let written = self.io.write_at(&zeros[..(n * bs) as usize], at);
+            let synced = written.is_ok().then(|| self.io.sync_data());
+            write_state(&self.state).free.free(first, n);
+            if let Err(e) = written {
+                *lock_mutex(&self.prepare_paused) = Some(Instant::now() + PREPARE_PAUSE);
+                debug!(
+                    error = &e as &dyn std::error::Error,
+                    "overlay: zero-filling free slots failed; pausing"
+                );
+                return Err(OverlayError::io("zero-filling free slots", at)(e));
+            }
+            if let Some(Err(e)) = synced {
+                warn!(error = &e as &dyn std::error::Error, "overlay sync failed; refusing further writes");
+                self.failed.store(true, Ordering::Release);
+                return Err(OverlayError::io("syncing zero-filled slots", at)(e));
+            }
+            self.prepared.fetch_add(n, Ordering::Relaxed);
+            made += n;
+        }
+        Ok(made)
     }
 
     /// Let the group commit compact the log once it holds `records` records (and four times as
@@ -928,6 +1042,13 @@ impl Overlay {
                 self.base.spawn(Box::new(move || {
                     let _ = me.compact();
                     me.compacting.store(false, Ordering::Release);
+                }));
+            }
+            if result.is_ok() && self.prepare_due() && !self.preparing.swap(true, Ordering::AcqRel) {
+                let me = Arc::clone(self);
+                self.base.spawn(Box::new(move || {
+                    let _ = me.prepare();
+                    me.preparing.store(false, Ordering::Release);
                 }));
             }
         }

@@ -57,6 +57,8 @@ struct Sim {
     /// Writes and syncs allowed before the power goes (None: unlimited).
     budget: Option<usize>,
     syncs: usize,
+    /// Writes that went past the end of the file (grew it).
+    grew: usize,
     /// How long a sync takes.
     sync_delay: std::time::Duration,
 }
@@ -68,6 +70,12 @@ impl Sim {
             img.resize(end, 0);
         }
         img[offset as usize..end].copy_from_slice(bytes);
+    }
+
+    /// Size of the file (what the page cache shows).
+    fn len(&self) -> u64 {
+        let vol_end = self.volatile.iter().map(|(o, b)| o + b.len() as u64).max().unwrap_or(0);
+        (self.durable.len() as u64).max(vol_end)
     }
 
     fn spend(&mut self) -> io::Result<()> {
@@ -102,6 +110,9 @@ impl OverlayIo for SimIo {
     fn write_at(&self, buf: &[u8], offset: u64) -> io::Result<()> {
         let mut s = self.0.state.lock().unwrap();
         s.spend()?;
+        if offset + buf.len() as u64 > s.len() {
+            s.grew += 1;
+        }
         s.volatile.push((offset, buf.to_vec()));
         Ok(())
     }
@@ -120,9 +131,7 @@ impl OverlayIo for SimIo {
     }
 
     fn size(&self) -> io::Result<u64> {
-        let s = self.0.state.lock().unwrap();
-        let vol_end = s.volatile.iter().map(|(o, b)| o + b.len() as u64).max().unwrap_or(0);
-        Ok((s.durable.len() as u64).max(vol_end))
+        Ok(self.0.state.lock().unwrap().len())
     }
 }
 
@@ -621,9 +630,12 @@ impl Model {
 fn durability_under_power_loss() {
     let mut rng = StdRng::seed_from_u64(0xd15c);
     for life_set in 0..40 {
+        // Odd sets keep 8 zero-filled slots ready ahead (and prepare them amid the rest).
+        let ahead = if life_set % 2 == 1 { 8 * BS } else { 0 };
+        let open = |disk: &Arc<SimDisk>| open(disk).map(|o| o.prepare_ahead(ahead));
         let mut disk = Arc::new(SimDisk::default());
         let mut model = Model::new();
-        let mut overlay = Some(create(&disk));
+        let mut overlay = Some(create(&disk).prepare_ahead(ahead));
         for life in 0..6 {
             // A power budget: the loss may come in the middle of anything, even a flush.
             let budget = rng.gen_range(1..120);
@@ -650,7 +662,7 @@ fn durability_under_power_loss() {
                 }
             };
             for _ in 0..rng.gen_range(1..60) {
-                let r = match rng.gen_range(0..10) {
+                let r = match rng.gen_range(0..11) {
                     0..=5 => {
                         let len = if rng.gen_bool(0.5) {
                             BS * rng.gen_range(1..=5)
@@ -685,6 +697,8 @@ fn durability_under_power_loss() {
                     // Compaction while serving (a checkpoint; it also makes completed writes
                     // durable, which the model allows: a later version than the last flush).
                     7 => o.compact(),
+                    // Zero-filling free slots past the frontier (a no-op in even sets).
+                    8 => o.prepare().map(|_| ()),
                     _ => o.flush().map(|()| model.flushed()),
                 };
                 if r.is_err() {
@@ -723,4 +737,99 @@ fn kill_keeps_completed_writes_after_a_flush_point() {
     assert_eq!(&b[..100], &[1u8; 100]);
     assert_eq!(&b[100..110], &[2u8; 10]);
     assert_eq!(&b[110..], &[1u8; 8082]);
+}
+
+/// Prepared slots make a FLUSHed write an overwrite: after the first group commit, writes of
+/// fresh blocks (data and log records) never grow the file while prepared slots last; what
+/// was written survives a power loss and a reopen.
+#[test]
+fn prepared_slots_keep_writes_inside_the_file() {
+    let disk = Arc::new(SimDisk::default());
+    let o = Arc::new(create(&disk).prepare_ahead(32 * BS));
+    let mut model = base_bytes();
+    let flush = |o: &Arc<Overlay>| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        o.flush_async(Box::new(move |r| tx.send(r.is_ok()).unwrap()));
+        assert!(rx.recv().unwrap());
+    };
+    o.write_at(0, &[1u8; BS as usize]).unwrap();
+    model[..BS as usize].fill(1);
+    // The commit finds no free slots and prepares (Pattern runs the job at once).
+    flush(&o);
+    let st = o.stats();
+    assert_eq!(st.prepared_slots, 32, "{st:?}");
+    assert_eq!(st.free_slots, 32, "{st:?}");
+    let file = disk.state.lock().unwrap().len();
+    assert_eq!(file, st.file_slots * BS, "the zeros reach the file's end");
+    let grew = disk.state.lock().unwrap().grew;
+    // 12 fresh blocks, each flushed: 12 data slots and the log's records, all in prepared slots.
+    for b in 1..13u64 {
+        let data = vec![b as u8 + 1; BS as usize];
+        o.write_at(b * BS, &data).unwrap();
+        model[(b * BS) as usize..((b + 1) * BS) as usize].copy_from_slice(&data);
+        flush(&o);
+    }
+    let s = disk.state.lock().unwrap();
+    assert_eq!(s.grew, grew, "a write past the end of the file while prepared slots were free");
+    assert_eq!(s.len(), file, "the file grew");
+    drop(s);
+    assert_eq!(read_all(&o), model);
+    // Below half of the 32 left, the next commit prepares again, up to 32 free.
+    for b in 13..30u64 {
+        o.write_at(b * BS, &[7u8; BS as usize]).unwrap();
+        model[(b * BS) as usize..((b + 1) * BS) as usize].fill(7);
+        flush(&o);
+    }
+    let st = o.stats();
+    assert!(st.prepared_slots > 32 && st.free_slots >= 16, "{st:?}");
+    let o2 = open(&disk.power_loss(&mut StdRng::seed_from_u64(3))).unwrap();
+    assert_eq!(read_all(&o2), model, "after a power loss");
+    assert_eq!(o2.stats().free_slots, st.free_slots, "prepared slots are free after a reopen");
+}
+
+/// A preparation never makes the file larger than the device can use (every block, an eighth
+/// more, and 64 slots), and is off unless asked for.
+#[test]
+fn preparation_is_capped_by_the_device_and_off_by_default() {
+    let disk = Arc::new(SimDisk::default());
+    let o = create(&disk);
+    assert_eq!(o.prepare().unwrap(), 0, "off by default");
+    let end = o.stats().file_slots;
+    let o = o.prepare_ahead(1 << 30);
+    let cap = BLOCKS + BLOCKS / 8 + 64;
+    assert_eq!(o.prepare().unwrap(), cap - end, "1 GiB asked for, the cap reached");
+    let st = o.stats();
+    assert_eq!((st.file_slots, st.prepared_slots, st.free_slots), (cap, cap - end, cap - end));
+    assert_eq!(disk.state.lock().unwrap().len(), cap * BS);
+    assert_eq!(o.prepare().unwrap(), 0, "nothing more past the cap");
+    let tmp = Overlay::temporary(&std::env::temp_dir(), params(), Arc::new(Pattern)).unwrap();
+    assert_eq!(tmp.prepare_ahead(1 << 20).prepare().unwrap(), 0, "never for a volatile overlay");
+}
+
+/// A step that cannot write (a full disk) gives its slots back and pauses; a failed sync of
+/// the zeros fails the overlay as a failed FLUSH does.
+#[test]
+fn a_failed_preparation_pauses_or_fails_the_overlay() {
+    let disk = Arc::new(SimDisk::default());
+    let o = Arc::new(create(&disk).prepare_ahead(8 * BS));
+    let end = o.stats().file_slots;
+    disk.state.lock().unwrap().budget = Some(0);
+    assert!(o.prepare().is_err());
+    let st = o.stats();
+    assert_eq!((st.prepared_slots, st.free_slots), (0, 8), "the step's slots are given back: {st:?}");
+    assert_eq!(st.file_slots, end + 8);
+    disk.state.lock().unwrap().budget = None;
+    // Still writable; the slots given back are used; the pause keeps the commit from preparing.
+    o.write_at(0, &[3u8; BS as usize]).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    o.flush_async(Box::new(move |r| tx.send(r.is_ok()).unwrap()));
+    assert!(rx.recv().unwrap());
+    assert_eq!(o.stats().prepared_slots, 0, "paused after the failure");
+    // The zeros written, the sync fails: the overlay refuses writes from then on.
+    let disk = Arc::new(SimDisk::default());
+    let o = create(&disk).prepare_ahead(8 * BS);
+    disk.state.lock().unwrap().budget = Some(1);
+    assert!(o.prepare().is_err());
+    disk.state.lock().unwrap().budget = None;
+    assert!(matches!(o.write_at(0, &[1u8; 10]), Err(OverlayError::Failed)));
 }
