@@ -35,6 +35,7 @@ pub mod device;
 pub mod error;
 pub mod export;
 pub mod fetcher;
+pub mod hugebuf;
 pub mod metrics;
 pub mod packorder;
 pub mod tier;
@@ -48,7 +49,8 @@ pub use fetcher::{
     ChunkFetcher, ChunkPlace, FetchDone, FetchLimits, FetchResult, FetcherStats, Job, Priority,
     DEFAULT_BATCH_BYTES, DEFAULT_LOCAL_FETCH_JOBS, DEFAULT_REMOTE_FETCH_JOBS,
 };
+pub use hugebuf::ChunkBuf;
 pub use tessera_store::Visit;
-pub use tier::{MemTier, TierStats, DEFAULT_MEM_CACHE, DEFAULT_READAHEAD};
+pub use tier::{Chunk, MemTier, TierStats, DEFAULT_MEM_CACHE, DEFAULT_READAHEAD};
 pub use trace::{TraceError, TraceRecorder};
 pub use warm::{warm, WarmFailure, WarmOptions, WarmReport, DEFAULT_WARM_JOBS};

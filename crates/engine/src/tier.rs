@@ -21,8 +21,13 @@ use tessera_store::{ChunkSource, ImageReader, Piece, StoreError, Visit};
 use crate::device::{BlockDevice, BufSink, Sink};
 use crate::error::{ReadError, StartError};
 use crate::fetcher::{ChunkFetcher, ChunkPlace, FetchDone, FetchLimits, FetchResult, FetcherStats, Priority};
+use crate::hugebuf::ChunkBuf;
 use crate::packorder::PackOrder;
 use crate::trace::TraceRecorder;
+
+/// A decoded chunk in memory, shared by the reads copying from it (its bytes on huge pages when
+/// large enough: [`crate::hugebuf`]).
+pub type Chunk = Arc<ChunkBuf>;
 
 /// `--mem-cache` unless told otherwise: 256 MiB of decoded chunks.
 pub const DEFAULT_MEM_CACHE: u64 = 256 << 20;
@@ -101,10 +106,10 @@ struct Slots {
 }
 
 /// A slot's chunk, borrowed.
-type SlotGuard<'a> = RwLockReadGuard<'a, Option<Arc<[u8]>>>;
+type SlotGuard<'a> = RwLockReadGuard<'a, Option<Chunk>>;
 
 struct Slot {
-    chunk: RwLock<Option<Arc<[u8]>>>,
+    chunk: RwLock<Option<Chunk>>,
     reported: AtomicU32,
 }
 
@@ -123,7 +128,7 @@ impl Slots {
     /// Chunk `index`, if memory holds it; whether the policy must be told of the hit (once per
     /// epoch).
     #[inline]
-    fn lookup(&self, index: u32) -> Option<(Arc<[u8]>, bool)> {
+    fn lookup(&self, index: u32) -> Option<(Chunk, bool)> {
         let slot = self.get(index)?;
         let chunk = slot.chunk.read().unwrap_or_else(|p| p.into_inner()).clone()?;
         let epoch = self.epoch.load(Ordering::Relaxed);
@@ -156,7 +161,7 @@ impl Slots {
     }
 
     /// Chunk `index` is about to go into moka.
-    fn put(&self, index: u32, chunk: &Arc<[u8]>) {
+    fn put(&self, index: u32, chunk: &Chunk) {
         if let Some(slot) = self.get(index) {
             *slot.chunk.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::clone(chunk));
             slot.reported
@@ -166,7 +171,7 @@ impl Slots {
 
     /// Moka dropped `chunk` (evicted, refused or replaced): empty the slot if it still holds that
     /// copy (not a newer one put since).
-    fn remove(&self, index: u32, chunk: &Arc<[u8]>) {
+    fn remove(&self, index: u32, chunk: &Chunk) {
         if let Some(slot) = self.get(index) {
             let mut held = slot.chunk.write().unwrap_or_else(|p| p.into_inner());
             if held.as_ref().is_some_and(|h| Arc::ptr_eq(h, chunk)) {
@@ -179,7 +184,7 @@ impl Slots {
 /// A chunk a read copies from: borrowed from its slot (a hit) or owned (just fetched).
 enum Held<'a> {
     Slot(SlotGuard<'a>),
-    Owned(Arc<[u8]>),
+    Owned(Chunk),
 }
 
 impl std::ops::Deref for Held<'_> {
@@ -188,7 +193,7 @@ impl std::ops::Deref for Held<'_> {
     fn deref(&self) -> &[u8] {
         match self {
             // `Slots::hold` returns only guards of a full slot.
-            Held::Slot(g) => g.as_deref().unwrap_or(&[]),
+            Held::Slot(g) => g.as_deref().map_or(&[], |c| &c[..]),
             Held::Owned(a) => a,
         }
     }
@@ -209,7 +214,7 @@ pub struct MemTier<S> {
 struct Core<S> {
     reader: ImageReader<S>,
     /// The policy (what to keep within `capacity`); `slots` is the index reads go through.
-    cache: Cache<u32, Arc<[u8]>>,
+    cache: Cache<u32, Chunk>,
     slots: Arc<Slots>,
     capacity: u64,
     stats: Arc<TierStats>,
@@ -251,7 +256,7 @@ impl<S> std::fmt::Debug for MemTier<S> {
 
 impl<S: ChunkSource> Core<S> {
     /// Chunk `index` if it is in memory.
-    fn cached(&self, index: u32) -> Option<Arc<[u8]>> {
+    fn cached(&self, index: u32) -> Option<Chunk> {
         match self.slots.lookup(index) {
             Some((chunk, report)) => {
                 if report {
@@ -286,19 +291,19 @@ impl<S: ChunkSource> Core<S> {
     }
 
     /// `chunk`, just fetched, goes into memory (its slot first: see [`Slots`]).
-    fn keep(&self, index: u32, chunk: &Arc<[u8]>) {
+    fn keep(&self, index: u32, chunk: &Chunk) {
         if self.capacity > 0 {
             self.slots.put(index, chunk);
         }
     }
 
-    fn chunk(&self, index: u32) -> Result<Arc<[u8]>, Arc<StoreError>> {
+    fn chunk(&self, index: u32) -> Result<Chunk, Arc<StoreError>> {
         self.fill(index, false)
     }
 
     /// Chunk `index`, fetched into memory if missing; `background`: for readahead or prefetch
     /// (a chunk this call fills is then flagged unused until a guest read uses it).
-    fn fill(&self, index: u32, background: bool) -> Result<Arc<[u8]>, Arc<StoreError>> {
+    fn fill(&self, index: u32, background: bool) -> Result<Chunk, Arc<StoreError>> {
         if let Some(hit) = self.cached(index) {
             return Ok(hit);
         }
@@ -340,7 +345,7 @@ impl<S: ChunkSource> Core<S> {
 
     /// A chunk just fetched, counted (and flagged when a background fetch brought it), ready to
     /// go into memory.
-    fn admit(&self, index: u32, data: Vec<u8>, background: bool) -> Arc<[u8]> {
+    fn admit(&self, index: u32, data: Vec<u8>, background: bool) -> Chunk {
         self.stats.fetches.fetch_add(1, Ordering::Relaxed);
         self.stats.fetched_bytes.fetch_add(data.len() as u64, Ordering::Relaxed);
         if background {
@@ -349,7 +354,7 @@ impl<S: ChunkSource> Core<S> {
             self.stats.prefetched_chunks.fetch_add(1, Ordering::Relaxed);
             self.stats.prefetched_bytes.fetch_add(data.len() as u64, Ordering::Relaxed);
         }
-        Arc::from(data)
+        Arc::new(ChunkBuf::from_vec(data))
     }
 
     /// Where chunk `index` is stored (what batching and the background bandwidth look at).
@@ -457,10 +462,10 @@ impl<S: ChunkSource> MemTier<S> {
         let (listener_stats, listener_flags, listener_slots) =
             (Arc::clone(&stats), Arc::clone(&prefetched), Arc::clone(&slots));
         let cache = Cache::builder()
-            .weigher(|_: &u32, v: &Arc<[u8]>| u32::try_from(v.len()).unwrap_or(u32::MAX))
+            .weigher(|_: &u32, v: &Chunk| u32::try_from(v.footprint()).unwrap_or(u32::MAX))
             .max_capacity(capacity)
             .eviction_policy(policy)
-            .eviction_listener(move |index: Arc<u32>, chunk: Arc<[u8]>, cause: RemovalCause| {
+            .eviction_listener(move |index: Arc<u32>, chunk: Chunk, cause: RemovalCause| {
                 listener_slots.remove(*index, &chunk);
                 if cause != RemovalCause::Replaced && listener_flags.take(*index) {
                     listener_stats.prefetch_wasted_bytes.fetch_add(chunk.len() as u64, Ordering::Relaxed);
@@ -597,7 +602,7 @@ impl<S: ChunkSource> MemTier<S> {
     /// Chunk `index`, fetched, decoded and verified if it is not in memory (concurrent callers
     /// of the same chunk share one fetch, and its error). A chunk failing verification is
     /// fetched once more before the error is returned.
-    pub fn chunk(&self, index: u32) -> Result<Arc<[u8]>, Arc<StoreError>> {
+    pub fn chunk(&self, index: u32) -> Result<Chunk, Arc<StoreError>> {
         self.core.chunk(index)
     }
 
