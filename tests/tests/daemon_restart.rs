@@ -212,8 +212,8 @@ fn kill_9_under_guest_io(writes: bool) -> Result<()> {
     let mut life = start(id.as_str(), &store, ov, &socket, work.join(format!("serve-{lives}.log")))?;
     let mut logs = vec![life.log.clone()];
     let initrd = work.join("restart.cpio");
-    // Enough guest time for every kill cycle (a cycle takes 1–2 s under TCG).
-    let loop_secs = 12 + 6 * kills;
+    // Enough guest time for every kill cycle (one takes 4–8 s under TCG: progress, kill, restart).
+    let loop_secs = 12 + 10 * kills;
     guest::initramfs(&kit, &guest_script(&read_path, &read_sum, loop_secs, writes), &initrd)?;
     let guest = {
         let (kit, initrd, socket, work) = (kit.clone(), initrd.clone(), socket.clone(), work.clone());
