@@ -36,6 +36,16 @@ fn same_bytes(a: &Path, b: &Path) -> Result<bool> {
     }
 }
 
+/// Files under `dir`, recursively.
+fn walkdir_count(dir: &Path) -> Result<usize> {
+    let mut n = 0;
+    for e in fs::read_dir(dir).with_context(|| format!("readdir {}", dir.display()))? {
+        let e = e?;
+        n += if e.file_type()?.is_dir() { walkdir_count(&e.path())? } else { 1 };
+    }
+    Ok(n)
+}
+
 #[test]
 fn reference_layers_match_the_converted_image_and_umoci_unpack() -> Result<()> {
     fixtures::require_root()?;
@@ -98,6 +108,34 @@ fn reference_layers_match_the_converted_image_and_umoci_unpack() -> Result<()> {
     let v = tessera::inspect_json("t", &store)?;
     tessera::check_inspect(&v, &ref_id)?;
     eprintln!("zero differences besides {} directory mtimes", verdict.allowed.len());
+
+    // Remote: warm through nginx into a disk cache (whose unit for this image is the checkpoint
+    // span), then the cache alone serves the export with nginx stopped; the daemon serves the
+    // same bytes from the local store.
+    let mut origin = tessera_e2e::nginx::Nginx::serve(&store, "store")?;
+    let url = origin.url();
+    let cache = t.path().join("cache");
+    let s = |p: &Path| p.display().to_string();
+    let out = tessera::run(["warm", "t", "--store", &url, "--cache-dir", &s(&cache), "--json"])?;
+    ensure!(out.status.success(), "warm: {}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    ensure!(v["failed_chunks"] == 0 && v["fetched_chunks"].as_u64() > Some(0), "warm: {v}");
+    let spans = walkdir_count(&cache.join("v1/spans"))?;
+    ensure!(spans as u64 == v["fetched_chunks"].as_u64().unwrap_or(0), "{spans} spans cached: {v}");
+    origin.stop();
+    let from_cache = t.path().join("cache.raw");
+    let out =
+        tessera::run(["export", "t", "--store", &url, "--cache-dir", &s(&cache), "-o", &s(&from_cache)])?;
+    ensure!(out.status.success(), "export from the cache: {}", String::from_utf8_lossy(&out.stderr));
+    ensure!(same_bytes(&from_cache, &raw_converted)?, "the export from the cache differs");
+    let socket = t.path().join("ref.sock");
+    let d = tessera_e2e::daemon::Daemon::start("t", s(&store), &socket, &["--read-only"])?;
+    let mut c = tessera_e2e::daemon::BlkClient::connect(d.socket(), 1, true)?;
+    let (device, failed) = c.read_device(1 << 20, 8)?;
+    ensure!(failed.is_empty(), "daemon reads failed: {failed:?}");
+    ensure!(device == fs::read(&raw_converted)?, "the daemon served other bytes");
+    drop(c);
+    d.stop()?;
 
     // A referenced blob whose bytes changed: the export fails and says which blob.
     let digest = img.layer_digest(1)?;

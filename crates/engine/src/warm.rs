@@ -63,12 +63,15 @@ pub struct WarmReport {
     pub elapsed: Duration,
 }
 
-/// One chunk to warm.
+/// One chunk to warm — or, for a `--reference-layers` image, one checkpoint span (`span`: its
+/// blake3; `pack`, `loc.offset` and `loc.stored_len`: its range of the layer blob; `chunk`: the
+/// first chunk that needs it, for messages).
 #[derive(Debug, Clone, Copy)]
 struct Target {
     chunk: ChunkRef,
     pack: Sha256Digest,
     loc: PackLocation,
+    span: Option<[u8; 32]>,
 }
 
 /// A warmed target: its position and outcome.
@@ -107,6 +110,7 @@ pub fn warm<O: Origin + 'static>(
         order.extend(0..u32::try_from(map.chunks().len()).unwrap_or(u32::MAX));
     }
     let mut seen = HashSet::new();
+    let mut seen_spans = HashSet::new();
     let mut targets = Vec::with_capacity(order.len());
     for index in order {
         if !seen.insert(index) {
@@ -116,7 +120,21 @@ pub fn warm<O: Origin + 'static>(
             image: id,
             reason: format!("chunk #{index} has no pack location"),
         })?;
-        targets.push(Target { chunk, pack, loc });
+        let Some(reference) = image.reference() else {
+            targets.push(Target { chunk, pack, loc, span: None });
+            continue;
+        };
+        // A reference image caches checkpoint spans: warm each span a chunk needs, once.
+        let Some((layer, place)) = reference.locate(index) else { continue };
+        let Some((first, last)) = layer.spans_covering(place.offset, u64::from(place.len)) else { continue };
+        for cp in &layer.checkpoints[first..=last] {
+            if !seen_spans.insert(cp.span_digest) {
+                continue;
+            }
+            let stored_len = u32::try_from(cp.span_end - cp.start()).unwrap_or(u32::MAX);
+            let loc = PackLocation { offset: cp.start(), stored_len, ..loc };
+            targets.push(Target { chunk, pack, loc, span: Some(cp.span_digest) });
+        }
     }
     let bytes: u64 = targets.iter().map(|t| u64::from(t.loc.stored_len)).sum();
     start(bytes);
@@ -198,6 +216,16 @@ pub fn warm<O: Origin + 'static>(
 /// One chunk: already cached (verified) or fetched, verified and cached.
 fn warm_chunk<O: Origin>(store: &CachedStore<O>, t: &Target) -> Result<Outcome, StoreError> {
     let cache = store.cache();
+    if let Some(digest) = &t.span {
+        if cache.get_span(digest).is_some() {
+            return Ok(Outcome::Present);
+        }
+        let origin = store.origin();
+        cache.fetch_span(&t.pack, t.loc.offset, digest, || {
+            origin.read_stored(&t.pack, t.loc.offset, t.loc.stored_len)
+        })?;
+        return Ok(Outcome::Fetched);
+    }
     if cache.get_chunk(&t.chunk, &t.pack, &t.loc).is_some() {
         return Ok(Outcome::Present);
     }

@@ -55,6 +55,7 @@ impl GcReport {
 pub fn entry_is_valid(key: &EntryKey, bytes: &[u8]) -> bool {
     match key {
         EntryKey::Blob(d) => Sha256Digest::of(bytes) == Sha256Digest(*d),
+        EntryKey::Span(d) => blake3::hash(bytes).as_bytes() == d,
         EntryKey::Chunk(id, form) => {
             let id = ChunkId(*id);
             match form {

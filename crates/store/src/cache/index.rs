@@ -29,6 +29,9 @@ pub enum EntryKey {
     Chunk([u8; 32], ChunkForm),
     /// `origins/<64 hex>/images/<64 hex>.json` or `origins/<64 hex>/refs/<tag>`
     Doc(String),
+    /// `spans/<2 hex>/<64 hex>.gz`: the compressed bytes of one checkpoint span of a layer blob
+    /// (`--reference-layers` images), named by their blake3.
+    Span([u8; 32]),
 }
 
 /// Eviction classes: chunks go first, metadata (blobs, entries, tags) last.
@@ -74,6 +77,11 @@ impl EntryKey {
                 };
                 Some(EntryKey::Chunk(id, form))
             }
+            ["spans", fan, name] => {
+                let hex = name.strip_suffix(".gz")?;
+                let d = parse_hex32(hex)?;
+                (*fan == &hex[..2]).then_some(EntryKey::Span(d))
+            }
             ["origins", origin, "images", name] => {
                 let hex = name.strip_suffix(".json")?;
                 (parse_hex32(origin).is_some() && parse_hex32(hex).is_some())
@@ -98,13 +106,17 @@ impl EntryKey {
                 }
             }
             EntryKey::Doc(rel) => rel.clone(),
+            EntryKey::Span(d) => {
+                let hex = hex::encode(d);
+                format!("spans/{}/{hex}.gz", &hex[..2])
+            }
         }
     }
 
     /// The eviction class.
     pub fn class(&self) -> Class {
         match self {
-            EntryKey::Chunk(..) => Class::Chunk,
+            EntryKey::Chunk(..) | EntryKey::Span(..) => Class::Chunk,
             _ => Class::Metadata,
         }
     }
@@ -118,6 +130,7 @@ impl EntryKey {
                 format!("chunk-{}", p.rsplit('/').next().unwrap_or_default())
             }
             EntryKey::Doc(rel) => format!("doc-{}", rel.replace('/', "-")),
+            EntryKey::Span(d) => format!("span-{}", hex::encode(d)),
         }
     }
 }

@@ -364,6 +364,34 @@ impl DiskCache {
         )
     }
 
+    /// The compressed bytes of a checkpoint span whose blake3 is `digest` (`--reference-layers`
+    /// images), from the cache.
+    pub fn get_span(&self, digest: &[u8; 32]) -> Option<Vec<u8>> {
+        self.read_checked(&EntryKey::Span(*digest), &|b| blake3::hash(b).as_bytes() == digest)
+    }
+
+    /// The compressed bytes of the checkpoint span at `offset` of layer blob `layer` whose blake3
+    /// is `digest`, from the cache, else from `fetch` (once per host for concurrent misses);
+    /// bytes that do not hash to `digest` are not cached and are [`StoreError::CorruptSpan`].
+    pub fn fetch_span(
+        &self,
+        layer: &Sha256Digest,
+        offset: u64,
+        digest: &[u8; 32],
+        fetch: impl FnOnce() -> Result<Vec<u8>, StoreError>,
+    ) -> Result<Vec<u8>, StoreError> {
+        let check = |b: &[u8]| blake3::hash(b).as_bytes() == digest;
+        let bytes = self.get_or_fetch(&EntryKey::Span(*digest), &check, fetch)?;
+        if !check(&bytes) {
+            return Err(StoreError::CorruptSpan {
+                layer: *layer,
+                offset,
+                reason: "its blake3 does not match the checkpoint index".into(),
+            });
+        }
+        Ok(bytes)
+    }
+
     /// Blob `digest` (a whole pack) as a file of the cache, for an origin that ignores `Range`:
     /// the cached file if there is one, else `fill` streams the whole blob into a temp file,
     /// which is checked against `digest` and published like any entry (counted in the index and
@@ -894,6 +922,9 @@ pub struct CachedSource<S> {
     cache: DiskCache,
     origin: S,
     chunks: HashMap<(Sha256Digest, u64), (ChunkRef, PackLocation)>,
+    /// For a `--reference-layers` image: its checkpoint spans, (layer blob, start) → (length,
+    /// blake3); the unit it caches.
+    spans: HashMap<(Sha256Digest, u64), (u32, [u8; 32])>,
 }
 
 impl<S> std::fmt::Debug for CachedSource<S> {
@@ -908,16 +939,34 @@ impl<S> std::fmt::Debug for CachedSource<S> {
 impl<S: ChunkSource> CachedSource<S> {
     /// A source for `image`'s chunks over `cache` and `origin`.
     pub fn new(cache: DiskCache, origin: S, image: &OpenImage) -> Self {
+        if let Some(r) = image.reference() {
+            let spans = r
+                .index
+                .layers
+                .iter()
+                .flat_map(|l| l.checkpoints.iter().map(move |c| (l.digest, c)))
+                .filter_map(|(layer, c)| {
+                    let len = u32::try_from(c.span_end - c.start()).ok()?;
+                    Some(((layer, c.start()), (len, c.span_digest)))
+                })
+                .collect();
+            return Self { cache, origin, chunks: HashMap::new(), spans };
+        }
         let chunks = (0..u32::try_from(image.record().block_map.chunks().len()).unwrap_or(u32::MAX))
             .filter_map(|i| image.chunk_location(i))
             .map(|(c, pack, loc)| ((pack, loc.offset), (c, loc)))
             .collect();
-        Self { cache, origin, chunks }
+        Self { cache, origin, chunks, spans: HashMap::new() }
     }
 }
 
 impl<S: ChunkSource> ChunkSource for CachedSource<S> {
     fn read_stored(&self, pack: &Sha256Digest, offset: u64, len: u32) -> Result<Vec<u8>, StoreError> {
+        if let Some((_, digest)) = self.spans.get(&(*pack, offset)).filter(|(l, _)| *l == len) {
+            return self
+                .cache
+                .fetch_span(pack, offset, digest, || self.origin.read_stored(pack, offset, len));
+        }
         let Some((chunk, loc)) = self.chunks.get(&(*pack, offset)).filter(|(_, l)| l.stored_len == len)
         else {
             debug!(%pack, offset, len, "range is not a chunk of the image; not cached");
