@@ -103,6 +103,18 @@ pub struct ServeArgs {
     /// Memory tier: bytes of decoded chunks kept in memory (e.g. 512M, 2G; 0 keeps none).
     #[arg(long, value_name = "SIZE", default_value = "256M", value_parser = crate::parse_size_arg)]
     mem_cache: u64,
+    /// Put the memory tier's chunks of 64 KiB to 2 MiB in 2 MiB mappings advised for
+    /// transparent huge pages (a warm 1 MiB read then copies with few TLB misses; measured in
+    /// docs/benchmarks.md). `false` keeps them on the heap's ordinary pages. Effective when
+    /// /sys/kernel/mm/transparent_hugepage/enabled is `always` or `madvise`.
+    #[arg(long, value_name = "BOOL", default_value_t = true, action = clap::ArgAction::Set)]
+    mem_huge_pages: bool,
+    /// With --overlay: keep this many bytes of the overlay file past its last used block
+    /// written with zeros and synced, ahead of the writes, so a FLUSH's writes overwrite
+    /// allocated blocks instead of growing the file (which costs a file-system journal commit
+    /// per FLUSH). The file is up to SIZE larger than its content. 0 turns it off.
+    #[arg(long, value_name = "SIZE", default_value = "16M", value_parser = crate::parse_size_arg)]
+    overlay_prepare: u64,
     /// Concurrent chunk fetches (threads): the chunks of reads missing memory are fetched in
     /// parallel, each once however many reads wait for it. Default: 4 for a local store, 64 for
     /// a remote one (enough to hide the origin's round trip for a queue full of cold reads).
@@ -285,6 +297,10 @@ pub struct ServeConfig {
     pub poll: Duration,
     /// Bytes of decoded chunks kept in memory.
     pub mem_cache: u64,
+    /// `--mem-huge-pages`.
+    pub mem_huge_pages: bool,
+    /// `--overlay-prepare`: bytes of zero-filled overlay slots kept ahead of the writes.
+    pub overlay_prepare: u64,
     /// Concurrent chunk fetches.
     pub fetch_jobs: usize,
     /// Bandwidth cap of background fetches, stored bytes per second (`None`: no cap).
@@ -340,6 +356,8 @@ impl ServeConfig {
             cpus: args.cpus.unwrap_or_default(),
             poll: Duration::from_micros(args.poll_us),
             mem_cache: args.mem_cache,
+            mem_huge_pages: args.mem_huge_pages,
+            overlay_prepare: args.overlay_prepare,
             fetch_jobs: args.fetch_jobs.map_or(default_jobs, usize::from),
             prefetch_rate: args.prefetch_rate.filter(|&r| r > 0),
             readahead: args.readahead,
@@ -397,7 +415,8 @@ pub fn run_on(config: ServeConfig, listener: Option<std::os::unix::net::UnixList
         ..FetchLimits::for_store(location.local_path().is_none(), Some(config.fetch_jobs))
     };
     let mut tier = MemTier::new(ImageReader::new(Arc::clone(&image), source), config.mem_cache, limits)?
-        .with_readahead(config.readahead);
+        .with_readahead(config.readahead)
+        .with_huge_pages(config.mem_huge_pages);
     if location.local_path().is_none() {
         tier = tier.with_pack_readahead(config.pack_readahead);
     }
@@ -418,7 +437,8 @@ pub fn run_on(config: ServeConfig, listener: Option<std::os::unix::net::UnixList
             Disk::Overlay(Arc::new(Overlay::open_file(path, params, reader, OverlayMode::ReadOnly)?))
         }
         Writes::Persistent(path) => {
-            Disk::Overlay(Arc::new(Overlay::open_or_create_file(path, params, reader)?))
+            let overlay = Overlay::open_or_create_file(path, params, reader)?;
+            Disk::Overlay(Arc::new(overlay.prepare_ahead(config.overlay_prepare)))
         }
         Writes::Temporary(dir) => {
             std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;

@@ -62,6 +62,11 @@ impl ChunkBuf {
                 return Self(Repr::Huge { ptr, len: data.len(), class, pool });
             }
         }
+        Self::on_heap(data)
+    }
+
+    /// `data` as a chunk buffer on the heap, as it is.
+    pub fn on_heap(data: Vec<u8>) -> Self {
         Self(Repr::Heap(data.into_boxed_slice()))
     }
 

@@ -219,6 +219,8 @@ struct Core<S> {
     capacity: u64,
     stats: Arc<TierStats>,
     prefetched: Arc<PrefetchFlags>,
+    /// Chunk buffers of 64 KiB–2 MiB go on huge pages ([`crate::hugebuf`]).
+    huge_pages: AtomicBool,
 }
 
 #[derive(Default)]
@@ -354,7 +356,11 @@ impl<S: ChunkSource> Core<S> {
             self.stats.prefetched_chunks.fetch_add(1, Ordering::Relaxed);
             self.stats.prefetched_bytes.fetch_add(data.len() as u64, Ordering::Relaxed);
         }
-        Arc::new(ChunkBuf::from_vec(data))
+        Arc::new(if self.huge_pages.load(Ordering::Relaxed) {
+            ChunkBuf::from_vec(data)
+        } else {
+            ChunkBuf::on_heap(data)
+        })
     }
 
     /// Where chunk `index` is stored (what batching and the background bandwidth look at).
@@ -479,6 +485,7 @@ impl<S: ChunkSource> MemTier<S> {
             capacity,
             stats,
             prefetched,
+            huge_pages: AtomicBool::new(true),
         });
         let (fetch_core, place_core) = (Arc::clone(&core), Arc::clone(&core));
         let fetcher = ChunkFetcher::start(
@@ -499,6 +506,13 @@ impl<S: ChunkSource> MemTier<S> {
     /// read continues the previous one (0 turns readahead off).
     pub fn with_readahead(self, bytes: u64) -> Self {
         Self { readahead: bytes, ..self }
+    }
+
+    /// Whether chunk buffers of 64 KiB–2 MiB go in huge-page slots ([`crate::hugebuf`]; the
+    /// default) or on the heap's ordinary pages.
+    pub fn with_huge_pages(self, on: bool) -> Self {
+        self.core.huge_pages.store(on, Ordering::Relaxed);
+        self
     }
 
     /// When a read misses memory, fetch up to `bytes` (stored) of the chunks stored after each
