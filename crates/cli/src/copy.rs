@@ -20,8 +20,11 @@ provenance, profile), then its image entry, then — when IMAGE is a tag — the
 write order: an interrupted copy leaves only unreferenced blobs, and a rerun skips the blobs the \
 destination already has. Every blob is checked against its digest on the way.\n\
 \n\
-SRC is any readable store (PATH, file://, http(s)://, docker://). DST is a local store (created if \
-missing) or docker://HOST[:PORT]/REPO, where the image is pushed as `tessera push` does, tagged \
+SRC is any readable store (PATH, file://, http(s)://, docker://, s3://). DST is a local store \
+(created if missing), s3://BUCKET[/PREFIX] (objects already there are skipped after a HEAD; packs \
+larger than one part go up as multipart uploads; credentials and endpoint as for every s3:// store: \
+AWS_* variables or ~/.aws/credentials, --s3-endpoint or AWS_ENDPOINT_URL) or \
+docker://HOST[:PORT]/REPO, where the image is pushed as `tessera push` does, tagged \
 with IMAGE's tag (or sha256-<id hex> when IMAGE is an ID). An http(s):// store is read-only: publish \
 a local copy with any static file server.\n\
 \n\
@@ -30,14 +33,16 @@ copied, copied_bytes, present.\n\
 \n\
 Examples:\n  tessera copy web --store ./build-store --to /srv/origin/store\n  \
 tessera copy web --store https://cdn.example/tessera --to ./mirror --cache-dir /var/cache/tessera\n  \
-tessera copy web --store ./build-store --to docker://127.0.0.1:5000/images")]
+tessera copy web --store ./build-store --to docker://127.0.0.1:5000/images\n  \
+tessera copy web --store ./build-store --to s3://images/tessera --s3-endpoint http://127.0.0.1:9000")]
 pub struct CopyArgs {
     /// The image: sha256:<64 hex> or a tag.
     image: String,
-    /// The store holding it: PATH, file://PATH, http(s)://… or docker://HOST[:PORT]/REPO.
+    /// The store holding it: PATH, file://PATH, http(s)://…, docker://HOST[:PORT]/REPO or
+    /// s3://BUCKET[/PREFIX].
     #[arg(long, value_parser = crate::parse_store)]
     store: StoreLocation,
-    /// The destination: PATH, file://PATH or docker://HOST[:PORT]/REPO.
+    /// The destination: PATH, file://PATH, docker://HOST[:PORT]/REPO or s3://BUCKET[/PREFIX].
     #[arg(long, value_name = "STORE", value_parser = crate::parse_store)]
     to: StoreLocation,
     #[command(flatten)]
@@ -114,9 +119,17 @@ pub fn run(args: CopyArgs) -> Result<()> {
             }
         }
         _ => {
-            let store = dest.open_for_write()?;
-            let report = copy_image(source.as_ref(), &id, &store, tag.as_deref(), &mut progress)
-                .with_context(|| format!("copying {id} to {}", args.to))?;
+            let report = match dest {
+                StoreLocation::S3(_) => {
+                    let store = dest.open_s3(&origins)?;
+                    copy_image(source.as_ref(), &id, &store, tag.as_deref(), &mut progress)
+                }
+                _ => {
+                    let store = dest.open_for_write()?;
+                    copy_image(source.as_ref(), &id, &store, tag.as_deref(), &mut progress)
+                }
+            }
+            .with_context(|| format!("copying {id} to {}", args.to))?;
             CopyJson {
                 id: id.to_string(),
                 destination: args.to.to_string(),

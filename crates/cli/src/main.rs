@@ -164,8 +164,9 @@ tessera export sha256:3f1c... --store docker://registry.example.com/team/images 
 pub struct ExportArgs {
     /// The image: sha256:<64 hex> or a tag.
     image: String,
-    /// The store holding it: PATH, file://PATH, http(s)://HOST[:PORT][/PREFIX] (read-only) or
-    /// docker://HOST[:PORT]/REPO (a registry; see `tessera push`).
+    /// The store holding it: PATH, file://PATH, http(s)://HOST[:PORT][/PREFIX] (read-only),
+    /// docker://HOST[:PORT]/REPO (a registry; see `tessera push`) or s3://BUCKET[/PREFIX] (see
+    /// `tessera copy`).
     #[arg(long, value_parser = crate::parse_store)]
     store: StoreLocation,
     #[command(flatten)]
@@ -195,8 +196,9 @@ tessera inspect web --store docker://127.0.0.1:5000/images")]
 pub struct InspectArgs {
     /// The image: sha256:<64 hex> or a tag.
     image: String,
-    /// The store holding it: PATH, file://PATH, http(s)://HOST[:PORT][/PREFIX] (read-only) or
-    /// docker://HOST[:PORT]/REPO (a registry; see `tessera push`).
+    /// The store holding it: PATH, file://PATH, http(s)://HOST[:PORT][/PREFIX] (read-only),
+    /// docker://HOST[:PORT]/REPO (a registry; see `tessera push`) or s3://BUCKET[/PREFIX] (see
+    /// `tessera copy`).
     #[arg(long, value_parser = crate::parse_store)]
     store: StoreLocation,
     #[command(flatten)]

@@ -1,8 +1,8 @@
-//! How remote origins (`http(s)://` and `docker://` stores, `docker://` build sources and push
-//! destinations) are reached: one set of flags, [`OriginArgs`], flattened into every command
-//! that talks to one, and the environment (`TESSERA_HTTP_*`, `REGISTRY_AUTH_FILE`,
-//! `DOCKER_CONFIG`, `HOME`), read here in the binary; both are passed down typed
-//! ([`OriginOptions`]).
+//! How remote origins (`http(s)://`, `docker://` and `s3://` stores, `docker://` build sources
+//! and push destinations) are reached: one set of flags, [`OriginArgs`], flattened into every
+//! command that talks to one, and the environment (`TESSERA_HTTP_*`, `REGISTRY_AUTH_FILE`,
+//! `DOCKER_CONFIG`, `HOME`, the `AWS_*` variables), read here in the binary; both are passed
+//! down typed ([`OriginOptions`]).
 
 use anyhow::Result;
 use clap::Args;
@@ -10,7 +10,7 @@ use tessera_registry::{
     auth_file_paths, ClientOptions, CredentialSource, Credentials, Reference, TlsOptions, TransportError,
     TransportErrorKind,
 };
-use tessera_store::{HttpConfig, OriginOptions, StoreLocation};
+use tessera_store::{HttpConfig, OriginOptions, S3Config, StoreLocation};
 
 /// `[--ca-file PEM] [--insecure] [--creds USER:PASS]`.
 #[derive(Debug, Clone, Default, Args)]
@@ -29,6 +29,10 @@ pub struct OriginArgs {
     /// them to the destination's registry only.
     #[arg(long, value_name = "USER:PASS", value_parser = parse_creds)]
     pub creds: Option<Credentials>,
+    /// The endpoint of an S3-compatible server for s3:// stores, addressed path-style
+    /// (ENDPOINT/BUCKET/KEY); default AWS_ENDPOINT_URL_S3, then AWS_ENDPOINT_URL, else AWS S3.
+    #[arg(long, value_name = "URL")]
+    pub s3_endpoint: Option<String>,
 }
 
 /// The certificates of a `--ca-file`, read and checked when the arguments are parsed, so a
@@ -49,7 +53,7 @@ pub fn parse_creds(s: &str) -> Result<Credentials, String> {
 impl OriginArgs {
     /// Whether any of the flags was given (for commands where they cannot apply).
     pub fn any(&self) -> bool {
-        self.ca_file.is_some() || self.insecure || self.creds.is_some()
+        self.ca_file.is_some() || self.insecure || self.creds.is_some() || self.s3_endpoint.is_some()
     }
 
     /// The flags for reading `source` while writing to the registry `dest_registry`: `--creds`
@@ -84,11 +88,12 @@ impl OriginArgs {
         }
     }
 
-    /// Every origin setting: the flags and the environment (`TESSERA_HTTP_*`, a malformed value
-    /// is a usage error).
+    /// Every origin setting: the flags and the environment (`TESSERA_HTTP_*`, `AWS_*`; a
+    /// malformed value is a usage error).
     pub fn options(&self) -> Result<OriginOptions> {
         let http = HttpConfig { tls: self.tls(), ..HttpConfig::from_vars(env)? };
-        Ok(OriginOptions { http, registry: self.registry() })
+        let s3 = S3Config::from_vars(env, self.s3_endpoint.as_deref())?;
+        Ok(OriginOptions { http, registry: self.registry(), s3 })
     }
 }
 

@@ -45,7 +45,10 @@ make the range read as zeros. `tessera export IMAGE --overlay FILE` writes base 
 Stores: a local directory is read directly. An http(s):// store (any static server or CDN holding \
 the store layout) is read with Range GETs, and so is a docker://HOST[:PORT]/REPO store (a registry \
 repository an image was pushed to with `tessera push`; credentials from REGISTRY_AUTH_FILE or \
-~/.docker/config.json); with --cache-dir DIR the chunks, blobs and image entries \
+~/.docker/config.json), and so is an s3://BUCKET[/PREFIX] store (every request signed with AWS \
+Signature V4; credentials from AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY/AWS_SESSION_TOKEN or the \
+shared credentials file, re-read when it changes; --s3-endpoint URL for S3-compatible servers); \
+with --cache-dir DIR the chunks, blobs and image entries \
 go through the host disk cache (shared by every image and daemon on the host), so a warmed cache \
 serves with the origin down; without it chunks are kept in memory only.\n\
 \n\
@@ -81,8 +84,8 @@ curl -s http://127.0.0.1:9100/metrics | grep tessera_requests_total")]
 pub struct ServeArgs {
     /// The image: sha256:<64 hex> or a tag.
     image: String,
-    /// The store holding it: PATH, file://PATH, http(s)://HOST[:PORT][/PREFIX] (read-only) or
-    /// docker://HOST[:PORT]/REPO (a registry).
+    /// The store holding it: PATH, file://PATH, http(s)://HOST[:PORT][/PREFIX] (read-only),
+    /// docker://HOST[:PORT]/REPO (a registry) or s3://BUCKET[/PREFIX].
     #[arg(long, value_parser = crate::parse_store)]
     store: StoreLocation,
     // --cache-dir DIR, --cache-size SIZE (the temporary overlay also goes into DIR).

@@ -9,7 +9,7 @@ use indicatif::HumanBytes;
 use serde::Serialize;
 use tessera_builder::Progress;
 use tessera_engine::{warm, WarmOptions, WarmReport, DEFAULT_WARM_JOBS};
-use tessera_store::{CachedStore, DiskCache, HttpStore, Origin, RegistryStore, StoreLocation};
+use tessera_store::{CachedStore, DiskCache, HttpStore, Origin, RegistryStore, S3Store, StoreLocation};
 
 use crate::cache_args::CacheArgs;
 use crate::progress::Bar;
@@ -38,7 +38,8 @@ tessera warm sha256:3f1c... --store docker://registry.example/team/web --cache-d
 pub struct WarmArgs {
     /// The image: sha256:<64 hex> or a tag.
     image: String,
-    /// The remote store holding it: http(s)://HOST[:PORT][/PREFIX] or docker://HOST[:PORT]/REPO.
+    /// The remote store holding it: http(s)://HOST[:PORT][/PREFIX], docker://HOST[:PORT]/REPO
+    /// or s3://BUCKET[/PREFIX].
     /// (A local store is read directly and needs no cache.)
     #[arg(long, value_parser = crate::parse_store)]
     store: StoreLocation,
@@ -88,7 +89,7 @@ pub fn run(args: WarmArgs) -> Result<()> {
     let options = WarmOptions { profile_only: args.profile_only, jobs: args.jobs };
     let report = match &args.store {
         StoreLocation::Local(path) => bail!(UsageError(format!(
-            "store {}: a local store is read directly and needs no cache; warm an http(s):// or docker:// store",
+            "store {}: a local store is read directly and needs no cache; warm an http(s)://, docker:// or s3:// store",
             path.display()
         ))),
         StoreLocation::Http(url) => {
@@ -98,6 +99,12 @@ pub fn run(args: WarmArgs) -> Result<()> {
         StoreLocation::Registry(repo) => {
             let origin = RegistryStore::new(repo, args.origin.registry())?;
             warm_with(CachedStore::new(origin, DiskCache::open(&config)?), &args.image, options)?
+        }
+        StoreLocation::S3(location) => {
+            let o = args.origin.options()?;
+            let cache = DiskCache::open(&config)?;
+            let origin = S3Store::new(location, &o.s3, o.http, Some(cache.clone()));
+            warm_with(CachedStore::new(origin, cache), &args.image, options)?
         }
     };
     if let Some(max) = config.max_bytes.filter(|&max| report.bytes > max) {

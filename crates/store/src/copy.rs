@@ -1,6 +1,7 @@
 //! `tessera copy`: replicate an image between stores — its packs, pack index, prefix, record,
-//! provenance and profile, then its entry, then its tag — into a local store. (A registry
-//! destination goes through [`crate::push_image`].)
+//! provenance and profile, then its entry, then its tag — into a writable store ([`CopyDest`]:
+//! a local store or an `s3://` bucket). (A registry destination goes through
+//! [`crate::push_image`].)
 //!
 //! The store's write order holds: every blob is written (atomically) before the entry that names
 //! it, and the entry before the tag, so an interrupted copy leaves only unreferenced blobs, and a
@@ -8,7 +9,7 @@
 
 use std::io::Read;
 
-use tessera_image::{AnyPackIndex, ImageId, Sha256Digest};
+use tessera_image::{AnyPackIndex, ImageEntry, ImageId, Sha256Digest};
 use tracing::debug;
 
 use crate::error::StoreError;
@@ -34,12 +35,79 @@ pub struct CopyReport {
     pub tag: Option<String>,
 }
 
+/// A store [`copy_image`] writes to, in the store's write order (blobs, the entry, the tag).
+pub trait CopyDest {
+    /// The store, for messages.
+    fn describe(&self) -> String;
+    /// Whether blob `digest` is there, `len` bytes long (then it is not copied again).
+    fn has_blob_of_len(&self, digest: &Sha256Digest, len: u64) -> Result<bool, StoreError>;
+    /// Store a small blob; its bytes must hash to `digest`.
+    fn put_blob(&self, digest: &Sha256Digest, bytes: &[u8]) -> Result<(), StoreError>;
+    /// Store a (large) blob of `len` bytes streamed from `reader`; it must hash to `digest`,
+    /// or nothing appears under that name.
+    fn put_streamed(&self, digest: &Sha256Digest, len: u64, reader: &mut dyn Read) -> Result<(), StoreError>;
+    /// Write the image entry (after every blob it names).
+    fn put_entry(&self, id: &ImageId, entry: &ImageEntry) -> Result<(), StoreError>;
+    /// Point `tag` at `id` (after its entry).
+    fn set_ref(&self, tag: &str, id: &ImageId) -> Result<(), StoreError>;
+}
+
+impl CopyDest for LocalStore {
+    fn describe(&self) -> String {
+        self.root().display().to_string()
+    }
+
+    fn has_blob_of_len(&self, digest: &Sha256Digest, len: u64) -> Result<bool, StoreError> {
+        Ok(self.has_blob(digest)? && self.blob_len(digest)? == len)
+    }
+
+    fn put_blob(&self, digest: &Sha256Digest, bytes: &[u8]) -> Result<(), StoreError> {
+        let written = LocalStore::put_blob(self, bytes)?;
+        check_digest(self, digest, &written)
+    }
+
+    fn put_streamed(
+        &self,
+        digest: &Sha256Digest,
+        _len: u64,
+        reader: &mut dyn Read,
+    ) -> Result<(), StoreError> {
+        let mut writer = self.blob_writer()?;
+        let mut buf = vec![0u8; PIECE];
+        loop {
+            let n = match reader.read(&mut buf) {
+                Ok(0) => break,
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    return Err(StoreError::Io {
+                        op: "read blob from the source",
+                        path: digest.hex().into(),
+                        source: e,
+                    })
+                }
+            };
+            writer.append(&buf[..n])?;
+        }
+        let written = writer.commit()?;
+        check_digest(self, digest, &written)
+    }
+
+    fn put_entry(&self, id: &ImageId, entry: &ImageEntry) -> Result<(), StoreError> {
+        LocalStore::put_entry(self, id, entry)
+    }
+
+    fn set_ref(&self, tag: &str, id: &ImageId) -> Result<(), StoreError> {
+        LocalStore::set_ref(self, tag, id)
+    }
+}
+
 /// Copy image `id` from `source` into `dest`, then point `tag` (if any) at it. `progress` is
 /// called with (bytes done, total bytes) as blobs are copied or found present.
 pub fn copy_image(
     source: &dyn ReadStore,
     id: &ImageId,
-    dest: &LocalStore,
+    dest: &dyn CopyDest,
     tag: Option<&str>,
     progress: &mut dyn FnMut(u64, u64),
 ) -> Result<CopyReport, StoreError> {
@@ -70,14 +138,14 @@ pub fn copy_image(
     let mut done = 0;
     progress(0, report.total_bytes);
     for (&(digest, stream), &size) in blobs.iter().zip(&sizes) {
-        if dest.has_blob(&digest)? && dest.blob_len(&digest)? == size {
+        if dest.has_blob_of_len(&digest, size)? {
             report.present += 1;
         } else {
             if stream {
-                copy_streamed(source, dest, &digest)?;
+                let mut reader = source.open_blob(&digest)?;
+                dest.put_streamed(&digest, size, &mut reader)?;
             } else {
-                let written = dest.put_blob(&source.read_blob(&digest)?)?;
-                check_digest(dest, &digest, &written)?;
+                dest.put_blob(&digest, &source.read_blob(&digest)?)?;
             }
             report.copied += 1;
             report.copied_bytes += size;
@@ -92,30 +160,6 @@ pub fn copy_image(
         report.tag = Some(t.to_owned());
     }
     Ok(report)
-}
-
-/// Stream a (large) blob into `dest`, hashing as it goes; the result must be `digest`.
-fn copy_streamed(source: &dyn ReadStore, dest: &LocalStore, digest: &Sha256Digest) -> Result<(), StoreError> {
-    let mut reader = source.open_blob(digest)?;
-    let mut writer = dest.blob_writer()?;
-    let mut buf = vec![0u8; PIECE];
-    loop {
-        let n = match reader.read(&mut buf) {
-            Ok(0) => break,
-            Ok(n) => n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => {
-                return Err(StoreError::Io {
-                    op: "read blob from the source",
-                    path: digest.hex().into(),
-                    source: e,
-                })
-            }
-        };
-        writer.append(&buf[..n])?;
-    }
-    let written = writer.commit()?;
-    check_digest(dest, digest, &written)
 }
 
 /// The bytes written must hash to the name the source gave them; otherwise the source is corrupt

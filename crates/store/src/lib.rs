@@ -8,6 +8,8 @@
 //! - [`HttpStore`]: a read-only store behind a static HTTP server (Range GETs, retries);
 //!   [`DiskCache`] + [`CachedStore`] + [`CachedSource`]: the host disk cache in front of it
 //!   (`docs/formats/cache.md`).
+//! - [`S3Store`]: a store in an S3 bucket (`s3://BUCKET[/PREFIX]`), read through the HTTP
+//!   store's path with every request signed (AWS Signature V4), written by [`copy_image`].
 //! - [`RegistryStore`]: a store in an OCI registry (`docker://HOST[:PORT]/REPO`), read through
 //!   the registry API; [`push_image`] publishes an image there (`docs/formats/registry.md`).
 //! - [`ChunkSource`]: where stored chunk bytes come from (one method); tiers slot in behind it;
@@ -16,7 +18,7 @@
 //!   (`tessera-engine`, which serve, export and warm read through): BlockMap plan → zeros / prefix bytes / chunk bytes (decompressed and checked against
 //!   their blake3 id).
 //! - [`attach_profile`] / [`read_profile`]: an image's prefetch profile (`docs/formats/profile.md`).
-//! - [`copy_image`]: replicate an image (blobs, entry, tag) into a local store.
+//! - [`copy_image`]: replicate an image (blobs, entry, tag) into a local or S3 store ([`CopyDest`]).
 //!
 //! ```no_run
 //! use tessera_store::{ImageReader, LocalStore, OpenImage};
@@ -48,7 +50,7 @@ pub use cache::{
     BlobFileError, CacheConfig, CacheStats, CachedSource, CachedStore, DiskCache, Evicted, GcReport,
     Leftovers, Origin,
 };
-pub use copy::{copy_image, CopyReport};
+pub use copy::{copy_image, CopyDest, CopyReport};
 pub use error::StoreError;
 pub use local::{BlobWriter, KnownChunks, LayerRecord, LocalStore};
 pub use location::{OpenedStore, OriginOptions, StoreLocation};
@@ -58,6 +60,10 @@ pub use origin::http::{
 };
 pub use origin::registry::{
     push_image, PushProgress, PushReport, PushTarget, RegistryStore, MAX_REGISTRY_BLOB,
+};
+pub use origin::s3::{
+    parse_credentials_file, s3_hint, CredentialSource, Credentials, S3Config, S3Location, S3Store,
+    DEFAULT_PART_SIZE, S3_ENV,
 };
 pub use profile::{attach_profile, read_profile};
 pub use read_store::ReadStore;

@@ -9,6 +9,7 @@ use crate::error::StoreError;
 use crate::local::LocalStore;
 use crate::origin::http::{HttpConfig, HttpStore};
 use crate::origin::registry::RegistryStore;
+use crate::origin::s3::{S3Config, S3Location, S3Store};
 use crate::read_store::ReadStore;
 use tessera_registry::ClientOptions;
 
@@ -21,6 +22,8 @@ pub struct OriginOptions {
     pub http: HttpConfig,
     /// Options of `docker://` stores.
     pub registry: ClientOptions,
+    /// Endpoint, region and credentials of `s3://` stores.
+    pub s3: S3Config,
 }
 
 /// A store opened for reading ([`StoreLocation::open_read_store`]), with what only some kinds
@@ -42,7 +45,8 @@ pub struct OpenedStore {
 ///
 /// - `PATH` or `file://PATH`: a local directory (read-write, the embedded default);
 /// - `http://…` / `https://…`: a static HTTP server holding the same layout (read-only);
-/// - `docker://HOST[:PORT]/REPO`: an OCI registry (read-write through the registry API).
+/// - `docker://HOST[:PORT]/REPO`: an OCI registry (read-write through the registry API);
+/// - `s3://BUCKET[/PREFIX]`: an S3 bucket (read; written by `tessera copy --to`).
 ///
 /// Every kind can be read ([`Self::open_read_store`]). Only local stores are written by `build`
 /// ([`Self::open_for_write`]); a registry store is written by `tessera push` ([`crate::push_image`])
@@ -56,6 +60,8 @@ pub enum StoreLocation {
     Http(String),
     /// A registry repository `HOST[:PORT]/REPO`, without the `docker://` scheme.
     Registry(String),
+    /// An S3 bucket and key prefix.
+    S3(S3Location),
 }
 
 impl StoreLocation {
@@ -87,9 +93,14 @@ impl StoreLocation {
                 _ => return Err(invalid("expected docker://HOST[:PORT]/REPO")),
             }
         }
+        if let Some(rest) = text.strip_prefix("s3://") {
+            return S3Location::parse(rest).map(StoreLocation::S3).map_err(invalid);
+        }
         if let Some((scheme, _)) = text.split_once("://") {
             if !scheme.is_empty() && scheme.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'+') {
-                return Err(invalid("unknown scheme (expected a path, file://, http(s):// or docker://)"));
+                return Err(invalid(
+                    "unknown scheme (expected a path, file://, http(s)://, docker:// or s3://)",
+                ));
             }
         }
         Ok(StoreLocation::Local(PathBuf::from(text)))
@@ -159,6 +170,25 @@ impl StoreLocation {
                 let transport = origin.client().transport().clone();
                 remote(origin, transport, cache)
             }
+            StoreLocation::S3(l) => {
+                let disk = cache.map(DiskCache::open).transpose()?;
+                let origin = S3Store::new(l, &origins.s3, origins.http.clone(), disk.clone());
+                let transport = origin.transport().clone();
+                let store: Arc<dyn ReadStore> = match &disk {
+                    Some(d) => Arc::new(CachedStore::new(origin, d.clone())),
+                    None => Arc::new(origin),
+                };
+                Ok(OpenedStore { store, local: None, cache: disk, origin: Some(transport) })
+            }
+        }
+    }
+
+    /// Open an `s3://` store for writing (`tessera copy --to`); other kinds are
+    /// [`StoreError::Unsupported`].
+    pub fn open_s3(&self, origins: &OriginOptions) -> Result<S3Store, StoreError> {
+        match self {
+            StoreLocation::S3(l) => Ok(S3Store::new(l, &origins.s3, origins.http.clone(), None)),
+            other => Err(StoreError::Unsupported { location: other.to_string(), kind: "non-s3" }),
         }
     }
 
@@ -182,6 +212,7 @@ impl StoreLocation {
             StoreLocation::Registry(r) => {
                 Err(StoreError::Unsupported { location: format!("docker://{r}"), kind: "registry" })
             }
+            StoreLocation::S3(l) => Err(StoreError::Unsupported { location: l.to_string(), kind: "s3" }),
         }
     }
 
@@ -194,6 +225,7 @@ impl StoreLocation {
             StoreLocation::Registry(r) => {
                 Err(StoreError::Unsupported { location: format!("docker://{r}"), kind: "registry" })
             }
+            StoreLocation::S3(l) => Err(StoreError::Unsupported { location: l.to_string(), kind: "s3" }),
         }
     }
 }
@@ -204,6 +236,7 @@ impl std::fmt::Display for StoreLocation {
             StoreLocation::Local(p) => write!(f, "{}", p.display()),
             StoreLocation::Http(url) => f.write_str(url),
             StoreLocation::Registry(r) => write!(f, "docker://{r}"),
+            StoreLocation::S3(l) => write!(f, "{l}"),
         }
     }
 }
@@ -237,7 +270,13 @@ mod tests {
         );
         assert_eq!(StoreLocation::parse("docker://h/r").unwrap().to_string(), "docker://h/r");
         assert_eq!(StoreLocation::parse("file:///x").unwrap().to_string(), "/x");
-        for bad in ["", "file://", "http://", "docker://host", "docker:///repo", "s3://bucket"] {
+        assert_eq!(
+            StoreLocation::parse("s3://bkt/a/b").unwrap(),
+            StoreLocation::S3(S3Location { bucket: "bkt".into(), prefix: "a/b".into() })
+        );
+        assert_eq!(StoreLocation::parse("s3://bkt/").unwrap().to_string(), "s3://bkt");
+        for bad in ["", "file://", "http://", "docker://host", "docker:///repo", "s3://", "s3://B", "gs://b"]
+        {
             let e = StoreLocation::parse(bad).unwrap_err();
             assert!(matches!(e, StoreError::InvalidLocation { .. }), "{bad}: {e}");
             assert!(e.is_usage_error());

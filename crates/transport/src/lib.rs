@@ -45,6 +45,7 @@ pub enum Method {
     Post,
     Put,
     Patch,
+    Delete,
 }
 
 impl Method {
@@ -56,6 +57,7 @@ impl Method {
             Method::Post => "POST",
             Method::Put => "PUT",
             Method::Patch => "PATCH",
+            Method::Delete => "DELETE",
         }
     }
 }
@@ -279,6 +281,7 @@ impl Transport {
             Method::Post => with_headers(agent.post(req.url), h).send(req.body),
             Method::Put => with_headers(agent.put(req.url), h).send(req.body),
             Method::Patch => with_headers(agent.patch(req.url), h).send(req.body),
+            Method::Delete => with_headers(agent.delete(req.url), h).call(),
         };
         match sent {
             Ok(resp) => {

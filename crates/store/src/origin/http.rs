@@ -24,11 +24,13 @@ use tessera_image::{validate_tag, ImageEntry, ImageId, Sha256Digest};
 use tessera_metrics::Histogram;
 pub use tessera_transport::RetryPolicy;
 use tessera_transport::{
-    ErrorKind, Failure, FetchError, Request, Response, Stats, Timeouts, TlsOptions, Transport,
+    ErrorKind, Failure, FetchError, Method, Request, Response, Stats, Timeouts, TlsOptions, Transport,
     TransportConfig, TransportError,
 };
 use tracing::{debug, trace, warn};
 
+use super::s3::S3Auth;
+use super::sigv4::EMPTY_SHA256;
 use crate::cache::{BlobFileError, DiskCache};
 use crate::error::StoreError;
 use crate::source::ChunkSource;
@@ -71,6 +73,34 @@ pub enum HttpError {
          --cache-size ({bound} bytes) it would have to be kept in"
     )]
     PackTooLarge { len: u64, bound: u64 },
+    /// An S3 server refused the request: the operation, the bucket, S3's error code and
+    /// message, and what to do about it.
+    #[error("S3 {op} in bucket {bucket} failed: {} (HTTP {status}){}", if code.is_empty() { "no error code" } else { code }, s3_detail(message, code))]
+    S3 { op: &'static str, bucket: String, status: u16, code: String, message: String },
+}
+
+fn s3_detail(message: &str, code: &str) -> String {
+    let mut out = String::new();
+    if !message.is_empty() {
+        out.push_str(": ");
+        out.push_str(message);
+    }
+    let hint = super::s3::s3_hint(code);
+    if !hint.is_empty() {
+        out.push_str(" — ");
+        out.push_str(hint);
+    }
+    out
+}
+
+impl HttpError {
+    /// The HTTP status of a refusal (plain or S3), if it is one.
+    pub fn status(&self) -> Option<u16> {
+        match self {
+            HttpError::Status(s) | HttpError::S3 { status: s, .. } => Some(*s),
+            _ => None,
+        }
+    }
 }
 
 /// What a server has shown of its `Range` support (the first ranged GET finds out).
@@ -306,6 +336,9 @@ pub fn check_range_answer(
     len: u64,
 ) -> Result<RangeAnswer, HttpError> {
     match status {
+        // Some S3-compatible servers (gofakes3, under `rclone serve s3`) send the range with a
+        // 200: its Content-Range says which bytes the body is.
+        200 if content_range.is_some() => check_range_answer(206, content_range, offset, len),
         200 => Ok(RangeAnswer::Whole),
         206 => {
             let cr = content_range.ok_or(HttpError::BadRange("206 without Content-Range"))?;
@@ -366,6 +399,8 @@ struct Inner {
     range_probe: Mutex<()>,
     /// Where whole packs go when the server ignores Range (`--cache-dir`).
     whole_blobs: Option<DiskCache>,
+    /// Signs every request and explains refusals (an `s3://` store).
+    auth: Option<Arc<S3Auth>>,
 }
 
 impl std::fmt::Debug for HttpStore {
@@ -387,6 +422,16 @@ impl HttpStore {
     /// (each fetched once per host, chunks then read from the cached file); without a cache such a
     /// server is refused ([`HttpError::RangeIgnored`]).
     pub fn with_cache(base: &str, config: HttpConfig, cache: Option<DiskCache>) -> Self {
+        Self::with_auth(base, config, cache, None)
+    }
+
+    /// [`Self::with_cache`], every request signed by `auth` (an `s3://` store's read path).
+    pub(crate) fn with_auth(
+        base: &str,
+        config: HttpConfig,
+        cache: Option<DiskCache>,
+        auth: Option<Arc<S3Auth>>,
+    ) -> Self {
         Self {
             inner: Arc::new(Inner {
                 base: normalize_base(base),
@@ -398,6 +443,7 @@ impl HttpStore {
                 range_support: AtomicU8::new(RANGE_UNKNOWN),
                 range_probe: Mutex::new(()),
                 whole_blobs: cache,
+                auth,
             }),
         }
     }
@@ -446,26 +492,68 @@ impl HttpStore {
     /// within the transport's retry loop ([`Transport::fetch`]): whatever part failed (the
     /// request, the status, or reading and checking the body in `on_response`) is retried per
     /// the policy.
+    ///
+    /// A signed store (`s3://`) signs each request; a refusal that re-reading the credentials
+    /// may cure (an expired token, a rotated key) is signed again and sent once more.
     fn fetch<T>(
         &self,
         url: &str,
         range: Option<&str>,
-        on_response: impl FnMut(Response) -> Result<T, Failure<StoreError>>,
+        mut on_response: impl FnMut(Response) -> Result<T, Failure<StoreError>>,
     ) -> Result<T, StoreError> {
-        let headers: Vec<(&str, &str)> = range.map(|r| ("Range", r)).into_iter().collect();
-        let req = Request::get(url).headers(&headers);
-        self.inner.transport.fetch(&req, on_response).map_err(|e| match e {
-            FetchError::Transport(t) => http_err(url, HttpError::Transport(t)),
-            FetchError::Rejected(e) => e,
-        })
+        let plain: Vec<(&str, &str)> = range.map(|r| ("Range", r)).into_iter().collect();
+        let mut refreshed = false;
+        loop {
+            let signed = match &self.inner.auth {
+                Some(auth) => auth.sign(Method::Get, url, &plain, EMPTY_SHA256),
+                None => Vec::new(),
+            };
+            let mut headers = plain.clone();
+            headers.extend(signed.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+            let req = Request::get(url).headers(&headers);
+            let out = self.inner.transport.fetch(&req, &mut on_response).map_err(|e| match e {
+                FetchError::Transport(t) => http_err(url, HttpError::Transport(t)),
+                FetchError::Rejected(e) => e,
+            });
+            if let (Err(StoreError::Http { source: HttpError::S3 { status, code, .. }, .. }), Some(auth)) =
+                (&out, &self.inner.auth)
+            {
+                if !refreshed && auth.refresh_after(*status, code) {
+                    refreshed = true;
+                    debug!(url, "credentials changed: signing again");
+                    continue;
+                }
+            }
+            return out;
+        }
     }
 
-    /// GET a small document (entry, ref); `None` on 404.
+    /// The failure for an answer with an unexpected status: for a signed store, S3's error
+    /// (its XML body read); otherwise the status. Final.
+    fn refused(&self, url: &str, resp: &mut Response) -> Failure<StoreError> {
+        match &self.inner.auth {
+            Some(auth) => {
+                let body = resp.read_to_vec(MAX_SMALL_DOC).ok().flatten().unwrap_or_default();
+                let e = auth.error(Method::Get, url, resp.status(), &body);
+                Failure::fatal(ErrorKind::Status, http_err(url, e))
+            }
+            None => status_failure(url, resp.status()),
+        }
+    }
+
+    /// GET a small document (entry, ref); `None` on 404 (for a signed store: a missing key,
+    /// not a missing bucket).
     fn get_small(&self, url: &str) -> Result<Option<Vec<u8>>, StoreError> {
         self.fetch(url, None, |mut resp| match resp.status() {
-            404 => Ok(None),
+            404 if self.inner.auth.is_none() => Ok(None),
+            404 => match self.refused(url, &mut resp) {
+                Failure {
+                    error: StoreError::Http { source: HttpError::S3 { ref code, .. }, .. }, ..
+                } if code == "NoSuchKey" || code.is_empty() => Ok(None),
+                f => Err(f),
+            },
             200 => read_body(url, &mut resp, MAX_SMALL_DOC).map(Some),
-            s => Err(status_failure(url, s)),
+            _ => Err(self.refused(url, &mut resp)),
         })
     }
 
@@ -537,7 +625,7 @@ impl HttpStore {
         let url = self.blob_url(digest);
         let bytes = self.fetch(&url, None, |mut resp| {
             if resp.status() != 200 {
-                return Err(status_failure(&url, resp.status()));
+                return Err(self.refused(&url, &mut resp));
             }
             self.note_accept_ranges(&resp);
             let bytes = read_body(&url, &mut resp, MAX_HTTP_BLOB)?;
@@ -592,7 +680,10 @@ impl HttpStore {
             len,
             blob_len: u64::MAX,
         })?;
-        let out = self.fetch(&url, Some(&range), |resp| {
+        let out = self.fetch(&url, Some(&range), |mut resp| {
+            if self.inner.auth.is_some() && !matches!(resp.status(), 200 | 206) {
+                return Err(self.refused(&url, &mut resp));
+            }
             let answer = check_range_answer(resp.status(), resp.header("content-range"), offset, len)
                 .map_err(|e| {
                     let kind =
@@ -660,9 +751,9 @@ impl HttpStore {
         };
         let path = cache
             .fetch_blob_file(digest, |file| {
-                self.fetch(&url, None, |resp| {
+                self.fetch(&url, None, |mut resp| {
                     if resp.status() != 200 {
-                        return Err(status_failure(&url, resp.status()));
+                        return Err(self.refused(&url, &mut resp));
                     }
                     copy_body(&url, resp, file)
                 })
@@ -878,7 +969,7 @@ fn read_file_range(path: &Path, digest: &Sha256Digest, offset: u64, len: u64) ->
     Ok(out)
 }
 
-fn http_err(url: &str, source: HttpError) -> StoreError {
+pub(crate) fn http_err(url: &str, source: HttpError) -> StoreError {
     StoreError::Http { url: url.to_owned(), source }
 }
 
@@ -970,6 +1061,9 @@ mod tests {
         assert_eq!(ok(206, Some("bytes 100-149/*")).unwrap(), RangeAnswer::Partial);
         // A server that ignores Range answers 200 with the whole blob.
         assert_eq!(ok(200, None).unwrap(), RangeAnswer::Whole);
+        // A 200 that says (Content-Range) it is the range asked for is one.
+        assert_eq!(ok(200, Some("bytes 100-149/1000")).unwrap(), RangeAnswer::Partial);
+        assert!(matches!(ok(200, Some("bytes 0-999/1000")), Err(HttpError::BadRange(_))));
         for bad in [
             None,
             Some("bytes 100-148/1000"),
