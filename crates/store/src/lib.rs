@@ -56,7 +56,8 @@ pub use local::{BlobWriter, KnownChunks, LayerRecord, LocalStore};
 pub use location::{OpenedStore, OriginOptions, StoreLocation};
 pub use metered::Metered;
 pub use origin::http::{
-    coalesce, CoalescedSpan, HttpConfig, HttpError, HttpStore, RetryPolicy, HTTP_ENV, MAX_HTTP_BLOB,
+    coalesce, CoalescedSpan, HttpConfig, HttpError, HttpStore, RetryPolicy, S3Refusal, HTTP_ENV,
+    MAX_HTTP_BLOB,
 };
 pub use origin::registry::{
     push_image, PushProgress, PushReport, PushTarget, RegistryStore, MAX_REGISTRY_BLOB,

@@ -819,7 +819,7 @@ impl Origin for crate::origin::registry::RegistryStore {
 fn origin_unavailable(e: &StoreError) -> bool {
     match e {
         StoreError::Http { source: HttpError::Transport(_), .. } => true,
-        StoreError::Http { source: e @ (HttpError::Status(_) | HttpError::S3 { .. }), .. } => {
+        StoreError::Http { source: e @ (HttpError::Status(_) | HttpError::S3(_)), .. } => {
             e.status().is_some_and(|s| s >= 500 || s == 429 || s == 408)
         }
         StoreError::Registry(r) => match r {

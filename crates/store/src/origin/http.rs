@@ -75,8 +75,34 @@ pub enum HttpError {
     PackTooLarge { len: u64, bound: u64 },
     /// An S3 server refused the request: the operation, the bucket, S3's error code and
     /// message, and what to do about it.
-    #[error("S3 {op} in bucket {bucket} failed: {} (HTTP {status}){}", if code.is_empty() { "no error code" } else { code }, s3_detail(message, code))]
-    S3 { op: &'static str, bucket: String, status: u16, code: String, message: String },
+    #[error("{0}")]
+    S3(Box<S3Refusal>),
+}
+
+/// What an S3 server said when it refused a request ([`HttpError::S3`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct S3Refusal {
+    /// The S3 operation (`GetObject`, `PutObject`, …).
+    pub op: &'static str,
+    pub bucket: String,
+    pub status: u16,
+    /// S3's error code (`NoSuchBucket`, `SignatureDoesNotMatch`, …; empty without a body).
+    pub code: String,
+    pub message: String,
+}
+
+impl std::fmt::Display for S3Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let code = if self.code.is_empty() { "no error code" } else { &self.code };
+        write!(
+            f,
+            "S3 {} in bucket {} failed: {code} (HTTP {}){}",
+            self.op,
+            self.bucket,
+            self.status,
+            s3_detail(&self.message, &self.code)
+        )
+    }
 }
 
 fn s3_detail(message: &str, code: &str) -> String {
@@ -97,7 +123,8 @@ impl HttpError {
     /// The HTTP status of a refusal (plain or S3), if it is one.
     pub fn status(&self) -> Option<u16> {
         match self {
-            HttpError::Status(s) | HttpError::S3 { status: s, .. } => Some(*s),
+            HttpError::Status(s) => Some(*s),
+            HttpError::S3(r) => Some(r.status),
             _ => None,
         }
     }
@@ -515,10 +542,10 @@ impl HttpStore {
                 FetchError::Transport(t) => http_err(url, HttpError::Transport(t)),
                 FetchError::Rejected(e) => e,
             });
-            if let (Err(StoreError::Http { source: HttpError::S3 { status, code, .. }, .. }), Some(auth)) =
+            if let (Err(StoreError::Http { source: HttpError::S3(r), .. }), Some(auth)) =
                 (&out, &self.inner.auth)
             {
-                if !refreshed && auth.refresh_after(*status, code) {
+                if !refreshed && auth.refresh_after(r.status, &r.code) {
                     refreshed = true;
                     debug!(url, "credentials changed: signing again");
                     continue;
@@ -547,9 +574,11 @@ impl HttpStore {
         self.fetch(url, None, |mut resp| match resp.status() {
             404 if self.inner.auth.is_none() => Ok(None),
             404 => match self.refused(url, &mut resp) {
-                Failure {
-                    error: StoreError::Http { source: HttpError::S3 { ref code, .. }, .. }, ..
-                } if code == "NoSuchKey" || code.is_empty() => Ok(None),
+                Failure { error: StoreError::Http { source: HttpError::S3(ref r), .. }, .. }
+                    if r.code == "NoSuchKey" || r.code.is_empty() =>
+                {
+                    Ok(None)
+                }
                 f => Err(f),
             },
             200 => read_body(url, &mut resp, MAX_SMALL_DOC).map(Some),

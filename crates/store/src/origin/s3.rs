@@ -25,7 +25,7 @@ use sha2::{Digest, Sha256};
 use tessera_image::{ImageEntry, ImageId, Sha256Digest};
 use tessera_transport::{ErrorKind, Failure, FetchError, Request, Transport, TransportError};
 
-use super::http::{http_err, join_url, HttpConfig, HttpError, HttpStore};
+use super::http::{http_err, join_url, HttpConfig, HttpError, HttpStore, S3Refusal};
 pub use super::sigv4::Credentials;
 use super::sigv4::{s3_headers, uri_encode, SignRequest};
 use crate::cache::{DiskCache, Origin};
@@ -455,7 +455,7 @@ impl S3Auth {
                 warn!(bucket = self.bucket, op, status, code, "S3 refused the request");
             }
         }
-        HttpError::S3 { op, bucket: self.bucket.clone(), status, code, message }
+        HttpError::S3(Box::new(S3Refusal { op, bucket: self.bucket.clone(), status, code, message }))
     }
 }
 
@@ -585,8 +585,8 @@ impl S3Store {
                 FetchError::Transport(t) => http_err(url, HttpError::Transport(t)),
                 FetchError::Rejected(e) => e,
             });
-            if let Err(StoreError::Http { source: HttpError::S3 { status, code, .. }, .. }) = &out {
-                if !refreshed && self.auth.refresh_after(*status, code) {
+            if let Err(StoreError::Http { source: HttpError::S3(r), .. }) = &out {
+                if !refreshed && self.auth.refresh_after(r.status, &r.code) {
                     refreshed = true;
                     continue;
                 }
