@@ -16,7 +16,8 @@ fn a_malformed_store_is_a_usage_error_for_every_command() {
     let out = format!("{d}/out.img");
     let trace = format!("{d}/t.trace");
     for (bad, reason) in [
-        ("s3://bucket", "unknown scheme"),
+        ("gs://bucket", "unknown scheme"),
+        ("s3://No_Such", "expected s3://BUCKET[/PREFIX]"),
         ("docker://host-only", "expected docker://HOST[:PORT]/REPO"),
         ("http://", "needs a host"),
         ("file://", "file:// needs a path"),
