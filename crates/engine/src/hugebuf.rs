@@ -12,7 +12,10 @@
 //! slots (one spare per class avoids mapping churn at the boundary).
 //!
 //! Cost: a buffer occupies its class's slot (a 300 KiB chunk a 512 KiB slot), which
-//! [`ChunkBuf::footprint`] reports so the memory tier can weigh chunks by what they hold.
+//! [`ChunkBuf::footprint`] reports so the memory tier can weigh chunks by what they hold. The
+//! first touch of a mapping may make the kernel compact memory to find a huge page (with
+//! `transparent_hugepage/defrag` at its default, `madvise`): that cost falls on the fetch that
+//! fills the chunk, never on a read served from memory.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
