@@ -433,9 +433,11 @@ fn reads_reuse_connections() -> Result<()> {
         }
         ensure!(stats.requests >= 8, "{stats:?}");
         match jobs {
-            // The TLS probe and the plain-HTTP probe (`GET /v2/`) have a connection each today.
+            // The TLS probe and the plain-HTTP probe (`GET /v2/`) have a connection each today,
+            // and the start fetches the record, prefix and pack index in parallel (up to three);
+            // after that, one fetch at a time reuses them.
             Some(_) => {
-                ensure!(stats.connections <= 3, "one fetch at a time, connections not reused: {stats:?}")
+                ensure!(stats.connections <= 5, "one fetch at a time, connections not reused: {stats:?}")
             }
             None => ensure!(stats.connections + 4 <= stats.requests, "connections are not reused: {stats:?}"),
         }
