@@ -47,6 +47,7 @@ fn params(block_size: u32, device_bytes: u64) -> OverlayParams {
 
 fn header(device_bytes: u64, salt: u64, log_head: u64) -> [u8; 128] {
     Header {
+        version: tessera_overlay::format::VERSION,
         block_size: BS as u32,
         image_id: image_id(),
         device_bytes,

@@ -5,8 +5,13 @@ use tessera_image::{ImageId, Sha256Digest};
 
 /// `magic` of a header copy.
 pub const MAGIC: [u8; 8] = *b"TESSOVL1";
-/// The format version this code reads and writes.
-pub const VERSION: u32 = 1;
+/// The format version this code writes. Version 2 writes each write's map record at completion,
+/// so its last *two* flush groups may be in doubt after a power loss; it also reads version 1
+/// (whose last group alone was), and upgrades both header copies at the first writable open so
+/// that a reader of version 1 only refuses the file.
+pub const VERSION: u32 = 2;
+/// The oldest format version this code reads.
+pub const OLDEST_VERSION: u32 = 1;
 /// Bytes of one header copy (copy A at offset 0, copy B at [`HEADER_B_OFFSET`]).
 pub const HEADER_LEN: usize = 128;
 /// Offset of header copy B inside slot 0.
@@ -17,6 +22,8 @@ pub const RECORD_LEN: usize = 64;
 /// What the header says about the overlay.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Header {
+    /// [`OLDEST_VERSION`]..=[`VERSION`] (encoding writes this value).
+    pub version: u32,
     pub block_size: u32,
     pub image_id: ImageId,
     pub device_bytes: u64,
@@ -34,7 +41,7 @@ impl Header {
     pub fn encode(&self) -> [u8; HEADER_LEN] {
         let mut b = [0u8; HEADER_LEN];
         b[0..8].copy_from_slice(&MAGIC);
-        b[8..12].copy_from_slice(&VERSION.to_le_bytes());
+        b[8..12].copy_from_slice(&self.version.to_le_bytes());
         b[12..16].copy_from_slice(&self.block_size.to_le_bytes());
         b[16..48].copy_from_slice(&self.image_id.0 .0);
         b[48..56].copy_from_slice(&self.device_bytes.to_le_bytes());
@@ -58,12 +65,13 @@ impl Header {
             return Err(HeaderProblem::Checksum);
         }
         let version = le32(b, 8);
-        if version != VERSION {
+        if !(OLDEST_VERSION..=VERSION).contains(&version) {
             return Err(HeaderProblem::Version(version));
         }
         let mut id = [0u8; 32];
         id.copy_from_slice(&b[16..48]);
         Ok(Header {
+            version,
             block_size: le32(b, 12),
             image_id: ImageId(Sha256Digest(id)),
             device_bytes: le64(b, 48),
@@ -190,6 +198,7 @@ mod tests {
 
     fn header() -> Header {
         Header {
+            version: VERSION,
             block_size: 4096,
             image_id: ImageId(Sha256Digest::of(b"img")),
             device_bytes: 64 << 20,
@@ -213,12 +222,16 @@ mod tests {
         assert_eq!(Header::decode(&bad), Err(HeaderProblem::Magic));
         assert_eq!(Header::decode(&b[..100]), Err(HeaderProblem::Short));
         assert_eq!(Header::decode(&[0u8; HEADER_LEN]), Err(HeaderProblem::Magic));
-        // Another version, with a valid checksum.
-        bad = b;
-        bad[8] = 2;
-        let crc = crc32c::crc32c(&bad[..124]);
-        bad[124..].copy_from_slice(&crc.to_le_bytes());
-        assert_eq!(Header::decode(&bad), Err(HeaderProblem::Version(2)));
+        // Version 1 is read (and says so); another version, with a valid checksum, is refused.
+        let v1 = Header { version: 1, ..h };
+        assert_eq!(Header::decode(&v1.encode()), Ok(v1));
+        for v in [0u32, 3, 0x0100_0002] {
+            bad = b;
+            bad[8..12].copy_from_slice(&v.to_le_bytes());
+            let crc = crc32c::crc32c(&bad[..124]);
+            bad[124..].copy_from_slice(&crc.to_le_bytes());
+            assert_eq!(Header::decode(&bad), Err(HeaderProblem::Version(v)));
+        }
     }
 
     #[test]

@@ -6,11 +6,14 @@
 //! hold written blocks or log segments. The block map (device block → slot run, or zeros) lives
 //! in memory and is persisted as a checksummed log of map updates, chained through log segment
 //! slots. A write goes to fresh slots (never over a slot the durable map still references) and
-//! queues a map record; FLUSH appends the queued records to the log and calls `sync_data` once.
-//! Slots released by a write or a discard become reusable only after the FLUSH that logged their
-//! release *and the one after it* have completed (so that the slots of the last flush group on
-//! disk are intact, whether or not its sync completed, and its data checksums can be trusted). Opening replays the log up to the last valid record, checks the data
-//! of the last flush group against the checksums in its records, and writes a compacted log
+//! appends its map record to the log before it completes (no sync: a `kill -9` keeps every
+//! completed write, as the page cache outlives the process); FLUSH closes the open flush group
+//! and calls `sync_data` once. Slots released by a write or a discard become reusable once the
+//! FLUSH closing the group that logged their release *and the two after it* have completed (so
+//! that no record of the two groups a power loss can leave in doubt points into a slot holding
+//! other data: a record partly superseded must still check). Opening replays the log up to
+//! the last valid record, checks the data of the last two flush groups (the ones a power loss
+//! can leave in doubt) against the checksums in their records, and writes a compacted log
 //! under a new salt (a checkpoint), so stale records past the old log's end can never validate.
 
 pub mod extents;
@@ -33,7 +36,7 @@ use tracing::{debug, info, warn};
 
 use crate::extents::{ExtentMap, FreeSpace, Mapping};
 use crate::format::{
-    Header, HeaderProblem, Op, Record, RecordProblem, HEADER_B_OFFSET, HEADER_LEN, RECORD_LEN,
+    Header, HeaderProblem, Op, Record, RecordProblem, HEADER_B_OFFSET, HEADER_LEN, RECORD_LEN, VERSION,
 };
 use crate::io::{FileIo, OverlayIo};
 
@@ -63,7 +66,7 @@ pub enum OverlayError {
     Sink(#[from] SinkError),
     #[error("not a Tessera overlay ({0})")]
     NotAnOverlay(&'static str),
-    #[error("overlay format version {0} is not supported (this tessera reads version 1)")]
+    #[error("overlay format version {0} is not supported (this tessera reads versions 1 and 2)")]
     UnsupportedVersion(u32),
     #[error("the overlay was made for image {found}, not {expected}")]
     ImageMismatch { expected: ImageId, found: ImageId },
@@ -125,7 +128,7 @@ pub struct OverlayStats {
     pub file_slots: u64,
     /// Slots free for reuse below the end of the file.
     pub free_slots: u64,
-    /// Map updates waiting for the next FLUSH.
+    /// Map records logged since the last FLUSH began (not yet synced).
     pub pending_records: u64,
     /// FLUSHes that synced something.
     pub syncs: u64,
@@ -134,6 +137,8 @@ pub struct OverlayStats {
     /// Slots zero-filled and synced ahead of the allocation frontier
     /// ([`Overlay::prepare_ahead`]).
     pub prepared_slots: u64,
+    /// Slots released by overwrites and discards, not reusable yet.
+    pub held_slots: u64,
 }
 
 /// The copy-on-write overlay of one device.
@@ -146,8 +151,11 @@ pub struct Overlay {
     state: RwLock<State>,
     /// Serializes writers (a sub-block write reads, merges and writes a whole block).
     write_lock: Mutex<()>,
-    /// Serializes FLUSHes; holds the log's write position.
+    /// The log's write position: held to append a record, to close a flush group, and
+    /// throughout a checkpoint. Never held across a FLUSH's sync.
     log: Mutex<LogTail>,
+    /// Serializes FLUSHes and compactions (held across their syncs).
+    commit_lock: Mutex<()>,
     failed: AtomicBool,
     syncs: AtomicU64,
     /// FLUSHes waiting for the group commit ([`Overlay::flush_async`]).
@@ -182,6 +190,13 @@ const PREPARE_CHUNK_BYTES: u64 = 1 << 20;
 /// How long preparations stop after one failed to write.
 const PREPARE_PAUSE: Duration = Duration::from_secs(10);
 
+/// Slots released by flush group *G* become reusable once the FLUSH closing group
+/// *G* + `REUSE_AFTER_GROUPS` has synced. Then every group up to *G* + 2 is durable, so a power
+/// loss leaves only groups after *G* in doubt (the last two read), and no record of group *G* or
+/// earlier is checked against its data again: a record only partly superseded (a run of blocks
+/// of which some were overwritten) still covers its other blocks.
+const REUSE_AFTER_GROUPS: u64 = 2;
+
 /// Log records since the last checkpoint before the group commit compacts the log (a record is
 /// 64 bytes: 4 MiB of log, replayed at every open until compacted).
 pub const COMPACT_MIN_RECORDS: u64 = 65_536;
@@ -211,10 +226,6 @@ struct State {
     map: ExtentMap,
     /// Slots that no durable state references.
     free: FreeSpace,
-    /// Slots released since the last FLUSH began: reusable once that FLUSH's sync completes.
-    pending_free: Vec<(u64, u64)>,
-    /// Map updates waiting for the next FLUSH.
-    pending: Vec<Op>,
 }
 
 /// Where the next log record goes.
@@ -224,11 +235,17 @@ struct LogTail {
     segment: u64,
     index: u64,
     seq: u64,
+    /// The open flush group: the group of records appended now (the next FLUSH closes it).
     group: u64,
+    /// Records appended to the open group.
+    unsynced: u64,
     /// Header generation (the copy to overwrite next is the other one).
     generation: u64,
-    /// Slots released in the last synced group: free once the next group is synced.
+    /// Slots released by the open group's records.
     released: Vec<(u64, u64)>,
+    /// Slots released by closed groups, oldest first, with their group: free once the FLUSH
+    /// closing group + 2 has synced ([`REUSE_AFTER_GROUPS`]).
+    held: std::collections::VecDeque<(u64, Vec<(u64, u64)>)>,
     /// The log's segments, head first (freed once a checkpoint replaces the log).
     segments: Vec<u64>,
     /// Whether the header naming this log is copy B (a checkpoint writes the other copy).
@@ -331,6 +348,7 @@ impl Overlay {
         }
         let salt = new_salt(0);
         let header = Header {
+            version: VERSION,
             block_size: params.block_size,
             image_id: params.image_id,
             device_bytes: params.device_bytes,
@@ -350,9 +368,11 @@ impl Overlay {
             segment: 1,
             index: 0,
             seq: 0,
-            group: 0,
+            group: 1,
+            unsynced: 0,
             generation: 1,
             released: Vec::new(),
+            held: Default::default(),
             segments: vec![1],
             header_in_b: false,
         };
@@ -449,15 +469,25 @@ impl Overlay {
             segment: replayed.tail_segment,
             index: replayed.tail_index,
             seq: replayed.next_seq,
-            group: replayed.last_group,
+            group: replayed.last_group + 1,
+            unsynced: 0,
             generation: header.generation,
             released: Vec::new(),
+            held: Default::default(),
             segments: replayed.segments,
             header_in_b: in_b,
         };
         let overlay = Self::assemble(io, base, params, mode, replayed.map, free, tail);
         if mode != Mode::ReadOnly {
-            overlay.checkpoint(&mut lock_mutex(&overlay.log))?;
+            let mut log = lock_mutex(&overlay.log);
+            overlay.checkpoint(&mut log)?;
+            if header.version < VERSION {
+                // Upgrade: the checkpoint wrote one header copy in this version; a second one
+                // writes the other, so that no copy of the old version is left for an older
+                // tessera to fall back to (it would read the log by the old version's rules).
+                overlay.checkpoint(&mut log)?;
+                info!(from = header.version, to = VERSION, "overlay format upgraded");
+            }
         }
         Ok(overlay)
     }
@@ -478,9 +508,10 @@ impl Overlay {
             bs,
             params,
             mode,
-            state: RwLock::new(State { map, free, pending_free: Vec::new(), pending: Vec::new() }),
+            state: RwLock::new(State { map, free }),
             write_lock: Mutex::new(()),
             log: Mutex::new(tail),
+            commit_lock: Mutex::new(()),
             failed: AtomicBool::new(false),
             syncs: AtomicU64::new(0),
             commits: Mutex::new(Commits::default()),
@@ -496,10 +527,14 @@ impl Overlay {
 
     /// Rewrite the log as a compact copy of the map under a new salt, then switch the header
     /// (the copy not holding the current header): two syncs. At open, and while serving when
-    /// the log has grown ([`Self::compact`]); `log` is the held log lock (FLUSHes wait, reads and
-    /// writes go on). Writes completed but not flushed are in the map and so in the checkpoint
-    /// (the checkpoint's sync makes their data durable too); their records stay queued for the
-    /// next FLUSH, which appends them again (replaying a record twice in order is harmless).
+    /// the log has grown ([`Self::compact`]); `log` is the held log lock, so writes wait to
+    /// append their records meanwhile (reads go on). The map read here holds every write that
+    /// appended its record to the old log; a write that updated the map but had not appended its
+    /// record yet is in it too, and appends its record to the new log afterwards (replaying a
+    /// record twice, in order, is harmless). The checkpoint's sync makes all of their data
+    /// durable, so the slots the old log's groups released are free once the new header is
+    /// synced: no log an open can read references them (and the checkpoint's own records are
+    /// never checked against their data).
     fn checkpoint(&self, log: &mut LogTail) -> Result<(), OverlayError> {
         let mut ops = Vec::new();
         for (start, len, m) in read_state(&self.state).map.iter() {
@@ -518,15 +553,17 @@ impl Overlay {
             index: 0,
             seq: 0,
             group: 0,
+            unsynced: 0,
             generation: log.generation + 1,
-            // Slots released in the last synced group stay held until the next FLUSH syncs.
-            released: std::mem::take(&mut log.released),
+            released: Vec::new(),
+            held: Default::default(),
             segments: vec![head],
             header_in_b: !log.header_in_b,
         };
         let writes = self.encode_log(&mut new_log, &ops);
         self.write_log(&writes)?;
         let header = Header {
+            version: VERSION,
             block_size: self.params.block_size,
             image_id: self.params.image_id,
             device_bytes: self.params.device_bytes,
@@ -548,21 +585,28 @@ impl Overlay {
         for &s in &log.segments {
             st.free.free(s, 1);
         }
+        for &(s, c) in log.released.iter().chain(log.held.iter().flat_map(|(_, r)| r)) {
+            st.free.free(s, c);
+        }
         drop(st);
         debug!(records = ops.len(), generation = new_log.generation, "overlay checkpoint written");
+        // Records appended from now on belong to the first group after the checkpoint's.
+        new_log.group = 1;
         *log = new_log;
         self.checkpoints.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 
-    /// Compact the log while serving: a checkpoint ([`Self::checkpoint`]) now. Reads and writes
-    /// go on meanwhile; FLUSHes wait for it. A failure leaves the durable state unknown (the
-    /// header may name either log), so the overlay then refuses writes, as after a failed FLUSH.
+    /// Compact the log while serving: a checkpoint ([`Self::checkpoint`]) now. Reads go on
+    /// meanwhile; writes wait to log their records, FLUSHes to start. A failure leaves the
+    /// durable state unknown (the header may name either log), so the overlay then refuses
+    /// writes, as after a failed FLUSH.
     pub fn compact(&self) -> Result<(), OverlayError> {
         if self.mode == Mode::ReadOnly {
             return Ok(());
         }
         self.check_writable()?;
+        let _commit = lock_mutex(&self.commit_lock);
         let mut log = lock_mutex(&self.log);
         self.checkpoint(&mut log).inspect_err(|e| {
             warn!(error = e as &dyn std::error::Error, "overlay compaction failed; refusing further writes");
@@ -624,12 +668,20 @@ impl Overlay {
 
     /// Current figures.
     pub fn stats(&self) -> OverlayStats {
+        // The log lock before the state's, never while holding it (a checkpoint takes them in
+        // that order).
+        let (pending_records, held_slots) = {
+            let log = lock_mutex(&self.log);
+            let runs = log.released.iter().chain(log.held.iter().flat_map(|(_, r)| r));
+            (log.unsynced, runs.map(|&(_, c)| c).sum())
+        };
         let st = read_state(&self.state);
         let mut s = OverlayStats {
             extents: st.map.len() as u64,
             file_slots: st.free.end(),
             free_slots: st.free.free_below_end(),
-            pending_records: st.pending.len() as u64,
+            pending_records,
+            held_slots,
             syncs: self.syncs.load(Ordering::Relaxed),
             checkpoints: self.checkpoints.load(Ordering::Relaxed),
             prepared_slots: self.prepared.load(Ordering::Relaxed),
@@ -897,15 +949,31 @@ impl Overlay {
             });
             done += count;
         }
-        let mut st = write_state(&self.state);
-        for op in placed {
-            if let Op::Map { block, count, slot, .. } = op {
-                let freed = st.map.set(block, u64::from(count), Mapping::Slot(slot));
-                st.pending_free.extend(freed);
+        let mut freed = Vec::new();
+        {
+            let mut st = write_state(&self.state);
+            for op in &placed {
+                if let Op::Map { block, count, slot, .. } = *op {
+                    freed.extend(st.map.set(block, u64::from(count), Mapping::Slot(slot)));
+                }
             }
-            st.pending.push(op);
         }
-        Ok(())
+        self.append(&placed, freed)
+    }
+
+    /// Log the map records of a write (or discard) that is about to complete, with the slots
+    /// it released: under the log lock, in order, into the open flush group, without a sync.
+    /// A record that fails to be written leaves a hole that would end every later replay
+    /// there, so the overlay then refuses writes.
+    fn append(&self, ops: &[Op], freed: Vec<(u64, u64)>) -> Result<(), OverlayError> {
+        let mut log = lock_mutex(&self.log);
+        let writes = self.encode_log(&mut log, ops);
+        log.unsynced += ops.len() as u64;
+        log.released.extend(freed);
+        self.write_log(&writes).inspect_err(|e| {
+            warn!(error = e as &dyn std::error::Error, "overlay log write failed; refusing further writes");
+            self.failed.store(true, Ordering::Release);
+        })
     }
 
     /// Make `len` bytes at `offset` read as zeros (WRITE_ZEROES and DISCARD). Whole blocks
@@ -934,48 +1002,58 @@ impl Overlay {
         if tail > 0 {
             self.write_locked(whole_end * bs, &vec![0u8; tail as usize])?;
         }
-        let mut st = write_state(&self.state);
-        let freed = st.map.set(whole_first, whole_end - whole_first, Mapping::Zero);
-        st.pending_free.extend(freed);
+        let freed = write_state(&self.state).map.set(whole_first, whole_end - whole_first, Mapping::Zero);
+        let mut ops = Vec::new();
         split_runs(whole_first, whole_end - whole_first, |block, count, _| {
-            st.pending.push(Op::Zero { block, count });
+            ops.push(Op::Zero { block, count });
         });
-        Ok(())
+        self.append(&ops, freed)
     }
 
-    /// Make every write completed before this call durable: append the queued map updates to
-    /// the log and sync once. Nothing to do (no sync) when nothing was written since the last
-    /// flush, or when the overlay is read-only. After a failure the overlay refuses writes (the page cache state is unknown).
+    /// Make every write completed before this call durable: close the open flush group (its
+    /// records are in the log already) and sync once. Nothing to do (no sync) when nothing was
+    /// written since the last flush, or when the overlay is read-only. Writes go on during the
+    /// sync, into the next group. After a failure the overlay refuses writes (the page cache
+    /// state is unknown).
     pub fn flush(&self) -> Result<(), OverlayError> {
         if self.mode == Mode::ReadOnly {
             return Ok(()); // nothing was written
         }
         self.check_writable()?;
-        let mut log = lock_mutex(&self.log);
-        let (ops, released) = {
-            let mut st = write_state(&self.state);
-            (std::mem::take(&mut st.pending), std::mem::take(&mut st.pending_free))
-        };
-        if ops.is_empty() && released.is_empty() {
-            return Ok(());
-        }
-        log.group += 1;
-        let writes = self.encode_log(&mut log, &ops);
-        let result = self.write_log(&writes).and_then(|()| {
-            if self.mode == Mode::Durable {
-                self.io.sync_data().map_err(OverlayError::io("syncing", 0))?;
-                self.syncs.fetch_add(1, Ordering::Relaxed);
+        let _commit = lock_mutex(&self.commit_lock);
+        let closed = {
+            let mut log = lock_mutex(&self.log);
+            if log.unsynced == 0 && log.released.is_empty() {
+                return Ok(());
             }
-            Ok(())
-        });
-        if let Err(e) = result {
-            warn!(error = &e as &dyn std::error::Error, "overlay flush failed; refusing further writes");
-            self.failed.store(true, Ordering::Release);
-            return Err(e);
+            let (closed, released) = (log.group, std::mem::take(&mut log.released));
+            if !released.is_empty() {
+                log.held.push_back((closed, released));
+            }
+            log.group += 1;
+            log.unsynced = 0;
+            closed
+        };
+        if self.mode == Mode::Durable {
+            if let Err(e) = self.io.sync_data() {
+                let e = OverlayError::io("syncing", 0)(e);
+                warn!(error = &e as &dyn std::error::Error, "overlay flush failed; refusing further writes");
+                self.failed.store(true, Ordering::Release);
+                return Err(e);
+            }
+            self.syncs.fetch_add(1, Ordering::Relaxed);
         }
-        // Slots released two groups ago are now free: the group that released them and the
-        // one after it are synced.
-        let reusable = std::mem::replace(&mut log.released, released);
+        // Groups up to `closed` are synced, so a power loss leaves at most `closed` and later
+        // groups in doubt: slots released by groups before `closed - 1` no longer matter to any
+        // record an open would check.
+        let reusable: Vec<_> = {
+            let mut log = lock_mutex(&self.log);
+            let mut out = Vec::new();
+            while log.held.front().is_some_and(|&(g, _)| g + REUSE_AFTER_GROUPS <= closed) {
+                out.extend(log.held.pop_front().map(|(_, r)| r).unwrap_or_default());
+            }
+            out
+        };
         let mut st = write_state(&self.state);
         for (s, c) in reusable {
             st.free.free(s, c);
@@ -1108,8 +1186,9 @@ struct Replayed {
 }
 
 /// Read the log from the header's head up to the last valid record and rebuild the map. Map
-/// records of the last flush group are applied only if their data matches their checksum (that
-/// group's sync may not have completed); a record that is valid but impossible is corruption.
+/// records of the last two flush groups are applied only if their data matches their checksum
+/// (a record of group *L* is written while the sync of *L − 1* may still be running, so neither
+/// sync may have completed); a record that is valid but impossible is corruption.
 fn replay(
     io: &dyn OverlayIo,
     header: &Header,
@@ -1172,11 +1251,12 @@ fn replay(
     let mut dropped = 0;
     let mut data = Vec::new();
     for r in &records {
-        let in_doubt = r.group == last_group && last_group > 0;
+        // Group 0 is a checkpoint's, synced before the header naming it.
+        let in_doubt = r.group > 0 && r.group + 1 >= last_group;
         match r.op {
             Op::Map { block, count, slot, data_crc } => {
                 let count = u64::from(count);
-                // A record of the last group whose data lies past the end of the file was torn:
+                // A record of an in-doubt group whose data lies past the end of the file was torn:
                 // its flush never completed (after an fdatasync the data is inside the file). It
                 // is dropped, not checked against the zeros a read past the end returns (F3).
                 let sane = block.checked_add(count).is_some_and(|e| e <= blocks)
