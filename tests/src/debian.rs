@@ -41,7 +41,9 @@ const FORMAT: &str = "tar --format=posix --xattrs --xattrs-include=* --numeric-o
 /// An upper bound for debootstrap itself (about 2 minutes on the project's machines).
 const DEBOOTSTRAP_TIMEOUT: Duration = Duration::from_secs(20 * 60);
 
-fn cache_root() -> PathBuf {
+/// Where the cached Debian roots (and what is made from them) live: `$TESSERA_TEST_CACHE`, else
+/// `/var/cache/tessera-test`.
+pub fn cache_root() -> PathBuf {
     std::env::var_os("TESSERA_TEST_CACHE")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from("/var/cache/tessera-test"))
@@ -96,7 +98,7 @@ pub fn cache_dir() -> Result<PathBuf> {
 
 /// Unmount everything mounted at or below `dir` (debootstrap mounts /proc and /sys inside its
 /// target; a killed run can leave them).
-fn unmount_below(dir: &Path) {
+pub fn unmount_below(dir: &Path) {
     let Ok(mounts) = fs::read_to_string("/proc/self/mounts") else { return };
     let prefix = dir.to_string_lossy().into_owned();
     let mut points: Vec<&str> = mounts
@@ -211,7 +213,7 @@ pub fn rootfs_tarball() -> Result<PathBuf> {
 }
 
 /// Extract (members of) the cached tarball into `dest`, with owners, modes, times and xattrs.
-fn extract(tarball: &Path, dest: &Path, args: &[&str]) -> Result<()> {
+pub fn extract(tarball: &Path, dest: &Path, args: &[&str]) -> Result<()> {
     run(Command::new("tar")
         .args(["--extract", "--xattrs", "--xattrs-include=*", "--numeric-owner", "--same-owner"])
         .arg("--same-permissions")

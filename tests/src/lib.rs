@@ -11,6 +11,7 @@
 //!   front of it (the network model).
 //! - [`tls`]: a throwaway CA and server certificate (openssl CLI).
 //! - [`reference`]: the same pipeline with `mkfs.ext4 -d`, to validate the harness itself.
+//! - [`workloads`]: the package-set image and the guest workloads of `cargo xtask bench lazy`.
 //!
 //! ```no_run
 //! use tessera_e2e::{compare, fixtures, judge};
@@ -50,3 +51,4 @@ pub mod tessera;
 pub mod testutil;
 pub mod tls;
 pub mod token_server;
+pub mod workloads;

@@ -431,6 +431,12 @@ fn serve_connection(client: TcpStream, id: u64, s: &Shared) -> std::io::Result<(
     client.set_nodelay(true)?;
     // The handshake round trip: nothing the client sent is seen before it.
     sleep_until(accepted + s.config.rtt);
+    // A TLS ClientHello (an https probe, e.g. skopeo trying an insecure registry before plain
+    // http): close at once, as a plain-HTTP port's server would fail the handshake.
+    let mut first = [0u8; 1];
+    if client.peek(&mut first).is_ok_and(|n| n == 1 && first[0] == 0x16) {
+        return Ok(());
+    }
     let mut reader = BufReader::new(client.try_clone()?);
     let mut client = client;
     let mut upstream = Upstream { addr: s.upstream, conn: None };

@@ -58,7 +58,8 @@ pub fn run_in_guest(
     let daemon = Daemon::start(image, store, &socket, &args)?;
     let initrd = work.join("record-initramfs.cpio");
     guest::initramfs(kit, &guest_script(command), &initrd)?;
-    let log = guest::boot(kit, &initrd, &socket, work, Duration::from_secs(300));
+    // TCG is slow: `find /usr -exec stat` over the 1 GiB package set takes minutes.
+    let log = guest::boot(kit, &initrd, &socket, work, Duration::from_secs(900));
     // Stop the daemon whatever the guest did: SIGTERM flushes the trace.
     daemon.stop()?;
     let log = log?;
@@ -108,19 +109,21 @@ pub fn record_profile(
 
 /// Boot `image` from the local `store` once, run `command` in it (it must exit 0) and record
 /// every virtio request the guest made to `out` (`tessera serve --record-requests`): a request
-/// trace to replay on the host (`cargo xtask replay`, `cargo xtask bench cold`). Returns the
-/// guest's run.
+/// trace to replay on the host (`cargo xtask replay`, `cargo xtask bench cold`); with `trace`,
+/// the same run's chunk trace too (`--record-trace`, for `tessera profile`). Returns the guest's
+/// run.
 pub fn record_requests(
     image: &str,
     store: &Path,
     command: &str,
     work: &Path,
     out: &Path,
+    trace: Option<&Path>,
 ) -> Result<GuestRun> {
     let kit = guest::kit()?;
     let store_s = store.to_str().context("store path is not UTF-8")?;
     let out_s = out.to_str().context("trace path is not UTF-8")?;
-    let run = run_in_guest(&kit, image, store_s, command, work, None, &["--record-requests", out_s])?;
+    let run = run_in_guest(&kit, image, store_s, command, work, trace, &["--record-requests", out_s])?;
     if run.status != 0 {
         bail!("the command exited with {} in the guest; output:\n{}", run.status, run.output);
     }

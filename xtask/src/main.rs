@@ -657,7 +657,7 @@ fn cmd_record_requests(image: &str, store: &Path, out: &Path, command: &str) -> 
     std::fs::create_dir_all(&work).with_context(|| format!("creating {}", work.display()))?;
     println!("==> recording {image} running: {command}");
     let t = Instant::now();
-    let run = tessera_e2e::record::record_requests(image, store, command, &work, out)?;
+    let run = tessera_e2e::record::record_requests(image, store, command, &work, out, None)?;
     let trace = tessera_e2e::replay::load(out)?;
     let (n, bytes) =
         tessera_e2e::floor::reads(&trace).fold((0u64, 0u64), |(n, b), (_, len)| (n + 1, b + len));
