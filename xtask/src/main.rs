@@ -11,8 +11,10 @@
 //!   requests of CMD run in the QEMU guest (TCG) as a request trace.
 //! - `cargo xtask bench build` — `tessera build` vs `mkfs.ext4 -d` on a 20 000-file tree.
 //! - `cargo xtask bench serve` — `tessera serve` vs `qemu-storage-daemon` (`bench_serve.rs`).
-//! - `cargo xtask bench lazy` — a guest reading 10% of a ≥ 1 GiB image through `tessera serve`
-//!   from an origin behind the latency proxy vs download + qemu-storage-daemon (`bench_lazy.rs`).
+//! - `cargo xtask bench lazy` — five real workloads on a Debian package-set image, recorded once
+//!   in the guest and replayed against lazy Tessera (cold, profile, warmed cache, local store) and
+//!   the eager peers (skopeo + umoci + mkfs.ext4; zstd raw export) through the latency proxy
+//!   (`bench_lazy.rs`).
 //! - `cargo xtask bench cold` — a request trace replayed against cold `tessera serve` through the
 //!   latency proxy: every run's link floor and time breakdown, A/B arms interleaved (`bench_cold.rs`).
 //! - `cargo xtask bench s3` — `tessera copy` to and from an S3 server vs `rclone copy`
@@ -172,8 +174,8 @@ enum Bench {
     Serve(bench_serve::ServeBench),
     /// `tessera build oci:…` vs `umoci unpack` + `mkfs.ext4 -d` on the layered Debian image.
     BuildOci(bench_oci::OciBench),
-    /// A guest reading 10% of a ≥ 1 GiB image lazily from an origin (20 ms RTT, 200 Mbit/s)
-    /// vs downloading the raw image and serving it with qemu-storage-daemon.
+    /// Real workloads on a Debian package-set image, replayed (20 ms RTT; 200 Mbit/s and 1 Gbit/s)
+    /// against lazy Tessera and the eager peers; `--quick` for one workload, one rate, one round.
     Lazy(bench_lazy::LazyBench),
     /// A request trace replayed against a cold `tessera serve` from an origin behind the latency
     /// proxy: every run's link floor and where its time went; arms interleaved, medians.
