@@ -70,6 +70,15 @@ pub fn build(args: BuildArgs) -> Result<()> {
         }
         _ => {}
     }
+    if matches!(args.store, StoreLocation::S3(_) | StoreLocation::Registry(_)) {
+        bail!(
+            "store {}: build writes a local store (PATH or file://PATH); build locally, then copy the \
+             image: `tessera build {} --store ./store --tag TAG && tessera copy TAG --store ./store --to {}`",
+            args.store,
+            args.source,
+            args.store
+        );
+    }
     let store = args.store.open_for_write()?;
     let size = match (args.size, args.free) {
         (Some(bytes), _) => SizePolicy::Exact(bytes),

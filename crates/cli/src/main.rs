@@ -14,6 +14,7 @@ mod profile;
 mod progress;
 mod push;
 mod serve;
+mod store_cmd;
 mod trace;
 mod warm;
 mod watch;
@@ -74,6 +75,7 @@ enum Command {
     Profile(profile::ProfileArgs),
     Warm(warm::WarmArgs),
     Copy(copy::CopyArgs),
+    Store(store_cmd::StoreCmd),
     Completions(completions::CompletionsArgs),
     Man(completions::ManArgs),
 }
@@ -272,6 +274,7 @@ fn main() -> ExitCode {
         Command::Profile(a) => profile::profile(a),
         Command::Warm(a) => warm::run(a),
         Command::Copy(a) => copy::run(a),
+        Command::Store(a) => store_cmd::run(a),
         Command::Completions(a) => completions::completions(a),
         Command::Man(a) => completions::man(a),
     };

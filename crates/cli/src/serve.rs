@@ -400,6 +400,11 @@ pub fn run_on(config: ServeConfig, listener: Option<std::os::unix::net::UnixList
     let opened = location.open_read_store(&config.origin, config.cache.as_ref())?;
     let store = Arc::clone(&opened.store);
     let id = store.resolve(&config.image).with_context(|| format!("store {}", store.describe()))?;
+    // `tessera store gc` keeps a served image of a local store (docs/store.md, "Pins"); the image
+    // is opened after pinning, so a gc that removed it first fails the start clearly.
+    let _pin = opened.local.as_ref().and_then(|local| {
+        local.pin(&id).map_err(|e| tracing::info!(error = %crate::error_text(e), "image not pinned")).ok()
+    });
     let image = Arc::new(store.open_image(&id).with_context(|| format!("store {}", store.describe()))?);
     let metrics = Metrics::new();
     describe_image(&metrics, &image);

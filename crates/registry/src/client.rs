@@ -415,8 +415,25 @@ impl Client {
                     return Ok(Some(t.header.clone()));
                 }
                 // Held lock: concurrent requests wait for one token fetch instead of racing.
-                let token =
-                    self.fetch_token(&realm, service.as_deref(), scope, wanted.as_deref(), creds.as_ref())?;
+                let mut token =
+                    self.fetch_token(&realm, service.as_deref(), scope, wanted.as_deref(), creds.as_ref());
+                if matches!(token, Err(RegistryError::Unauthorized { .. })) {
+                    // The token server refused them: read the credentials again (a rewritten auth
+                    // file) and try once more if they changed.
+                    st.creds.remove(repo);
+                    let fresh = self.credentials(&mut st, repo)?;
+                    if fresh != creds {
+                        debug!(repo, "registry: credentials re-read after the token server refused them");
+                        token = self.fetch_token(
+                            &realm,
+                            service.as_deref(),
+                            scope,
+                            wanted.as_deref(),
+                            fresh.as_ref(),
+                        );
+                    }
+                }
+                let token = token?;
                 let header = token.header.clone();
                 st.tokens.insert(scope.to_owned(), token);
                 Ok(Some(header))
@@ -552,9 +569,16 @@ impl Client {
             let mut st = self.state();
             debug!(url, had_auth = auth.is_some(), ?challenge, "registry: 401, authenticating again");
             st.tokens.remove(&scope);
+            // Credentials refused (or a token gone stale) are read again: an auth file rewritten
+            // under a long-running daemon (a rotated password) is picked up here.
+            let old = st.creds.remove(repo).flatten();
             let creds = self.credentials(&mut st, repo)?;
-            // Basic auth has nothing new to try when the credentials were refused or absent.
-            let hopeless = challenge == Challenge::Basic && (auth.is_some() || creds.is_none());
+            let changed = creds != old;
+            if changed {
+                debug!(url, "registry: credentials changed since they were read");
+            }
+            // Basic auth has nothing new to try when the same credentials were refused, or none.
+            let hopeless = challenge == Challenge::Basic && ((auth.is_some() && !changed) || creds.is_none());
             st.challenge = Some(challenge);
             drop(st);
             if hopeless {

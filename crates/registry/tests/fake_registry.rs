@@ -352,6 +352,43 @@ fn basic_auth() {
     assert!(matches!(e, RegistryError::Unauthorized { .. }) && e.to_string().contains("--creds"), "{e}");
 }
 
+/// Credentials from an auth file are read again on a 401: a password rotated under a running
+/// client (the file rewritten) is picked up without a restart.
+#[test]
+fn a_rewritten_auth_file_is_read_again_on_a_401() {
+    let fake = Fake::start(|r| {
+        if r.headers.get("authorization").map(String::as_str) == Some("Basic dXNlcjpwdw==") {
+            return if r.path == "/v2/" { resp(200, b"{}") } else { resp(200, MANIFEST) };
+        }
+        Resp {
+            status: 401,
+            headers: vec![("WWW-Authenticate".into(), r#"Basic realm="x""#.into())],
+            ..Resp::default()
+        }
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("config.json");
+    let write = |pass: &str| {
+        use base64::Engine as _;
+        let auth = base64::engine::general_purpose::STANDARD.encode(format!("user:{pass}"));
+        let text = format!(r#"{{"auths": {{"{}": {{"auth": "{auth}"}}}}}}"#, fake.addr);
+        std::fs::write(&file, text).unwrap();
+    };
+    write("old");
+    let retry = RetryPolicy { attempts: 2, base: Duration::from_millis(1), max: Duration::from_millis(2) };
+    let options = ClientOptions {
+        credentials: CredentialSource::AuthFiles(vec![file.clone()]),
+        retry,
+        ..ClientOptions::default()
+    };
+    let client = Client::new(&fake.addr.to_string(), options).unwrap();
+    let e = client.get_manifest("app", &Target::Tag("v1".into())).unwrap_err();
+    assert!(matches!(e, RegistryError::Unauthorized { status: 401, .. }), "{e}");
+    write("pw");
+    let m = client.get_manifest("app", &Target::Tag("v1".into())).unwrap();
+    assert_eq!(m.bytes, MANIFEST);
+}
+
 /// A blob GET redirected to another host (as registries backed by object storage do): the
 /// redirect is followed with the Range header and without the registry's credentials.
 #[test]

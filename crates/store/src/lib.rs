@@ -36,6 +36,7 @@ pub mod artifact;
 mod cache;
 mod copy;
 mod error;
+pub mod gc;
 mod local;
 mod location;
 mod metered;
@@ -52,6 +53,7 @@ pub use cache::{
 };
 pub use copy::{copy_image, CopyDest, CopyReport};
 pub use error::StoreError;
+pub use gc::{collect_garbage, GcBackend, GcOptions, ImagePin, LocalGc, StoreGcReport};
 pub use local::{BlobWriter, KnownChunks, LayerRecord, LocalStore};
 pub use location::{OpenedStore, OriginOptions, StoreLocation};
 pub use metered::Metered;
@@ -63,7 +65,7 @@ pub use origin::registry::{
     push_image, PushProgress, PushReport, PushTarget, RegistryStore, MAX_REGISTRY_BLOB,
 };
 pub use origin::s3::{
-    parse_credentials_file, s3_hint, CredentialSource, Credentials, S3Config, S3Location, S3Store,
+    parse_credentials_file, s3_hint, CredentialSource, Credentials, S3Config, S3Gc, S3Location, S3Store,
     DEFAULT_PART_SIZE, S3_ENV,
 };
 pub use profile::{attach_profile, read_profile};

@@ -69,6 +69,9 @@ pub struct LayerRecord {
 pub struct LocalStore {
     root: PathBuf,
     open_files: Arc<Mutex<HashMap<Sha256Digest, Arc<OpenBlob>>>>,
+    /// The shared writer lock on `gc.lock` (`crate::gc`), taken by the first write and held
+    /// while any clone lives, so `tessera store gc` never runs between a writer's steps.
+    write_lock: Arc<std::sync::OnceLock<File>>,
 }
 
 #[derive(Debug)]
@@ -137,6 +140,8 @@ impl LocalStore {
             }
         }
         let store = Self::at(root);
+        // Writers and `tessera store gc` exclude each other (before anything is read for reuse).
+        store.lock_for_writing()?;
         // Prove the store is writable now, not halfway through a build.
         let probe = store.temp_file("check that the store is writable")?;
         drop(probe);
@@ -162,7 +167,25 @@ impl LocalStore {
     }
 
     fn at(root: PathBuf) -> Self {
-        Self { root, open_files: Arc::default() }
+        Self { root, open_files: Arc::default(), write_lock: Arc::default() }
+    }
+
+    /// Hold the store's shared writer lock from now on (waiting while `tessera store gc` runs).
+    fn lock_for_writing(&self) -> Result<(), StoreError> {
+        if self.write_lock.get().is_some() {
+            return Ok(());
+        }
+        let file = crate::gc::lock_store(&self.root, false)?;
+        // A concurrent first write may have won: its lock serves both, this one is dropped.
+        let _ = self.write_lock.set(file);
+        Ok(())
+    }
+
+    /// Pin image `id` while the returned guard lives: `tessera store gc` keeps it even when no
+    /// tag names it (a daemon serving it by ID, or whose tag moved). Fails on a store that
+    /// cannot be written (then nothing can collect it either).
+    pub fn pin(&self, id: &ImageId) -> Result<crate::gc::ImagePin, StoreError> {
+        crate::gc::ImagePin::new(&self.root, id)
     }
 
     /// The store directory.
@@ -189,6 +212,7 @@ impl LocalStore {
 
     /// A new, uniquely named file in `tmp/`, removed when the guard drops.
     fn temp_file(&self, op: &'static str) -> Result<(File, TempGuard), StoreError> {
+        self.lock_for_writing()?;
         static COUNTER: AtomicU64 = AtomicU64::new(0);
         let dir = self.root.join(TMP);
         let nanos =

@@ -362,18 +362,41 @@ fn split_url(url: &str) -> (&str, &str, Vec<(&str, &str)>) {
     (host, path, query)
 }
 
+/// `text` with `%XX` escapes decoded (the signer encodes query values itself).
+fn percent_decode(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = bytes.get(i + 1..i + 3).and_then(|h| std::str::from_utf8(h).ok());
+        match (bytes[i], hex.and_then(|h| u8::from_str_radix(h, 16).ok())) {
+            (b'%', Some(b)) => {
+                out.push(b);
+                i += 3;
+            }
+            (b, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
 /// The S3 operation a request is, for messages.
 pub(crate) fn operation(method: Method, url: &str) -> &'static str {
     let (_, _, query) = split_url(url);
     let has = |k: &str| query.iter().any(|(q, _)| *q == k);
     match method {
+        Method::Get if has("list-type") => "ListObjectsV2",
         Method::Get => "GetObject",
         Method::Head => "HeadObject",
         Method::Put if has("partNumber") => "UploadPart",
         Method::Put => "PutObject",
         Method::Post if has("uploads") => "CreateMultipartUpload",
         Method::Post => "CompleteMultipartUpload",
-        Method::Delete => "AbortMultipartUpload",
+        Method::Delete if has("uploadId") => "AbortMultipartUpload",
+        Method::Delete => "DeleteObject",
         Method::Patch => "PATCH",
     }
 }
@@ -413,6 +436,9 @@ impl S3Auth {
     ) -> Vec<(String, String)> {
         let Some(creds) = self.provider.current() else { return Vec::new() };
         let (host, path, query) = split_url(url);
+        let query: Vec<(String, String)> =
+            query.iter().map(|(k, v)| (percent_decode(k), percent_decode(v))).collect();
+        let query: Vec<(&str, &str)> = query.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
         let unix = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
         let req = SignRequest { method: method.as_str(), host, path, query: &query, headers, payload_sha256 };
         s3_headers(&req, &creds, &self.region, unix)
@@ -488,6 +514,8 @@ const MAX_ANSWER: u64 = 1 << 20;
 #[derive(Clone)]
 pub struct S3Store {
     http: HttpStore,
+    /// The bucket's URL without the store's key prefix (for listing).
+    bucket_url: String,
     auth: Arc<S3Auth>,
     location: S3Location,
     part_size: u64,
@@ -514,7 +542,9 @@ impl S3Store {
     pub fn new(location: &S3Location, config: &S3Config, http: HttpConfig, cache: Option<DiskCache>) -> Self {
         let auth = Arc::new(S3Auth::new(&location.bucket, config));
         let http = HttpStore::with_auth(&config.base_url(location), http, cache, Some(Arc::clone(&auth)));
-        Self { http, auth, location: location.clone(), part_size: config.part_size.max(1) }
+        let bucket_url =
+            config.base_url(&S3Location { bucket: location.bucket.clone(), prefix: String::new() });
+        Self { http, bucket_url, auth, location: location.clone(), part_size: config.part_size.max(1) }
     }
 
     /// The read path (an [`HttpStore`] whose requests are signed).
@@ -600,6 +630,63 @@ impl S3Store {
         let url = self.key_url(key);
         let a = self.call(Method::Head, &url, &[], &[], |s| s == 200 || s == 404)?;
         Ok((a.status == 200).then_some(a.len.unwrap_or(0)))
+    }
+
+    /// The objects whose keys (relative to the store's prefix) start with `dir` and have no
+    /// further `/` (ListObjectsV2 with a delimiter, page after page): key, size, last modified.
+    pub fn list(&self, dir: &str) -> Result<Vec<crate::gc::StoreObject>, StoreError> {
+        let base = if self.location.prefix.is_empty() {
+            String::new()
+        } else {
+            format!("{}/", self.location.prefix)
+        };
+        let prefix = format!("{base}{dir}");
+        let mut out = Vec::new();
+        let mut after: Option<String> = None;
+        loop {
+            let mut url = format!(
+                "{}?list-type=2&delimiter=%2F&prefix={}",
+                self.bucket_url,
+                uri_encode(&prefix, false)
+            );
+            if let Some(a) = &after {
+                url.push_str(&format!("&start-after={}", uri_encode(a, false)));
+            }
+            // A listing page of 1000 keys is ~300 KiB of XML: within MAX_ANSWER.
+            let a = self.call(Method::Get, &url, &[], &[], |s| s == 200)?;
+            let text = String::from_utf8_lossy(&a.body);
+            let mut last = None;
+            for block in text.split("<Contents>").skip(1) {
+                let Some(key) = xml_text(block, "Key") else { continue };
+                let len = xml_text(block, "Size").and_then(|s| s.trim().parse().ok()).unwrap_or(0);
+                let modified = xml_text(block, "LastModified").and_then(|t| parse_http_date(&t));
+                if let Some(rel) = key.strip_prefix(&base) {
+                    out.push(crate::gc::StoreObject { key: rel.to_owned(), len, modified });
+                }
+                last = Some(key);
+            }
+            let truncated = xml_text(&text, "IsTruncated").is_some_and(|t| t.trim() == "true");
+            match last {
+                Some(l) if truncated => after = Some(l),
+                _ => break,
+            }
+        }
+        out.sort_by(|a, b| a.key.cmp(&b.key));
+        Ok(out)
+    }
+
+    /// Delete object `key` (DeleteObject; a missing key is not an error).
+    pub fn delete(&self, key: &str) -> Result<(), StoreError> {
+        let url = self.key_url(key);
+        self.call(Method::Delete, &url, &[], &[], |s| matches!(s, 200 | 204 | 404))?;
+        Ok(())
+    }
+
+    /// The bytes of a small object (a tag, an image entry, a layer record); `None` if missing.
+    pub fn get_small(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        let url = self.key_url(key);
+        let a = self.call(Method::Get, &url, &[], &[], |s| s == 200 || s == 404)?;
+        Ok((a.status == 200).then_some(a.body))
     }
 
     /// PUT `bytes` at `key`; with `create_only`, `If-None-Match: *` (a 412 means the object
@@ -800,9 +887,95 @@ impl Origin for S3Store {
     }
 }
 
+/// `2026-12-01T23:33:49.000Z` (S3's `LastModified`) as a time.
+pub(crate) fn parse_http_date(text: &str) -> Option<SystemTime> {
+    let t = text.trim().strip_suffix('Z')?;
+    let (date, time) = t.split_once('T')?;
+    let mut d = date.splitn(3, '-').map(|p| p.parse::<i64>().ok());
+    let (y, m, day) = (d.next()??, d.next()??, d.next()??);
+    let time = time.split('.').next()?;
+    let mut h = time.splitn(3, ':').map(|p| p.parse::<i64>().ok());
+    let (hh, mm, ss) = (h.next()??, h.next()??, h.next()??);
+    if !(1..=12).contains(&m) || !(1..=31).contains(&day) || hh > 23 || mm > 59 || ss > 60 {
+        return None;
+    }
+    // Days from the civil date (Howard Hinnant's algorithm).
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let doy = (153 * (if m > 2 { m - 3 } else { m + 9 }) + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    let secs = days * 86_400 + hh * 3600 + mm * 60 + ss;
+    Some(UNIX_EPOCH + Duration::from_secs(u64::try_from(secs).ok()?))
+}
+
+/// An S3 store as `tessera store gc` sees it: listed with ListObjectsV2, objects removed with
+/// DeleteObject. No writer lock: the grace protects copies in flight.
+#[derive(Debug)]
+pub struct S3Gc {
+    store: S3Store,
+}
+
+impl S3Gc {
+    /// Collect `store`.
+    pub fn new(store: S3Store) -> Self {
+        Self { store }
+    }
+}
+
+impl crate::gc::GcBackend for S3Gc {
+    fn describe(&self) -> String {
+        self.store.location.to_string()
+    }
+
+    fn list(&self, dir: &str) -> Result<Vec<crate::gc::StoreObject>, StoreError> {
+        self.store.list(dir)
+    }
+
+    fn read(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        if let Some(d) = key.strip_prefix("blobs/sha256/").and_then(|h| Sha256Digest::from_hex(h).ok()) {
+            // Blobs may be larger than a small answer: the read path (verified against the digest).
+            return match self.store.http.read_blob(&d) {
+                Ok(b) => Ok(Some(b)),
+                Err(e) if self.store.head(key)?.is_none() => {
+                    tracing::debug!(key, error = %e, "blob gone");
+                    Ok(None)
+                }
+                Err(e) => Err(e),
+            };
+        }
+        self.store.get_small(key)
+    }
+
+    fn delete(&self, key: &str) -> Result<(), StoreError> {
+        self.store.delete(key)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn last_modified_dates() {
+        let t = parse_http_date("2026-12-01T23:33:49.000Z").unwrap();
+        assert_eq!(t.duration_since(UNIX_EPOCH).unwrap().as_secs(), 1_796_168_029);
+        assert_eq!(parse_http_date("1970-01-01T00:00:00Z"), Some(UNIX_EPOCH));
+        assert_eq!(
+            parse_http_date("2000-02-29T12:00:00Z").unwrap().duration_since(UNIX_EPOCH).unwrap().as_secs(),
+            951_825_600
+        );
+        for bad in ["", "2026-13-01T00:00:00Z", "2026-12-01 00:00:00", "2026-12-01T00:00:00"] {
+            assert_eq!(parse_http_date(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn query_values_are_signed_decoded() {
+        assert_eq!(percent_decode("a%2Fb%20c"), "a/b c");
+        assert_eq!(percent_decode("100%"), "100%");
+    }
 
     #[test]
     fn locations() {
