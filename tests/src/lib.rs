@@ -47,6 +47,7 @@ pub mod reference;
 pub mod registry;
 pub mod replay;
 pub mod s3;
+pub mod scale;
 pub mod tessera;
 pub mod testutil;
 pub mod tls;

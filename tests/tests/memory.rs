@@ -1,6 +1,7 @@
 //! Peak memory (brief §7, VmHWM ≤ 256 MiB) with a 1 GiB incompressible file: from a directory
 //! tree, and from an OCI layout whose single gzip layer holds it (the layer is streamed once,
-//! never held). Both images are still right (e2fsck, mount, content).
+//! never held). Both images are still right (e2fsck, mount, content). And the memory a build
+//! needs per entry (issue 16 point 5), on generated trees of many small files.
 
 use std::path::Path;
 
@@ -59,4 +60,41 @@ fn one_gib_oci_layer_under_256_mib() -> Result<()> {
     ensure!(layer > GIB, "the layer holds {layer} bytes, not the whole file");
     eprintln!("1 GiB OCI layer made in {:.1}s ({layer} bytes)", started.elapsed().as_secs_f64());
     build_within_limit("1 GiB incompressible, OCI gzip layer", Path::new(&img.source()), &src, t.path())
+}
+
+/// Bytes of build peak RSS per entry the regression test allows. The issue's target is 512 B an
+/// entry beyond 100 k entries; the builder measured 1084 B at 20 k (3372 B at 100 k before the
+/// first memory work, 2126 B after): this bound catches regressions, the target is not met yet.
+const PER_ENTRY_LIMIT: u64 = 1536;
+
+/// Build peak RSS per entry (issue 16 point 5): VmHWM of building a 20 000-entry tree minus that
+/// of a 500-entry one, per extra entry. Both trees also hold the same three large files, so the
+/// chunker's batches — bounded, not per entry — weigh the same in both and cancel out.
+#[test]
+fn build_peak_rss_under_1536_bytes_per_entry() -> Result<()> {
+    let t = tmp("mem-entries")?;
+    let mut peaks = Vec::new();
+    for entries in [500, 20_000] {
+        let src = t.path().join(format!("src{entries}"));
+        let st = tessera_e2e::scale::generate_scale_tree(&src, entries, true)?;
+        let started = std::time::Instant::now();
+        let (_, peak) = tessera::build_peak_rss(&src, &t.path().join(format!("store{entries}")), &[])?;
+        eprintln!(
+            "{entries} entries ({} files, {} dirs): build {:.1}s, VmHWM {:.1} MiB",
+            st.files,
+            st.dirs,
+            started.elapsed().as_secs_f64(),
+            peak as f64 / f64::from(1 << 20)
+        );
+        std::fs::remove_dir_all(&src)?;
+        peaks.push((st.entries, peak));
+    }
+    let (small, big) = (peaks[0], peaks[1]);
+    let per_entry = big.1.saturating_sub(small.1) / (big.0 - small.0);
+    eprintln!("build peak RSS per extra entry: {per_entry} B (limit {PER_ENTRY_LIMIT} B)");
+    ensure!(
+        per_entry <= PER_ENTRY_LIMIT,
+        "tessera build needs {per_entry} B of peak RSS per entry (limit {PER_ENTRY_LIMIT} B)"
+    );
+    Ok(())
 }

@@ -19,6 +19,8 @@
 //!   latency proxy: every run's link floor and time breakdown, A/B arms interleaved (`bench_cold.rs`).
 //! - `cargo xtask bench s3` — `tessera copy` to and from an S3 server vs `rclone copy`
 //!   (`bench_s3.rs`).
+//! - `cargo xtask bench scale [--million] [--json]` — build time and VmHWM for 1 k / 10 k / 100 k
+//!   (/ 1 M) generated entries and the daemon's RSS for the 100 k-entry image (`bench_scale.rs`).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
@@ -33,6 +35,7 @@ mod bench_export;
 mod bench_lazy;
 mod bench_oci;
 mod bench_s3;
+mod bench_scale;
 mod bench_serve;
 mod bench_warm;
 mod reliability;
@@ -188,6 +191,9 @@ enum Bench {
     Export(bench_export::ExportBench),
     /// `tessera copy` to and from an S3 server vs `rclone copy` against the same server.
     S3(bench_s3::S3Bench),
+    /// Build time and peak RSS for 1 k / 10 k / 100 k (/ 1 M) generated entries, and the daemon's
+    /// RSS serving the 100 k-entry image.
+    Scale(bench_scale::ScaleBench),
 }
 
 fn main() -> ExitCode {
@@ -224,6 +230,7 @@ fn main() -> ExitCode {
         Cmd::Bench { what: Bench::BootProfile(opts) } => bench_warm::run(&opts),
         Cmd::Bench { what: Bench::Export(opts) } => bench_export::run(&opts),
         Cmd::Bench { what: Bench::S3(opts) } => bench_s3::run(&opts),
+        Cmd::Bench { what: Bench::Scale(opts) } => bench_scale::run(&opts),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

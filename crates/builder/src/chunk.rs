@@ -4,7 +4,6 @@
 //! Memory stays bounded: content is processed in batches of at most [`BATCH_BYTES`] raw bytes
 //! (or one chunk, if larger); only the stored (compressed) bytes of a batch are held at once.
 
-use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -21,6 +20,10 @@ use crate::Progress;
 
 /// Raw bytes per parallel batch.
 pub const BATCH_BYTES: u64 = 32 << 20;
+/// Jobs per parallel batch: small files cost a few allocations each beyond their bytes, so a batch
+/// of 32 MiB of tiny files must not be hundreds of thousands of jobs (the results are the same for
+/// any batching: chunks are placed in job order).
+pub const BATCH_JOBS: usize = 4096;
 /// A pack is closed once it holds this many bytes.
 pub const PACK_TARGET_BYTES: u64 = 128 << 20;
 const ZSTD_LEVEL: i32 = 3;
@@ -72,24 +75,23 @@ struct Processed {
     stored: Option<(Vec<u8>, Compression)>,
 }
 
-fn chunk_jobs(src: &SourceTree, chunk_size: u64) -> Vec<Job> {
-    let mut jobs = Vec::new();
-    for (node, path) in src.file_paths.iter().enumerate() {
-        let (Some(path), Some(n)) = (path, src.tree.nodes.get(node)) else { continue };
-        let tessera_ext4::NodeKind::Regular { size, data } = &n.kind else { continue };
-        for range in data {
+/// Every chunk of `src`'s regular files, in tree order: (node, offset, length). Jobs are made from
+/// this lazily, one batch at a time, so a tree of a million files never holds a million of them.
+fn chunk_pieces(src: &SourceTree, chunk_size: u64) -> impl Iterator<Item = (usize, u64, u32)> + '_ {
+    src.tree.nodes.iter().enumerate().flat_map(move |(node, n)| {
+        let (size, data) = match &n.kind {
+            tessera_ext4::NodeKind::Regular { size, data } if src.has_path(node) => (*size, &data[..]),
+            _ => (0, &[][..]),
+        };
+        data.iter().flat_map(move |range| {
             let start = range.start_block * BlockSize::U64;
-            let end = ((range.start_block + range.blocks) * BlockSize::U64).min(*size);
-            let mut off = start;
-            while off < end {
-                let len = (end - off).min(chunk_size);
-                // chunk_size ≤ 16 MiB, so the length always fits.
-                jobs.push(Job { node, offset: off, len: len as u32, data: JobData::Path(path.clone()) });
-                off += len;
-            }
-        }
-    }
-    jobs
+            let end = ((range.start_block + range.blocks) * BlockSize::U64).min(size);
+            // chunk_size ≤ 16 MiB, so a length always fits.
+            (start..end)
+                .step_by(chunk_size as usize)
+                .map(move |off| (node, off, (end - off).min(chunk_size) as u32))
+        })
+    })
 }
 
 fn read_chunk(path: &Path, offset: u64, len: u32) -> Result<Vec<u8>, BuildError> {
@@ -133,14 +135,14 @@ fn compress(raw: &[u8]) -> Result<Vec<u8>, BuildError> {
     })
 }
 
-fn process(job: Job, known: &HashMap<ChunkId, ChunkHome>) -> Result<Processed, BuildError> {
+fn process(job: Job, known: impl Fn(&ChunkId) -> bool) -> Result<Processed, BuildError> {
     let raw = match job.data {
         JobData::Path(path) => read_chunk(&path, job.offset, job.len)?,
         JobData::Bytes(bytes) => bytes,
     };
     let id = ChunkId::of(&raw);
     let (node, offset, len) = (job.node, job.offset, job.len);
-    if known.contains_key(&id) {
+    if known(&id) {
         return Ok(Processed { node, offset, id, len, stored: None });
     }
     let compressed = compress(&raw)?;
@@ -210,18 +212,21 @@ pub fn chunk_tree(
     chunk_size: u64,
     progress: &dyn Progress,
 ) -> Result<ChunkOutput, BuildError> {
-    let jobs = chunk_jobs(src, chunk_size);
-    let total: u64 = jobs.iter().map(|j| u64::from(j.len)).sum();
+    let total: u64 = chunk_pieces(src, chunk_size).map(|(_, _, len)| u64::from(len)).sum();
     chunk_with(src.tree.nodes.len(), total, store, existing, progress, |sink| {
         let mut batch = Batcher::default();
-        for job in jobs {
-            batch.push(job, sink)?;
+        for (node, offset, len) in chunk_pieces(src, chunk_size) {
+            let path = src
+                .file_path(node)
+                .ok_or(BuildError::Internal { what: "a regular file without a source path", chunk: None })?;
+            batch.push(Job { node, offset, len, data: JobData::Path(path) }, sink)?;
         }
         batch.flush(sink)
     })
 }
 
-/// Groups jobs into batches of at most [`BATCH_BYTES`] (or one job, if larger), in order.
+/// Groups jobs into batches of at most [`BATCH_BYTES`] (or one job, if larger) and at most
+/// [`BATCH_JOBS`] jobs, in order.
 #[derive(Default)]
 pub(crate) struct Batcher {
     jobs: Vec<Job>,
@@ -233,7 +238,9 @@ pub(crate) type Sink<'a> = dyn FnMut(Vec<Job>, u64) -> Result<(), BuildError> + 
 
 impl Batcher {
     pub(crate) fn push(&mut self, job: Job, sink: &mut Sink<'_>) -> Result<(), BuildError> {
-        if !self.jobs.is_empty() && self.bytes + u64::from(job.len) > BATCH_BYTES {
+        if !self.jobs.is_empty()
+            && (self.bytes + u64::from(job.len) > BATCH_BYTES || self.jobs.len() >= BATCH_JOBS)
+        {
             self.flush(sink)?;
         }
         self.bytes += u64::from(job.len);
@@ -295,23 +302,24 @@ pub(crate) fn chunk_with(
 }
 
 struct ChunkState {
-    known: HashMap<ChunkId, ChunkHome>,
+    /// Chunks the store held before this build (its pack index): looked up, never copied.
+    existing: HashMap<ChunkId, (Sha256Digest, PackLocation)>,
+    /// `out.homes` holds every chunk this build used so far, new or existing.
     out: ChunkOutput,
     plan: PackPlan,
 }
 
 impl ChunkState {
     fn new(nodes: usize, existing: HashMap<ChunkId, (Sha256Digest, PackLocation)>) -> Self {
-        let known =
-            existing.into_iter().map(|(id, (pack, loc))| (id, ChunkHome::Existing(pack, loc))).collect();
         let out = ChunkOutput { files: vec![Vec::new(); nodes], ..Default::default() };
-        Self { known, out, plan: PackPlan::default() }
+        Self { existing, out, plan: PackPlan::default() }
     }
 
     fn batch(&mut self, batch: Vec<Job>, tx: &mpsc::SyncSender<Vec<PackOp>>) -> Result<(), BuildError> {
         // The writer only stops early on an error, which `chunk_with` reports after joining it.
         let writer_gone = || BuildError::Internal { what: "the pack writer stopped", chunk: None };
-        let known = &self.known;
+        let (homes, existing) = (&self.out.homes, &self.existing);
+        let known = |id: &ChunkId| homes.contains_key(id) || existing.contains_key(id);
         let results: Vec<Result<Processed, BuildError>> =
             batch.into_par_iter().map(|job| process(job, known)).collect();
         let mut ops = Vec::new();
@@ -322,28 +330,31 @@ impl ChunkState {
                 self.out.files.resize(p.node + 1, FileChunks::new());
             }
             self.out.files[p.node].push((p.offset, p.id, p.len));
-            let home = match self.known.entry(p.id) {
-                Entry::Occupied(e) => *e.get(),
-                Entry::Vacant(slot) => {
-                    // `known` only grows between batches, so a chunk judged known while the batch
-                    // ran is still known here.
-                    let Some((bytes, compression)) = p.stored else {
-                        return Err(BuildError::Internal {
-                            what: "a known chunk was forgotten",
-                            chunk: Some(p.id),
-                        });
-                    };
-                    let stored_len = bytes.len() as u32;
-                    let (pack, offset, full) = self.plan.place(u64::from(stored_len));
-                    ops.push(PackOp::Append(bytes));
-                    if full {
-                        ops.push(PackOp::Close);
+            let home = match self.out.homes.get(&p.id) {
+                Some(home) => *home,
+                None => match self.existing.get(&p.id) {
+                    Some(&(pack, loc)) => ChunkHome::Existing(pack, loc),
+                    None => {
+                        // What is known only grows between batches, so a chunk judged known while
+                        // the batch ran is still known here.
+                        let Some((bytes, compression)) = p.stored else {
+                            return Err(BuildError::Internal {
+                                what: "a known chunk was forgotten",
+                                chunk: Some(p.id),
+                            });
+                        };
+                        let stored_len = bytes.len() as u32;
+                        let (pack, offset, full) = self.plan.place(u64::from(stored_len));
+                        ops.push(PackOp::Append(bytes));
+                        if full {
+                            ops.push(PackOp::Close);
+                        }
+                        self.out.new_chunks += 1;
+                        self.out.new_stored_bytes += u64::from(stored_len);
+                        let loc = PackLocation { pack: 0, offset, stored_len, raw_len: p.len, compression };
+                        ChunkHome::New { pack, loc }
                     }
-                    self.out.new_chunks += 1;
-                    self.out.new_stored_bytes += u64::from(stored_len);
-                    let loc = PackLocation { pack: 0, offset, stored_len, raw_len: p.len, compression };
-                    *slot.insert(ChunkHome::New { pack, loc })
-                }
+                },
             };
             self.out.homes.insert(p.id, home);
         }

@@ -11,6 +11,8 @@
 
 mod chunk;
 mod error;
+#[cfg(test)]
+mod id_stable;
 mod image;
 pub mod manifest;
 mod manifest_text;

@@ -21,6 +21,8 @@ use crate::Progress;
 
 /// Default chunk size: 512 KiB.
 pub const DEFAULT_CHUNK_SIZE: u32 = 512 * 1024;
+/// zstd level of the stored metadata prefix.
+const PREFIX_ZSTD_LEVEL: i32 = 3;
 /// Filesystem time used when no source date is given: 2024-01-01T00:00:00Z.
 pub const DEFAULT_FS_TIME: i64 = 1_704_067_200;
 
@@ -147,35 +149,58 @@ pub(crate) fn finish_image_with(
     info!(blocks = g.blocks, inodes = g.inodes, data_start = g.data_start_block, "synthesized ext4");
 
     let mut map = BlockMap::builder(g.blocks);
-    let prefix = push_prefix(&mut map, &fs.metadata)?;
+    let prefix = push_prefix(&mut map, fs.metadata, store.root())?;
     push_file_data(&mut map, &fs.placements, files)?;
     let record = ImageRecord {
         options: BuildOptions { chunk_size: config.chunk_size },
         geometry: *g,
         stats: tree_stats(tree, g, files),
-        prefix: PrefixInfo {
-            digest: Sha256Digest::of(&prefix),
-            blocks: prefix.len() as u64 / BlockSize::U64,
-        },
+        prefix: PrefixInfo { digest: prefix.digest, blocks: prefix.blocks },
         block_map: map.finish()?,
         config: runtime,
     };
     let id = ImageId(Sha256Digest::of(&record.encode()));
     let pack_index = pack_index(&record, id)?;
-    let (id, entry) = write_image(store, config, &record, &prefix, &pack_index, source_provenance)?;
+    let (id, entry) =
+        write_image(store, config, &record, &prefix.compressed, &pack_index, source_provenance)?;
     Ok(BuildOutput { id, record, entry, new_chunks: 0, new_stored_bytes: 0 })
 }
 
-/// The metadata prefix: every non-zero metadata block, concatenated in device order, mapped.
-fn push_prefix(map: &mut BlockMapBuilder, metadata: &[MetadataRun]) -> Result<Vec<u8>, BuildError> {
-    let prefix_len: usize = metadata.iter().map(|r| r.data.len()).sum();
-    let mut prefix = Vec::with_capacity(prefix_len);
+/// The metadata prefix, made as it is mapped: every non-zero metadata block, concatenated in device
+/// order, hashed and zstd-compressed run by run, each run freed once consumed — the uncompressed
+/// prefix (256 bytes per inode plus every directory block) is never held twice, nor whole.
+struct Prefix {
+    /// sha256 of the uncompressed prefix.
+    digest: Sha256Digest,
+    blocks: u64,
+    /// The stored (compressed) prefix.
+    compressed: Vec<u8>,
+}
+
+fn push_prefix(
+    map: &mut BlockMapBuilder,
+    metadata: Vec<MetadataRun>,
+    store: &Path,
+) -> Result<Prefix, BuildError> {
+    use sha2::Digest as _;
+    use std::io::Write as _;
+    let total: usize = metadata.iter().map(|r| r.data.len()).sum();
+    let failed = |e: std::io::Error| BuildError::io(store, "compress prefix")(e);
+    let mut z = zstd::stream::Encoder::new(Vec::new(), PREFIX_ZSTD_LEVEL).map_err(failed)?;
+    // The same frame as a one-shot compression of the whole prefix (content size in the header).
+    z.set_pledged_src_size(Some(total as u64)).map_err(failed)?;
+    z.include_contentsize(true).map_err(failed)?;
+    let mut sha = sha2::Sha256::new();
+    let mut at = 0u64;
     for run in metadata {
         let blocks = run.data.len() as u64 / BlockSize::U64;
-        map.push_prefix(run.start_block, blocks, prefix.len() as u64 / BlockSize::U64)?;
-        prefix.extend_from_slice(&run.data);
+        map.push_prefix(run.start_block, blocks, at)?;
+        at += blocks;
+        sha.update(&run.data);
+        z.write_all(&run.data).map_err(failed)?;
     }
-    Ok(prefix)
+    let compressed = z.finish().map_err(failed)?;
+    Ok(Prefix { digest: Sha256Digest(sha.finalize().into()), blocks: at, compressed })
 }
 
 /// File data: intersect each file's chunks with where ext4 placed its blocks.
@@ -245,15 +270,13 @@ fn write_image(
     store: &LocalStore,
     config: &BuildConfig,
     record: &ImageRecord,
-    prefix: &[u8],
+    compressed_prefix: &[u8],
     pack_index: &[u8],
     source_provenance: serde_json::Value,
 ) -> Result<(ImageId, ImageEntry), BuildError> {
     let record_bytes = record.encode();
     let id = ImageId(Sha256Digest::of(&record_bytes));
-    let compressed_prefix =
-        zstd::bulk::compress(prefix, 3).map_err(BuildError::io(store.root(), "compress prefix"))?;
-    let prefix_digest = store.put_blob(&compressed_prefix)?;
+    let prefix_digest = store.put_blob(compressed_prefix)?;
     let pack_index_digest = store.put_blob(pack_index)?;
     let provenance = serde_json::json!({
         "source": config.source_ref,

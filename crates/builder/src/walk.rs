@@ -17,8 +17,32 @@ use crate::error::BuildError;
 #[derive(Debug, Default)]
 pub struct SourceTree {
     pub tree: Tree,
-    /// Indexed by `NodeId`: the path of a regular file's first link, `None` for other nodes.
-    pub file_paths: Vec<Option<PathBuf>>,
+    /// Indexed by `NodeId`: for a regular file, where its first link is — (index in `dirs`, index
+    /// of the entry in that directory's entries); [`NO_PATH`] for other nodes. Eight bytes a node
+    /// instead of a path each.
+    files: Vec<(u32, u32)>,
+    /// Every walked directory: its node and its path.
+    dirs: Vec<(NodeId, PathBuf)>,
+}
+
+const NO_PATH: (u32, u32) = (u32::MAX, u32::MAX);
+
+impl SourceTree {
+    /// The source path of regular-file node `node` (its first link), `None` for other nodes.
+    pub fn file_path(&self, node: usize) -> Option<PathBuf> {
+        let &(dir, entry) = self.files.get(node).filter(|&&f| f != NO_PATH)?;
+        let (dir_node, dir_path) = self.dirs.get(dir as usize)?;
+        let NodeKind::Directory { entries } = &self.tree.nodes.get(dir_node.0 as usize)?.kind else {
+            return None;
+        };
+        let name = &entries.get(entry as usize)?.name;
+        Some(dir_path.join(std::ffi::OsStr::from_bytes(name)))
+    }
+
+    /// Whether node `node` is a regular file with a source path.
+    pub fn has_path(&self, node: usize) -> bool {
+        self.files.get(node).is_some_and(|&f| f != NO_PATH)
+    }
 }
 
 /// Open a file for reading without updating its atime where the kernel allows it (O_NOATIME needs
@@ -46,11 +70,13 @@ pub fn walk_dir(root: &Path) -> Result<SourceTree, BuildError> {
         kind: NodeKind::Directory { entries: Vec::new() },
         xattrs: read_xattrs(root)?,
     });
-    out.file_paths.push(None);
+    out.files.push(NO_PATH);
 
     let mut hard_links: HashMap<(u64, u64), NodeId> = HashMap::new();
     let mut stack: Vec<(NodeId, PathBuf)> = vec![(NodeId(0), root.to_owned())];
     while let Some((dir_id, dir_path)) = stack.pop() {
+        let dir_index =
+            u32::try_from(out.dirs.len()).map_err(|_| BuildError::TooManyNodes { path: dir_path.clone() })?;
         let mut names: Vec<std::ffi::OsString> = fs::read_dir(&dir_path)
             .map_err(BuildError::io(&dir_path, "read directory"))?
             .map(|e| e.map(|e| e.file_name()))
@@ -76,7 +102,8 @@ pub fn walk_dir(root: &Path) -> Result<SourceTree, BuildError> {
                     let node = node_of(&path, &md)?;
                     let is_file = matches!(node.kind, NodeKind::Regular { .. });
                     out.tree.nodes.push(node);
-                    out.file_paths.push(is_file.then(|| path.clone()));
+                    // `entries.len()` < the node count, which fits in u32.
+                    out.files.push(if is_file { (dir_index, entries.len() as u32) } else { NO_PATH });
                     if !md.is_dir() && md.nlink() > 1 {
                         hard_links.insert(link_key, id);
                     }
@@ -93,6 +120,7 @@ pub fn walk_dir(root: &Path) -> Result<SourceTree, BuildError> {
         {
             *slot = entries;
         }
+        out.dirs.push((dir_id, dir_path));
         // Reverse so the first name is walked first.
         stack.extend(subdirs.into_iter().rev());
     }
@@ -276,7 +304,8 @@ mod tests {
         let b = id_of(0, b"b");
         let file = id_of(a, b"file");
         assert_eq!(file, id_of(b, b"link"), "hard links share one node");
-        assert!(src.file_paths[file].is_some());
+        assert_eq!(src.file_path(file), Some(root.join("a/file")), "the first link's path");
+        assert!(src.has_path(file) && !src.has_path(a) && src.file_path(a).is_none());
         if xattr_ok {
             assert_eq!(
                 nodes[file].xattrs,

@@ -38,11 +38,27 @@ const DEFAULT_FREE_BLOCKS: u64 = (256 << 20) / BlockSize::U64;
 /// What one inode holds.
 #[derive(Debug)]
 enum ObjKind {
-    Dir { blocks: Vec<Vec<u8>>, htree: bool },
-    File { size: u64, ranges: Vec<(u64, u64)> },
-    Symlink { target: Vec<u8> },
-    Chr { major: u32, minor: u32 },
-    Blk { major: u32, minor: u32 },
+    /// A directory of `blocks` blocks. They are rendered twice — once here to count them, again
+    /// when written — rather than held from preparation to rendering next to their copy.
+    Dir {
+        blocks: usize,
+        htree: bool,
+    },
+    File {
+        size: u64,
+        ranges: Vec<(u64, u64)>,
+    },
+    Symlink {
+        target: Vec<u8>,
+    },
+    Chr {
+        major: u32,
+        minor: u32,
+    },
+    Blk {
+        major: u32,
+        minor: u32,
+    },
     Fifo,
     Sock,
 }
@@ -56,7 +72,9 @@ struct Obj {
     meta: Meta,
     kind: ObjKind,
     links: u16,
-    xattr_area: [u8; XATTR_AREA_LEN],
+    /// The in-inode xattr area, `None` when it is all zeros (most inodes): boxed, so an inode
+    /// without attributes costs 8 bytes here rather than the area's size.
+    xattr_area: Option<Box<[u8; XATTR_AREA_LEN]>>,
     xattr_block: Option<usize>,
 }
 
@@ -155,23 +173,27 @@ fn file_type(kind: &NodeKind) -> u8 {
 
 /// mke2fs's lost+found: 0700 root:root, 4 empty blocks so e2fsck can reconnect without allocating.
 fn created_lost_found(ino: u32, t: Timestamp, fs_seed: u32) -> Obj {
-    let blocks = dir::render_linear(ino, namespace::ROOT_INO, &[], 4, fs_seed);
+    let blocks = created_lost_found_blocks(ino, fs_seed);
     Obj {
         ino,
         node: None,
         meta: Meta { mode: 0o700, uid: 0, gid: 0, atime: t, mtime: t, ctime: t },
-        kind: ObjKind::Dir { blocks, htree: false },
+        kind: ObjKind::Dir { blocks: blocks.len(), htree: false },
         links: 2,
-        xattr_area: [0; XATTR_AREA_LEN],
+        xattr_area: None,
         xattr_block: None,
     }
+}
+
+fn created_lost_found_blocks(ino: u32, fs_seed: u32) -> Vec<Vec<u8>> {
+    dir::render_linear(ino, namespace::ROOT_INO, &[], 4, fs_seed)
 }
 
 /// What turning tree nodes into inode content reads: the tree, its numbering and the
 /// filesystem's identifiers (directory blocks are checksummed and hash-indexed with them).
 struct Nodes<'a> {
     tree: &'a Tree,
-    ns: &'a Namespace,
+    ns: &'a Namespace<'a>,
     ids: &'a Ids,
 }
 
@@ -209,15 +231,22 @@ impl Nodes<'_> {
                 meta: src.meta,
                 kind,
                 links: links as u16,
-                xattr_area,
+                xattr_area: (xattr_area != [0; XATTR_AREA_LEN]).then(|| Box::new(xattr_area)),
                 xattr_block,
             });
         }
         Ok((objs, xblocks))
     }
 
-    /// A directory node's blocks (linear, or hash-indexed from 3 blocks on) and its link count.
+    /// A directory node's content (its block count) and its link count.
     fn dir_kind(&self, n: usize, ino: u32) -> (ObjKind, u64) {
+        let (blocks, htree, links) = self.dir_blocks(n, ino);
+        (ObjKind::Dir { blocks: blocks.len(), htree }, links)
+    }
+
+    /// A directory node's blocks (linear, or hash-indexed from 3 blocks on), whether they are
+    /// hash-indexed, and its link count.
+    fn dir_blocks(&self, n: usize, ino: u32) -> (Vec<Vec<u8>>, bool, u64) {
         let Self { tree, ns, ids } = *self;
         let parent = match ns.parent[n] {
             Some((p, _)) => ns.ino[p],
@@ -247,7 +276,7 @@ impl Nodes<'_> {
                 htree = true;
             }
         }
-        (ObjKind::Dir { blocks, htree }, links)
+        (blocks, htree, links)
     }
 
     /// A tree node's inode content, validated, and its link count.
@@ -319,7 +348,7 @@ fn file_ranges(
 /// split greedily; error if even that does not fit.
 fn place_xattrs(
     src: &crate::tree::Node,
-    ns: &Namespace,
+    ns: &Namespace<'_>,
     n: usize,
     xblocks: &mut Vec<XBlock>,
     shared: &mut BTreeMap<Vec<u8>, usize>,
@@ -531,7 +560,7 @@ fn layout(
     let mut xblock_nr = vec![0u64; nxblocks];
     for (i, o) in objs.iter().enumerate() {
         if let ObjKind::Dir { blocks: dblocks, .. } = &o.kind {
-            let pieces = a.alloc_run(dblocks.len() as u64);
+            let pieces = a.alloc_run(*dblocks as u64);
             used.extend_from_slice(&pieces);
             pieces_to_extents(&pieces, 0, &mut objl[i].extents);
             let tb = extent::tree_blocks(objl[i].extents.len());
@@ -625,20 +654,40 @@ impl MetaSink {
 
     fn finish(mut self) -> Vec<MetadataRun> {
         self.regions.sort_by_key(|r| r.0);
-        let mut runs: Vec<MetadataRun> = Vec::new();
         let bs = BlockSize::USIZE;
-        for (start, data) in self.regions {
+        let nonzero = |blk: &[u8]| blk.iter().any(|&b| b != 0);
+        // First the runs' lengths, so that each run is allocated once at its size: the inode
+        // tables of a million-inode image are one run of hundreds of MiB, and growing it by
+        // doubling would hold up to three times that at the moment of a reallocation.
+        let mut lens: Vec<(u64, usize)> = Vec::new();
+        for (start, data) in &self.regions {
             for (k, blk) in data.chunks(bs).enumerate() {
-                if blk.iter().all(|&b| b == 0) {
+                if !nonzero(blk) {
                     continue;
                 }
                 let nr = start + k as u64;
-                match runs.last_mut() {
-                    Some(r) if r.start_block + (r.data.len() / bs) as u64 == nr => {
-                        r.data.extend_from_slice(blk)
-                    }
-                    _ => runs.push(MetadataRun { start_block: nr, data: blk.to_vec() }),
+                match lens.last_mut() {
+                    Some((s, n)) if *s + *n as u64 == nr => *n += 1,
+                    _ => lens.push((nr, 1)),
                 }
+            }
+        }
+        let mut runs: Vec<MetadataRun> = lens
+            .iter()
+            .map(|&(start_block, n)| MetadataRun { start_block, data: Vec::with_capacity(n * bs) })
+            .collect();
+        let mut at = 0usize;
+        // Regions are consumed in order, each freed once copied.
+        for (start, data) in self.regions {
+            for (k, blk) in data.chunks(bs).enumerate() {
+                if !nonzero(blk) {
+                    continue;
+                }
+                let nr = start + k as u64;
+                while runs[at].start_block + (runs[at].data.len() / bs) as u64 != nr {
+                    at += 1;
+                }
+                runs[at].data.extend_from_slice(blk);
             }
         }
         runs
@@ -660,29 +709,28 @@ struct RenderInput<'a> {
     objs: &'a [Obj],
     xblocks: &'a [XBlock],
     lay: &'a Layout,
-    ns: &'a Namespace,
+    ns: &'a Namespace<'a>,
     opts: &'a Options,
     ids: Ids,
 }
-
-/// One rendered inode record and its number.
-type InodeRecord = (u32, [u8; inode::INODE_SIZE]);
 
 /// Render every metadata block with its checksum, one step per kind of block, into the sink.
 fn render(input: &RenderInput<'_>) -> Ext4Image {
     let lay = input.lay;
     let mut sink = MetaSink::default();
-    // 1. Per-object blocks (directory, extent tree, symlink) and inode records.
-    let (mut inodes, placements) = render_objects(input, &mut sink);
+    // 1. Per-object blocks (directory, extent tree, symlink); inode records straight into the
+    // inode tables (never a second list of them).
+    let mut tables = InodeTables::new(input);
+    let placements = render_objects(input, &mut sink, &mut tables);
     // 2. Journal inode and block 0 of the journal.
     let journal = render_journal(input, &mut sink);
-    inodes.push((namespace::JOURNAL_INO, journal.inode));
+    tables.put(namespace::JOURNAL_INO, &journal.inode);
     // 3. Xattr blocks.
     for (x, nr) in input.xblocks.iter().zip(&lay.xblock_nr) {
         sink.put(*nr, xattr::seal_block(&x.body, x.refcount, *nr, input.ids.fs_seed));
     }
     // 4. Inode tables.
-    for (g, table) in inode_tables(input, inodes).into_iter().enumerate() {
+    for (g, table) in tables.0.into_iter().enumerate() {
         sink.put(lay.inode_table[g], table);
     }
     // 5. Bitmaps, then descriptors with their checksums.
@@ -713,22 +761,23 @@ fn render(input: &RenderInput<'_>) -> Ext4Image {
 fn render_objects(
     input: &RenderInput<'_>,
     sink: &mut MetaSink,
-) -> (Vec<InodeRecord>, Vec<Vec<PlacedExtent>>) {
+    tables: &mut InodeTables,
+) -> Vec<Vec<PlacedExtent>> {
     let fs_seed = input.ids.fs_seed;
     let mut placements: Vec<Vec<PlacedExtent>> = vec![Vec::new(); input.tree.nodes.len()];
-    let mut inodes: Vec<InodeRecord> = Vec::with_capacity(input.objs.len() + 1);
     for (o, l) in input.objs.iter().zip(&input.lay.objs) {
-        let d = render_object(o, l, input.lay, fs_seed, sink);
+        let d = render_object(input, o, l, sink);
         if let (ObjKind::File { .. }, Some(n)) = (&o.kind, o.node) {
             placements[n] = placed(&l.extents);
         }
-        inodes.push((o.ino, d.render(o.ino, fs_seed)));
+        tables.put(o.ino, &d.render(o.ino, fs_seed));
     }
-    (inodes, placements)
+    placements
 }
 
 /// One object's inode fields; its directory, extent-tree and symlink blocks go into the sink.
-fn render_object(o: &Obj, l: &ObjLayout, lay: &Layout, fs_seed: u32, sink: &mut MetaSink) -> InodeData {
+fn render_object(input: &RenderInput<'_>, o: &Obj, l: &ObjLayout, sink: &mut MetaSink) -> InodeData {
+    let (lay, fs_seed) = (input.lay, input.ids.fs_seed);
     let mut d = InodeData {
         uid: o.meta.uid,
         gid: o.meta.gid,
@@ -737,7 +786,7 @@ fn render_object(o: &Obj, l: &ObjLayout, lay: &Layout, fs_seed: u32, sink: &mut 
         mtime: o.meta.mtime,
         crtime: o.meta.mtime,
         links: o.links,
-        xattr_area: o.xattr_area,
+        xattr_area: o.xattr_area.as_deref().copied().unwrap_or([0; XATTR_AREA_LEN]),
         ..Default::default()
     };
     let perm = o.meta.mode & 0o7777;
@@ -747,14 +796,19 @@ fn render_object(o: &Obj, l: &ObjLayout, lay: &Layout, fs_seed: u32, sink: &mut 
         owned_blocks += 1;
     }
     match &o.kind {
-        ObjKind::Dir { blocks, htree } => {
+        ObjKind::Dir { blocks: count, htree } => {
+            let blocks = match o.node {
+                Some(n) => Nodes { tree: input.tree, ns: input.ns, ids: &input.ids }.dir_blocks(n, o.ino).0,
+                None => created_lost_found_blocks(o.ino, fs_seed),
+            };
+            debug_assert_eq!(blocks.len(), *count, "a directory rendered to another size");
             d.mode = inode::S_IFDIR | perm;
             d.size = blocks.len() as u64 * BlockSize::U64;
             owned_blocks += blocks.len() as u64;
             if *htree {
                 d.flags |= inode::EXT4_INDEX_FL;
             }
-            put_dir_blocks(blocks, &l.extents, sink);
+            put_dir_blocks(&blocks, &l.extents, sink);
             put_extent_tree(&mut d, o.ino, l, fs_seed, sink);
         }
         ObjKind::File { size, .. } => {
@@ -855,22 +909,28 @@ fn render_journal(input: &RenderInput<'_>, sink: &mut MetaSink) -> JournalInode 
 }
 
 /// Step 4: each group's inode table, only its used prefix (the rest reads as zeros).
-fn inode_tables(input: &RenderInput<'_>, mut inodes: Vec<InodeRecord>) -> Vec<Vec<u8>> {
-    let ipg = input.lay.ipg;
-    let last_ino = input.ns.last_ino() as u64;
-    inodes.sort_by_key(|i| i.0);
-    let mut tables: Vec<Vec<u8>> = (0..input.lay.groups)
-        .map(|g| {
-            let used = last_ino.saturating_sub(g * ipg).min(ipg);
-            vec![0u8; (used * 256).next_multiple_of(BlockSize::U64) as usize]
-        })
-        .collect();
-    for (ino, raw) in &inodes {
-        let idx = (*ino - 1) as u64;
-        let (g, i) = ((idx / ipg) as usize, (idx % ipg) as usize * 256);
-        tables[g][i..i + 256].copy_from_slice(raw);
+/// Every group's inode table, up to its last used inode (the rest reads as zeros).
+struct InodeTables(Vec<Vec<u8>>, u64);
+
+impl InodeTables {
+    fn new(input: &RenderInput<'_>) -> Self {
+        let ipg = input.lay.ipg;
+        let last_ino = input.ns.last_ino() as u64;
+        let tables = (0..input.lay.groups)
+            .map(|g| {
+                let used = last_ino.saturating_sub(g * ipg).min(ipg);
+                vec![0u8; (used * 256).next_multiple_of(BlockSize::U64) as usize]
+            })
+            .collect();
+        Self(tables, ipg)
     }
-    tables
+
+    /// Put inode `ino`'s record in its slot.
+    fn put(&mut self, ino: u32, raw: &[u8; inode::INODE_SIZE]) {
+        let idx = u64::from(ino - 1);
+        let (g, i) = ((idx / self.1) as usize, (idx % self.1) as usize * 256);
+        self.0[g][i..i + 256].copy_from_slice(raw);
+    }
 }
 
 /// The rendered group descriptor table and the free counts it sums to.

@@ -26,7 +26,7 @@ pub enum Slot {
 
 /// The numbered namespace.
 #[derive(Debug, Clone)]
-pub struct Namespace {
+pub struct Namespace<'a> {
     /// Inode number per node index.
     pub ino: Vec<u32>,
     /// Slots for inodes 11.. in order: `slots[i]` is inode `11 + i`.
@@ -37,11 +37,12 @@ pub struct Namespace {
     pub parent: Vec<Option<(usize, usize)>>,
     /// Node index of the tree's own lost+found, if it has one.
     pub tree_lost_found: Option<usize>,
-    /// Each directory's entries sorted by name: (name, node index).
-    pub sorted_entries: Vec<Vec<(Vec<u8>, usize)>>,
+    /// Each directory's entries sorted by name: (name, node index). The names are the tree's own,
+    /// borrowed: a copy of every name would cost ~60 bytes an entry.
+    pub sorted_entries: Vec<Vec<(&'a [u8], usize)>>,
 }
 
-impl Namespace {
+impl Namespace<'_> {
     /// The highest inode number in use.
     pub fn last_ino(&self) -> u32 {
         LOST_FOUND_INO - 1 + self.slots.len() as u32
@@ -52,7 +53,7 @@ impl Namespace {
         let mut parts: Vec<&[u8]> = Vec::new();
         let mut cur = node;
         while let Some((parent, entry)) = self.parent[cur] {
-            parts.push(&self.sorted_entries[parent][entry].0);
+            parts.push(self.sorted_entries[parent][entry].0);
             cur = parent;
         }
         if parts.is_empty() {
@@ -97,7 +98,7 @@ fn check_name(name: &[u8], path: impl Fn() -> String) -> Result<(), Ext4Error> {
 }
 
 /// Validate the tree's shape and names and assign inode numbers.
-pub fn number(tree: &Tree) -> Result<Namespace, Ext4Error> {
+pub fn number(tree: &Tree) -> Result<Namespace<'_>, Ext4Error> {
     let n = tree.nodes.len();
     match tree.nodes.first() {
         Some(root) if matches!(root.kind, NodeKind::Directory { .. }) => {}
@@ -105,7 +106,7 @@ pub fn number(tree: &Tree) -> Result<Namespace, Ext4Error> {
     }
     // Reference counts first, so a directory linked twice cannot make the walk loop.
     let mut refs = vec![0u64; n];
-    let mut sorted_entries: Vec<Vec<(Vec<u8>, usize)>> = vec![Vec::new(); n];
+    let mut sorted_entries: Vec<Vec<(&[u8], usize)>> = vec![Vec::new(); n];
     for (i, node) in tree.nodes.iter().enumerate() {
         if let NodeKind::Directory { entries } = &node.kind {
             let mut list = Vec::with_capacity(entries.len());
@@ -115,7 +116,7 @@ pub fn number(tree: &Tree) -> Result<Namespace, Ext4Error> {
                     return Err(Ext4Error::BadNode { node: e.node.0 });
                 }
                 refs[target] += 1;
-                list.push((e.name.clone(), target));
+                list.push((e.name.as_slice(), target));
             }
             list.sort();
             sorted_entries[i] = list;
@@ -140,7 +141,7 @@ pub fn number(tree: &Tree) -> Result<Namespace, Ext4Error> {
     };
     ns.ino[0] = ROOT_INO;
     // lost+found is inode 11 whether the tree brings one or we create it.
-    if let Some(pos) = ns.sorted_entries[0].iter().position(|(name, _)| name == b"lost+found") {
+    if let Some(pos) = ns.sorted_entries[0].iter().position(|(name, _)| *name == b"lost+found") {
         let lf = ns.sorted_entries[0][pos].1;
         if !matches!(tree.nodes[lf].kind, NodeKind::Directory { .. }) {
             return Err(Ext4Error::LostFoundNotDirectory { path: "/lost+found".to_string() });
