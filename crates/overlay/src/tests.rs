@@ -1034,3 +1034,35 @@ fn writes_during_syncs_survive_power_loss_and_kill() {
         }
     }
 }
+
+/// A version 1 file (same records, its last group alone in doubt) is read, and its first
+/// writable open leaves both header copies at version 2, so that an older tessera refuses it
+/// rather than falling back to a copy of its own version.
+#[test]
+fn version_1_files_are_read_and_upgraded() {
+    let disk = Arc::new(SimDisk::default());
+    let o = create(&disk);
+    o.write_at(0, &[5u8; 3 * 4096]).unwrap();
+    o.flush().unwrap();
+    drop(o);
+    let o = open(&disk).unwrap(); // two header copies now
+    drop(o);
+    let io = disk.io();
+    let mut slot0 = vec![0u8; 4096];
+    io.read_at(&mut slot0, 0).unwrap();
+    for at in [0usize, HEADER_B_OFFSET as usize] {
+        let h = Header::decode(&slot0[at..at + HEADER_LEN]).unwrap();
+        io.write_at(&Header { version: 1, ..h }.encode(), at as u64).unwrap();
+    }
+    let o = open(&disk).unwrap();
+    assert_eq!(&read_all(&o)[..3 * 4096], &[5u8; 3 * 4096][..]);
+    drop(o);
+    io.read_at(&mut slot0, 0).unwrap();
+    for at in [0usize, HEADER_B_OFFSET as usize] {
+        assert_eq!(
+            Header::decode(&slot0[at..at + HEADER_LEN]).unwrap().version,
+            format::VERSION,
+            "copy at {at}"
+        );
+    }
+}
