@@ -23,6 +23,37 @@ pub fn tmp(prefix: &str) -> Result<tempfile::TempDir> {
     Ok(d)
 }
 
+/// Whether two files hold the same bytes, read in 1 MiB pieces (devices are hundreds of MiB).
+pub fn same_bytes(a: &Path, b: &Path) -> Result<bool> {
+    let (mut fa, mut fb) = (std::fs::File::open(a)?, std::fs::File::open(b)?);
+    if fa.metadata()?.len() != fb.metadata()?.len() {
+        return Ok(false);
+    }
+    let (mut ba, mut bb) = (vec![0u8; 1 << 20], vec![0u8; 1 << 20]);
+    loop {
+        let n = read_full(&mut fa, &mut ba)?;
+        if n != read_full(&mut fb, &mut bb)? || ba[..n] != bb[..n] {
+            return Ok(false);
+        }
+        if n == 0 {
+            return Ok(true);
+        }
+    }
+}
+
+/// Read until `buf` is full or the file ends; the bytes read.
+fn read_full(f: &mut std::fs::File, buf: &mut [u8]) -> Result<usize> {
+    use std::io::Read as _;
+    let mut n = 0;
+    while n < buf.len() {
+        match f.read(&mut buf[n..])? {
+            0 => break,
+            k => n += k,
+        }
+    }
+    Ok(n)
+}
+
 /// The chunk entries of a host disk cache (`--cache-dir`, layout `docs/formats/cache.md`),
 /// sorted by path.
 pub fn cached_chunks(cache: &Path) -> Result<Vec<std::path::PathBuf>> {

@@ -7,34 +7,14 @@
 //! Needs root and umoci (`cargo xtask test` provides them); run with `--test-threads=1`.
 
 use std::fs;
-use std::io::Read;
 use std::path::Path;
 
 use anyhow::{ensure, Context, Result};
 use tessera_e2e::debian::only_dir_mtimes;
 use tessera_e2e::oci::{build_ok, require_tools, UmociImage};
 use tessera_e2e::pipeline::judge_image;
-use tessera_e2e::testutil::tmp;
+use tessera_e2e::testutil::{same_bytes, tmp};
 use tessera_e2e::{fixtures, tessera};
-
-/// Whether two files have the same bytes (read in pieces: devices are hundreds of MiB).
-fn same_bytes(a: &Path, b: &Path) -> Result<bool> {
-    let (mut fa, mut fb) = (fs::File::open(a)?, fs::File::open(b)?);
-    if fa.metadata()?.len() != fb.metadata()?.len() {
-        return Ok(false);
-    }
-    let (mut ba, mut bb) = (vec![0u8; 1 << 20], vec![0u8; 1 << 20]);
-    loop {
-        let n = fa.read(&mut ba)?;
-        if n == 0 {
-            return Ok(true);
-        }
-        fb.read_exact(&mut bb[..n])?;
-        if ba[..n] != bb[..n] {
-            return Ok(false);
-        }
-    }
-}
 
 /// Files under `dir`, recursively.
 fn walkdir_count(dir: &Path) -> Result<usize> {

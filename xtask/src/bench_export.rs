@@ -9,7 +9,6 @@
 //! export of the same image.
 
 use std::fs;
-use std::io::Read;
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -18,6 +17,7 @@ use anyhow::{ensure, Context, Result};
 use clap::Args;
 use tessera_e2e::nginx::Nginx;
 use tessera_e2e::proxy::{Proxy, ProxyConfig, ProxyStats};
+use tessera_e2e::testutil::same_bytes;
 
 use super::bench_lazy::{build_served, release_bench, write_incompressible};
 use super::status;
@@ -188,35 +188,6 @@ fn blob_names(store: &Path) -> Result<Vec<(String, u64)>> {
     }
     out.sort();
     Ok(out)
-}
-
-/// Whether two files hold the same bytes.
-fn same_bytes(a: &Path, b: &Path) -> Result<bool> {
-    let (mut fa, mut fb) = (fs::File::open(a)?, fs::File::open(b)?);
-    if fa.metadata()?.len() != fb.metadata()?.len() {
-        return Ok(false);
-    }
-    let (mut ba, mut bb) = (vec![0u8; 1 << 20], vec![0u8; 1 << 20]);
-    loop {
-        let n = read_full(&mut fa, &mut ba)?;
-        if n != read_full(&mut fb, &mut bb)? || ba[..n] != bb[..n] {
-            return Ok(false);
-        }
-        if n == 0 {
-            return Ok(true);
-        }
-    }
-}
-
-fn read_full(f: &mut fs::File, buf: &mut [u8]) -> Result<usize> {
-    let mut n = 0;
-    while n < buf.len() {
-        match f.read(&mut buf[n..])? {
-            0 => break,
-            k => n += k,
-        }
-    }
-    Ok(n)
 }
 
 fn median(runs: &[Run], f: impl Fn(&Run) -> f64) -> f64 {

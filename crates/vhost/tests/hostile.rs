@@ -6,7 +6,6 @@ use rand::{Rng, SeedableRng};
 use std::sync::Arc;
 use tessera_engine::ReadError;
 use tessera_image::{ImageId, Sha256Digest};
-use tessera_store::StoreError;
 
 use tessera_engine::BlockDevice;
 use tessera_vhost::{serve_chain, Completion, DeviceConfig, Disk, RequestType, Status};
@@ -14,6 +13,9 @@ use virtio_queue::desc::split::Descriptor;
 use virtio_queue::desc::RawDescriptor;
 use virtio_queue::mock::MockSplitQueue;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+
+mod failing;
+use failing::Failing;
 
 const MEM_LEN: u64 = 1 << 20;
 const CAPACITY: u64 = 4 << 20;
@@ -31,16 +33,6 @@ impl BlockDevice for Pattern {
             *b = ((offset + i as u64) % 251) as u8;
         }
         Ok(())
-    }
-}
-
-struct Failing;
-
-impl BlockDevice for Failing {
-    fn read_at(&self, _: u64, _: &mut [u8]) -> Result<(), ReadError> {
-        let e =
-            StoreError::OutOfRange(tessera_image::Error::OutOfRange { offset: 0, len: 0, device_bytes: 0 });
-        Err(ReadError::store(0, e))
     }
 }
 

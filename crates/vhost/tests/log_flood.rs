@@ -7,24 +7,15 @@
 use std::io::Write;
 use std::sync::{Arc, Mutex};
 
-use tessera_engine::{BlockDevice, ReadError};
 use tessera_image::{ImageId, Sha256Digest};
-use tessera_store::StoreError;
 use tessera_vhost::{serve_chain, DeviceConfig, Disk, Status};
 use virtio_queue::desc::split::Descriptor;
 use virtio_queue::desc::RawDescriptor;
 use virtio_queue::mock::MockSplitQueue;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
 
-struct Failing;
-
-impl BlockDevice for Failing {
-    fn read_at(&self, _: u64, _: &mut [u8]) -> Result<(), ReadError> {
-        let e =
-            StoreError::OutOfRange(tessera_image::Error::OutOfRange { offset: 0, len: 0, device_bytes: 0 });
-        Err(ReadError::store(0, e))
-    }
-}
+mod failing;
+use failing::Failing;
 
 /// Log lines, shared with the subscriber.
 #[derive(Clone, Default)]
