@@ -118,6 +118,12 @@ pub struct ServeArgs {
     /// per FLUSH). The file is up to SIZE larger than its content. 0 turns it off.
     #[arg(long, value_name = "SIZE", default_value = "16M", value_parser = crate::parse_size_arg)]
     overlay_prepare: u64,
+    /// Test and operations knob, hidden: with --overlay, compact the log while serving once it
+    /// holds N records since the last checkpoint (and four times what a checkpoint of the map
+    /// would write). Default 65536 (4 MiB of log). The reliability tests set it low to kill the
+    /// daemon in the middle of online compactions (docs/reliability.md).
+    #[arg(long, value_name = "N", default_value_t = tessera_overlay::COMPACT_MIN_RECORDS, hide = true)]
+    overlay_compact_after: u64,
     /// Concurrent chunk fetches (threads): the chunks of reads missing memory are fetched in
     /// parallel, each once however many reads wait for it. Default: 4 for a local store, 64 for
     /// a remote one (enough to hide the origin's round trip for a queue full of cold reads).
@@ -304,6 +310,8 @@ pub struct ServeConfig {
     pub mem_huge_pages: bool,
     /// `--overlay-prepare`: bytes of zero-filled overlay slots kept ahead of the writes.
     pub overlay_prepare: u64,
+    /// `--overlay-compact-after`: log records that make the group commit compact the log.
+    pub overlay_compact_after: u64,
     /// Concurrent chunk fetches.
     pub fetch_jobs: usize,
     /// Bandwidth cap of background fetches, stored bytes per second (`None`: no cap).
@@ -361,6 +369,7 @@ impl ServeConfig {
             mem_cache: args.mem_cache,
             mem_huge_pages: args.mem_huge_pages,
             overlay_prepare: args.overlay_prepare,
+            overlay_compact_after: args.overlay_compact_after,
             fetch_jobs: args.fetch_jobs.map_or(default_jobs, usize::from),
             prefetch_rate: args.prefetch_rate.filter(|&r| r > 0),
             readahead: args.readahead,
@@ -446,7 +455,9 @@ pub fn run_on(config: ServeConfig, listener: Option<std::os::unix::net::UnixList
         }
         Writes::Persistent(path) => {
             let overlay = Overlay::open_or_create_file(path, params, reader)?;
-            Disk::Overlay(Arc::new(overlay.prepare_ahead(config.overlay_prepare)))
+            let overlay =
+                overlay.prepare_ahead(config.overlay_prepare).compact_after(config.overlay_compact_after);
+            Disk::Overlay(Arc::new(overlay))
         }
         Writes::Temporary(dir) => {
             std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
