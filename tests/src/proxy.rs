@@ -19,6 +19,8 @@
 //!
 //! Faults ([`Fault`]) are injected per request: [`Proxy::inject`] adds a rule "the next `count`
 //! requests whose path contains `pattern` get `fault`"; rules are consumed in the order added.
+//! [`Proxy::storm`] adds a standing rule instead: a share of the matching requests (drawn by a
+//! seeded generator) get one of several faults, until [`Proxy::clear_faults`].
 //!
 //! ```no_run
 //! # fn main() -> anyhow::Result<()> {
@@ -134,7 +136,16 @@ struct Rule {
     left: usize,
 }
 
+/// A standing fault rule: `percent` % of the requests matching `pattern` get one of `faults`.
+struct Storm {
+    pattern: String,
+    percent: u64,
+    faults: Vec<Fault>,
+    rng: crate::prng::Prng,
+}
+
 struct Shared {
+    storm: Mutex<Option<Storm>>,
     upstream: SocketAddr,
     config: ProxyConfig,
     stop: AtomicBool,
@@ -162,11 +173,22 @@ impl Shared {
     }
 
     fn take_fault(&self, path: &str) -> Option<Fault> {
-        let mut rules = lock(&self.rules);
-        let rule = rules.iter_mut().find(|r| r.left > 0 && path.contains(&r.pattern))?;
-        rule.left -= 1;
+        let fault = {
+            let mut rules = lock(&self.rules);
+            match rules.iter_mut().find(|r| r.left > 0 && path.contains(&r.pattern)) {
+                Some(rule) => {
+                    rule.left -= 1;
+                    Some(rule.fault)
+                }
+                None => lock(&self.storm).as_mut().and_then(|s| {
+                    let hit =
+                        path.contains(&s.pattern) && s.rng.below(100) < s.percent && !s.faults.is_empty();
+                    hit.then(|| s.faults[s.rng.below(s.faults.len() as u64) as usize])
+                }),
+            }
+        }?;
         self.faults.fetch_add(1, Ordering::SeqCst);
-        Some(rule.fault)
+        Some(fault)
     }
 
     /// Wait until `n` more bytes have crossed the shared link.
@@ -234,6 +256,7 @@ impl Proxy {
             body_bytes: AtomicU64::new(0),
             faults: AtomicU64::new(0),
             rules: Mutex::new(Vec::new()),
+            storm: Mutex::new(None),
             log: Mutex::new(Vec::new()),
             link_free: Mutex::new(Instant::now()),
         });
@@ -275,14 +298,27 @@ impl Proxy {
         lock(&self.shared.rules).push(Rule { pattern: pattern.to_owned(), fault, left: count });
     }
 
-    /// Faults injected but not yet applied.
+    /// From now on, `percent` % of the requests whose path contains `pattern` (and that no
+    /// [`Self::inject`] rule takes) get one of `faults`, each drawn from a generator seeded with
+    /// `seed`; replaces an earlier storm. [`Self::clear_faults`] lifts it.
+    pub fn storm(&self, pattern: &str, percent: u64, faults: &[Fault], seed: u64) {
+        *lock(&self.shared.storm) = Some(Storm {
+            pattern: pattern.to_owned(),
+            percent,
+            faults: faults.to_vec(),
+            rng: crate::prng::Prng::new(seed),
+        });
+    }
+
+    /// Faults injected but not yet applied (a storm's are not counted: it has no end).
     pub fn faults_left(&self) -> usize {
         lock(&self.shared.rules).iter().map(|r| r.left).sum()
     }
 
-    /// Drop the rules not yet used up.
+    /// Drop the rules not yet used up and lift the storm.
     pub fn clear_faults(&self) {
         lock(&self.shared.rules).clear();
+        *lock(&self.shared.storm) = None;
     }
 
     /// The counters so far.
