@@ -402,6 +402,73 @@ fn bearer_token_push_asks_for_push_and_mount_scopes() -> Result<()> {
     ]);
     ok(c.env("REGISTRY_AUTH_FILE", &auth_file).output()?, "export with a bearer token")?;
     same_file(&f.local_raw, &out, "behind bearer tokens")?;
+    tokens_expire_during_serve_and_warm(&f, &tokens, &reg, &format!("docker://{addr}/tok/b"), &creds)
+}
+
+/// Tokens that expire mid-run (issue 13): from here on every token the server issues dies for
+/// the registry about a second after it is issued, while `expires_in` still says 300 s, so the
+/// client cannot refresh ahead and must re-authenticate on the registry's 401. `serve`: reads
+/// through libblkio 1.5 s apart (no readahead, so each fetches from the registry) all return
+/// the local export's bytes; `warm` behind a proxy that holds its first blob request 2.5 s
+/// completes. Both asked for new tokens after 401s.
+fn tokens_expire_during_serve_and_warm(
+    f: &BuiltStore,
+    tokens: &tessera_e2e::token_server::TokenServer,
+    reg: &Registry,
+    store: &str,
+    creds: &str,
+) -> Result<()> {
+    use std::time::Duration;
+    use tessera_e2e::registry::{Fault, FaultProxy};
+    const MIB: usize = 1 << 20;
+    let refused = || reg.logs().lines().filter(|l| l.contains("/blobs/") && l.contains("\" 401 ")).count();
+    tokens.expire_next(usize::MAX);
+    let (before, refused_before) = (tokens.requests().len(), refused());
+    let socket = f.t.path().join("expiry.sock");
+    let args = ["--read-only", "--creds", creds, "--readahead", "0", "--pack-readahead", "0"];
+    let d = tessera_e2e::daemon::Daemon::start("v1", store, &socket, &args)?;
+    let mut c = tessera_e2e::daemon::BlkClient::connect(d.socket(), 1, true)?;
+    let data = f.local_raw.len().min(24 * MIB);
+    let offsets: Vec<usize> = (0..4).map(|k| (k * 6 * MIB).min(data - MIB)).collect();
+    for (k, &off) in offsets.iter().enumerate() {
+        if k > 0 {
+            std::thread::sleep(Duration::from_millis(1500));
+        }
+        let got = c
+            .read(off as u64, MIB)?
+            .map_err(|e| anyhow::anyhow!("serve read at {off} after expiry: errno {e}"))?;
+        ensure!(got == f.local_raw[off..off + MIB], "serve read at {off} differs after the token expired");
+    }
+    drop(c);
+    d.stop()?;
+    let serve_tokens = tokens.requests().len() - before;
+    let serve_refused = refused() - refused_before;
+    ensure!(
+        serve_refused >= 1 && serve_tokens >= 2,
+        "serve: {serve_refused} 401s, {serve_tokens} tokens: no expiry seen"
+    );
+
+    let proxy = FaultProxy::start(reg.addr(), Fault::Delay(Duration::from_millis(2500)), 1)?;
+    let (before, refused_before) = (tokens.requests().len(), refused());
+    let cache = f.t.path().join("expiry-cache");
+    let store = store.replacen(&reg.addr().to_string(), &proxy.addr().to_string(), 1);
+    let w = tessera::command(["warm", "v1", "--store", &store, "--creds", creds, "--cache-dir", s(&cache)?])
+        .output()?;
+    ok(w, "warm with a token expiring mid-run")?;
+    ensure!(proxy.faults_left() == 0, "the delay was not applied");
+    let (warm_tokens, warm_refused) = (tokens.requests().len() - before, refused() - refused_before);
+    ensure!(
+        warm_refused >= 1 && warm_tokens >= 2,
+        "warm: {warm_refused} 401s, {warm_tokens} tokens: no expiry seen"
+    );
+    tokens.expire_next(0);
+    eprintln!(
+        "token expiry: serve read {} MiB in {} reads 1.5 s apart with every token dying after ~1 s: {serve_refused} \
+         401s, {serve_tokens} tokens, all bytes exact; warm with its first blob held 2.5 s: {warm_refused} 401s, \
+         {warm_tokens} tokens, completed",
+        offsets.len(),
+        offsets.len()
+    );
     Ok(())
 }
 
