@@ -408,7 +408,7 @@ fn bearer_token_push_asks_for_push_and_mount_scopes() -> Result<()> {
 /// Tokens that expire mid-run (issue 13): from here on every token the server issues dies for
 /// the registry about a second after it is issued, while `expires_in` still says 300 s, so the
 /// client cannot refresh ahead and must re-authenticate on the registry's 401. `serve`: reads
-/// through libblkio 1.5 s apart (no readahead, so each fetches from the registry) all return
+/// through libblkio 1.5 s apart (no readahead: each misses memory) all return
 /// the local export's bytes; `warm` behind a proxy that holds its first blob request 2.5 s
 /// completes. Both asked for new tokens after 401s.
 fn tokens_expire_during_serve_and_warm(
