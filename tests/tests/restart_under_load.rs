@@ -161,6 +161,17 @@ fn wait_socket(child: &mut Child, socket: &Path) -> Result<()> {
     Ok(())
 }
 
+/// The last life: every flushed block reads back, then SIGTERM and exit 0.
+fn last_check_and_stop(child: &mut Child, socket: &Path, ledger: &mut Ledger, base: u64) -> Result<()> {
+    let mut c = BlkClient::connect(socket, 1, false)?;
+    ledger.check(&mut c, base, "after the last restart")?;
+    drop(c);
+    Command::new("kill").arg("-TERM").arg(child.id().to_string()).status()?;
+    let status = child.wait()?;
+    ensure!(status.success(), "the last daemon exited with {status}");
+    Ok(())
+}
+
 fn export_and_check(s: &Setup, overlay: &Path, ledger: &Ledger) -> Result<()> {
     let img = s.t.path().join("with-overlay.raw");
     let out = tessera::command(["export", "demo", "--store"])
@@ -224,12 +235,7 @@ fn kill_9_under_writes_and_flushes_loses_nothing_flushed() -> Result<()> {
         wait_socket(&mut child, &socket)?;
         downtime.push(down.elapsed());
     }
-    let mut c = BlkClient::connect(&socket, 1, false)?;
-    ledger.check(&mut c, s.base, "after the last restart")?;
-    drop(c);
-    Command::new("kill").arg("-TERM").arg(child.id().to_string()).status()?;
-    let status = child.wait()?;
-    ensure!(status.success(), "the last daemon exited with {status}");
+    last_check_and_stop(&mut child, &socket, &mut ledger, s.base)?;
     export_and_check(&s, &overlay, &ledger)?;
     downtime.sort();
     eprintln!(
@@ -294,12 +300,7 @@ fn kill_9_during_online_compaction_loses_nothing_flushed() -> Result<()> {
         child = spawn_with(&s.store, &overlay, &socket, &knob)?;
         wait_socket(&mut child, &socket)?;
     }
-    let mut c = BlkClient::connect(&socket, 1, false)?;
-    ledger.check(&mut c, s.base, "after the last restart")?;
-    drop(c);
-    Command::new("kill").arg("-TERM").arg(child.id().to_string()).status()?;
-    let status = child.wait()?;
-    ensure!(status.success(), "the last daemon exited with {status}");
+    last_check_and_stop(&mut child, &socket, &mut ledger, s.base)?;
     ensure!(
         compactions >= kills,
         "only {compactions} online compactions in {kills} lives: the knob did not work"

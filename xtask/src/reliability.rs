@@ -11,7 +11,7 @@ use anyhow::{bail, Result};
 type Row = (&'static str, &'static str, Option<&'static str>, &'static str);
 
 /// The environment of the full (not the gate's shortened) form of a row's test.
-const FULL: &[(&str, &str)] = &[("TESSERA_RESTART_KILLS", "20")];
+const FULL: &[(&str, &str)] = &[("TESSERA_RESTART_KILLS", "20"), ("TESSERA_COMPACTION_KILLS", "20")];
 
 const MATRIX: &[Row] = &[
     (
@@ -52,12 +52,26 @@ const MATRIX: &[Row] = &[
         "kill_9_under_writes",
     ),
     (
+        "kill -9 ×20 during online overlay compactions (libblkio)",
+        "tessera-e2e",
+        Some("restart_under_load"),
+        "kill_9_during_online_compaction",
+    ),
+    (
         "100 reconnects under load (libblkio)",
         "tessera-e2e",
         Some("restart_under_load"),
         "a_hundred_reconnects",
     ),
     ("origin gone: cached reads served, EIO within 30 s, recovery", "tessera-e2e", Some("origin_gone"), ""),
+    ("fault storm: 30% of origin requests fail (guest reads, warm)", "tessera-e2e", Some("fault_storm"), ""),
+    (
+        "registry tokens expiring during serve and warm",
+        "tessera-e2e",
+        Some("registry_store"),
+        "bearer_token_push_asks",
+    ),
+    ("format fixtures: golden bytes, truncations, bit flips", "tessera-fuzz", Some("formats"), ""),
     ("in-flight area: bookkeeping, recovery, chain walk", "tessera-vhost", None, "inflight::"),
     (
         "kill -9 ×20 under a QEMU guest's reads",
