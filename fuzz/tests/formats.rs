@@ -390,7 +390,7 @@ fn overlay_file() {
         let crc = crc32c::crc32c(&next[at..at + 124]);
         next[at + 124..at + 128].copy_from_slice(&crc.to_le_bytes());
     }
-    let err = open_overlay(next, OverlayMode::ReadOnly).err().expect("a version-2 overlay opens");
+    let Err(err) = open_overlay(next, OverlayMode::ReadOnly) else { panic!("a version-2 overlay opens") };
     assert!(err.to_string().contains('2'), "{err}");
     // Truncations and flips: a typed error, or an overlay that reads without error (a torn log
     // tail is legal: replay stops at the first record that does not check out). Each byte of
