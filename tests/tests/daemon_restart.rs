@@ -8,6 +8,9 @@
 //! returned, while a second loop re-reads a base file (caches dropped) and compares its sum. The
 //! host kills the daemon `TESSERA_RESTART_KILLS` times (default 2, the gate's short form; the
 //! reliability matrix runs 20), each after the guest made progress on the previous daemon.
+//! Under the reads, the daemon is then also stopped gracefully (SIGTERM: it finishes what is in
+//! flight and exits 0) and restarted `TESSERA_RESTART_GRACEFUL` times (default 1; the matrix
+//! runs 10): QEMU's reconnect cycles without a crash.
 //! Then: no I/O error in the guest, every read right, every flushed file present with its bytes
 //! (in the guest after the last restart, and in the exported base+overlay), e2fsck clean.
 //!
@@ -184,6 +187,13 @@ fn kill_9_under_guest_writes_loses_nothing_flushed() -> Result<()> {
 fn kill_9_under_guest_io(writes: bool) -> Result<()> {
     fixtures::require_root()?;
     let kills: u64 = std::env::var("TESSERA_RESTART_KILLS").ok().and_then(|v| v.parse().ok()).unwrap_or(2);
+    // Graceful restarts after the kills (reads only: the writes scenario is the overlay's).
+    let graceful: u64 = if writes {
+        0
+    } else {
+        std::env::var("TESSERA_RESTART_GRACEFUL").ok().and_then(|v| v.parse().ok()).unwrap_or(1)
+    };
+    let cycles = kills + graceful;
     let kit = guest::kit()?;
     let t = tmp("daemon-restart")?;
     let work = t.path().to_owned();
@@ -210,7 +220,7 @@ fn kill_9_under_guest_io(writes: bool) -> Result<()> {
     let mut logs = vec![life.log.clone()];
     let initrd = work.join("restart.cpio");
     // Enough guest time for every kill cycle (one takes 4–8 s under TCG: progress, kill, restart).
-    let loop_secs = 12 + 10 * kills;
+    let loop_secs = 12 + 10 * cycles;
     guest::initramfs(&kit, &guest_script(&read_path, &read_sum, loop_secs, writes), &initrd)?;
     let guest = {
         let (kit, initrd, socket, work) = (kit.clone(), initrd.clone(), socket.clone(), work.clone());
@@ -221,7 +231,8 @@ fn kill_9_under_guest_io(writes: bool) -> Result<()> {
 
     let mut delays = Vec::new();
     let mut seed = 0x9e37_79b9_7f4a_7c15u64;
-    for k in 0..kills {
+    let mut graceful_delays = Vec::new();
+    for k in 0..cycles {
         // Progress on this daemon first: two more FLUSHes than when it started.
         let base = last_step(&serial(&work));
         let t0 = Instant::now();
@@ -231,7 +242,7 @@ fn kill_9_under_guest_io(writes: bool) -> Result<()> {
                 break;
             }
             if guest.is_finished() {
-                bail!("the guest finished after {k} of {kills} kills; serial log:\n{}", serial(&work));
+                bail!("the guest finished after {k} of {cycles} restarts; serial log:\n{}", serial(&work));
             }
             ensure!(t0.elapsed() < Duration::from_secs(240), "no guest progress after kill {k}");
             std::thread::sleep(Duration::from_millis(20));
@@ -243,15 +254,28 @@ fn kill_9_under_guest_io(writes: bool) -> Result<()> {
         std::thread::sleep(Duration::from_millis(seed % 700));
         let before = last_step(&serial(&work));
         let killed = Instant::now();
-        life.child.kill()?; // SIGKILL
-        life.child.wait()?;
+        if k < kills {
+            life.child.kill()?; // SIGKILL
+            life.child.wait()?;
+        } else {
+            Command::new("kill").arg("-TERM").arg(life.child.id().to_string()).status()?;
+            let status = life.child.wait()?;
+            ensure!(
+                status.success(),
+                "restart {k}: the daemon exited with {status} after SIGTERM under the guest"
+            );
+        }
         lives += 1;
         life = start(id.as_str(), &store, ov, &socket, work.join(format!("serve-{lives}.log")))?;
         logs.push(life.log.clone());
         // The guest-visible delay: from the kill to the next FLUSH completed.
         loop {
             if last_step(&serial(&work)) > before {
-                delays.push(killed.elapsed());
+                if k < kills {
+                    delays.push(killed.elapsed());
+                } else {
+                    graceful_delays.push(killed.elapsed());
+                }
                 break;
             }
             if guest.is_finished() {
@@ -288,7 +312,7 @@ fn kill_9_under_guest_io(writes: bool) -> Result<()> {
             .filter_map(|l| l.split("resubmitted=").nth(1)?.split_whitespace().next()?.parse::<u64>().ok())
             .sum::<u64>();
     }
-    ensure!(connects > kills, "only {connects} connections for {kills} restarts");
+    ensure!(connects > cycles, "only {connects} connections for {cycles} restarts");
     delays.sort();
     let ms = |d: &Duration| d.as_millis();
     let wrote =
@@ -296,9 +320,11 @@ fn kill_9_under_guest_io(writes: bool) -> Result<()> {
     eprintln!(
         "daemon restart: {kills} kill -9 under guest I/O, {connects} connections, {resubmitted} requests \
          resubmitted from the in-flight area; {wrote}{reads} base-file re-reads ({read_len} bytes each), \
-         0 wrong; 0 guest I/O errors; guest stall kill→next step median {} ms, max {} ms",
+         0 wrong; 0 guest I/O errors; guest stall kill→next step median {} ms, max {} ms; {graceful} graceful \
+         restarts (SIGTERM, exit 0), stall stop→next step max {} ms",
         delays.get(delays.len() / 2).map_or(0, ms),
-        delays.last().map_or(0, ms)
+        delays.last().map_or(0, ms),
+        graceful_delays.iter().max().map_or(0, ms)
     );
     Ok(())
 }

@@ -11,7 +11,11 @@ use anyhow::{bail, Result};
 type Row = (&'static str, &'static str, Option<&'static str>, &'static str);
 
 /// The environment of the full (not the gate's shortened) form of a row's test.
-const FULL: &[(&str, &str)] = &[("TESSERA_RESTART_KILLS", "20"), ("TESSERA_COMPACTION_KILLS", "20")];
+const FULL: &[(&str, &str)] = &[
+    ("TESSERA_RESTART_KILLS", "20"),
+    ("TESSERA_COMPACTION_KILLS", "20"),
+    ("TESSERA_RESTART_GRACEFUL", "10"),
+];
 
 const MATRIX: &[Row] = &[
     (
@@ -74,7 +78,7 @@ const MATRIX: &[Row] = &[
     ("format fixtures: golden bytes, truncations, bit flips", "tessera-fuzz", Some("formats"), ""),
     ("in-flight area: bookkeeping, recovery, chain walk", "tessera-vhost", None, "inflight::"),
     (
-        "kill -9 ×20 under a QEMU guest's reads",
+        "kill -9 ×20 + 10 SIGTERM restarts under a QEMU guest's reads (reconnect)",
         "tessera-e2e",
         Some("daemon_restart"),
         "kill_9_under_guest_reads",
