@@ -347,3 +347,55 @@ fn registry_bearer_token_auth() -> Result<()> {
     ensure!(rejected >= 1, "the registry never refused the expired token:\n{}", reg.logs());
     Ok(())
 }
+
+/// `build docker://… --reference-layers`, pushed back to its source repository: no layer byte
+/// is uploaded (the layer blobs are there), the artifact's `subject` is the source manifest,
+/// and `@sha256:<source manifest digest>` finds the Tessera image (this registry has no
+/// referrers API: through the `sha256-<hex>` tag fallback), exporting the same bytes.
+#[test]
+fn reference_layers_pushed_to_their_source_are_found_by_its_digest() -> Result<()> {
+    setup()?;
+    let t = tmp("reg-subject")?;
+    let img = make_image(t.path())?;
+    let reg = Registry::start()?;
+    let addr = reg.addr();
+    reg.load(&format!("oci:{}", img.image_ref()), "team/app:v1", &[])?;
+    let digest = reg.manifest_digest("team/app:v1", &[])?;
+    let store = t.path().join("store");
+    let id = build_ok(&format!("docker://{addr}/team/app:v1"), &store, &["--reference-layers"])?;
+    let converted = build_ok(&img.source(), &t.path().join("converted"), &[])?;
+    ensure!(id == converted, "reference build {id}, converted {converted}");
+
+    let push = |tag: &str| -> Result<serde_json::Value> {
+        let dest = format!("docker://{addr}/team/app:{tag}");
+        let o =
+            tessera::run(["push", id.as_str(), "--store", store.to_str().unwrap_or(""), &dest, "--json"])?;
+        ensure!(o.status.success(), "push: {}", String::from_utf8_lossy(&o.stderr));
+        Ok(serde_json::from_slice(&o.stdout)?)
+    };
+    let report = push("tessera")?;
+    ensure!(report["subject"] == serde_json::json!(digest), "subject: {report}");
+    // Only Tessera's own blobs travel (record, prefix, pack index, provenance, entry): the
+    // three layer blobs are in the repository already.
+    ensure!(report["present"] == 3 && report["uploaded"] == 5, "{report}");
+    // Pushing again (another tag) keeps one Tessera referrer.
+    push("tessera2")?;
+
+    let remote = format!("docker://{addr}/team/app");
+    let found = tessera::inspect_json(&format!("@{digest}"), Path::new(&remote))?;
+    ensure!(found["id"] == serde_json::json!(id.as_str()), "@{digest} found {}", found["id"]);
+    let (a, b) = (t.path().join("local.img"), t.path().join("remote.img"));
+    tessera::export(id.as_str(), &store, &a)?;
+    tessera::export(&format!("@{digest}"), Path::new(&remote), &b)?;
+    ensure!(fs::read(&a)? == fs::read(&b)?, "the export by source digest differs from the local one");
+    // A digest no Tessera image refers to: unknown (exit 1).
+    let other = reg.manifest_digest("team/app:tessera", &[])?;
+    let o = tessera::run(["inspect", &format!("@{other}"), "--store", &remote])?;
+    ensure!(
+        o.status.code() == Some(1),
+        "inspect @{other}: {:?} {}",
+        o.status,
+        String::from_utf8_lossy(&o.stderr)
+    );
+    Ok(())
+}

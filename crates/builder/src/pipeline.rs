@@ -327,9 +327,10 @@ pub fn build_source(
     config: &BuildConfig,
     progress: &dyn Progress,
 ) -> Result<BuildOutput, BuildError> {
-    if config.reference_layers && !matches!(spec, SourceSpec::Oci { .. }) {
+    if config.reference_layers && !matches!(spec, SourceSpec::Oci { .. } | SourceSpec::Registry(_)) {
         return Err(BuildError::Unsupported {
-            what: "--reference-layers builds of sources other than OCI layouts (oci:PATH)".into(),
+            what: "--reference-layers builds of sources other than OCI layouts (oci:PATH) and registries (docker://)"
+                .into(),
         });
     }
     let image = match spec {

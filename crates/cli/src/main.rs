@@ -164,7 +164,8 @@ tessera export web --store ./store --overlay vm1.overlay -o vm1.img   # base plu
 tessera export web --store https://cdn.example/tessera --cache-dir /var/cache/tessera -o web.img\n  \
 tessera export sha256:3f1c... --store docker://registry.example.com/team/images -o web.img")]
 pub struct ExportArgs {
-    /// The image: sha256:<64 hex> or a tag.
+    /// The image: sha256:<64 hex>, a tag, or (registry stores) @sha256:<source image manifest
+    /// digest> for the `--reference-layers` image pushed beside its source.
     image: String,
     /// The store holding it: PATH, file://PATH, http(s)://HOST[:PORT][/PREFIX] (read-only),
     /// docker://HOST[:PORT]/REPO (a registry; see `tessera push`) or s3://BUCKET[/PREFIX] (see
@@ -196,7 +197,8 @@ Examples:\n  tessera inspect web --store ./store\n  tessera inspect web --store 
 tessera inspect web --store http://127.0.0.1:8080/store\n  \
 tessera inspect web --store docker://127.0.0.1:5000/images")]
 pub struct InspectArgs {
-    /// The image: sha256:<64 hex> or a tag.
+    /// The image: sha256:<64 hex>, a tag, or (registry stores) @sha256:<source image manifest
+    /// digest> for the `--reference-layers` image pushed beside its source.
     image: String,
     /// The store holding it: PATH, file://PATH, http(s)://HOST[:PORT][/PREFIX] (read-only),
     /// docker://HOST[:PORT]/REPO (a registry; see `tessera push`) or s3://BUCKET[/PREFIX] (see

@@ -67,6 +67,12 @@ struct PushJson {
     mounted: usize,
     present: usize,
     tags_written: usize,
+    /// The source image manifest a `--reference-layers` image refers to, when pushed to its
+    /// source repository (then found by `@sha256:<that digest>`).
+    subject: Option<String>,
+    /// Whether the registry indexed the subject itself (referrers API) rather than through
+    /// the `sha256-<hex>` tag fallback.
+    subject_indexed: bool,
 }
 
 /// `docker://HOST[:PORT]/REPO:TAG` → the reference (tag required, no digest).
@@ -142,6 +148,8 @@ pub fn push(args: PushArgs) -> Result<()> {
             mounted: report.mounted,
             present: report.present,
             tags_written: report.tags_written,
+            subject: report.subject.map(|(d, _)| d.to_string()),
+            subject_indexed: report.subject.is_some_and(|(_, indexed)| indexed),
         };
         println!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
@@ -157,6 +165,10 @@ pub fn push(args: PushArgs) -> Result<()> {
             report.mounted,
             report.present
         );
+        if let Some((subject, indexed)) = report.subject {
+            let how = if indexed { "the referrers API" } else { "the tag fallback" };
+            println!("refers to source manifest {subject} (found as @{subject}, through {how})");
+        }
     }
     Ok(())
 }

@@ -82,7 +82,8 @@ tessera serve web --store ./store --socket /tmp/vm.sock --read-only --record-req
 tessera serve web --store ./store --socket /tmp/vm.sock --metrics 127.0.0.1:9100 &\n  \
 curl -s http://127.0.0.1:9100/metrics | grep tessera_requests_total")]
 pub struct ServeArgs {
-    /// The image: sha256:<64 hex> or a tag.
+    /// The image: sha256:<64 hex>, a tag, or (registry stores) @sha256:<source image manifest
+    /// digest> for the `--reference-layers` image pushed beside its source.
     image: String,
     /// The store holding it: PATH, file://PATH, http(s)://HOST[:PORT][/PREFIX] (read-only),
     /// docker://HOST[:PORT]/REPO (a registry) or s3://BUCKET[/PREFIX].

@@ -227,7 +227,7 @@ pub(crate) fn status_error(url: &str, resp: Response, has_creds: bool) -> Regist
     }
 }
 
-fn read_limited(
+pub(crate) fn read_limited(
     url: &str,
     mut resp: Response,
     what: &'static str,

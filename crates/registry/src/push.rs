@@ -19,7 +19,7 @@ use tracing::debug;
 
 use tessera_transport::{Method, Response};
 
-use crate::client::{status_error, Access, Client};
+use crate::client::{read_limited, status_error, Access, Client, MAX_MANIFEST};
 use crate::error::RegistryError;
 use crate::media::{accept_header, ACCEPT_ALL};
 use crate::reference::Digest;
@@ -362,6 +362,19 @@ impl Client {
         media_type: &str,
         bytes: &[u8],
     ) -> Result<Digest, RegistryError> {
+        self.put_manifest_with_subject(repo, reference, media_type, bytes).map(|(d, _)| d)
+    }
+
+    /// [`Self::put_manifest`], also telling whether the registry indexed the manifest's
+    /// `subject` for the referrers API (it answers with an `OCI-Subject` header; one that does
+    /// not needs the tag fallback of distribution 1.1).
+    pub fn put_manifest_with_subject(
+        &self,
+        repo: &str,
+        reference: &str,
+        media_type: &str,
+        bytes: &[u8],
+    ) -> Result<(Digest, bool), RegistryError> {
         let url = format!("{}/v2/{repo}/manifests/{reference}", self.base_url()?);
         let headers = [("Content-Type", media_type.to_owned())];
         let (url, resp) = self.send_then(Method::Put, repo, &url, &headers, bytes, self.push_access(), Ok)?;
@@ -379,7 +392,26 @@ impl Client {
                 });
             }
         }
-        Ok(digest)
+        Ok((digest, header(&resp, "oci-subject").is_some()))
+    }
+
+    /// The referrers of manifest `subject` in `repo` whose `artifactType` is `artifact_type`
+    /// (`GET /v2/<repo>/referrers/<digest>`): the image index's bytes, or `None` when the
+    /// registry has no referrers API (404; a registry that has it answers an unknown subject
+    /// with an empty index).
+    pub fn referrers(
+        &self,
+        repo: &str,
+        subject: &Digest,
+        artifact_type: &str,
+    ) -> Result<Option<Vec<u8>>, RegistryError> {
+        let path = with_query(&format!("/v2/{repo}/referrers/{subject}"), "artifactType", artifact_type);
+        let (url, resp) = self.send(Method::Get, repo, &path, &[])?;
+        match resp.status() {
+            200 => Ok(Some(read_limited(&url, resp, "referrers index", MAX_MANIFEST)?)),
+            404 => Ok(None),
+            _ => Err(status_error(&url, resp, self.has_credentials(repo))),
+        }
     }
 }
 

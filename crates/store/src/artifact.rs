@@ -18,6 +18,23 @@ pub const ENTRY_MEDIA_TYPE: &str = "application/vnd.tessera.image.entry.v1+json"
 pub const ROLE_ANNOTATION: &str = "dev.tessera.role";
 /// The manifest annotation carrying the image ID.
 pub const ID_ANNOTATION: &str = "dev.tessera.image.id";
+/// An OCI image index (the referrers API's answer, and its tag fallback's content).
+pub const INDEX_MEDIA_TYPE: &str = "application/vnd.oci.image.index.v1+json";
+
+/// The source image manifest a `--reference-layers` image refers to (the manifest's `subject`):
+/// its media type, digest and size, as OCI descriptors carry them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Subject {
+    pub media_type: String,
+    pub digest: Sha256Digest,
+    pub size: u64,
+}
+
+/// The tag under which a registry without the referrers API lists the referrers of `subject`
+/// (OCI distribution 1.1's tag schema): `sha256-<subject digest hex>`.
+pub fn referrers_tag(subject: &Sha256Digest) -> String {
+    format!("sha256-{}", subject.hex())
+}
 
 /// What a layer of the artifact is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -95,8 +112,88 @@ struct Manifest {
     artifact_type: String,
     config: Descriptor,
     layers: Vec<Descriptor>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    subject: Option<Descriptor>,
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     annotations: BTreeMap<String, String>,
+}
+
+/// An entry of an image index (referrers list). Unknown fields are ignored; `digest` stays a
+/// string so that an entry of another algorithm is skipped rather than failing the list.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+struct IndexEntry {
+    media_type: String,
+    digest: String,
+    size: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    artifact_type: Option<String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    annotations: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Index {
+    schema_version: u32,
+    #[serde(default)]
+    media_type: Option<String>,
+    #[serde(default)]
+    manifests: Vec<IndexEntry>,
+}
+
+/// A Tessera image listed as a referrer: its manifest's digest and size, and the image ID the
+/// list's annotation claims (checked when the manifest is read).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Referrer {
+    pub manifest: Sha256Digest,
+    pub size: u64,
+    pub id: Option<String>,
+}
+
+/// The Tessera images among the referrers in `index` (an image index: the referrers API's
+/// answer or its fallback tag's content); other artifacts are skipped.
+pub fn tessera_referrers(index: &[u8]) -> Result<Vec<Referrer>, ArtifactError> {
+    let index: Index = serde_json::from_slice(index).map_err(|e| ArtifactError::Json(e.to_string()))?;
+    Ok(index
+        .manifests
+        .into_iter()
+        .filter(|m| m.artifact_type.as_deref() == Some(ARTIFACT_TYPE))
+        .filter_map(|m| {
+            let manifest = m.digest.parse().ok()?;
+            Some(Referrer { manifest, size: m.size, id: m.annotations.get(ID_ANNOTATION).cloned() })
+        })
+        .collect())
+}
+
+/// The fallback referrers index of a subject after pushing Tessera image `id` (manifest
+/// `manifest`, `size` bytes) to it: `existing` (the tag's current index, if any) with its
+/// other Tessera images dropped — the newest push is the one `@sha256:` finds — and other
+/// artifacts kept, then the new entry.
+pub fn merged_referrers(
+    existing: Option<&[u8]>,
+    id: &ImageId,
+    manifest: &Sha256Digest,
+    size: u64,
+) -> Result<Vec<u8>, ArtifactError> {
+    let mut manifests = match existing {
+        Some(bytes) => {
+            let index: Index =
+                serde_json::from_slice(bytes).map_err(|e| ArtifactError::Json(e.to_string()))?;
+            index.manifests
+        }
+        None => Vec::new(),
+    };
+    manifests.retain(|m| m.artifact_type.as_deref() != Some(ARTIFACT_TYPE));
+    manifests.push(IndexEntry {
+        media_type: MANIFEST_MEDIA_TYPE.to_owned(),
+        digest: format!("sha256:{}", manifest.hex()),
+        size,
+        artifact_type: Some(ARTIFACT_TYPE.to_owned()),
+        annotations: BTreeMap::from([(ID_ANNOTATION.to_owned(), id.to_string())]),
+    });
+    let index = Index { schema_version: 2, media_type: Some(INDEX_MEDIA_TYPE.to_owned()), manifests };
+    serde_json::to_vec_pretty(&index).map_err(|e| ArtifactError::Json(e.to_string()))
 }
 
 /// Why a manifest is not a Tessera image.
@@ -125,6 +222,8 @@ pub struct Artifact {
     pub entry_size: u64,
     /// The layers, in manifest order (unknown layer media types are skipped).
     pub layers: Vec<Layer>,
+    /// The source image manifest a `--reference-layers` image refers to.
+    pub subject: Option<Subject>,
 }
 
 impl Artifact {
@@ -159,8 +258,15 @@ impl Artifact {
 
 /// The manifest for image `entry` (whose JSON has digest `entry_digest` and `entry_size` bytes),
 /// with `blobs` as layers: every blob the entry names and every pack of its pack index, each
-/// once. Deterministic — no times — so pushing an image twice gives the same manifest digest.
-pub fn build_manifest(id: &ImageId, entry_digest: Sha256Digest, entry_size: u64, blobs: &[Layer]) -> Vec<u8> {
+/// once; with `subject`, the source image manifest it refers to (`--reference-layers` images).
+/// Deterministic — no times — so pushing an image twice gives the same manifest digest.
+pub fn build_manifest(
+    id: &ImageId,
+    entry_digest: Sha256Digest,
+    entry_size: u64,
+    blobs: &[Layer],
+    subject: Option<&Subject>,
+) -> Vec<u8> {
     let mut layers: Vec<Descriptor> = Vec::with_capacity(blobs.len());
     let mut seen = std::collections::HashSet::new();
     let mut ordered: Vec<&Layer> = blobs.iter().collect();
@@ -187,6 +293,12 @@ pub fn build_manifest(id: &ImageId, entry_digest: Sha256Digest, entry_size: u64,
             annotations: BTreeMap::new(),
         },
         layers,
+        subject: subject.map(|s| Descriptor {
+            media_type: s.media_type.clone(),
+            digest: s.digest,
+            size: s.size,
+            annotations: BTreeMap::new(),
+        }),
         annotations: BTreeMap::from([(ID_ANNOTATION.to_owned(), id.to_string())]),
     };
     serde_json::to_vec_pretty(&manifest).unwrap_or_default()
@@ -208,7 +320,12 @@ pub fn parse_manifest(bytes: &[u8]) -> Result<Artifact, ArtifactError> {
             Role::from_media_type(&d.media_type).map(|role| Layer { role, digest: d.digest, size: d.size })
         })
         .collect();
-    Ok(Artifact { entry_digest: m.config.digest, entry_size: m.config.size, layers })
+    Ok(Artifact {
+        entry_digest: m.config.digest,
+        entry_size: m.config.size,
+        layers,
+        subject: m.subject.map(|d| Subject { media_type: d.media_type, digest: d.digest, size: d.size }),
+    })
 }
 
 #[cfg(test)]
@@ -243,8 +360,8 @@ mod tests {
         let id = ImageId(e.record);
         let json = e.to_json();
         let d = Sha256Digest::of(&json);
-        let m = build_manifest(&id, d, json.len() as u64, &layers(&e));
-        assert_eq!(m, build_manifest(&id, d, json.len() as u64, &layers(&e)), "deterministic");
+        let m = build_manifest(&id, d, json.len() as u64, &layers(&e), None);
+        assert_eq!(m, build_manifest(&id, d, json.len() as u64, &layers(&e), None), "deterministic");
         let text = String::from_utf8(m.clone()).unwrap();
         assert!(text.contains(ARTIFACT_TYPE) && text.contains(&id.to_string()));
         let a = parse_manifest(&m).unwrap();
@@ -266,7 +383,7 @@ mod tests {
         let e = entry();
         let id = ImageId(e.record);
         let json = e.to_json();
-        let m = build_manifest(&id, Sha256Digest::of(&json), 1, &layers(&e));
+        let m = build_manifest(&id, Sha256Digest::of(&json), 1, &layers(&e), None);
         let text = String::from_utf8(m).unwrap();
         let other = text.replace(ARTIFACT_TYPE, "application/vnd.example");
         assert!(matches!(parse_manifest(other.as_bytes()), Err(ArtifactError::WrongType(_))));
@@ -284,5 +401,40 @@ mod tests {
         assert!(matches!(a.check_entry(b"not json"), Err(ArtifactError::BadEntry(_))));
         assert_eq!(id_tag(&id), format!("sha256-{}", e.record.hex()));
         assert!(tessera_image::validate_tag(&id_tag(&id)));
+    }
+
+    #[test]
+    fn subject_and_referrers() {
+        let id = ImageId(Sha256Digest::of(b"record"));
+        let subject = Subject {
+            media_type: "application/vnd.oci.image.manifest.v1+json".into(),
+            digest: Sha256Digest::of(b"src"),
+            size: 7,
+        };
+        let m = build_manifest(&id, Sha256Digest::of(b"entry"), 3, &[], Some(&subject));
+        assert_eq!(parse_manifest(&m).unwrap().subject, Some(subject.clone()));
+        assert_eq!(
+            parse_manifest(&build_manifest(&id, Sha256Digest::of(b"entry"), 3, &[], None)).unwrap().subject,
+            None
+        );
+        // The fallback index: other artifacts kept, an older Tessera referrer replaced.
+        let other = r#"{"schemaVersion":2,"manifests":[
+            {"mediaType":"application/vnd.oci.image.manifest.v1+json","digest":"sha256:0000000000000000000000000000000000000000000000000000000000000000","size":1,"artifactType":"application/example.sbom"},
+            {"mediaType":"application/vnd.oci.image.manifest.v1+json","digest":"sha256:1111111111111111111111111111111111111111111111111111111111111111","size":2,"artifactType":"application/vnd.tessera.image.v1"},
+            {"mediaType":"application/vnd.oci.image.manifest.v1+json","digest":"sha512:22","size":2,"artifactType":"application/vnd.tessera.image.v1"}]}"#;
+        let manifest = Sha256Digest::of(&m);
+        let merged = merged_referrers(Some(other.as_bytes()), &id, &manifest, m.len() as u64).unwrap();
+        assert_eq!(
+            tessera_referrers(&merged).unwrap(),
+            vec![Referrer { manifest, size: m.len() as u64, id: Some(id.to_string()) }]
+        );
+        assert!(
+            String::from_utf8_lossy(&merged).contains("application/example.sbom"),
+            "other artifacts stay"
+        );
+        assert_eq!(tessera_referrers(other.as_bytes()).unwrap().len(), 1, "a sha512 entry is skipped");
+        let fresh = merged_referrers(None, &id, &manifest, 9).unwrap();
+        assert_eq!(merged_referrers(Some(&fresh), &id, &manifest, 9).unwrap(), fresh, "idempotent");
+        assert!(tessera_referrers(b"not json").is_err());
     }
 }

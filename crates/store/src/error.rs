@@ -77,6 +77,10 @@ pub enum StoreError {
     /// No image in the store answers to this reference (an unknown tag or ID).
     #[error("unknown image {reference}")]
     UnknownImage { reference: String },
+    /// A reference that names more than one image (several Tessera images refer to one source
+    /// image manifest).
+    #[error("{reference} names several images: {}; name one by its ID", candidates.join(", "))]
+    AmbiguousReference { reference: String, candidates: Vec<String> },
     /// A reference that is neither `sha256:<64 hex>` nor a valid tag.
     #[error(
         "invalid image reference {reference:?}: expected sha256:<64 hex> or a tag [A-Za-z0-9_][A-Za-z0-9._-]{{0,127}}"

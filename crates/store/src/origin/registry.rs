@@ -23,7 +23,10 @@ use tessera_registry::{
 };
 use tracing::{debug, info};
 
-use crate::artifact::{build_manifest, id_tag, parse_manifest, Artifact, ArtifactError, Layer, Role};
+use crate::artifact::{
+    build_manifest, id_tag, merged_referrers, parse_manifest, referrers_tag, tessera_referrers, Artifact,
+    ArtifactError, Layer, Role, Subject, ARTIFACT_TYPE, INDEX_MEDIA_TYPE,
+};
 use crate::error::StoreError;
 use crate::read_store::ReadStore;
 use crate::reader::OpenImage;
@@ -120,9 +123,14 @@ impl RegistryStore {
 
     /// The image tagged `tag` (`None` when the tag does not exist).
     fn fetch(&self, tag: &str) -> Result<Option<(ImageId, Arc<Found>)>, StoreError> {
+        self.fetch_target(&Target::Tag(tag.to_owned()), tag)
+    }
+
+    /// The image whose manifest `target` names (`tag`: how to show it in messages).
+    fn fetch_target(&self, target: &Target, tag: &str) -> Result<Option<(ImageId, Arc<Found>)>, StoreError> {
         let client = &self.inner.client;
         let repo = &self.inner.repo;
-        let manifest = match client.get_manifest(repo, &Target::Tag(tag.to_owned())) {
+        let manifest = match client.get_manifest(repo, target) {
             Ok(m) => m,
             Err(RegistryError::NotFound { .. }) => return Ok(None),
             Err(e) => return Err(e.into()),
@@ -144,6 +152,55 @@ impl RegistryStore {
         let found = Arc::new(Found { artifact, entry });
         self.inner.images.lock().unwrap_or_else(|p| p.into_inner()).insert(id, Arc::clone(&found));
         Ok(Some((id, found)))
+    }
+
+    /// `@sha256:<digest>`: the Tessera image whose `subject` is the source image manifest
+    /// `digest` (a `--reference-layers` image pushed to its source repository), found through
+    /// the referrers API or, on a registry without it, its tag fallback. Several Tessera
+    /// referrers are refused by name (the tag fallback keeps only the newest push).
+    fn resolve_subject(&self, text: &str) -> Result<ImageId, StoreError> {
+        let reference = format!("@{text}");
+        let digest: Sha256Digest =
+            text.parse().map_err(|_| StoreError::InvalidReference { reference: reference.clone() })?;
+        let client = &self.inner.client;
+        let repo = &self.inner.repo;
+        let index = match client.referrers(repo, &reg_digest(&digest), ARTIFACT_TYPE)? {
+            Some(index) => Some(index),
+            None => match client.get_manifest(repo, &Target::Tag(referrers_tag(&digest))) {
+                Ok(m) if m.kind == ManifestKind::Index => Some(m.bytes),
+                Ok(_) | Err(RegistryError::NotFound { .. }) => None,
+                Err(e) => return Err(e.into()),
+            },
+        };
+        let found = match index {
+            Some(bytes) => {
+                tessera_referrers(&bytes).map_err(|e| self.artifact_err(&referrers_tag(&digest), e))?
+            }
+            None => Vec::new(),
+        };
+        let manifest = match found.as_slice() {
+            [one] => one.manifest,
+            [] => return Err(StoreError::UnknownImage { reference }),
+            many => {
+                return Err(StoreError::AmbiguousReference {
+                    reference,
+                    candidates: many
+                        .iter()
+                        .map(|r| r.id.clone().unwrap_or_else(|| r.manifest.to_string()))
+                        .collect(),
+                })
+            }
+        };
+        let (id, found) = self
+            .fetch_target(&Target::Digest(reg_digest(&manifest)), &reference)?
+            .ok_or_else(|| StoreError::UnknownImage { reference: reference.clone() })?;
+        if found.artifact.subject.as_ref().map(|s| s.digest) != Some(digest) {
+            return Err(self.artifact_err(
+                &reference,
+                ArtifactError::WrongType(format!("a referrer of {digest} without that subject")),
+            ));
+        }
+        Ok(id)
     }
 
     /// The image tagged `tag`, `None` if the tag does not exist.
@@ -192,6 +249,9 @@ impl ReadStore for RegistryStore {
     }
 
     fn resolve(&self, reference: &str) -> Result<ImageId, StoreError> {
+        if let Some(subject) = reference.strip_prefix('@') {
+            return self.resolve_subject(subject);
+        }
         if reference.starts_with("sha256:") {
             let id: ImageId = reference
                 .parse()
@@ -290,6 +350,36 @@ impl ChunkSource for RegistryStore {
     }
 }
 
+/// The `subject` of image `entry` pushed to `target`: for a `--reference-layers` image built
+/// from a registry, pushed to the repository it was built from (referrers live in the subject's
+/// repository, and its layer blobs are there already), the source image manifest, read for
+/// its media type and size. `None` otherwise.
+fn reference_subject(
+    source: &dyn ReadStore,
+    entry: &ImageEntry,
+    target: &PushTarget,
+) -> Result<Option<Subject>, StoreError> {
+    let Some(provenance) = entry.provenance else { return Ok(None) };
+    let p: serde_json::Value = match serde_json::from_slice(&source.read_blob(&provenance)?) {
+        Ok(v) => v,
+        Err(_) => return Ok(None), // provenance is informative; an odd one names no subject
+    };
+    // The builder's provenance: `{source, built_at, builder, image: <the source's>}`.
+    let p = &p["image"];
+    let text = |k: &str| p.get(k).and_then(|v| v.as_str());
+    let same_repo =
+        text("registry") == Some(target.client.registry()) && text("repository") == Some(&target.repo);
+    let referenced = p.get("reference_layers").and_then(|v| v.as_bool()) == Some(true);
+    let Some(digest) = text("manifest").and_then(|d| d.parse::<Sha256Digest>().ok()) else {
+        return Ok(None);
+    };
+    if !(same_repo && referenced) {
+        return Ok(None);
+    }
+    let m = target.client.get_manifest(&target.repo, &Target::Digest(reg_digest(&digest)))?;
+    Ok(Some(Subject { media_type: m.media_type, digest, size: m.bytes.len() as u64 }))
+}
+
 /// Where a push goes: a repository on a registry, and the tag to give the image (it is also
 /// tagged `sha256-<id hex>`).
 #[derive(Debug, Clone)]
@@ -323,6 +413,10 @@ pub struct PushReport {
     pub present: usize,
     /// Tags written (a tag already naming this manifest is left alone).
     pub tags_written: usize,
+    /// The source image manifest the pushed artifact refers to (`--reference-layers` images
+    /// pushed to their source repository), and whether the registry indexed it for the
+    /// referrers API itself (else the tag fallback `sha256-<subject hex>` was written).
+    pub subject: Option<(Sha256Digest, bool)>,
 }
 
 impl PushReport {
@@ -375,9 +469,10 @@ pub fn push_image(
             layers.push(Layer { role: Role::Pack, digest: pack, size: source.blob_len(&pack)? });
         }
     }
+    let subject = reference_subject(source, &entry, target)?;
     let entry_json = entry.to_json();
     let entry_digest = Sha256Digest::of(&entry_json);
-    let manifest = build_manifest(id, entry_digest, entry_json.len() as u64, &layers);
+    let manifest = build_manifest(id, entry_digest, entry_json.len() as u64, &layers, subject.as_ref());
     let total_bytes = layers.iter().map(|l| l.size).sum::<u64>() + entry_json.len() as u64;
     let mut report = PushReport {
         id: *id,
@@ -390,6 +485,7 @@ pub fn push_image(
         mounted: 0,
         present: 0,
         tags_written: 0,
+        subject: None,
     };
     let mut done = 0u64;
     progress(PushProgress { done_bytes: 0, total_bytes });
@@ -424,12 +520,49 @@ pub fn push_image(
 
     let digest = Digest::of(&manifest);
     // The ID tag first: a TAG never names an image that cannot be found by ID.
+    let mut indexed = false;
     for tag in [id_tag(id), target.tag.clone()] {
         if client.manifest_digest(repo, &tag)?.as_ref() == Some(&digest) {
             continue;
         }
-        client.put_manifest(repo, &tag, crate::artifact::MANIFEST_MEDIA_TYPE, &manifest)?;
+        let (_, acked) =
+            client.put_manifest_with_subject(repo, &tag, crate::artifact::MANIFEST_MEDIA_TYPE, &manifest)?;
+        indexed |= acked;
         report.tags_written += 1;
+    }
+    if let Some(subject) = &subject {
+        if !indexed && client.referrers(repo, &reg_digest(&subject.digest), ARTIFACT_TYPE)?.is_none() {
+            // No referrers API: the tag fallback, read, merged and written back.
+            let tag = referrers_tag(&subject.digest);
+            let existing = match client.get_manifest(repo, &Target::Tag(tag.clone())) {
+                Ok(m) if m.kind == ManifestKind::Index => Some(m.bytes),
+                Ok(m) => {
+                    return Err(StoreError::Artifact {
+                        location: format!("docker://{}/{repo}:{tag}", client.registry()),
+                        source: ArtifactError::WrongType(format!(
+                            "{} where the referrers of {} belong",
+                            m.media_type, subject.digest
+                        )),
+                    })
+                }
+                Err(RegistryError::NotFound { .. }) => None,
+                Err(e) => return Err(e.into()),
+            };
+            let index = merged_referrers(
+                existing.as_deref(),
+                id,
+                &Sha256Digest::of(&manifest),
+                manifest.len() as u64,
+            )
+            .map_err(|source| StoreError::Artifact {
+                location: format!("docker://{}/{repo}:{tag}", client.registry()),
+                source,
+            })?;
+            if existing.as_deref() != Some(&index[..]) {
+                client.put_manifest(repo, &tag, INDEX_MEDIA_TYPE, &index)?;
+            }
+        }
+        report.subject = Some((subject.digest, indexed));
     }
     info!(
         %id, repo, manifest = %digest, uploaded = report.uploaded, mounted = report.mounted,
