@@ -200,7 +200,7 @@ impl Shared {
             // A sender woken a little late (a loaded machine) does not lose link time: the link
             // is idle only if it has been free for longer than the tolerance.
             let now = Instant::now();
-            let start = (*free).max(now.checked_sub(LINK_TOLERANCE).unwrap_or(now));
+            let start = if now.saturating_duration_since(*free) <= LINK_TOLERANCE { *free } else { now };
             *free = start + cost;
             *free
         };
@@ -722,6 +722,9 @@ mod tests {
         assert_eq!(body, o.blob);
         within(t.elapsed(), Duration::from_millis(500), "1 MiB at 2 MiB/s");
         let addr = p.addr();
+        // From an idle link: a start within LINK_TOLERANCE of the last transfer's end would be
+        // credited the gap (as a late wake-up) and finish that much early.
+        std::thread::sleep(LINK_TOLERANCE * 2);
         let t = Instant::now();
         let a = std::thread::spawn(move || Client::connect(addr).get("/s/blob", None));
         let (_, b) = Client::connect(addr).get("/s/blob", None);
