@@ -166,11 +166,7 @@ impl RegistryStore {
         let repo = &self.inner.repo;
         let index = match client.referrers(repo, &reg_digest(&digest), ARTIFACT_TYPE)? {
             Some(index) => Some(index),
-            None => match client.get_manifest(repo, &Target::Tag(referrers_tag(&digest))) {
-                Ok(m) if m.kind == ManifestKind::Index => Some(m.bytes),
-                Ok(_) | Err(RegistryError::NotFound { .. }) => None,
-                Err(e) => return Err(e.into()),
-            },
+            None => fallback_referrers(client, repo, &digest)?,
         };
         let found = match index {
             Some(bytes) => {
@@ -347,6 +343,28 @@ impl ChunkSource for RegistryStore {
         }
         debug!(%pack, ranges = ranges.len(), requests = spans.len(), "registry: coalesced ranged reads");
         Ok(out)
+    }
+}
+
+/// The referrers index the tag fallback keeps for `subject` in `repo` (`None`: no such tag);
+/// anything but an image index under that tag is refused.
+fn fallback_referrers(
+    client: &Client,
+    repo: &str,
+    subject: &Sha256Digest,
+) -> Result<Option<Vec<u8>>, StoreError> {
+    let tag = referrers_tag(subject);
+    match client.get_manifest(repo, &Target::Tag(tag.clone())) {
+        Ok(m) if m.kind == ManifestKind::Index => Ok(Some(m.bytes)),
+        Ok(m) => Err(StoreError::Artifact {
+            location: format!("docker://{}/{repo}:{tag}", client.registry()),
+            source: ArtifactError::WrongType(format!(
+                "{} where the referrers of {subject} belong",
+                m.media_type
+            )),
+        }),
+        Err(RegistryError::NotFound { .. }) => Ok(None),
+        Err(e) => Err(e.into()),
     }
 }
 
@@ -534,20 +552,7 @@ pub fn push_image(
         if !indexed && client.referrers(repo, &reg_digest(&subject.digest), ARTIFACT_TYPE)?.is_none() {
             // No referrers API: the tag fallback, read, merged and written back.
             let tag = referrers_tag(&subject.digest);
-            let existing = match client.get_manifest(repo, &Target::Tag(tag.clone())) {
-                Ok(m) if m.kind == ManifestKind::Index => Some(m.bytes),
-                Ok(m) => {
-                    return Err(StoreError::Artifact {
-                        location: format!("docker://{}/{repo}:{tag}", client.registry()),
-                        source: ArtifactError::WrongType(format!(
-                            "{} where the referrers of {} belong",
-                            m.media_type, subject.digest
-                        )),
-                    })
-                }
-                Err(RegistryError::NotFound { .. }) => None,
-                Err(e) => return Err(e.into()),
-            };
+            let existing = fallback_referrers(client, repo, &subject.digest)?;
             let index = merged_referrers(
                 existing.as_deref(),
                 id,
