@@ -1095,8 +1095,9 @@ impl Overlay {
         }
     }
 
-    /// Run commits until no FLUSH waits: each takes every FLUSH waiting at its start, then the
-    /// writes queued by then (which include every write completed before those FLUSHes).
+    /// Run commits until no FLUSH waits: each takes every FLUSH waiting at its start, then
+    /// closes the open group, whose records (logged by then) include every write completed
+    /// before those FLUSHes.
     fn commit(self: &Arc<Self>) {
         loop {
             let batch = {
