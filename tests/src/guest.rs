@@ -24,6 +24,10 @@ const MODULES: &[&str] = &[
     "drivers/block/virtio_blk.ko",
 ];
 
+/// The FUSE and virtio-fs modules, loaded after [`MODULES`] only by a kit made with
+/// [`GuestKit::with_virtiofs`].
+const VIRTIOFS_MODULES: &[&str] = &["fs/fuse/fuse.ko", "fs/fuse/virtiofs.ko"];
+
 /// What a guest needs: kernel, modules, busybox, firmware.
 #[derive(Debug, Clone)]
 pub struct GuestKit {
@@ -31,6 +35,23 @@ pub struct GuestKit {
     pub modules: Vec<PathBuf>,
     pub busybox: PathBuf,
     pub qboot: PathBuf,
+    /// The kernel package's `lib/modules/<version>/kernel`.
+    pub module_dir: PathBuf,
+}
+
+impl GuestKit {
+    /// This kit with the FUSE and virtio-fs modules added (for [`Attach::Fs`] guests).
+    pub fn with_virtiofs(&self) -> Result<GuestKit> {
+        let mut kit = self.clone();
+        for m in VIRTIOFS_MODULES {
+            let path = self.module_dir.join(m);
+            ensure!(path.exists(), "module {} missing from the guest kernel package", path.display());
+            if !kit.modules.contains(&path) {
+                kit.modules.push(path);
+            }
+        }
+        Ok(kit)
+    }
 }
 
 fn cache_root() -> PathBuf {
@@ -96,11 +117,12 @@ pub fn kit() -> Result<GuestKit> {
         .filter_map(|e| e.ok().map(|e| e.path()))
         .next()
         .context("no lib/modules in the kernel package")?;
-    let modules = MODULES.iter().map(|m| moddir.join("kernel").join(m)).collect::<Vec<_>>();
+    let module_dir = moddir.join("kernel");
+    let modules = MODULES.iter().map(|m| module_dir.join(m)).collect::<Vec<_>>();
     for m in &modules {
         ensure!(m.exists(), "module {} missing from {pkg}", m.display());
     }
-    Ok(GuestKit { kernel, modules, busybox, qboot })
+    Ok(GuestKit { kernel, modules, busybox, qboot, module_dir })
 }
 
 /// A minimal `newc` cpio writer.
@@ -153,6 +175,26 @@ impl<W: Write> Cpio<W> {
 /// Write an initramfs whose `/init` loads the virtio modules, waits for `/dev/vda`, runs `script`
 /// (a busybox sh fragment) and powers off.
 pub fn initramfs(kit: &GuestKit, script: &str, out: &Path) -> Result<()> {
+    initramfs_with(kit, &Initramfs { script, wait_for_vda: true, files: &[] }, out)
+}
+
+/// What [`initramfs_with`] writes.
+#[derive(Debug, Clone, Copy)]
+pub struct Initramfs<'a> {
+    /// The busybox sh fragment `/init` runs.
+    pub script: &'a str,
+    /// Wait (up to 20 s) for `/dev/vda` before the script: a guest with no block device sets
+    /// false.
+    pub wait_for_vda: bool,
+    /// Host files copied in as `(name in the initramfs, e.g. "bench/t.tar", host path)`; their
+    /// directories must be among the initramfs's own (`bin dev lib mnt newroot proc sys tmp`)
+    /// or `bench`.
+    pub files: &'a [(&'a str, &'a Path)],
+}
+
+/// Write an initramfs whose `/init` loads the kit's modules, (optionally) waits for `/dev/vda`,
+/// runs the script and powers off.
+pub fn initramfs_with(kit: &GuestKit, spec: &Initramfs<'_>, out: &Path) -> Result<()> {
     let mut init = String::from(
         "#!/bin/busybox sh\n/bin/busybox --install -s /bin\n\
          mount -t proc proc /proc\nmount -t sysfs sys /sys\nmount -t devtmpfs dev /dev\n",
@@ -161,16 +203,16 @@ pub fn initramfs(kit: &GuestKit, script: &str, out: &Path) -> Result<()> {
         let name = m.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
         init.push_str(&format!("insmod /lib/modules/{name}\n"));
     }
-    init.push_str(
-        "i=0; while [ ! -b /dev/vda ] && [ $i -lt 200 ]; do sleep 0.1; i=$((i+1)); done\n\
-         echo TESSERA-GUEST-READY\n",
-    );
-    init.push_str(script);
+    if spec.wait_for_vda {
+        init.push_str("i=0; while [ ! -b /dev/vda ] && [ $i -lt 200 ]; do sleep 0.1; i=$((i+1)); done\n");
+    }
+    init.push_str("echo TESSERA-GUEST-READY\n");
+    init.push_str(spec.script);
     init.push_str("\necho TESSERA-GUEST-DONE\npoweroff -f\n");
 
     let file = fs::File::create(out).with_context(|| format!("creating {}", out.display()))?;
     let mut c = Cpio { out: std::io::BufWriter::new(file), ino: 0, written: 0 };
-    for d in ["bin", "dev", "proc", "sys", "mnt", "newroot", "lib", "lib/modules", "tmp"] {
+    for d in ["bin", "dev", "proc", "sys", "mnt", "newroot", "lib", "lib/modules", "tmp", "bench"] {
         c.entry(d, 0o040755, (0, 0), &[])?;
     }
     c.entry("dev/console", 0o020600, (5, 1), &[])?;
@@ -179,6 +221,10 @@ pub fn initramfs(kit: &GuestKit, script: &str, out: &Path) -> Result<()> {
     for m in &kit.modules {
         let name = m.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
         c.entry(&format!("lib/modules/{name}"), 0o100644, (0, 0), &fs::read(m)?)?;
+    }
+    for (name, path) in spec.files {
+        let data = fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+        c.entry(name, 0o100644, (0, 0), &data)?;
     }
     c.entry("init", 0o100755, (0, 0), init.as_bytes())?;
     c.entry("TRAILER!!!", 0, (0, 0), &[])?;
@@ -195,7 +241,30 @@ pub fn boot(
     work: &Path,
     timeout: Duration,
 ) -> Result<String> {
-    boot_with(kit, initramfs, socket, work, timeout, "")
+    boot_with(kit, initramfs, &Attach::Blk(socket), work, timeout, "")
+}
+
+/// The device a guest gets over vhost-user.
+#[derive(Debug, Clone, Copy)]
+pub enum Attach<'a> {
+    /// `vhost-user-blk` (one queue) on this socket: the guest's `/dev/vda`.
+    Blk(&'a Path),
+    /// `vhost-user-fs-device` (virtio-fs over virtio-mmio, the microvm machine's equivalent of
+    /// `vhost-user-fs-pci`; queue size 1024) on this socket (virtiofsd's `--socket-path`), mounted
+    /// in the guest with `mount -t virtiofs TAG DIR`. The kit must come from
+    /// [`GuestKit::with_virtiofs`].
+    Fs { socket: &'a Path, tag: &'a str },
+}
+
+/// [`boot`] with the device given by `attach`.
+pub fn boot_attached(
+    kit: &GuestKit,
+    initramfs: &Path,
+    attach: &Attach<'_>,
+    work: &Path,
+    timeout: Duration,
+) -> Result<String> {
+    boot_with(kit, initramfs, attach, work, timeout, "")
 }
 
 /// [`boot`] with QEMU reconnecting to the socket `reconnect_ms` after the daemon goes away
@@ -209,19 +278,25 @@ pub fn boot_reconnecting(
     timeout: Duration,
     reconnect_ms: u32,
 ) -> Result<String> {
-    boot_with(kit, initramfs, socket, work, timeout, &format!(",reconnect-ms={reconnect_ms}"))
+    boot_with(kit, initramfs, &Attach::Blk(socket), work, timeout, &format!(",reconnect-ms={reconnect_ms}"))
 }
 
 fn boot_with(
     kit: &GuestKit,
     initramfs: &Path,
-    socket: &Path,
+    attach: &Attach<'_>,
     work: &Path,
     timeout: Duration,
     chardev_opts: &str,
 ) -> Result<String> {
     let serial = work.join("serial.log");
     let _ = fs::remove_file(&serial);
+    let (socket, device) = match attach {
+        Attach::Blk(socket) => (socket, "vhost-user-blk,chardev=c0,num-queues=1".to_owned()),
+        Attach::Fs { socket, tag } => {
+            (socket, format!("vhost-user-fs-device,chardev=c0,tag={tag},queue-size=1024"))
+        }
+    };
     let mut child = Command::new("qemu-system-x86_64")
         .args(["-machine", "microvm,memory-backend=mem,pit=on,pic=on,rtc=on"])
         .arg("-bios")
@@ -230,7 +305,8 @@ fn boot_with(
         .args(["-object", "memory-backend-memfd,id=mem,size=512M,share=on"])
         .arg("-chardev")
         .arg(format!("socket,id=c0,path={}{chardev_opts}", socket.display()))
-        .args(["-device", "vhost-user-blk,chardev=c0,num-queues=1"])
+        .arg("-device")
+        .arg(&device)
         .args(["-nodefaults", "-display", "none", "-no-reboot"])
         .arg("-serial")
         .arg(format!("file:{}", serial.display()))

@@ -21,6 +21,10 @@
 //!   (`bench_s3.rs`).
 //! - `cargo xtask bench scale [--million] [--json]` — build time and VmHWM for 1 k / 10 k / 100 k
 //!   (/ 1 M) generated entries and the daemon's RSS for the 100 k-entry image (`bench_scale.rs`).
+//! - `cargo xtask bench virtiofs [--rounds N] [--entries N] [--json]` — metadata-heavy guest work
+//!   over virtio-fs (virtiofsd) vs over Tessera (ext4 on vhost-user-blk), TCG (`bench_virtiofs.rs`).
+//! - `cargo xtask bench mounts [--layers N] [--containers N] [--json]` — host mount operations
+//!   and start time of containers of a 50-layer image: overlayfs vs `tessera serve` (`bench_mounts.rs`).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
@@ -33,10 +37,12 @@ use tessera_e2e::{compare, fixtures, judge};
 mod bench_cold;
 mod bench_export;
 mod bench_lazy;
+mod bench_mounts;
 mod bench_oci;
 mod bench_s3;
 mod bench_scale;
 mod bench_serve;
+mod bench_virtiofs;
 mod bench_warm;
 mod reliability;
 
@@ -194,6 +200,13 @@ enum Bench {
     /// Build time and peak RSS for 1 k / 10 k / 100 k (/ 1 M) generated entries, and the daemon's
     /// RSS serving the 100 k-entry image.
     Scale(bench_scale::ScaleBench),
+    /// The same metadata-heavy guest work (find, stat, a git-status-like walk, chown -R, untar)
+    /// over virtio-fs (virtiofsd --cache=always) and over Tessera (ext4 on vhost-user-blk), in
+    /// the QEMU guest under TCG; rounds interleaved, medians.
+    Virtiofs(bench_virtiofs::VirtiofsBench),
+    /// Host mount operations and time to start 100 containers of a 50-layer image: overlayfs
+    /// (a lower directory per layer, as containerd mounts it) vs one `tessera serve` device each.
+    Mounts(bench_mounts::MountsBench),
 }
 
 fn main() -> ExitCode {
@@ -231,6 +244,8 @@ fn main() -> ExitCode {
         Cmd::Bench { what: Bench::Export(opts) } => bench_export::run(&opts),
         Cmd::Bench { what: Bench::S3(opts) } => bench_s3::run(&opts),
         Cmd::Bench { what: Bench::Scale(opts) } => bench_scale::run(&opts),
+        Cmd::Bench { what: Bench::Virtiofs(opts) } => bench_virtiofs::run(&opts),
+        Cmd::Bench { what: Bench::Mounts(opts) } => bench_mounts::run(&opts),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
