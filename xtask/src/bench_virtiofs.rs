@@ -20,8 +20,9 @@
 //! (`/proc/timer_list`'s `now at`, ns), followed by a timed `sync`:
 //!
 //! - `find`: `find .` (readdir + lstat of every entry);
-//! - `stat`: `xargs -0 stat -c %i` over the list of every entry;
-//! - `walk` (`git status`-like): `xargs -0 head -c1` over the list of regular files (stat and
+//! - `stat`: `stat -c %i` of every entry (the list made first, split in pieces of 4000 paths,
+//!   one `stat` process per piece; busybox `xargs -0` mangles long lists in this guest);
+//! - `walk` (`git status`-like): `head -c1` of every regular file the same way (stat, open and
 //!   read of each file's first block);
 //! - `chown`: `chown -R -h 1000:1000 .` (one lchown per entry);
 //! - `untar`: `tar -xf` of a generated node_modules-like tarball (held in the initramfs, i.e.
@@ -139,6 +140,8 @@ pub struct VirtiofsReport {
     pub workloads: Vec<WorkloadResult>,
     /// Guest (TCG) time / host time of the same busybox `sh` loop, median over boots.
     pub tcg_slowdown: f64,
+    /// The guest's clocksource (its resolution bounds the timings': `refined-jiffies` is 4 ms).
+    pub clocksource: String,
     pub virtiofsd_command: String,
     pub tessera_command: String,
     pub load_before: String,
@@ -165,9 +168,10 @@ impl VirtiofsReport {
         let _ = writeln!(
             t,
             "virtio-fs (virtiofsd {VIRTIOFSD_VERSION}) vs Tessera (ext4 on vhost-user-blk), guest under TCG \
-             (guest CPU work {:.0}x slower than on the host); tree: {} ({} entries, {} files); untar: {} entries, \
+             (guest CPU work {:.0}x slower than on the host; guest clock {}); tree: {} ({} entries, {} files); untar: {} entries, \
              {:.1} MB; {} round(s), medians; {} cores, load average before {} / after {}",
             self.tcg_slowdown,
+            self.clocksource,
             self.tree,
             self.entries,
             self.files,
@@ -232,6 +236,7 @@ impl VirtiofsReport {
             "rounds": self.rounds,
             "guest": "qemu microvm, TCG",
             "tcg_slowdown": self.tcg_slowdown,
+            "guest_clocksource": self.clocksource,
             "virtiofsd_version": VIRTIOFSD_VERSION,
             "virtiofsd_command": self.virtiofsd_command,
             "tessera_command": self.tessera_command,
@@ -350,18 +355,24 @@ fn node_modules(dest: &Path, packages: u32) -> Result<()> {
 fn guest_script(mount: &str) -> String {
     format!(
         r#"if [ -r /proc/timer_list ]; then now() {{ sed -n '3{{s/[^0-9]//g;p;q}}' /proc/timer_list; }}
-else now() {{ read u r < /proc/uptime; echo $(( ${{u%.*}} * 1000000000 + 1${{u#*.}}0000000 - 1000000000 )); }}; fi
+else now() {{ IFS=' ' read u r < /proc/uptime; echo $(( ${{u%.*}} * 1000000000 + 1${{u#*.}}0000000 - 1000000000 )); }}; fi
 a=$(now); i=0; while [ $i -lt {CPU_LOOP} ]; do i=$((i+1)); done; b=$(now); echo "BENCH-CPU $((b-a))"
 {mount} || {{ echo BENCH-MOUNT-FAILED; poweroff -f; }}
 cd /mnt
-find . -print0 > /tmp/all; find . -type f -print0 > /tmp/files
+find . > /tmp/all; find . -type f > /tmp/files
+for l in all files; do awk -v p=/tmp/$l. '{{ print > (p int((NR - 1) / 4000)) }}' /tmp/$l; done
+set -f; nl='
+'; IFS=$nl
+each() {{ list=$1; shift; set +f; chunks=$(ls /tmp/$list.*); set -f; [ -n "$chunks" ] || return 1
+  for c in $chunks; do "$@" $(cat $c) || return; done; }}
+echo "BENCH-CLOCK $(cat /sys/devices/system/clocksource/clocksource0/current_clocksource)"
 echo "BENCH-COUNT $(find . | wc -l) $(find . -type f | wc -l)"
 mkdir /mnt/bench-untar
 w() {{ name=$1; shift; sync; echo 3 > /proc/sys/vm/drop_caches; a=$(now); "$@" > /dev/null 2> /tmp/err; rc=$?; b=$(now); sync; c=$(now)
   echo "BENCH-OP $name $rc $((b-a)) $((c-b))"; [ $rc = 0 ] || head -5 /tmp/err; }}
 w find find .
-w stat xargs -0 stat -c %i < /tmp/all
-w walk xargs -0 head -c1 < /tmp/files
+w stat each all stat -c %i
+w walk each files head -c1
 w chown chown -R -h 1000:1000 .
 w untar tar -xf /bench/nm.tar -C /mnt/bench-untar
 cd /
@@ -374,6 +385,7 @@ echo BENCH-END"#
 #[derive(Debug)]
 struct Boot {
     cpu_ns: u64,
+    clock: String,
     entries: u64,
     files: u64,
     ops: Vec<(String, u64, u64)>,
@@ -388,10 +400,12 @@ fn parse_boot(log: &str) -> Result<Boot> {
             .and_then(|v| v.trim().parse().ok())
             .with_context(|| format!("unreadable line {l:?}"))
     };
-    let mut b = Boot { cpu_ns: 0, entries: 0, files: 0, ops: Vec::new() };
+    let mut b = Boot { cpu_ns: 0, clock: String::new(), entries: 0, files: 0, ops: Vec::new() };
     for l in log.lines().map(|l| l.trim_end_matches('\r')) {
         if l.starts_with("BENCH-CPU ") {
             b.cpu_ns = field(l, 1)?;
+        } else if let Some(c) = l.strip_prefix("BENCH-CLOCK ") {
+            c.trim().clone_into(&mut b.clock);
         } else if l.starts_with("BENCH-COUNT ") {
             b.entries = field(l, 1)?;
             b.files = field(l, 2)?;
@@ -576,6 +590,7 @@ pub fn measure(o: &VirtiofsBench) -> Result<VirtiofsReport> {
     let mut samples: Vec<(Samples, Samples)> = vec![Default::default(); WORKLOADS.len()];
     let mut cpu = Vec::new();
     let mut counts = None;
+    let mut clocksource = String::new();
     let timeout = Duration::from_secs(1800);
     for round in 0..o.rounds {
         let order =
@@ -631,6 +646,7 @@ pub fn measure(o: &VirtiofsBench) -> Result<VirtiofsReport> {
                 ),
             }
             cpu.push(b.cpu_ns as f64 / host_loop);
+            clocksource = b.clock.clone();
             for (i, (name, op, sync)) in b.ops.iter().enumerate() {
                 ensure!(name == WORKLOADS[i], "workload {i} is {name}, expected {}", WORKLOADS[i]);
                 let s = if side == Side::Tessera { &mut samples[i].0 } else { &mut samples[i].1 };
@@ -661,6 +677,7 @@ pub fn measure(o: &VirtiofsBench) -> Result<VirtiofsReport> {
         rounds: o.rounds,
         workloads,
         tcg_slowdown: median(&mut cpu),
+        clocksource,
         virtiofsd_command: format!(
             "{} --socket-path=SOCKET --shared-dir=DIR {}",
             vfsd.display(),
