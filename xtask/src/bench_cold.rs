@@ -21,32 +21,37 @@ use super::{cargo, status, target_dir};
 pub struct ColdBench {
     /// The local store holding the image (served by nginx through the proxy).
     #[arg(long)]
-    store: PathBuf,
+    pub(crate) store: PathBuf,
     /// The image: a tag or sha256:<64 hex>.
     #[arg(long)]
-    image: String,
+    pub(crate) image: String,
     /// The request trace (`tessera serve --record-requests`) to replay.
     #[arg(long)]
-    trace: PathBuf,
+    pub(crate) trace: PathBuf,
     /// Check every byte read against this raw export.
     #[arg(long)]
-    raw: Option<PathBuf>,
+    pub(crate) raw: Option<PathBuf>,
     /// Round-trip time of the modelled network, in milliseconds.
     #[arg(long, default_value_t = 20)]
-    rtt_ms: u64,
+    pub(crate) rtt_ms: u64,
     /// Bandwidth of the modelled network, in Mbit/s.
     #[arg(long, default_value_t = 200)]
-    mbit: u64,
+    pub(crate) mbit: u64,
     /// Rounds (each runs every arm once, in turn).
     #[arg(long, default_value_t = 3)]
-    rounds: usize,
+    pub(crate) rounds: usize,
     /// An arm: `NAME=SERVE ARGS` (space-separated `tessera serve` arguments) or
     /// `NAME@BINARY=SERVE ARGS` (another `tessera` binary); default one arm, `tessera=`.
     #[arg(long)]
-    arm: Vec<String>,
+    pub(crate) arm: Vec<String>,
     /// The `tessera` binary of arms that name none (default: the release build, built now).
     #[arg(long)]
-    bin: Option<PathBuf>,
+    pub(crate) bin: Option<PathBuf>,
+    /// Also N cold daemons at once (comma-separated counts, e.g. `4,8`): each its own fresh
+    /// `tessera serve` of the image replaying the trace, all started together; the time until
+    /// the last finishes and the origin bytes of all of them (the first arm's arguments).
+    #[arg(long, value_delimiter = ',')]
+    pub(crate) daemons: Vec<usize>,
 }
 
 struct Arm {
@@ -67,7 +72,63 @@ fn parse_arm(spec: &str, default_bin: &Path) -> Result<Arm> {
     Ok(Arm { name: name.to_owned(), bin, args: args.split_whitespace().map(str::to_owned).collect() })
 }
 
+/// N cold daemons at once, every round: seconds until the last one's replay ended, and the
+/// origin bytes of all of them.
+pub(crate) struct Concurrent {
+    pub(crate) daemons: usize,
+    pub(crate) wall: Vec<f64>,
+    pub(crate) origin_bytes: Vec<u64>,
+}
+
+/// What `measure` found: the floor and every round's breakdown per arm.
+pub(crate) struct ColdResult {
+    pub(crate) floor: tessera_e2e::floor::Floor,
+    pub(crate) arms: Vec<(String, Vec<tessera_e2e::floor::Breakdown>)>,
+    pub(crate) concurrent: Vec<Concurrent>,
+}
+
 pub fn run(opts: &ColdBench) -> Result<()> {
+    let r = measure(opts)?;
+    let floor = r.floor;
+    println!(
+        "\n== medians of {} rounds ({} ms RTT, {} Mbit/s); floor {:.1} ms",
+        opts.rounds,
+        opts.rtt_ms,
+        opts.mbit,
+        floor.time().as_secs_f64() * 1e3
+    );
+    for (arm, runs) in &r.arms {
+        let ms = |f: &dyn Fn(&tessera_e2e::floor::Breakdown) -> Duration| {
+            median(runs.iter().map(|b| f(b).as_secs_f64() * 1e3).collect())
+        };
+        let total = ms(&|b| b.total());
+        println!(
+            "{:<16} total {:8.1} ms ({:.2}x floor)  start {:7.1} ms  workload {:8.1} ms  origin {:.2} MiB ({:.2}x floor bytes)  rounds {:.0}",
+            arm,
+            total,
+            total / (floor.time().as_secs_f64() * 1e3),
+            ms(&|b| b.start),
+            ms(&|b| b.workload),
+            median(runs.iter().map(|b| b.origin_bytes as f64).collect()) / f64::from(1u32 << 20),
+            median(runs.iter().map(|b| b.origin_bytes as f64 / floor.bytes().max(1) as f64).collect()),
+            median(runs.iter().map(|b| b.rounds as f64).collect()),
+        );
+    }
+    for c in &r.concurrent {
+        println!(
+            "{} daemons at once: last done after {:.1} ms, origin {:.2} MiB in all ({:.2}x one floor's bytes)",
+            c.daemons,
+            median(c.wall.clone()) * 1e3,
+            median(c.origin_bytes.iter().map(|&b| b as f64).collect()) / f64::from(1u32 << 20),
+            median(c.origin_bytes.iter().map(|&b| b as f64 / floor.bytes().max(1) as f64).collect()),
+        );
+    }
+    Ok(())
+}
+
+/// Replay the trace against cold daemons (every arm, then every `--daemons` count), `rounds`
+/// times.
+pub(crate) fn measure(opts: &ColdBench) -> Result<ColdResult> {
     let bin = match &opts.bin {
         Some(b) => b.clone(),
         None => {
@@ -108,29 +169,46 @@ pub fn run(opts: &ColdBench) -> Result<()> {
             results[i].push(r.breakdown);
         }
     }
-    println!(
-        "\n== medians of {} rounds ({} ms RTT, {} Mbit/s); floor {:.1} ms",
-        opts.rounds,
-        opts.rtt_ms,
-        opts.mbit,
-        floor.time().as_secs_f64() * 1e3
-    );
-    for (arm, runs) in arms.iter().zip(&results) {
-        let ms = |f: &dyn Fn(&tessera_e2e::floor::Breakdown) -> Duration| {
-            median(runs.iter().map(|b| f(b).as_secs_f64() * 1e3).collect())
-        };
-        let total = ms(&|b| b.total());
-        println!(
-            "{:<16} total {:8.1} ms ({:.2}x floor)  start {:7.1} ms  workload {:8.1} ms  origin {:.2} MiB ({:.2}x floor bytes)  rounds {:.0}",
-            arm.name,
-            total,
-            total / (floor.time().as_secs_f64() * 1e3),
-            ms(&|b| b.start),
-            ms(&|b| b.workload),
-            median(runs.iter().map(|b| b.origin_bytes as f64).collect()) / f64::from(1u32 << 20),
-            median(runs.iter().map(|b| b.origin_bytes as f64 / floor.bytes().max(1) as f64).collect()),
-            median(runs.iter().map(|b| b.rounds as f64).collect()),
-        );
+    let mut concurrent: Vec<Concurrent> = Vec::new();
+    for &n in opts.daemons.iter().filter(|&&n| n > 1) {
+        let arm = &arms[0];
+        let mut c = Concurrent { daemons: n, wall: Vec::new(), origin_bytes: Vec::new() };
+        for round in 0..opts.rounds {
+            let before = proxy.stats().body_bytes;
+            let t = std::time::Instant::now();
+            let runs: Vec<Result<tessera_e2e::cold::ColdResult>> = std::thread::scope(|s| {
+                let handles: Vec<_> = (0..n)
+                    .map(|k| {
+                        let run = ColdRun {
+                            bin: &arm.bin,
+                            store_url: proxy.url(&format!("s/{name}")),
+                            image: &opts.image,
+                            serve_args: &arm.args,
+                            socket: work.join(format!("cold-{k}.sock")),
+                            raw: opts.raw.clone(),
+                        };
+                        let (trace, proxy, image) = (&trace, &proxy, &image);
+                        s.spawn(move || run.run(trace, proxy, image, link))
+                    })
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("a replay thread panicked"))))
+                    .collect()
+            });
+            let wall = t.elapsed().as_secs_f64();
+            for r in runs {
+                let r = r?;
+                if r.replay.failed > 0 {
+                    bail!("{n} daemons: {} requests failed", r.replay.failed);
+                }
+            }
+            let bytes = proxy.stats().body_bytes - before;
+            println!("== round {round}: {n} daemons at once: {:.1} ms, origin {bytes} bytes", wall * 1e3);
+            c.wall.push(wall);
+            c.origin_bytes.push(bytes);
+        }
+        concurrent.push(c);
     }
-    Ok(())
+    Ok(ColdResult { floor, arms: arms.iter().map(|a| a.name.clone()).zip(results).collect(), concurrent })
 }

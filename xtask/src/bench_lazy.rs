@@ -49,53 +49,89 @@ use super::{cargo, status, target_dir};
 pub struct LazyBench {
     /// Round-trip time of the modelled network, in milliseconds.
     #[arg(long, default_value_t = 20)]
-    rtt_ms: u64,
+    pub(crate) rtt_ms: u64,
     /// Link rates in Mbit/s, comma-separated; each is run in turn.
     #[arg(long, value_delimiter = ',', default_values_t = [200u64, 1000])]
-    mbit: Vec<u64>,
+    pub(crate) mbit: Vec<u64>,
     /// Rounds per rate (every contender and workload once per round, interleaved).
     #[arg(long, default_value_t = 3)]
-    rounds: usize,
+    pub(crate) rounds: usize,
     /// Only these workloads (python, stat, gcc, shell, data; repeatable; default all).
     #[arg(long)]
-    workload: Vec<String>,
+    pub(crate) workload: Vec<String>,
     /// Development mode: the python workload, the first rate, one round.
     #[arg(long)]
-    quick: bool,
+    pub(crate) quick: bool,
     /// Share of the image's file-data bytes the whole-file workload reads, in percent.
     #[arg(long, default_value_t = 10)]
-    data_percent: u64,
+    pub(crate) data_percent: u64,
     /// Prepare everything (package set, store, export, traces, profiles) and stop.
     #[arg(long)]
-    prepare_only: bool,
+    pub(crate) prepare_only: bool,
     /// Leave out the eager peers.
     #[arg(long)]
-    no_peers: bool,
+    pub(crate) no_peers: bool,
     /// An extra argument for every `tessera serve` (repeatable), e.g. `--serve-arg=--readahead=8M`.
     #[arg(long)]
-    serve_arg: Vec<String>,
+    pub(crate) serve_arg: Vec<String>,
     /// Use this `tessera` binary instead of building the release CLI.
     #[arg(long)]
-    tessera: Option<PathBuf>,
+    pub(crate) tessera: Option<PathBuf>,
 }
 
 /// The figures of one workload at one rate.
 #[derive(Debug, Default)]
-struct Row {
-    floor: Option<Floor>,
-    cold: Vec<Breakdown>,
-    profile: Vec<Breakdown>,
-    warm: Vec<f64>,
-    local: Vec<f64>,
-    peer_a: Vec<f64>,
-    peer_b: Vec<f64>,
+pub(crate) struct Row {
+    pub(crate) floor: Option<Floor>,
+    pub(crate) cold: Vec<Breakdown>,
+    pub(crate) profile: Vec<Breakdown>,
+    pub(crate) warm: Vec<f64>,
+    pub(crate) local: Vec<f64>,
+    pub(crate) peer_a: Vec<f64>,
+    pub(crate) peer_b: Vec<f64>,
 }
 
 /// One round of an eager peer's preparation (download and so on), seconds and origin bytes.
 #[derive(Debug, Clone)]
-struct PeerPrep {
-    steps: Vec<(&'static str, f64)>,
-    bytes: u64,
+pub(crate) struct PeerPrep {
+    pub(crate) steps: Vec<(&'static str, f64)>,
+    pub(crate) bytes: u64,
+}
+
+/// One recorded workload.
+pub(crate) struct LazyWorkload {
+    pub(crate) name: String,
+    /// The request trace (`tessera serve --record-requests`).
+    pub(crate) requests: PathBuf,
+    pub(crate) reads: u64,
+    pub(crate) read_bytes: u64,
+    /// Boot to power-off in the guest (TCG, local store) when it was recorded.
+    pub(crate) guest_secs: f64,
+}
+
+/// One link rate's figures, a row per workload (in the order of `LazyResult::workloads`).
+pub(crate) struct LazyRate {
+    pub(crate) mbit: u64,
+    pub(crate) rows: Vec<Row>,
+    pub(crate) preps_a: Vec<PeerPrep>,
+    pub(crate) preps_b: Vec<PeerPrep>,
+}
+
+/// What `measure` found, and what it prepared (also used by the report's cold part).
+pub(crate) struct LazyResult {
+    pub(crate) image_id: String,
+    pub(crate) files: u64,
+    pub(crate) data_bytes: u64,
+    pub(crate) device_bytes: u64,
+    pub(crate) stored_bytes: u64,
+    pub(crate) layer_bytes: u64,
+    pub(crate) zst_bytes: u64,
+    /// The local store holding the image (tag `bench`).
+    pub(crate) store: PathBuf,
+    pub(crate) rtt_ms: u64,
+    pub(crate) rounds: usize,
+    pub(crate) workloads: Vec<LazyWorkload>,
+    pub(crate) rates: Vec<LazyRate>,
 }
 
 impl PeerPrep {
@@ -284,6 +320,31 @@ fn peer_b_prepare(proxy: &Proxy, work: &Path) -> Result<(PathBuf, PeerPrep)> {
 }
 
 pub fn run(opts: &LazyBench) -> Result<()> {
+    let r = measure(opts)?;
+    if opts.prepare_only {
+        return Ok(());
+    }
+    println!(
+        "\n== bench lazy: image {} ({:.0} MiB of file data, {} files)",
+        r.image_id,
+        r.data_bytes as f64 / f64::from(1u32 << 20),
+        r.files
+    );
+    for w in &r.workloads {
+        println!("   {}: guest (TCG, local store, boot to power-off) {:.1} s", w.name, w.guest_secs);
+    }
+    for rate in &r.rates {
+        println!(
+            "{}",
+            table(rate.mbit, r.rtt_ms, r.rounds, &r.workloads, &rate.rows, &rate.preps_a, &rate.preps_b)
+        );
+    }
+    Ok(())
+}
+
+/// Prepare (image, store, traces, profiles) and, unless `--prepare-only`, measure every
+/// contender at every rate.
+pub(crate) fn measure(opts: &LazyBench) -> Result<LazyResult> {
     tessera_e2e::fixtures::require_root()?;
     for tool in
         ["qemu-storage-daemon", "qemu-system-x86_64", "curl", "zstd", "skopeo", "umoci", "mkfs.ext4", "bash"]
@@ -398,8 +459,35 @@ pub fn run(opts: &LazyBench) -> Result<()> {
             w.name, r.read_bytes
         );
     }
+    let mut result = LazyResult {
+        image_id: image.id.to_string(),
+        files,
+        data_bytes,
+        device_bytes,
+        stored_bytes,
+        layer_bytes,
+        zst_bytes,
+        store: store.clone(),
+        rtt_ms: opts.rtt_ms,
+        rounds,
+        workloads: recorded
+            .iter()
+            .map(|(w, r, trace, _)| {
+                let (reads, read_bytes) =
+                    tessera_e2e::floor::reads(trace).fold((0u64, 0u64), |(n, b), (_, l)| (n + 1, b + l));
+                LazyWorkload {
+                    name: w.name.clone(),
+                    requests: r.requests.clone(),
+                    reads,
+                    read_bytes,
+                    guest_secs: r.guest_secs,
+                }
+            })
+            .collect(),
+        rates: Vec::new(),
+    };
     if opts.prepare_only {
-        return Ok(());
+        return Ok(result);
     }
 
     let registry = if opts.no_peers {
@@ -416,7 +504,6 @@ pub fn run(opts: &LazyBench) -> Result<()> {
         Some(r)
     };
     let nginx = Nginx::serve(&served, "s")?;
-    let mut tables = Vec::new();
     for &mbit in &rates {
         let link = Link { bytes_per_sec: mbit * 1_000_000 / 8, rtt: Duration::from_millis(opts.rtt_ms) };
         let cfg = ProxyConfig { rtt: link.rtt, bandwidth: Some(link.bytes_per_sec) };
@@ -493,17 +580,10 @@ pub fn run(opts: &LazyBench) -> Result<()> {
                 let _ = fs::remove_dir_all(work.join("peer-b"));
             }
         }
-        tables.push(table(mbit, opts.rtt_ms, rounds, &recorded, &rows, &preps_a, &preps_b));
-        println!("{}", tables.last().map_or("", String::as_str));
+        println!("{}", table(mbit, opts.rtt_ms, rounds, &result.workloads, &rows, &preps_a, &preps_b));
+        result.rates.push(LazyRate { mbit, rows, preps_a, preps_b });
     }
-    println!("\n== bench lazy: image {} ({:.0} MiB of file data, {files} files)", image.id, mib(data_bytes));
-    for (w, r, _, _) in &recorded {
-        println!("   {}: guest (TCG, local store, boot to power-off) {:.1} s", w.name, r.guest_secs);
-    }
-    for t in &tables {
-        println!("{t}");
-    }
-    Ok(())
+    Ok(result)
 }
 
 fn describe(p: &PeerPrep) -> String {
@@ -532,7 +612,7 @@ fn table(
     mbit: u64,
     rtt_ms: u64,
     rounds: usize,
-    recorded: &[(Workload, Recorded, tessera_image::RequestTrace, PathBuf)],
+    recorded: &[LazyWorkload],
     rows: &[Row],
     preps_a: &[PeerPrep],
     preps_b: &[PeerPrep],
@@ -544,7 +624,7 @@ fn table(
          | workload | floor | cold | cold / floor | profile | profile / floor | warmed cache | local store | peer (a) OCI | peer (b) zstd raw | cold / faster peer | profile / faster peer | cold origin bytes / floor bytes |\n\
          |---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     );
-    for ((w, _, _, _), row) in recorded.iter().zip(rows) {
+    for (w, row) in recorded.iter().zip(rows) {
         let Some(floor) = row.floor else { continue };
         let f = secs(floor.time());
         let (cold, prof) = (tot(&row.cold), tot(&row.profile));

@@ -18,13 +18,37 @@ use super::{cargo, drop_caches, median, status, target_dir, timed};
 pub struct OciBench {
     /// Timed runs of each contender.
     #[arg(long, default_value_t = 5)]
-    runs: usize,
+    pub(crate) runs: usize,
     /// Drop the page cache before every timed run (default: both warm, blobs read once first).
     #[arg(long)]
-    cold: bool,
+    pub(crate) cold: bool,
     /// Use this tessera binary instead of building the release CLI.
     #[arg(long)]
-    tessera: Option<PathBuf>,
+    pub(crate) tessera: Option<PathBuf>,
+}
+
+/// Every run's seconds (see `measure`) and the inputs' sizes.
+pub(crate) struct OciResult {
+    pub(crate) source: String,
+    pub(crate) layers: usize,
+    pub(crate) compressed_bytes: u64,
+    pub(crate) image_bytes: u64,
+    pub(crate) inodes: u64,
+    /// `tessera build` into a fresh store.
+    pub(crate) tessera: Vec<f64>,
+    /// The same build again into the same store (the rebuild: every blob already there).
+    pub(crate) rebuild: Vec<f64>,
+    /// `tessera export` of the built image (informational).
+    pub(crate) export: Vec<f64>,
+    /// `tessera build --reference-layers` into a fresh store.
+    pub(crate) reference_layers: Vec<f64>,
+    /// What the --reference-layers store holds besides the layer blobs (bytes, last run).
+    pub(crate) reference_extra_bytes: u64,
+    pub(crate) umoci: Vec<f64>,
+    pub(crate) mkfs: Vec<f64>,
+    /// umoci unpack + mkfs.ext4 -d, one clock.
+    pub(crate) peer: Vec<f64>,
+    pub(crate) peer_commands: Vec<String>,
 }
 
 fn du_bytes(path: &Path) -> u64 {
@@ -73,6 +97,47 @@ fn layout(dir: &Path) -> Result<(String, serde_json::Value)> {
 const TAG: &str = "bookworm";
 
 pub fn run(opts: &OciBench) -> Result<()> {
+    let r = measure(opts)?;
+    let (mut tt, mut te, mut tu, mut tm, mut tr) =
+        (r.tessera.clone(), r.export.clone(), r.umoci.clone(), r.mkfs.clone(), r.peer.clone());
+    let (a, e, u, m, r_) =
+        (median(&mut tt), median(&mut te), median(&mut tu), median(&mut tm), median(&mut tr));
+    println!(
+        "median: tessera build {a:.2}s (export {e:.2}s); umoci unpack {u:.2}s + mkfs.ext4 -d {m:.2}s = {r_:.2}s; \
+         ratio {:.3} (target <= 0.2); both timed including a final sync, same image size, {} cores",
+        a / r_,
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
+    println!(
+        "| {} | {} | {a:.2} s | {u:.2} s + {m:.2} s = {r_:.2} s | **{:.2}×** | {e:.2} s |",
+        if opts.cold { "cold" } else { "warm" },
+        opts.runs,
+        a / r_
+    );
+    let rb = median(&mut r.rebuild.clone());
+    println!("rebuild into the same store: {rb:.2}s, ratio {:.3}", rb / r_);
+    let f = median(&mut r.reference_layers.clone());
+    let extra = r.reference_extra_bytes;
+    println!(
+        "--reference-layers: build {f:.2}s, ratio {:.3} (target <= 0.15); store besides the layer blobs {:.2} MB = \
+         {:.2}% of the compressed layers (target <= 5%)",
+        f / r_,
+        extra as f64 / 1e6,
+        100.0 * extra as f64 / r.compressed_bytes.max(1) as f64
+    );
+    println!(
+        "| {} --reference-layers | {} | {f:.2} s | {r_:.2} s | **{:.2}×** | uploads {:.2}% |",
+        if opts.cold { "cold" } else { "warm" },
+        opts.runs,
+        f / r_,
+        100.0 * extra as f64 / r.compressed_bytes.max(1) as f64
+    );
+    Ok(())
+}
+
+/// `tessera build oci:…` (first build, rebuild, --reference-layers) against `umoci unpack` +
+/// `mkfs.ext4 -d`, `opts.runs` times.
+pub(crate) fn measure(opts: &OciBench) -> Result<OciResult> {
     fixtures::require_root()?;
     for tool in ["umoci", "mkfs.ext4", "debootstrap"] {
         if Command::new("which").arg(tool).output().map_or(true, |o| !o.status.success()) {
@@ -126,6 +191,8 @@ pub fn run(opts: &OciBench) -> Result<()> {
     let (mut tt, mut tu, mut tm, mut tr, mut te, mut tf) =
         (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut ref_extra = 0u64;
+    let mut rebuild = Vec::new();
+    let mut peer_commands = Vec::new();
     let mut geometry: Option<(u64, u64)> = None;
     for run in 1..=opts.runs {
         let _ = std::fs::remove_dir_all(&store);
@@ -138,6 +205,9 @@ pub fn run(opts: &OciBench) -> Result<()> {
         if first {
             println!("store: {:.1} MB", du_bytes(&store) as f64 / 1e6);
         }
+        // The rebuild: the same source into the same store (every blob already there).
+        let (db, _) = timed(Command::new(&bin).arg("build").arg(&source).arg("--store").arg(&store))?;
+        rebuild.push(db.as_secs_f64());
         // Informational: export of the built image to a raw file (not part of the ratio).
         let _ = std::fs::remove_file(&exported);
         let (dx, _) = timed(
@@ -190,15 +260,18 @@ pub fn run(opts: &OciBench) -> Result<()> {
             bail!("umoci unpack failed: {}", String::from_utf8_lossy(&out.stderr));
         }
         let du = t0.elapsed();
-        let (dm, _) = timed(
-            Command::new("mkfs.ext4")
-                .args(["-q", "-F", "-b", "4096", "-I", "256", "-N"])
-                .arg(inodes.to_string())
-                .arg("-d")
-                .arg(bundle.join("rootfs"))
-                .arg(&raw)
-                .arg(format!("{}k", size / 1024)),
-        )?;
+        let mut mkfs = Command::new("mkfs.ext4");
+        mkfs.args(["-q", "-F", "-b", "4096", "-I", "256", "-N"])
+            .arg(inodes.to_string())
+            .arg("-d")
+            .arg(bundle.join("rootfs"))
+            .arg(&raw)
+            .arg(format!("{}k", size / 1024));
+        peer_commands = vec![
+            format!("umoci unpack --image {image_ref} {}", bundle.display()),
+            crate::command_line(&mkfs),
+        ];
+        let (dm, _) = timed(&mut mkfs)?;
         let dr = t0.elapsed();
         println!(
             "run {run}: tessera build {:.2}s (+ export {:.2}s; --reference-layers {:.2}s)   umoci unpack {:.2}s + mkfs.ext4 -d {:.2}s = {:.2}s   ratio {:.3}",
@@ -216,34 +289,21 @@ pub fn run(opts: &OciBench) -> Result<()> {
         tm.push(dm.as_secs_f64());
         tr.push(dr.as_secs_f64());
     }
-    let (a, e, u, m, r) =
-        (median(&mut tt), median(&mut te), median(&mut tu), median(&mut tm), median(&mut tr));
-    println!(
-        "median: tessera build {a:.2}s (export {e:.2}s); umoci unpack {u:.2}s + mkfs.ext4 -d {m:.2}s = {r:.2}s; \
-         ratio {:.3} (target <= 0.2); both timed including a final sync, same image size, {} cores",
-        a / r,
-        std::thread::available_parallelism().map_or(0, |n| n.get())
-    );
-    println!(
-        "| {} | {} | {a:.2} s | {u:.2} s + {m:.2} s = {r:.2} s | **{:.2}×** | {e:.2} s |",
-        if opts.cold { "cold" } else { "warm" },
-        opts.runs,
-        a / r
-    );
-    let f = median(&mut tf);
-    println!(
-        "--reference-layers: build {f:.2}s, ratio {:.3} (target <= 0.15); store besides the layer blobs {:.2} MB = \
-         {:.2}% of the compressed layers (target <= 5%)",
-        f / r,
-        ref_extra as f64 / 1e6,
-        100.0 * ref_extra as f64 / compressed.max(1) as f64
-    );
-    println!(
-        "| {} --reference-layers | {} | {f:.2} s | {r:.2} s | **{:.2}×** | uploads {:.2}% |",
-        if opts.cold { "cold" } else { "warm" },
-        opts.runs,
-        f / r,
-        100.0 * ref_extra as f64 / compressed.max(1) as f64
-    );
-    Ok(())
+    let (image_bytes, inodes) = geometry.unwrap_or_default();
+    Ok(OciResult {
+        source,
+        layers: layers.len(),
+        compressed_bytes: compressed,
+        image_bytes,
+        inodes,
+        tessera: tt,
+        rebuild,
+        export: te,
+        reference_layers: tf,
+        reference_extra_bytes: ref_extra,
+        umoci: tu,
+        mkfs: tm,
+        peer: tr,
+        peer_commands,
+    })
 }

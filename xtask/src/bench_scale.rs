@@ -27,32 +27,42 @@ use super::bench_lazy::release_bench;
 pub struct ScaleBench {
     /// Also the 1 M-entry tree (about 3 GB on disk; minutes to generate and build).
     #[arg(long)]
-    million: bool,
+    pub(crate) million: bool,
     /// Entry counts to build instead of 1000,10000,100000 (comma-separated).
     #[arg(long, value_delimiter = ',')]
-    entries: Vec<u64>,
+    pub(crate) entries: Vec<u64>,
     /// Measure this `tessera` binary instead of building the release one.
     #[arg(long)]
-    bin: Option<PathBuf>,
+    pub(crate) bin: Option<PathBuf>,
     /// Leave out the three large files (24, 40 and 64 MiB).
     #[arg(long)]
-    no_large: bool,
+    pub(crate) no_large: bool,
     /// Skip the daemon measurement.
     #[arg(long)]
-    no_daemon: bool,
+    pub(crate) no_daemon: bool,
     /// Print the results as JSON on stdout (the table goes to stderr).
     #[arg(long)]
-    json: bool,
+    pub(crate) json: bool,
     /// Only generate the tree of the first `--entries` count at DIR (kept), for profiling by hand.
     #[arg(long, value_name = "DIR")]
-    generate_only: Option<PathBuf>,
+    pub(crate) generate_only: Option<PathBuf>,
+    /// Measure the daemon on the image of every size (default: only the largest ≤ 100 k).
+    #[arg(long)]
+    pub(crate) daemon_every_size: bool,
 }
 
 /// One measured build.
-struct BuildRun {
-    tree: ScaleTree,
-    seconds: f64,
-    peak: u64,
+pub(crate) struct BuildRun {
+    pub(crate) tree: ScaleTree,
+    pub(crate) seconds: f64,
+    pub(crate) peak: u64,
+}
+
+/// What `measure` found: a build per size, the daemon's RSS per measured size (entries).
+pub(crate) struct ScaleResult {
+    pub(crate) bin: PathBuf,
+    pub(crate) runs: Vec<BuildRun>,
+    pub(crate) daemons: Vec<(u64, DaemonRss)>,
 }
 
 /// A scratch directory under /tmp, removed on drop.
@@ -86,6 +96,12 @@ pub fn run(o: &ScaleBench) -> Result<()> {
         println!("{tree:?}");
         return Ok(());
     }
+    let ScaleResult { bin, runs, daemons } = measure(o)?;
+    print_result(o, &bin, &runs, daemons.last())
+}
+
+/// Build a generated tree of every size once (time, VmHWM), and measure the daemon's RSS.
+pub(crate) fn measure(o: &ScaleBench) -> Result<ScaleResult> {
     let bin = match &o.bin {
         Some(b) => b.clone(),
         None => release_bench("bench-scale")?.0,
@@ -101,7 +117,7 @@ pub fn run(o: &ScaleBench) -> Result<()> {
     std::fs::create_dir_all(&scratch.0)?;
     let daemon_size = sizes.iter().copied().filter(|&n| n <= 100_000).max();
     let mut runs = Vec::new();
-    let mut daemon = None;
+    let mut daemons = Vec::new();
     for &n in &sizes {
         let tree_dir = scratch.0.join("tree");
         let store = scratch.0.join(format!("store-{n}"));
@@ -120,12 +136,21 @@ pub fn run(o: &ScaleBench) -> Result<()> {
         eprintln!("    build {seconds:.2}s, VmHWM {:.1} MiB, {id}", mib(peak));
         std::fs::remove_dir_all(&tree_dir)?;
         runs.push(BuildRun { tree, seconds, peak });
-        if Some(n) == daemon_size && !o.no_daemon {
-            daemon = Some((n, measure_daemon(&bin, &id, &store, &scratch.0)?));
+        if (o.daemon_every_size || Some(n) == daemon_size) && !o.no_daemon {
+            daemons.push((n, measure_daemon(&bin, &id, &store, &scratch.0)?));
         }
         std::fs::remove_dir_all(&store)?;
     }
+    Ok(ScaleResult { bin, runs, daemons })
+}
 
+/// The table (and with `--json` the JSON) of a measured scale run.
+fn print_result(
+    o: &ScaleBench,
+    bin: &Path,
+    runs: &[BuildRun],
+    daemon: Option<&(u64, DaemonRss)>,
+) -> Result<()> {
     let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     let base = runs.first().map(|r| (r.tree.entries, r.peak));
@@ -144,7 +169,7 @@ pub fn run(o: &ScaleBench) -> Result<()> {
         "B/entry (marg.)"
     );
     let mut builds = Vec::new();
-    for r in &runs {
+    for r in runs {
         let per = r.peak as f64 / r.tree.entries as f64;
         let marginal = base
             .filter(|&(e, _)| r.tree.entries > e)
@@ -167,7 +192,7 @@ pub fn run(o: &ScaleBench) -> Result<()> {
         }));
     }
     let mut daemon_json = serde_json::Value::Null;
-    if let Some((n, d)) = &daemon {
+    if let Some((n, d)) = daemon {
         table.push_str(&format!(
             "tessera serve of the {n}-entry image (local store, --read-only, memory tier {:.0} MiB):\n\
              \x20 after start: VmRSS {:.1} MiB; after reading all {:.1} MiB of metadata ({:.2}s): \
@@ -198,14 +223,14 @@ pub fn run(o: &ScaleBench) -> Result<()> {
     Ok(())
 }
 
-struct DaemonRss {
-    mem_tier: u64,
-    metadata_bytes: u64,
+pub(crate) struct DaemonRss {
+    pub(crate) mem_tier: u64,
+    pub(crate) metadata_bytes: u64,
     /// (VmRSS, VmHWM) right after the socket appeared.
-    started: (u64, u64),
+    pub(crate) started: (u64, u64),
     /// (VmRSS, VmHWM) after every metadata block was read.
-    after: (u64, u64),
-    read_seconds: f64,
+    pub(crate) after: (u64, u64),
+    pub(crate) read_seconds: f64,
 }
 
 /// Serve `id` from `store` and read every block before the data area through libblkio.

@@ -21,32 +21,32 @@ use super::{cargo, status, target_dir};
 pub struct ServeBench {
     /// Files in the generated tree (`generate_bench_tree`).
     #[arg(long, default_value_t = 8000)]
-    files: u64,
+    pub(crate) files: u64,
     /// Seconds per measurement.
     #[arg(long, default_value_t = 2.0)]
-    secs: f64,
+    pub(crate) secs: f64,
     /// Rounds, each running every daemon one after the other, the first one rotating (medians
     /// and the min–max spread are reported: other load on the machine hits all alike).
     #[arg(long, default_value_t = 3)]
-    rounds: usize,
+    pub(crate) rounds: usize,
     /// CPU layouts: `same` (client and daemon on CPU 1), `split` (client on CPU 0, daemon on
     /// CPU 1), or `both`.
     #[arg(long, default_value = "both")]
-    layout: String,
+    pub(crate) layout: String,
     /// `--mem-cache` for tessera serve (`none`: do not pass the option).
     #[arg(long, default_value = "1G")]
-    mem_cache: String,
+    pub(crate) mem_cache: String,
     /// Another `tessera` binary (e.g. built from an older commit) run the same way in every
     /// round, right after this one: its figures and the ratios to it are reported (the cost of a
     /// change, such as the metrics, measured under the same load).
     #[arg(long, value_name = "BIN")]
-    baseline: Option<PathBuf>,
+    pub(crate) baseline: Option<PathBuf>,
     /// tessera serve configurations, comma-separated, each `default` or `+`-joined `FLAG=VALUE`
     /// tokens passed as `--FLAG VALUE` (e.g. `poll-us=0`); the first is the one the ratios are
     /// taken of ("tessera" in the tables), the others are named by their tokens. E.g.
     /// `--tessera default,poll-us=0,poll-us=200`.
     #[arg(long, value_delimiter = ',', default_value = "default")]
-    tessera: Vec<String>,
+    pub(crate) tessera: Vec<String>,
     /// qemu-storage-daemon configurations, comma-separated; the first is the peer the ratios
     /// are taken against. Each is `+`-joined tokens: `defaults` (none), `iothread`, `io_uring`
     /// (`aio=io_uring`), `aio=MODE`, `direct` (`cache.direct=on`), `poll=NS` (the iothread's
@@ -54,36 +54,43 @@ pub struct ServeBench {
     /// file node, no raw format node); `tuned` = `iothread+io_uring`.
     /// E.g. `--qsd tuned,defaults,tuned+poll=0,tuned+poll=200000,tuned+direct,tuned+noraw`.
     #[arg(long, value_delimiter = ',', default_value = "tuned,defaults")]
-    qsd: Vec<String>,
+    pub(crate) qsd: Vec<String>,
     /// The client's virtqueue size (libblkio `queue-size`; default: libblkio's, 256), the same
     /// for every daemon.
     #[arg(long, value_name = "N")]
-    queue_size: Option<u32>,
+    pub(crate) queue_size: Option<u32>,
     /// The client polls for completions (libblkio poll queues: no completion eventfd, no
     /// wake-up), the same for every daemon: shows how much of a QD1 round trip is the client's
     /// own wake-up.
     #[arg(long)]
-    client_poll: bool,
+    pub(crate) client_poll: bool,
     /// How the client checks the bytes of the timed reads against the raw export: `sample`
     /// (16 bytes of every 4 KiB block), `full` (every byte; slows the client), `none`. The warm
     /// pass and one QD32 random-read pass per daemon are always checked in full.
     #[arg(long, default_value = "sample", value_parser = ["none", "sample", "full"])]
-    check: String,
+    pub(crate) check: String,
     /// Queue counts for the multi-queue test (4 KiB random reads, QD32 per queue); both daemons
     /// offer the largest. `1` alone skips it.
     #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
-    queues: Vec<u16>,
+    pub(crate) queues: Vec<u16>,
     /// Run even when the data region is smaller than 4× the last-level cache (smoke runs on a
     /// small tree: the sequential figures are then partly cache-resident).
     #[arg(long)]
-    allow_small_span: bool,
+    pub(crate) allow_small_span: bool,
     /// Skip the write + FLUSH test and fio (e.g. when fio is not installed).
     #[arg(long)]
-    no_writes: bool,
+    pub(crate) no_writes: bool,
+    /// Use this `tessera` binary instead of building the release CLI (the client is built).
+    #[arg(long, value_name = "BIN")]
+    pub(crate) bin: Option<PathBuf>,
+    /// Extra queue depths for the one-queue 4 KiB random read (besides 1 and 32), e.g.
+    /// `--qd 4,16,64` for an IOPS-vs-queue-depth curve.
+    #[arg(long, value_delimiter = ',')]
+    pub(crate) qd: Vec<u32>,
 }
 
 /// `daemon → {key → value}` of one round.
-type Results = BTreeMap<String, BTreeMap<String, f64>>;
+pub(crate) type Results = BTreeMap<String, BTreeMap<String, f64>>;
 
 /// Median, min and max of one figure over the rounds.
 #[derive(Clone, Copy)]
@@ -269,15 +276,22 @@ fn run_client(mut cmd: Command) -> Result<BTreeMap<String, f64>> {
 /// Run the client's tests against a started daemon: the read tests with one queue, the
 /// multi-queue reads, then the writes (last: they change the device the reads are checked
 /// against).
-fn measure(c: &Client, daemon: Daemon, queues: &[u16], writes: bool) -> Result<BTreeMap<String, f64>> {
+fn measure_daemon(
+    c: &Client,
+    daemon: Daemon,
+    queues: &[u16],
+    qds: &[u32],
+    writes: bool,
+) -> Result<BTreeMap<String, f64>> {
     let pid = daemon.child.id();
     let sock = daemon.socket.clone();
-    let mut r = c.drive(
-        &sock,
-        pid,
-        1,
-        &["warm", "randread:32/full", "randread:1", "randread:32", "seqread:1", "seqread:8"],
-    )?;
+    let mut tests: Vec<String> =
+        ["warm", "randread:32/full", "randread:1", "randread:32", "seqread:1", "seqread:8"]
+            .map(str::to_owned)
+            .into();
+    tests.extend(qds.iter().filter(|&&q| q != 1 && q != 32).map(|q| format!("randread:{q}")));
+    let tests: Vec<&str> = tests.iter().map(String::as_str).collect();
+    let mut r = c.drive(&sock, pid, 1, &tests)?;
     for &q in queues.iter().filter(|&&q| q > 1) {
         r.extend(c.drive(&sock, pid, q, &["randread:32"])?);
     }
@@ -288,7 +302,49 @@ fn measure(c: &Client, daemon: Daemon, queues: &[u16], writes: bool) -> Result<B
     Ok(r)
 }
 
+/// One CPU layout's rounds.
+pub(crate) struct LayoutRun {
+    pub(crate) name: &'static str,
+    pub(crate) client: usize,
+    pub(crate) daemon: usize,
+    pub(crate) rounds: Vec<Results>,
+}
+
+/// What `measure` found: every round's figures per layout and daemon, fio's fdatasync
+/// (p50, p99 µs), the inputs' sizes and the daemons' command lines.
+pub(crate) struct ServeResult {
+    /// The daemons in the order of a round ("tessera", …, "qsd tuned", …).
+    pub(crate) names: Vec<String>,
+    pub(crate) layouts: Vec<LayoutRun>,
+    pub(crate) fio: Option<(f64, f64)>,
+    pub(crate) fio_command: String,
+    pub(crate) files: u64,
+    pub(crate) device_bytes: u64,
+    pub(crate) span_bytes: u64,
+    pub(crate) llc_bytes: u64,
+    pub(crate) commands: Vec<(String, String)>,
+}
+
 pub fn run(opts: &ServeBench) -> Result<()> {
+    let r = measure(opts)?;
+    if let Some(fio) = r.fio {
+        println!("\n{}: fdatasync p50 {:.0} µs, p99 {:.0} µs", r.fio_command, fio.0, fio.1);
+    }
+    for l in &r.layouts {
+        let layout = format!(
+            "{} (client CPU {}, daemon CPU {}; everything at nice -20; median (min–max) of {} rounds)",
+            l.name,
+            l.client,
+            l.daemon,
+            l.rounds.len()
+        );
+        report(&layout, l.name, &stats(&l.rounds), &r.names, &opts.queues, r.fio.map(|f| f.1));
+    }
+    Ok(())
+}
+
+/// Run the serve benchmark: every round's figures (see [`ServeResult`]).
+pub(crate) fn measure(opts: &ServeBench) -> Result<ServeResult> {
     fixtures::require_root()?;
     let mut tools = vec!["qemu-storage-daemon", "taskset"];
     if !opts.no_writes {
@@ -308,14 +364,19 @@ pub fn run(opts: &ServeBench) -> Result<()> {
         eprintln!("warning: --rounds {} (the figures to report need at least 3)", opts.rounds);
     }
     let target = target_dir()?;
-    // One invocation: built apart, the two resolve features differently and rebuild each other.
-    status(cargo().args(["build", "--release", "-p", "tessera-cli", "-p", "tessera-vhost"]).args([
-        "--bin",
-        "tessera",
-        "--example",
-        "blkbench",
-    ]))?;
-    let bin = target.join("release").join("tessera");
+    let bin = if let Some(b) = &opts.bin {
+        status(cargo().args(["build", "--release", "-p", "tessera-vhost", "--example", "blkbench"]))?;
+        b.clone()
+    } else {
+        // One invocation: built apart, the two resolve features differently and rebuild each other.
+        status(cargo().args(["build", "--release", "-p", "tessera-cli", "-p", "tessera-vhost"]).args([
+            "--bin",
+            "tessera",
+            "--example",
+            "blkbench",
+        ]))?;
+        target.join("release").join("tessera")
+    };
     let client_bin = target.join("release").join("examples").join("blkbench");
     let dir = target.join("bench-serve");
     std::fs::create_dir_all(&dir)?;
@@ -436,11 +497,16 @@ pub fn run(opts: &ServeBench) -> Result<()> {
         cmd
     };
     println!("\ndaemon command lines (CPU of the first layout):");
+    let mut commands = Vec::new();
     for (name, flags) in &tessera_variants {
-        println!("  {name}: {:?}", tessera_cmd(&bin, layouts[0].daemon, true, flags));
+        commands
+            .push((name.clone(), crate::command_line(&tessera_cmd(&bin, layouts[0].daemon, true, flags))));
     }
     for v in &variants {
-        println!("  qsd {}: {:?}", v.name, qsd_cmd(v, layouts[0].daemon));
+        commands.push((format!("qsd {}", v.name), crate::command_line(&qsd_cmd(v, layouts[0].daemon))));
+    }
+    for (name, cmd) in &commands {
+        println!("  {name}: {cmd}");
     }
 
     // Daemons in the order of a round: every tessera configuration, the baseline, then every qsd
@@ -450,8 +516,8 @@ pub fn run(opts: &ServeBench) -> Result<()> {
         names.push("baseline".to_owned());
     }
     names.extend(variants.iter().map(|v| format!("qsd {}", v.name)));
-    let mut all: Vec<(String, Stats)> = Vec::new();
-    for l in &layouts {
+    let mut all: Vec<LayoutRun> = Vec::new();
+    for l in layouts {
         let client = Client {
             bin: &client_bin,
             cpu: l.client,
@@ -494,34 +560,28 @@ pub fn run(opts: &ServeBench) -> Result<()> {
                     std::fs::File::open(&raw)?.sync_all()?;
                     Daemon::spawn(qsd_cmd(v, l.daemon), &qsock, &dir.join("qsd.log"))?
                 };
-                results.insert(name.clone(), measure(&client, daemon, &opts.queues, !opts.no_writes)?);
+                results.insert(
+                    name.clone(),
+                    measure_daemon(&client, daemon, &opts.queues, &opts.qd, !opts.no_writes)?,
+                );
             }
             rounds.push(results);
         }
-        all.push((
-            format!(
-                "{} (client CPU {}, daemon CPU {}; everything at nice -20; median (min–max) of {} rounds)",
-                l.name,
-                l.client,
-                l.daemon,
-                rounds.len()
-            ),
-            stats(&rounds),
-        ));
+        all.push(LayoutRun { name: l.name, client: l.client, daemon: l.daemon, rounds });
     }
 
     let fio = if opts.no_writes { None } else { Some(fio_fdatasync(&dir.join("fio"))?) };
-    if let Some(fio) = fio {
-        println!(
-            "\nfio --rw=write --ioengine=sync --fdatasync=1 --bs=2300 --size=22m (same disk): \
-             fdatasync p50 {:.0} µs, p99 {:.0} µs",
-            fio.0, fio.1
-        );
-    }
-    for ((layout, r), l) in all.iter().zip(&layouts) {
-        report(layout, l.name, r, &names, &opts.queues, fio.map(|f| f.1));
-    }
-    Ok(())
+    Ok(ServeResult {
+        names,
+        layouts: all,
+        fio,
+        fio_command: "fio --rw=write --ioengine=sync --fdatasync=1 --bs=2300 --size=22m (same disk)".into(),
+        files: opts.files,
+        device_bytes: size,
+        span_bytes: hi - lo,
+        llc_bytes: llc,
+        commands,
+    })
 }
 
 /// Median, min and max of each figure over the rounds.

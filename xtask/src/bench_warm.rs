@@ -22,16 +22,19 @@ use super::{cargo, median, status, target_dir};
 pub struct BootProfileBench {
     /// Timed runs of each configuration.
     #[arg(long, default_value_t = 3)]
-    runs: usize,
+    pub(crate) runs: usize,
     /// Round-trip time of the origin, in milliseconds.
     #[arg(long, default_value_t = 20)]
-    rtt_ms: u64,
+    pub(crate) rtt_ms: u64,
     /// 1 MB files in the image.
     #[arg(long, default_value_t = 40)]
-    files: usize,
+    pub(crate) files: usize,
     /// Files the start-up reads.
     #[arg(long, default_value_t = 8)]
-    read_files: usize,
+    pub(crate) read_files: usize,
+    /// Use this `tessera` binary (as `TESSERA_BIN`) instead of building the debug CLI.
+    #[arg(long)]
+    pub(crate) bin: Option<std::path::PathBuf>,
 }
 
 /// Seconds between the two uptime readings the command prints.
@@ -45,10 +48,41 @@ fn startup_seconds(output: &str) -> Result<f64> {
     Ok(t1 - t0)
 }
 
+/// The configurations, in the order of `BootProfileResult::seconds`.
+pub(crate) const CONFIGS: [&str; 4] =
+    ["local store", "origin, cold, no profile", "origin, cold, profile", "origin, warmed cache"];
+
+/// Every run's start-up seconds (guest clock) per configuration of [`CONFIGS`].
+pub(crate) struct BootProfileResult {
+    pub(crate) seconds: Vec<Vec<f64>>,
+}
+
 pub fn run(o: &BootProfileBench) -> Result<()> {
+    let mut results = measure(o)?.seconds;
+    let medians: Vec<f64> = results.iter_mut().map(|r| median(r)).collect();
+    println!(
+        "\n==> start-up time, guest clock, median of {} runs ({} of {} 1 MB files read, RTT {} ms):",
+        o.runs, o.read_files, o.files, o.rtt_ms
+    );
+    for (name, m) in CONFIGS.iter().zip(&medians) {
+        println!("    {name:<28} {m:.2} s");
+    }
+    let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { f64::NAN };
+    println!("    no profile / profile        {:.2}x (target >= 2x)", ratio(medians[1], medians[2]));
+    println!("    warmed cache / local store  {:.2}x (target <= 1.10x)", ratio(medians[3], medians[0]));
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    println!("    load average at the end: {}", load.trim());
+    Ok(())
+}
+
+/// Boot the guest `o.runs` times in every configuration of [`CONFIGS`].
+pub(crate) fn measure(o: &BootProfileBench) -> Result<BootProfileResult> {
     fixtures::require_root()?;
     ensure!(o.read_files <= o.files && o.runs >= 1, "--read-files must not exceed --files");
-    status(cargo().args(["build", "-p", "tessera-cli"]))?;
+    match &o.bin {
+        Some(b) => std::env::set_var("TESSERA_BIN", b),
+        None => status(cargo().args(["build", "-p", "tessera-cli"]))?,
+    }
     let kit = guest::kit()?;
     let work = target_dir()?.join("bench-boot-profile");
     let _ = std::fs::remove_dir_all(&work);
@@ -79,8 +113,7 @@ pub fn run(o: &BootProfileBench) -> Result<()> {
     let url = proxy.url("store");
     let store_s = store.to_str().context("utf-8")?.to_owned();
 
-    let configs =
-        ["local store", "origin, cold, no profile", "origin, cold, profile", "origin, warmed cache"];
+    let configs = CONFIGS;
     let mut results: Vec<Vec<f64>> = vec![Vec::new(); configs.len()];
     for run in 0..o.runs {
         for (c, name) in configs.iter().enumerate() {
@@ -104,18 +137,5 @@ pub fn run(o: &BootProfileBench) -> Result<()> {
             results[c].push(secs);
         }
     }
-    let medians: Vec<f64> = results.iter_mut().map(|r| median(r)).collect();
-    println!(
-        "\n==> start-up time, guest clock, median of {} runs ({} of {} 1 MB files read, RTT {} ms):",
-        o.runs, o.read_files, o.files, o.rtt_ms
-    );
-    for (name, m) in configs.iter().zip(&medians) {
-        println!("    {name:<28} {m:.2} s");
-    }
-    let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { f64::NAN };
-    println!("    no profile / profile        {:.2}x (target >= 2x)", ratio(medians[1], medians[2]));
-    println!("    warmed cache / local store  {:.2}x (target <= 1.10x)", ratio(medians[3], medians[0]));
-    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
-    println!("    load average at the end: {}", load.trim());
-    Ok(())
+    Ok(BootProfileResult { seconds: results })
 }

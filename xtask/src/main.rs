@@ -9,6 +9,10 @@
 //!   (`tests/src/replay.rs`); with `--store`, also print its link floor (`tests/src/floor.rs`).
 //! - `cargo xtask record-requests IMAGE --store DIR --out FILE -- CMD` — record the virtio
 //!   requests of CMD run in the QEMU guest (TCG) as a request trace.
+//! - `cargo xtask bench [--quick] [--guest] [--tessera PATH] [--only PART,...]` — every comparison
+//!   below in one run, medians and spreads of the ratios, the machine and the load: the generated
+//!   section of `docs/benchmarks.md`, `docs/benchmarks.json` (raw samples) and `docs/plots/*.svg`
+//!   (`bench_report.rs`).
 //! - `cargo xtask bench build` — `tessera build` vs `mkfs.ext4 -d` on a 20 000-file tree.
 //! - `cargo xtask bench serve` — `tessera serve` vs `qemu-storage-daemon` (`bench_serve.rs`).
 //! - `cargo xtask bench lazy` — five real workloads on a Debian package-set image, recorded once
@@ -39,12 +43,15 @@ mod bench_export;
 mod bench_lazy;
 mod bench_mounts;
 mod bench_oci;
+mod bench_report;
 mod bench_s3;
 mod bench_scale;
 mod bench_serve;
 mod bench_virtiofs;
 mod bench_warm;
+mod plot;
 mod reliability;
+mod report;
 
 #[derive(Debug, Parser)]
 #[command(name = "cargo xtask", about = "Tessera developer tasks")]
@@ -158,10 +165,15 @@ enum Cmd {
         #[arg(long, default_value_t = 200)]
         mbit: u64,
     },
-    /// Benchmarks (never in CI).
+    /// Benchmarks (never in CI). Without a subcommand: every comparison in one run, written to
+    /// the generated section of docs/benchmarks.md, docs/benchmarks.json and docs/plots/
+    /// (`bench_report.rs`).
+    #[command(args_conflicts_with_subcommands = true)]
     Bench {
         #[command(subcommand)]
-        what: Bench,
+        what: Option<Bench>,
+        #[command(flatten)]
+        report: Box<bench_report::ReportBench>,
     },
 }
 
@@ -235,17 +247,18 @@ fn main() -> ExitCode {
             });
             cmd_replay(&trace, &socket, raw, writes, json, floor)
         }
-        Cmd::Bench { what: Bench::Build { files, runs, cold } } => bench_build(files, runs, cold),
-        Cmd::Bench { what: Bench::Serve(opts) } => bench_serve::run(&opts),
-        Cmd::Bench { what: Bench::BuildOci(opts) } => bench_oci::run(&opts),
-        Cmd::Bench { what: Bench::Lazy(opts) } => bench_lazy::run(&opts),
-        Cmd::Bench { what: Bench::Cold(opts) } => bench_cold::run(&opts),
-        Cmd::Bench { what: Bench::BootProfile(opts) } => bench_warm::run(&opts),
-        Cmd::Bench { what: Bench::Export(opts) } => bench_export::run(&opts),
-        Cmd::Bench { what: Bench::S3(opts) } => bench_s3::run(&opts),
-        Cmd::Bench { what: Bench::Scale(opts) } => bench_scale::run(&opts),
-        Cmd::Bench { what: Bench::Virtiofs(opts) } => bench_virtiofs::run(&opts),
-        Cmd::Bench { what: Bench::Mounts(opts) } => bench_mounts::run(&opts),
+        Cmd::Bench { what: None, report } => bench_report::run(&report),
+        Cmd::Bench { what: Some(Bench::Build { files, runs, cold }), .. } => bench_build(files, runs, cold),
+        Cmd::Bench { what: Some(Bench::Serve(opts)), .. } => bench_serve::run(&opts),
+        Cmd::Bench { what: Some(Bench::BuildOci(opts)), .. } => bench_oci::run(&opts),
+        Cmd::Bench { what: Some(Bench::Lazy(opts)), .. } => bench_lazy::run(&opts),
+        Cmd::Bench { what: Some(Bench::Cold(opts)), .. } => bench_cold::run(&opts),
+        Cmd::Bench { what: Some(Bench::BootProfile(opts)), .. } => bench_warm::run(&opts),
+        Cmd::Bench { what: Some(Bench::Export(opts)), .. } => bench_export::run(&opts),
+        Cmd::Bench { what: Some(Bench::S3(opts)), .. } => bench_s3::run(&opts),
+        Cmd::Bench { what: Some(Bench::Scale(opts)), .. } => bench_scale::run(&opts),
+        Cmd::Bench { what: Some(Bench::Virtiofs(opts)), .. } => bench_virtiofs::run(&opts),
+        Cmd::Bench { what: Some(Bench::Mounts(opts)), .. } => bench_mounts::run(&opts),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
@@ -320,6 +333,23 @@ fn target_dir() -> Result<PathBuf> {
     }
     let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
     v["target_directory"].as_str().map(PathBuf::from).context("cargo metadata: no target_directory")
+}
+
+/// `cmd` as a shell would take it: the program and its arguments, those with spaces or quotes
+/// single-quoted.
+pub(crate) fn command_line(cmd: &Command) -> String {
+    std::iter::once(cmd.get_program())
+        .chain(cmd.get_args())
+        .map(|a| {
+            let a = a.to_string_lossy();
+            if !a.is_empty() && a.chars().all(|c| c.is_ascii_alphanumeric() || "-_./=:,@+%".contains(c)) {
+                a.into_owned()
+            } else {
+                format!("'{}'", a.replace('\'', "'\\''"))
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 fn status(cmd: &mut Command) -> Result<()> {
@@ -844,11 +874,38 @@ fn median(v: &mut [f64]) -> f64 {
     }
 }
 
+/// What `measure_build` found: every run's seconds of both contenders and the inputs' sizes.
+pub(crate) struct BuildResult {
+    pub(crate) files: u64,
+    pub(crate) entries: u64,
+    pub(crate) alloc_bytes: u64,
+    pub(crate) image_bytes: u64,
+    pub(crate) inodes: u64,
+    pub(crate) cold: bool,
+    pub(crate) tessera: Vec<f64>,
+    pub(crate) mkfs: Vec<f64>,
+    pub(crate) mkfs_command: String,
+}
+
 fn bench_build(files: u64, runs: usize, cold: bool) -> Result<()> {
+    status(cargo().args(["build", "--release", "-p", "tessera-cli"]))?;
+    let bin = target_dir()?.join("release").join("tessera");
+    let r = measure_build(&bin, files, runs, cold)?;
+    let (mut tt, mut tm) = (r.tessera.clone(), r.mkfs.clone());
+    let (a, b) = (median(&mut tt), median(&mut tm));
+    println!(
+        "median: tessera build {a:.2}s, mkfs.ext4 -d {b:.2}s, ratio {:.3} (target <= 0.2); \
+         both timed including a final sync, same image size, files on the same disk, {} cores",
+        a / b,
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
+    Ok(())
+}
+
+/// `tessera build` (`bin`) vs `mkfs.ext4 -d` on a generated tree of `files` files, `runs` times.
+pub(crate) fn measure_build(bin: &Path, files: u64, runs: usize, cold: bool) -> Result<BuildResult> {
     fixtures::require_root()?;
     let target = target_dir()?;
-    status(cargo().args(["build", "--release", "-p", "tessera-cli"]))?;
-    let bin = target.join("release").join("tessera");
     let dir = target.join("bench");
     let tree = dir.join("tree");
     let recipe = format!("bench-tree v1 files={files}\n");
@@ -876,25 +933,26 @@ fn bench_build(files: u64, runs: usize, cold: bool) -> Result<()> {
     let img = dir.join("mkfs.img");
     let (mut tt, mut tm) = (Vec::new(), Vec::new());
     let mut geometry: Option<(u64, u64)> = None;
+    let mut mkfs_command = String::new();
     for run in 1..=runs {
         let _ = std::fs::remove_dir_all(&store);
         if cold {
             drop_caches()?;
         }
-        let (d, _id, (size, inodes)) = timed_tessera_builder(&bin, tree.as_os_str(), &store, &mut geometry)?;
+        let (d, _id, (size, inodes)) = timed_tessera_builder(bin, tree.as_os_str(), &store, &mut geometry)?;
         let _ = std::fs::remove_file(&img);
         if cold {
             drop_caches()?;
         }
-        let (dm, _) = timed(
-            Command::new("mkfs.ext4")
-                .args(["-q", "-F", "-b", "4096", "-I", "256", "-N"])
-                .arg(inodes.to_string())
-                .arg("-d")
-                .arg(&tree)
-                .arg(&img)
-                .arg(format!("{}k", size / 1024)),
-        )?;
+        let mut mkfs = Command::new("mkfs.ext4");
+        mkfs.args(["-q", "-F", "-b", "4096", "-I", "256", "-N"])
+            .arg(inodes.to_string())
+            .arg("-d")
+            .arg(&tree)
+            .arg(&img)
+            .arg(format!("{}k", size / 1024));
+        mkfs_command = command_line(&mkfs);
+        let (dm, _) = timed(&mut mkfs)?;
         println!(
             "run {run}: tessera build {:.2}s   mkfs.ext4 -d {:.2}s   ratio {:.3}",
             d.as_secs_f64(),
@@ -904,12 +962,16 @@ fn bench_build(files: u64, runs: usize, cold: bool) -> Result<()> {
         tt.push(d.as_secs_f64());
         tm.push(dm.as_secs_f64());
     }
-    let (a, b) = (median(&mut tt), median(&mut tm));
-    println!(
-        "median: tessera build {a:.2}s, mkfs.ext4 -d {b:.2}s, ratio {:.3} (target <= 0.2); \
-         both timed including a final sync, same image size, files on the same disk, {} cores",
-        a / b,
-        std::thread::available_parallelism().map_or(0, |n| n.get())
-    );
-    Ok(())
+    let (image_bytes, inodes) = geometry.unwrap_or_default();
+    Ok(BuildResult {
+        files,
+        entries,
+        alloc_bytes: alloc,
+        image_bytes,
+        inodes,
+        cold,
+        tessera: tt,
+        mkfs: tm,
+        mkfs_command,
+    })
 }

@@ -39,7 +39,8 @@
 //! source into eight 1 MiB destination slots (as a 1 MiB QD8 read test uses them): the memory
 //! speed a warm 1 MiB read (one copy into guest memory) is bounded by. Needs no socket.
 //!
-//! Each test prints one line `result name=… ops=… secs=… iops=… mbps=… p50_us=… p99_us=… …`.
+//! Each test prints one line `result name=… ops=… secs=… iops=… mbps=… p50_us=… p99_us=… p1_us=…
+//! p10_us=… p25_us=… p75_us=… p90_us=… p95_us=… p999_us=… …` (p999: the 99.9th percentile).
 #![allow(clippy::unwrap_used)]
 
 use std::fs::File;
@@ -338,6 +339,18 @@ impl Figures {
             pct(0.50),
             pct(0.99)
         );
+        // More of the latency distribution (the report's latency CDF plot).
+        for (key, p) in [
+            ("p1", 0.01),
+            ("p10", 0.10),
+            ("p25", 0.25),
+            ("p75", 0.75),
+            ("p90", 0.90),
+            ("p95", 0.95),
+            ("p999", 0.999),
+        ] {
+            line += &format!(" {key}_us={:.1}", pct(p));
+        }
         if let Some(cpu) = cpu {
             line += &format!(
                 " cpu_us_per_op={:.2} cpu_util={:.2}",
