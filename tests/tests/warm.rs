@@ -303,10 +303,24 @@ fn record_profile_warm_round_trip_then_serve_with_the_origin_stopped() -> Result
         "second run: only the tag and the entry (which may change) are asked for: {new:?}"
     );
 
-    // The whole image: the rest is fetched, with 4 jobs; then a whole second run fetches nothing.
+    // The whole image: the rest is fetched, with 4 jobs, in runs of chunks stored back to back
+    // (one ranged GET per run, not per chunk: the profiled chunks split the pack in at most
+    // `profiled + 1` runs, each within 4 MiB); then a whole second run fetches nothing.
+    let before = origin.access_log().lines().count();
     let v = warm_json(warm(f.id.as_str(), &url, &cache, &["--jobs", "4"])?, "warm")?;
     ensure!(field(&v, "chunks")? == f.chunks && field(&v, "present_chunks")? == profiled, "{v}");
     ensure!(field(&v, "fetched_chunks")? == f.chunks - profiled, "{v}");
+    let log = origin.access_log();
+    let new: Vec<&str> = log.lines().skip(before).collect();
+    let ranges =
+        data_requests(&new.join("\n")).iter().filter_map(|l| range_of(l)).collect::<Result<Vec<_>>>()?;
+    ensure!(
+        !ranges.is_empty() && ranges.len() as u64 <= profiled + 1,
+        "{} ranged GETs for {} chunks: {new:?}",
+        ranges.len(),
+        f.chunks - profiled
+    );
+    ensure_disjoint_totalling(&ranges, field(&v, "fetched_bytes")?)?;
     let before = origin.access_log().lines().count();
     let v = warm_json(warm("demo", &url, &cache, &[])?, "second warm")?;
     ensure!(field(&v, "fetched_chunks")? == 0 && field(&v, "present_chunks")? == f.chunks, "{v}");
@@ -362,9 +376,20 @@ fn warm_resumes_after_kill_9_and_fails_on_bad_chunks() -> Result<()> {
             .stderr(std::process::Stdio::null())
             .spawn()?;
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    while cached_chunks(&cache)? < 4 {
+    // Killed once some chunks are cached and no write has been seen for 200 ms: a run's chunks
+    // are written together when its request ends, so the kill then lands in the next run's
+    // request (a writer killed inside a write leaves a temp file that only a cleaner after
+    // TEMP_GRACE may remove, which is not what this checks).
+    let (mut seen, mut since) = (0, std::time::Instant::now());
+    loop {
         ensure!(child.try_wait()?.is_none(), "warm finished before it could be killed");
         ensure!(std::time::Instant::now() < deadline, "warm cached no chunks within 60 s");
+        let n = cached_chunks(&cache)?;
+        if n != seen {
+            (seen, since) = (n, std::time::Instant::now());
+        } else if n >= 4 && since.elapsed() >= std::time::Duration::from_millis(200) {
+            break;
+        }
         std::thread::sleep(std::time::Duration::from_millis(10)); // polling interval
     }
     child.kill()?; // SIGKILL

@@ -12,7 +12,11 @@
 //! - **Batches**: a thread taking a chunk off a queue also takes the chunks queued right behind
 //!   it that are stored right behind it in the same pack, up to [`FetchLimits::batch_bytes`]:
 //!   one request to the origin brings the run (an export's pieces, a large guest read, a
-//!   readahead window), and the threads keep separate runs in flight in parallel.
+//!   readahead window), and the threads keep separate runs in flight in parallel. Given the
+//!   pack order ([`ChunkFetcher::start_in_order`]) the run follows it through every queued
+//!   chunk, whatever its queue or position: the chunks stored right before and after the one
+//!   taken, so a demand miss carries its pack-order readahead window in the same request, and
+//!   a profile's chunks queued in first-touch order still go out as runs.
 //!
 //! The fetcher knows chunks only by BlockMap index and where they are stored ([`ChunkPlace`]);
 //! what "fetch" means (the memory tier's verified fetch through the disk cache to the origin) is
@@ -26,6 +30,8 @@ use std::time::{Duration, Instant};
 use tessera_store::StoreError;
 use tracing::{trace, warn};
 
+use crate::packorder::PackOrder;
+
 /// What a waiter learns once every chunk it asked for is in memory (or one failed).
 pub type FetchResult = Result<(), Arc<StoreError>>;
 
@@ -38,6 +44,9 @@ pub type Job = Box<dyn FnOnce() + Send>;
 /// [`FetchLimits::batch_bytes`] for a remote store: stored bytes one fetch (one request) may
 /// bring.
 pub const DEFAULT_BATCH_BYTES: u64 = 4 << 20;
+
+/// [`FetchLimits::carry_bytes`] unless told otherwise.
+pub const DEFAULT_CARRY_BYTES: u64 = 256 << 10;
 
 /// Default number of fetcher threads for a local store (a `pread` each).
 pub const DEFAULT_LOCAL_FETCH_JOBS: usize = 4;
@@ -79,6 +88,10 @@ pub struct FetchLimits {
     /// Most stored bytes of adjacent chunks one fetch takes together (a chunk larger than it
     /// is fetched alone; 0: one chunk per fetch).
     pub batch_bytes: u64,
+    /// Most stored bytes of queued background (readahead, prefetch) chunks a demand batch takes
+    /// along in pack order ([`ChunkFetcher::start_in_order`]): enough for a readahead window,
+    /// little enough that a read does not wait for a long run of prefetch behind it.
+    pub carry_bytes: u64,
 }
 
 impl FetchLimits {
@@ -86,7 +99,13 @@ impl FetchLimits {
     /// one chunk per fetch (a local store: a `pread` each).
     pub fn new(jobs: usize) -> Self {
         let jobs = jobs.max(1);
-        Self { jobs, background_jobs: (jobs / 4).max(1), background_bytes_per_sec: None, batch_bytes: 0 }
+        Self {
+            jobs,
+            background_jobs: (jobs / 4).max(1),
+            background_bytes_per_sec: None,
+            batch_bytes: 0,
+            carry_bytes: DEFAULT_CARRY_BYTES,
+        }
     }
 
     /// The limits for a store of this kind: [`DEFAULT_LOCAL_FETCH_JOBS`], one chunk per fetch
@@ -151,8 +170,9 @@ impl ChunkPlace {
 }
 
 /// Fetch chunks `indexes` (a batch stored back to back in one pack, or a single chunk) into
-/// memory, one outcome per chunk in order; `background`: for readahead or prefetch.
-type FetchFn = dyn Fn(&[u32], bool) -> Vec<FetchResult> + Send + Sync;
+/// memory, one outcome per chunk in order; `background[i]`: chunk `i` is for readahead or
+/// prefetch (no guest read asked for it).
+type FetchFn = dyn Fn(&[u32], &[bool]) -> Vec<FetchResult> + Send + Sync;
 type PlaceFn = dyn Fn(u32) -> Option<ChunkPlace> + Send + Sync;
 
 /// The fetcher threads and their queues. Dropping it stops the threads once the demand queue is
@@ -172,6 +192,8 @@ struct Shared {
     limits: FetchLimits,
     fetch: Box<FetchFn>,
     place: Box<PlaceFn>,
+    /// Pack order: batches follow it through queued chunks.
+    order: Option<Arc<PackOrder>>,
     state: Mutex<State>,
     wake: Condvar,
     stats: FetcherStats,
@@ -228,20 +250,34 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl ChunkFetcher {
     /// Start `limits.jobs` threads running `fetch(indexes, background)` (fetch those chunks into
-    /// memory and return one outcome per chunk, in order; `background` when no guest read asked
-    /// for them, i.e. readahead or prefetch). `place(index)` says where the chunk is stored:
-    /// chunks stored back to back are fetched in one batch, and the stored size is charged
-    /// against the background bandwidth (`None`: not batched, costs nothing).
+    /// memory and return one outcome per chunk, in order; `background[i]` when no guest read
+    /// asked for chunk `i`, i.e. readahead or prefetch). `place(index)` says where the chunk is
+    /// stored: chunks stored back to back and queued together are fetched in one batch, and the
+    /// stored size is charged against the background bandwidth (`None`: not batched, costs
+    /// nothing).
     pub fn start(
         limits: FetchLimits,
-        fetch: impl Fn(&[u32], bool) -> Vec<FetchResult> + Send + Sync + 'static,
+        fetch: impl Fn(&[u32], &[bool]) -> Vec<FetchResult> + Send + Sync + 'static,
         place: impl Fn(u32) -> Option<ChunkPlace> + Send + Sync + 'static,
+    ) -> std::io::Result<Self> {
+        Self::start_in_order(limits, fetch, place, None)
+    }
+
+    /// [`Self::start`] with the pack order of `place` (its [`PackOrder`]): a batch takes every
+    /// queued chunk stored right before or after the ones it holds, in any queue, within
+    /// [`FetchLimits::batch_bytes`] (batches on: `batch_bytes > 0`).
+    pub fn start_in_order(
+        limits: FetchLimits,
+        fetch: impl Fn(&[u32], &[bool]) -> Vec<FetchResult> + Send + Sync + 'static,
+        place: impl Fn(u32) -> Option<ChunkPlace> + Send + Sync + 'static,
+        order: Option<Arc<PackOrder>>,
     ) -> std::io::Result<Self> {
         let limits = FetchLimits { jobs: limits.jobs.max(1), ..limits };
         let shared = Arc::new(Shared {
             limits,
             fetch: Box::new(fetch),
             place: Box::new(place),
+            order,
             state: Mutex::new(State {
                 queues: Default::default(),
                 jobs: VecDeque::new(),
@@ -294,6 +330,19 @@ impl ChunkFetcher {
     /// costs a memory lookup) with `priority`; call `done` once all are in (or one failed). With
     /// no chunks, `done` runs at once on this thread.
     pub fn fetch(&self, chunks: &[u32], priority: Priority, done: Option<FetchDone>) {
+        self.fetch_with_ahead(chunks, priority, done, &[]);
+    }
+
+    /// [`Self::fetch`], and `ahead` queued for readahead in the same step (before any thread can
+    /// take one of `chunks`), so that a batch started by one of `chunks` takes those of `ahead`
+    /// stored right after it ([`Self::start_in_order`]): one request for a miss and its window.
+    pub fn fetch_with_ahead(
+        &self,
+        chunks: &[u32],
+        priority: Priority,
+        done: Option<FetchDone>,
+        ahead: &[u32],
+    ) {
         let waiter = done.map(|d| {
             Arc::new(Waiter {
                 remaining: AtomicUsize::new(1),
@@ -303,37 +352,42 @@ impl ChunkFetcher {
         });
         {
             let mut st = lock(&self.shared.state);
-            for &c in chunks {
-                if let Some(w) = &waiter {
-                    w.remaining.fetch_add(1, Ordering::AcqRel);
-                }
-                match st.entries.get_mut(&c) {
-                    Some(e) => {
-                        self.shared.stats.joined.fetch_add(1, Ordering::Relaxed);
-                        if let Some(w) = &waiter {
-                            e.waiters.push(Arc::clone(w));
-                        }
-                        if priority == Priority::Demand && e.started && e.priority != Priority::Demand {
-                            self.shared.stats.behind_background.fetch_add(1, Ordering::Relaxed);
-                        }
-                        if priority < e.priority && !e.started {
-                            e.priority = priority;
-                            st.queues[priority.queue()].push_back(c);
-                            self.shared.stats.promoted.fetch_add(1, Ordering::Relaxed);
-                        }
-                    }
-                    None => {
-                        let waiters = waiter.iter().cloned().collect();
-                        st.entries.insert(c, Entry { started: false, priority, waiters });
-                        st.queues[priority.queue()].push_back(c);
-                    }
-                }
-            }
+            self.register(&mut st, chunks, priority, waiter.as_ref());
+            self.register(&mut st, ahead, Priority::Readahead, None);
         }
         self.shared.wake.notify_all();
         if let Some(w) = waiter {
             // Release the registration guard: done runs here if everything already arrived.
             w.arrived(&Ok(()));
+        }
+    }
+
+    fn register(&self, st: &mut State, chunks: &[u32], priority: Priority, waiter: Option<&Arc<Waiter>>) {
+        for &c in chunks {
+            if let Some(w) = waiter {
+                w.remaining.fetch_add(1, Ordering::AcqRel);
+            }
+            match st.entries.get_mut(&c) {
+                Some(e) => {
+                    self.shared.stats.joined.fetch_add(1, Ordering::Relaxed);
+                    if let Some(w) = waiter {
+                        e.waiters.push(Arc::clone(w));
+                    }
+                    if priority == Priority::Demand && e.started && e.priority != Priority::Demand {
+                        self.shared.stats.behind_background.fetch_add(1, Ordering::Relaxed);
+                    }
+                    if priority < e.priority && !e.started {
+                        e.priority = priority;
+                        st.queues[priority.queue()].push_back(c);
+                        self.shared.stats.promoted.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+                None => {
+                    let waiters = waiter.into_iter().cloned().collect();
+                    st.entries.insert(c, Entry { started: false, priority, waiters });
+                    st.queues[priority.queue()].push_back(c);
+                }
+            }
         }
     }
 }
@@ -433,35 +487,76 @@ impl Shared {
 
     /// The batch started by `first` (claimed off queue `queue`): `first` and the chunks queued
     /// right behind it (same priority, not started) that are stored right behind it in the same
-    /// pack, while the batch stays within [`FetchLimits::batch_bytes`]. Claims them.
+    /// pack — or, given the pack order, every queued chunk not started that is stored right
+    /// before or after the run, in any queue — while the batch stays within
+    /// [`FetchLimits::batch_bytes`]. Claims them; returns them in pack order.
     fn gather(&self, st: &mut State, queue: usize, first: u32) -> Vec<u32> {
         let mut batch = vec![first];
         if self.limits.batch_bytes == 0 {
             // One chunk per fetch (a local store): no lookups under the lock.
             return batch;
         }
-        let Some(mut last) = (self.place)(first) else { return batch };
-        let mut bytes = u64::from(last.stored_len);
-        while let Some(&next) = st.queues[queue].front() {
-            match st.entries.get(&next) {
-                // Started, or fetched already: a stale copy left by a promotion.
-                None => {}
-                Some(e) if e.started => {}
-                Some(e) if e.priority.queue() != queue => break,
-                Some(_) => {
-                    let Some(place) = (self.place)(next) else { break };
-                    if !last.followed_by(&place)
-                        || bytes + u64::from(place.stored_len) > self.limits.batch_bytes
+        let Some(start) = (self.place)(first) else { return batch };
+        let mut bytes = u64::from(start.stored_len);
+        if let Some(order) = &self.order {
+            let (mut ahead, mut before, mut carried) = (Vec::new(), Vec::new(), 0u64);
+            for (forward, out) in [(true, &mut ahead), (false, &mut before)] {
+                let (mut at, mut at_place) = (first, start);
+                loop {
+                    let next = if forward { order.next(at) } else { order.prev(at) };
+                    let Some(n) = next else { break };
+                    let Some(e) = st.entries.get(&n).filter(|e| !e.started) else { break };
+                    let quiet = e.priority != Priority::Demand;
+                    // A background batch leaves demand chunks to the demand threads; a demand
+                    // batch carries background chunks only within `carry_bytes`.
+                    let len = (self.place)(n).map_or(0, |p| u64::from(p.stored_len));
+                    if (queue != 0 && !quiet)
+                        || (queue == 0 && quiet && carried + len > self.limits.carry_bytes)
                     {
                         break;
                     }
-                    claim(st, next);
-                    batch.push(next);
+                    let Some(place) = (self.place)(n) else { break };
+                    let adjacent =
+                        if forward { at_place.followed_by(&place) } else { place.followed_by(&at_place) };
+                    if !adjacent || bytes + u64::from(place.stored_len) > self.limits.batch_bytes {
+                        break;
+                    }
+                    claim(st, n);
+                    out.push(n);
                     bytes += u64::from(place.stored_len);
-                    last = place;
+                    if quiet {
+                        carried += u64::from(place.stored_len);
+                    }
+                    (at, at_place) = (n, place);
                 }
             }
-            st.queues[queue].pop_front();
+            before.reverse();
+            batch = before;
+            batch.push(first);
+            batch.extend(ahead);
+        } else {
+            let mut last = start;
+            while let Some(&next) = st.queues[queue].front() {
+                match st.entries.get(&next) {
+                    // Started, or fetched already: a stale copy left by a promotion.
+                    None => {}
+                    Some(e) if e.started => {}
+                    Some(e) if e.priority.queue() != queue => break,
+                    Some(_) => {
+                        let Some(place) = (self.place)(next) else { break };
+                        if !last.followed_by(&place)
+                            || bytes + u64::from(place.stored_len) > self.limits.batch_bytes
+                        {
+                            break;
+                        }
+                        claim(st, next);
+                        batch.push(next);
+                        bytes += u64::from(place.stored_len);
+                        last = place;
+                    }
+                }
+                st.queues[queue].pop_front();
+            }
         }
         if batch.len() > 1 {
             self.stats.batched.fetch_add(batch.len() as u64 - 1, Ordering::Relaxed);
@@ -470,6 +565,8 @@ impl Shared {
     }
 
     /// Fetch the claimed chunks `batch` without the lock, then tell their waiters.
+    /// `background`: the batch runs in a background slot; each chunk is background or not by
+    /// its own priority (a demand batch may carry readahead chunks stored after it).
     fn fetch_batch<'a>(
         &'a self,
         mut st: MutexGuard<'a, State>,
@@ -478,17 +575,21 @@ impl Shared {
     ) -> MutexGuard<'a, State> {
         st.running += 1;
         self.stats.max_running.fetch_max(st.running, Ordering::Relaxed);
+        let quiet: Vec<bool> =
+            batch.iter().map(|c| st.entries.get(c).is_none_or(|e| e.priority != Priority::Demand)).collect();
         drop(st);
-        let counter = if background { &self.stats.background } else { &self.stats.demand };
-        counter.fetch_add(batch.len() as u64, Ordering::Relaxed);
+        let quiet_chunks = quiet.iter().filter(|&&q| q).count() as u64;
+        self.stats.background.fetch_add(quiet_chunks, Ordering::Relaxed);
+        self.stats.demand.fetch_add(batch.len() as u64 - quiet_chunks, Ordering::Relaxed);
         trace!(first = batch[0], chunks = batch.len(), background, "chunk fetch");
-        let mut results = (self.fetch)(&batch, background).into_iter();
+        let mut results = (self.fetch)(&batch, &quiet).into_iter();
         let results: Vec<FetchResult> = batch
             .iter()
-            .map(|&c| {
+            .zip(&quiet)
+            .map(|(&c, &quiet)| {
                 let r = results.next().unwrap_or_else(|| Err(Arc::new(no_outcome())));
                 if let Err(e) = &r {
-                    if background {
+                    if quiet {
                         // Nobody may be waiting; a demand read of the chunk tries again.
                         warn!(
                             chunk = c,
@@ -747,7 +848,7 @@ mod tests {
     }
 
     /// A fetch function recording each call's batch; chunk 13 fails.
-    fn recording(log: &Arc<Mutex<Vec<Vec<u32>>>>) -> impl Fn(&[u32], bool) -> Vec<FetchResult> {
+    fn recording(log: &Arc<Mutex<Vec<Vec<u32>>>>) -> impl Fn(&[u32], &[bool]) -> Vec<FetchResult> {
         let log = Arc::clone(log);
         move |cs, _| {
             log.lock().unwrap().push(cs.to_vec());
@@ -832,6 +933,80 @@ mod tests {
             rxs.iter().map(|rx| rx.recv_timeout(Duration::from_secs(10)).unwrap().is_ok()).collect();
         assert_eq!(outcomes, vec![true, false, true]);
         assert_eq!(*log.lock().unwrap(), vec![vec![12, 13, 14]], "one fetch for the three");
+    }
+
+    #[test]
+    fn in_pack_order_a_batch_takes_queued_neighbours_of_any_queue_within_the_carry() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let gates = Gates::new();
+        // Chunks 0..=20 back to back, 1000 bytes each; chunk 100 elsewhere (it holds the thread).
+        let place = |c: u32| {
+            Some(ChunkPlace { pack: u32::from(c == 100), offset: u64::from(c) * 1000, stored_len: 1000 })
+        };
+        let order = Arc::new(PackOrder::new(101, place));
+        let (g, rec) = (Arc::clone(&gates), recording(&log));
+        let limits = FetchLimits { jobs: 1, batch_bytes: 10_000, carry_bytes: 3000, ..FetchLimits::new(1) };
+        let f = ChunkFetcher::start_in_order(
+            limits,
+            move |cs, bg| if cs == [100] { vec![g.fetch(100)] } else { rec(cs, bg) },
+            place,
+            Some(order),
+        )
+        .unwrap();
+        f.fetch(&[100], Priority::Demand, None);
+        gates.wait_started(1);
+        // Queued in no useful order: a profile (prefetch) 12, 3, 4; then a miss of 5 with its
+        // readahead window 6, 7. Demand 5 takes the queued background chunks after it (6, 7:
+        // 8 is not queued), then before it within the 3000-byte carry (4; 3 would pass it).
+        f.fetch(&[12, 3, 4], Priority::Prefetch, None);
+        let (done, rx) = done_channel();
+        f.fetch_with_ahead(&[5], Priority::Demand, Some(done), &[6, 7]);
+        gates.release(100);
+        assert!(rx.recv_timeout(Duration::from_secs(10)).unwrap().is_ok());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while f.pending() > 0 {
+            assert!(Instant::now() < deadline);
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let log = log.lock().unwrap().clone();
+        assert_eq!(log[0], vec![4, 5, 6, 7], "the miss carries its neighbours, in pack order: {log:?}");
+        let mut rest = log[1..].to_vec();
+        rest.sort();
+        assert_eq!(rest, vec![vec![3], vec![12]], "{log:?}");
+        assert_eq!(f.stats().demand.load(Ordering::Relaxed), 2, "5 and 100");
+        assert_eq!(f.stats().background.load(Ordering::Relaxed), 5);
+    }
+
+    #[test]
+    fn a_background_batch_leaves_demand_chunks_to_the_demand_threads() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let place = |c: u32| Some(ChunkPlace { pack: 0, offset: u64::from(c) * 1000, stored_len: 1000 });
+        let order = Arc::new(PackOrder::new(10, place));
+        let f = ChunkFetcher::start_in_order(
+            FetchLimits { batch_bytes: 10_000, ..FetchLimits::new(1) },
+            recording(&log),
+            place,
+            Some(order),
+        )
+        .unwrap();
+        // One thread: a demand chunk queued while the prefetch run is gathered stays out of it.
+        let (done, rx) = done_channel();
+        {
+            let mut st = lock(&f.shared.state);
+            f.register(&mut st, &[1, 2], Priority::Prefetch, None);
+            st.entries.insert(3, Entry { started: false, priority: Priority::Demand, waiters: Vec::new() });
+            f.register(&mut st, &[4], Priority::Prefetch, None);
+            // Take the prefetch run as a background thread would.
+            claim(&mut st, 1);
+            let batch = f.shared.gather(&mut st, 2, 1);
+            assert_eq!(batch, vec![1, 2], "stops before the demand chunk 3");
+            for c in batch {
+                st.entries.remove(&c);
+            }
+            st.entries.remove(&3);
+        }
+        f.fetch(&[3], Priority::Demand, Some(done));
+        assert!(rx.recv_timeout(Duration::from_secs(10)).unwrap().is_ok());
     }
 
     #[test]

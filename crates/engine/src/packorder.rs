@@ -1,10 +1,14 @@
 //! Pack-order readahead (issue 15, point 4): the builder packs chunks in tree order, so what it
-//! laid out together (the files of one directory, a program and the libraries beside it) is
-//! stored together. When a guest read misses chunk `c`, the chunks stored right after `c` in its
-//! pack — whatever files they belong to — are likely wanted soon; fetched in the background in
-//! the same round trip as `c`, a serial reader (a program start: open, read, open the next) stops
-//! paying one round trip per file. Fetch-once holds: chunks in memory or already pending are
-//! skipped, and the window is counted in stored bytes.
+//! laid out together (the files of one directory, a program and the libraries beside it, a
+//! file's chunks) is stored together. When a guest read misses chunk `c`, the chunks stored
+//! right after `c` in its pack — whatever files they belong to — are likely wanted soon; fetched
+//! in the same ranged request as `c`, a serial reader (a program start: open, read, open the
+//! next; `cat` of a large file) stops paying one round trip per file or chunk. Fetch-once holds:
+//! chunks in memory or already pending are skipped, and the window is counted in stored bytes.
+//!
+//! A window that grew while the reader went on through it (doubling, fetched ahead in the
+//! background) was tried and measured: on the `bench lazy` workloads it cut no demand miss and
+//! cost 4–11% more origin bytes (`docs/benchmarks.md`), so the window is fixed.
 
 use crate::fetcher::ChunkPlace;
 
@@ -16,6 +20,7 @@ const NONE: u32 = u32::MAX;
 #[derive(Debug, Clone)]
 pub struct PackOrder {
     next: Vec<u32>,
+    prev: Vec<u32>,
 }
 
 impl PackOrder {
@@ -31,6 +36,7 @@ impl PackOrder {
             .collect();
         placed.sort_unstable();
         let mut next = vec![NONE; chunks];
+        let mut prev = vec![NONE; chunks];
         for w in placed.windows(2) {
             let (pack, offset, len, c) = w[0];
             let (next_pack, next_offset, _, d) = w[1];
@@ -39,14 +45,20 @@ impl PackOrder {
                 && (next_offset == offset || offset.checked_add(u64::from(len)) == Some(next_offset))
             {
                 next[c as usize] = d;
+                prev[d as usize] = c;
             }
         }
-        Self { next }
+        Self { next, prev }
     }
 
     /// The chunk stored right after `c`, if any.
     pub fn next(&self, c: u32) -> Option<u32> {
         self.next.get(c as usize).copied().filter(|&n| n != NONE)
+    }
+
+    /// The chunk stored right before `c`, if any.
+    pub fn prev(&self, c: u32) -> Option<u32> {
+        self.prev.get(c as usize).copied().filter(|&n| n != NONE)
     }
 
     /// The chunks stored after `c` in its pack, back to back, within `window` stored bytes
@@ -108,5 +120,9 @@ mod tests {
         assert_eq!(order.after(3, 150, stored, |_| false), vec![1]);
         assert_eq!(order.after(3, 1000, stored, |c| c == 1), vec![0]);
         assert!(order.after(0, 1000, stored, |_| false).is_empty());
+        assert_eq!(
+            (order.prev(1), order.prev(0), order.prev(3), order.prev(4)),
+            (Some(3), Some(1), None, None)
+        );
     }
 }

@@ -204,8 +204,10 @@ pub struct MemTier<S> {
     core: Arc<Core<S>>,
     fetcher: ChunkFetcher,
     readahead: u64,
+    /// The pack order of the image's chunks (remote stores: batches follow it).
+    order: Option<Arc<PackOrder>>,
     /// Pack-order readahead: the order and the window in stored bytes ([`Self::with_pack_readahead`]).
-    pack_ahead: Option<(PackOrder, u64)>,
+    pack_ahead: Option<(Arc<PackOrder>, u64)>,
     /// End offsets of recent reads: a read starting at one of them is sequential.
     streams: Mutex<Streams>,
     trace: Option<Arc<TraceRecorder>>,
@@ -319,19 +321,29 @@ impl<S: ChunkSource> Core<S> {
     }
 
     /// The chunks `indexes` (stored back to back in one pack: the fetcher's batch) fetched into
-    /// memory with one request for those missing; one outcome per chunk.
-    fn fill_batch(&self, indexes: &[u32], background: bool) -> Vec<FetchResult> {
+    /// memory with one request for those missing; one outcome per chunk; `background[i]`:
+    /// chunk `i` is for readahead or prefetch.
+    fn fill_batch(&self, indexes: &[u32], background: &[bool]) -> Vec<FetchResult> {
+        let quiet = |k: usize| background.get(k).copied().unwrap_or(false);
         if let [index] = indexes {
-            return vec![self.fill(*index, background).map(|_| ())];
+            // Through the origin's join: reads of adjacent chunks queued a moment apart (a burst
+            // of cold guest reads) still share a request there.
+            return vec![self.fill(*index, quiet(0)).map(|_| ())];
         }
         // Counted as lookups, as a single fill is (one that arrived meanwhile is a hit).
-        let missing: Vec<u32> = indexes.iter().copied().filter(|&c| self.cached(c).is_none()).collect();
+        let missing: Vec<(u32, bool)> = indexes
+            .iter()
+            .enumerate()
+            .filter(|&(_, &c)| self.cached(c).is_none())
+            .map(|(k, &c)| (c, quiet(k)))
+            .collect();
+        let wanted: Vec<u32> = missing.iter().map(|m| m.0).collect();
         let mut fetched: Vec<(u32, FetchResult)> = Vec::with_capacity(missing.len());
-        for (&index, data) in missing.iter().zip(self.reader.fetch_chunks(&missing)) {
+        for (&(index, quiet), data) in missing.iter().zip(self.reader.fetch_chunks(&wanted)) {
             // Inserted only if absent, through moka's per-key initialisation (which `fill` shares):
             // a copy in memory is never replaced, so its slot always holds what moka holds.
             let outcome = data.map(|data| {
-                let chunk = self.admit(index, data, background);
+                let chunk = self.admit(index, data, quiet);
                 self.cache.entry(index).or_insert_with(|| {
                     self.keep(index, &chunk);
                     chunk
@@ -478,6 +490,7 @@ impl<S: ChunkSource> MemTier<S> {
                 }
             })
             .build();
+        let batched = limits.batch_bytes > 0;
         let core = Arc::new(Core {
             reader: reader.with_cache_capacity(0),
             cache,
@@ -487,14 +500,24 @@ impl<S: ChunkSource> MemTier<S> {
             prefetched,
             huge_pages: AtomicBool::new(true),
         });
+        let order = batched.then(|| Arc::new(PackOrder::new(chunks, |c| core.place(c))));
         let (fetch_core, place_core) = (Arc::clone(&core), Arc::clone(&core));
-        let fetcher = ChunkFetcher::start(
+        let fetcher = ChunkFetcher::start_in_order(
             limits,
             move |chunks, background| fetch_core.fill_batch(chunks, background),
             move |c| place_core.place(c),
+            order.clone(),
         )
         .map_err(StartError)?;
-        Ok(Self { core, fetcher, readahead: 0, pack_ahead: None, streams: Mutex::default(), trace: None })
+        Ok(Self {
+            core,
+            fetcher,
+            readahead: 0,
+            order,
+            pack_ahead: None,
+            streams: Mutex::default(),
+            trace: None,
+        })
     }
 
     /// Record the first touch of every chunk a read needs (`--record-trace`).
@@ -516,12 +539,15 @@ impl<S: ChunkSource> MemTier<S> {
     }
 
     /// When a read misses memory, fetch up to `bytes` (stored) of the chunks stored after each
-    /// missed chunk in its pack, whatever file they belong to, in the background
+    /// missed chunk in its pack, whatever file they belong to, in the same request as the miss
     /// ([`crate::packorder`]; 0 turns it off).
     pub fn with_pack_readahead(self, bytes: u64) -> Self {
         let pack_ahead = (bytes > 0 && self.core.capacity > 0).then(|| {
-            let chunks = self.core.reader.image().record().block_map.chunks().len();
-            (PackOrder::new(chunks, |c| self.core.place(c)), bytes)
+            let order = self.order.clone().unwrap_or_else(|| {
+                let chunks = self.core.reader.image().record().block_map.chunks().len();
+                Arc::new(PackOrder::new(chunks, |c| self.core.place(c)))
+            });
+            (order, bytes)
         });
         Self { pack_ahead, ..self }
     }
@@ -717,11 +743,9 @@ impl<S: ChunkSource> BlockDevice for MemTier<S> {
         match self.core.missing(offset, len) {
             Ok(chunks) => {
                 let ahead = self.pack_ahead(&chunks);
-                self.fetcher.fetch(&chunks, Priority::Demand, Some(done));
-                if !ahead.is_empty() {
-                    self.core.stats.readahead_chunks.fetch_add(ahead.len() as u64, Ordering::Relaxed);
-                    self.fetcher.fetch(&ahead, Priority::Readahead, None);
-                }
+                self.core.stats.readahead_chunks.fetch_add(ahead.len() as u64, Ordering::Relaxed);
+                // In one step, so the batch of a missed chunk takes its window along.
+                self.fetcher.fetch_with_ahead(&chunks, Priority::Demand, Some(done), &ahead);
             }
             Err(e) => done(Err(Arc::new(e))),
         }
