@@ -144,12 +144,13 @@ pub(crate) fn finish_image_with(
         seed,
         label: Vec::new(),
     };
-    let fs = tessera_ext4::synthesize(tree, &options)?;
+    let mut prefix = PrefixSink::new(store.root())?;
+    let fs = tessera_ext4::synthesize_into(tree, &options, &mut prefix)?;
     let g = &fs.geometry;
     info!(blocks = g.blocks, inodes = g.inodes, data_start = g.data_start_block, "synthesized ext4");
 
     let mut map = BlockMap::builder(g.blocks);
-    let prefix = push_prefix(&mut map, fs.metadata, store.root())?;
+    let prefix = prefix.finish(&mut map)?;
     push_file_data(&mut map, &fs.placements, files)?;
     let record = ImageRecord {
         options: BuildOptions { chunk_size: config.chunk_size },
@@ -166,9 +167,7 @@ pub(crate) fn finish_image_with(
     Ok(BuildOutput { id, record, entry, new_chunks: 0, new_stored_bytes: 0 })
 }
 
-/// The metadata prefix, made as it is mapped: every non-zero metadata block, concatenated in device
-/// order, hashed and zstd-compressed run by run, each run freed once consumed — the uncompressed
-/// prefix (256 bytes per inode plus every directory block) is never held twice, nor whole.
+/// The metadata prefix: every non-zero metadata block, concatenated in device order.
 struct Prefix {
     /// sha256 of the uncompressed prefix.
     digest: Sha256Digest,
@@ -177,30 +176,58 @@ struct Prefix {
     compressed: Vec<u8>,
 }
 
-fn push_prefix(
-    map: &mut BlockMapBuilder,
-    metadata: Vec<MetadataRun>,
-    store: &Path,
-) -> Result<Prefix, BuildError> {
-    use sha2::Digest as _;
-    use std::io::Write as _;
-    let total: usize = metadata.iter().map(|r| r.data.len()).sum();
-    let failed = |e: std::io::Error| BuildError::io(store, "compress prefix")(e);
-    let mut z = zstd::stream::Encoder::new(Vec::new(), PREFIX_ZSTD_LEVEL).map_err(failed)?;
-    // The same frame as a one-shot compression of the whole prefix (content size in the header).
-    z.set_pledged_src_size(Some(total as u64)).map_err(failed)?;
-    z.include_contentsize(true).map_err(failed)?;
-    let mut sha = sha2::Sha256::new();
-    let mut at = 0u64;
-    for run in metadata {
-        let blocks = run.data.len() as u64 / BlockSize::U64;
-        map.push_prefix(run.start_block, blocks, at)?;
-        at += blocks;
-        sha.update(&run.data);
-        z.write_all(&run.data).map_err(failed)?;
+/// Takes the metadata runs as ext4 renders them, in device order, and hashes and zstd-compresses
+/// each at once: the uncompressed prefix (256 bytes per inode plus every directory block) is
+/// never held, only the compressed one and where each run goes.
+struct PrefixSink<'a> {
+    store: &'a Path,
+    z: zstd::stream::Encoder<'static, Vec<u8>>,
+    sha: sha2::Sha256,
+    /// (first device block, blocks, first prefix block) of each run.
+    runs: Vec<(u64, u64, u64)>,
+    blocks: u64,
+    /// The first failure (of the compressor); later runs are ignored.
+    failed: Option<std::io::Error>,
+}
+
+impl<'a> PrefixSink<'a> {
+    fn new(store: &'a Path) -> Result<Self, BuildError> {
+        use sha2::Digest as _;
+        let z = zstd::stream::Encoder::new(Vec::new(), PREFIX_ZSTD_LEVEL)
+            .map_err(BuildError::io(store, "compress prefix"))?;
+        Ok(Self { store, z, sha: sha2::Sha256::new(), runs: Vec::new(), blocks: 0, failed: None })
     }
-    let compressed = z.finish().map_err(failed)?;
-    Ok(Prefix { digest: Sha256Digest(sha.finalize().into()), blocks: at, compressed })
+
+    /// Map the prefix runs into `map` and finish the compressed prefix.
+    fn finish(self, map: &mut BlockMapBuilder) -> Result<Prefix, BuildError> {
+        use sha2::Digest as _;
+        let failed = BuildError::io(self.store, "compress prefix");
+        if let Some(e) = self.failed {
+            return Err(failed(e));
+        }
+        for &(start, blocks, at) in &self.runs {
+            map.push_prefix(start, blocks, at)?;
+        }
+        let compressed = self.z.finish().map_err(failed)?;
+        Ok(Prefix { digest: Sha256Digest(self.sha.finalize().into()), blocks: self.blocks, compressed })
+    }
+}
+
+impl tessera_ext4::MetadataSink for PrefixSink<'_> {
+    fn put(&mut self, run: MetadataRun) {
+        use sha2::Digest as _;
+        use std::io::Write as _;
+        if self.failed.is_some() {
+            return;
+        }
+        let blocks = run.data.len() as u64 / BlockSize::U64;
+        self.runs.push((run.start_block, blocks, self.blocks));
+        self.blocks += blocks;
+        self.sha.update(&run.data);
+        if let Err(e) = self.z.write_all(&run.data) {
+            self.failed = Some(e);
+        }
+    }
 }
 
 /// File data: intersect each file's chunks with where ext4 placed its blocks.

@@ -22,7 +22,7 @@ use crate::namespace::{self, Namespace, Slot, LINK_MAX, LOST_FOUND_INO};
 use crate::superblock::SuperblockParams;
 use crate::tree::{DataRange, Meta, NodeKind, Timestamp, Tree};
 use crate::xattr::{self, DiskXattr};
-use crate::{Ext4Image, Geometry, MetadataRun, Options, PlacedExtent, SizePolicy};
+use crate::{Ext4Layout, Geometry, MetadataRun, MetadataSink, Options, PlacedExtent, SizePolicy};
 use tessera_image::BlockSize;
 
 /// Largest file: `ee_block` is 32 bits, so the last block index is 2^32 − 2.
@@ -136,7 +136,7 @@ pub fn derive_ids(seed: &[u8; 32]) -> ([u8; 16], [u32; 4]) {
     (uuid, hash_seed)
 }
 
-pub fn synthesize(tree: &Tree, opts: &Options) -> Result<Ext4Image, Ext4Error> {
+pub fn synthesize(tree: &Tree, opts: &Options, out: &mut dyn MetadataSink) -> Result<Ext4Layout, Ext4Error> {
     if opts.label.len() > 16 {
         return Err(Ext4Error::LabelTooLong { len: opts.label.len() });
     }
@@ -149,7 +149,8 @@ pub fn synthesize(tree: &Tree, opts: &Options) -> Result<Ext4Image, Ext4Error> {
         (0..objs.len()).filter(|&i| matches!(objs[i].kind, ObjKind::File { .. })).collect();
     files.sort_by_key(|&i| objs[i].node);
     let lay = size_and_layout(&objs, xblocks.len(), &files, ns.last_ino() as u64, opts)?;
-    Ok(render(&RenderInput { tree, objs: &objs, xblocks: &xblocks, lay: &lay, ns: &ns, opts, ids }))
+    drop(files);
+    render(&RenderInput { tree, objs: &objs, xblocks: &xblocks, lay: &lay, ns: &ns, opts, ids }, out)
 }
 
 fn check_time(t: Timestamp, path: impl Fn() -> String) -> Result<(), Ext4Error> {
@@ -638,59 +639,88 @@ fn layout(
     }
 }
 
-/// Collects rendered blocks and turns them into sorted, coalesced runs of non-zero blocks.
-#[derive(Debug, Default)]
-struct MetaSink {
-    regions: Vec<(u64, Vec<u8>)>,
+/// Runs of non-zero metadata blocks longer than this are handed on in pieces (the consumer's
+/// block map merges them again), so the sink never holds more than this of a finished stretch.
+const RUN_BYTES: usize = 1 << 20;
+
+/// Takes rendered blocks in any order and hands the non-zero ones on in device order, coalesced,
+/// holding back only what lies beyond the point up to which rendering is finished
+/// ([`Self::flush_below`]): the rendering steps go in device order, so what is held back is a
+/// few blocks (the backup superblocks, file extent-tree blocks), never the whole prefix.
+struct MetaSink<'s> {
+    /// Rendered regions not handed on yet, by first block.
+    pending: BTreeMap<u64, Vec<u8>>,
+    /// The run being coalesced: its first block and bytes.
+    run: (u64, Vec<u8>),
+    /// Every block below this has been handed on (or was zero).
+    done: u64,
+    /// A block was put below `done`: a rendering step out of device order (a bug, reported).
+    misordered: bool,
+    out: &'s mut dyn MetadataSink,
 }
 
-impl MetaSink {
+impl<'s> MetaSink<'s> {
+    fn new(out: &'s mut dyn MetadataSink) -> Self {
+        Self { pending: BTreeMap::new(), run: (0, Vec::new()), done: 0, misordered: false, out }
+    }
+
     fn put(&mut self, block: u64, data: Vec<u8>) {
         debug_assert_eq!(data.len() % BlockSize::USIZE, 0);
-        if !data.is_empty() {
-            self.regions.push((block, data));
+        if data.is_empty() {
+            return;
+        }
+        if block < self.done || self.pending.insert(block, data).is_some() {
+            self.misordered = true;
         }
     }
 
-    fn finish(mut self) -> Vec<MetadataRun> {
-        self.regions.sort_by_key(|r| r.0);
+    /// Hand on every region that starts below `limit`: nothing will be put below it any more.
+    fn flush_below(&mut self, limit: u64) {
+        while let Some(entry) = self.pending.first_entry() {
+            if *entry.key() >= limit {
+                break;
+            }
+            let (start, data) = entry.remove_entry();
+            self.emit(start, &data);
+        }
+    }
+
+    fn emit(&mut self, start: u64, data: &[u8]) {
         let bs = BlockSize::USIZE;
-        let nonzero = |blk: &[u8]| blk.iter().any(|&b| b != 0);
-        // First the runs' lengths, so that each run is allocated once at its size: the inode
-        // tables of a million-inode image are one run of hundreds of MiB, and growing it by
-        // doubling would hold up to three times that at the moment of a reallocation.
-        let mut lens: Vec<(u64, usize)> = Vec::new();
-        for (start, data) in &self.regions {
-            for (k, blk) in data.chunks(bs).enumerate() {
-                if !nonzero(blk) {
-                    continue;
-                }
-                let nr = start + k as u64;
-                match lens.last_mut() {
-                    Some((s, n)) if *s + *n as u64 == nr => *n += 1,
-                    _ => lens.push((nr, 1)),
-                }
-            }
+        if start < self.done {
+            self.misordered = true;
+            return;
         }
-        let mut runs: Vec<MetadataRun> = lens
-            .iter()
-            .map(|&(start_block, n)| MetadataRun { start_block, data: Vec::with_capacity(n * bs) })
-            .collect();
-        let mut at = 0usize;
-        // Regions are consumed in order, each freed once copied.
-        for (start, data) in self.regions {
-            for (k, blk) in data.chunks(bs).enumerate() {
-                if !nonzero(blk) {
-                    continue;
-                }
-                let nr = start + k as u64;
-                while runs[at].start_block + (runs[at].data.len() / bs) as u64 != nr {
-                    at += 1;
-                }
-                runs[at].data.extend_from_slice(blk);
+        for (k, blk) in data.chunks(bs).enumerate() {
+            if blk.iter().all(|&b| b == 0) {
+                continue;
             }
+            let nr = start + k as u64;
+            let (run_start, run) = &mut self.run;
+            if run.is_empty() || *run_start + (run.len() / bs) as u64 != nr || run.len() >= RUN_BYTES {
+                self.hand_on();
+                self.run.0 = nr;
+            }
+            self.run.1.extend_from_slice(blk);
         }
-        runs
+        self.done = start + (data.len() / bs) as u64;
+    }
+
+    fn hand_on(&mut self) {
+        if !self.run.1.is_empty() {
+            let data = std::mem::take(&mut self.run.1);
+            self.out.put(MetadataRun { start_block: self.run.0, data });
+        }
+    }
+
+    /// Hand on the rest; an error if a step rendered out of device order.
+    fn finish(mut self) -> Result<(), Ext4Error> {
+        self.flush_below(u64::MAX);
+        self.hand_on();
+        if self.misordered {
+            return Err(Ext4Error::Internal { what: "metadata rendered out of device order" });
+        }
+        Ok(())
     }
 }
 
@@ -714,31 +744,20 @@ struct RenderInput<'a> {
     ids: Ids,
 }
 
-/// Render every metadata block with its checksum, one step per kind of block, into the sink.
-fn render(input: &RenderInput<'_>) -> Ext4Image {
+/// Render every metadata block with its checksum into `out`, in device order: first what depends
+/// on the layout only (journal, bitmaps, descriptors, superblocks), then the inode tables group by
+/// group, then every object's own blocks in allocation order. Nothing rendered is held longer than
+/// it takes to reach its place in that order.
+fn render(input: &RenderInput<'_>, out: &mut dyn MetadataSink) -> Result<Ext4Layout, Ext4Error> {
     let lay = input.lay;
-    let mut sink = MetaSink::default();
-    // 1. Per-object blocks (directory, extent tree, symlink); inode records straight into the
-    // inode tables (never a second list of them).
-    let mut tables = InodeTables::new(input);
-    let placements = render_objects(input, &mut sink, &mut tables);
-    // 2. Journal inode and block 0 of the journal.
+    let mut sink = MetaSink::new(out);
     let journal = render_journal(input, &mut sink);
-    tables.put(namespace::JOURNAL_INO, &journal.inode);
-    // 3. Xattr blocks.
-    for (x, nr) in input.xblocks.iter().zip(&lay.xblock_nr) {
-        sink.put(*nr, xattr::seal_block(&x.body, x.refcount, *nr, input.ids.fs_seed));
-    }
-    // 4. Inode tables.
-    for (g, table) in tables.0.into_iter().enumerate() {
-        sink.put(lay.inode_table[g], table);
-    }
-    // 5. Bitmaps, then descriptors with their checksums.
     let groups = render_groups(input, &mut sink);
-    // 6. Superblock copies with the descriptor table after each.
     render_superblocks(input, &groups, &journal.jnl_blocks, &mut sink);
-
-    Ext4Image {
+    render_inode_tables(input, &journal.inode, &mut sink);
+    let placements = render_object_blocks(input, &mut sink);
+    sink.finish()?;
+    Ok(Ext4Layout {
         geometry: Geometry {
             block_size: BlockSize::U32,
             blocks: lay.blocks_count,
@@ -752,31 +771,113 @@ fn render(input: &RenderInput<'_>) -> Ext4Image {
             data_end_block: lay.data_end,
             uuid: input.ids.uuid,
         },
-        metadata: sink.finish(),
         placements,
+    })
+}
+
+/// Every group's inode table up to its last used inode (the rest reads as zeros), one group at a
+/// time: objects are in inode order.
+fn render_inode_tables(
+    input: &RenderInput<'_>,
+    journal_inode: &[u8; inode::INODE_SIZE],
+    sink: &mut MetaSink,
+) {
+    let (lay, fs_seed) = (input.lay, input.ids.fs_seed);
+    let (ipg, last_ino) = (lay.ipg, input.ns.last_ino() as u64);
+    let itb = geometry::itable_blocks(ipg);
+    let mut objs = input.objs.iter().zip(&lay.objs).peekable();
+    for g in 0..lay.groups {
+        let used = last_ino.saturating_sub(g * ipg).min(ipg);
+        let first = g * ipg + 1;
+        let mut table = vec![0u8; (used * 256).next_multiple_of(BlockSize::U64) as usize];
+        let mut put = |ino: u32, raw: &[u8; inode::INODE_SIZE]| {
+            let at = (u64::from(ino) - first) as usize * 256;
+            table[at..at + 256].copy_from_slice(raw);
+        };
+        if g == 0 {
+            put(namespace::JOURNAL_INO, journal_inode);
+        }
+        while let Some((o, l)) = objs.next_if(|(o, _)| u64::from(o.ino) < first + ipg) {
+            put(o.ino, &inode_of(input, o, l).render(o.ino, fs_seed));
+        }
+        sink.put(lay.inode_table[g as usize], table);
+        sink.flush_below(lay.inode_table[g as usize] + itb);
     }
 }
 
-/// Step 1: every object's inode record and own blocks, and where each regular file's data went.
-fn render_objects(
-    input: &RenderInput<'_>,
-    sink: &mut MetaSink,
-    tables: &mut InodeTables,
-) -> Vec<Vec<PlacedExtent>> {
-    let fs_seed = input.ids.fs_seed;
+/// Every object's own blocks (directory, extent-tree, slow-symlink and xattr blocks), in the
+/// order the layout allocated them, and where each regular file's data went.
+fn render_object_blocks(input: &RenderInput<'_>, sink: &mut MetaSink) -> Vec<Vec<PlacedExtent>> {
+    let (lay, fs_seed) = (input.lay, input.ids.fs_seed);
     let mut placements: Vec<Vec<PlacedExtent>> = vec![Vec::new(); input.tree.nodes.len()];
-    for (o, l) in input.objs.iter().zip(&input.lay.objs) {
-        let d = render_object(input, o, l, sink);
-        if let (ObjKind::File { .. }, Some(n)) = (&o.kind, o.node) {
-            placements[n] = placed(&l.extents);
+    let mut xblock_done = vec![false; input.xblocks.len()];
+    // The end of the blocks allocated so far before the file extent-tree reserve: later
+    // objects' blocks all lie beyond it (the allocator only moves forward). File extent-tree
+    // blocks lie in the reserve after all of them, in file order; they wait in the sink.
+    let mut finished = 0u64;
+    for (o, l) in input.objs.iter().zip(&lay.objs) {
+        let mut put = |sink: &mut MetaSink, nr: u64, data: Vec<u8>, in_order: bool| {
+            if in_order {
+                finished = finished.max(nr + (data.len() / BlockSize::USIZE) as u64);
+            }
+            sink.put(nr, data);
+        };
+        match &o.kind {
+            ObjKind::Dir { blocks: count, .. } => {
+                let blocks = match o.node {
+                    Some(n) => {
+                        Nodes { tree: input.tree, ns: input.ns, ids: &input.ids }.dir_blocks(n, o.ino).0
+                    }
+                    None => created_lost_found_blocks(o.ino, fs_seed),
+                };
+                debug_assert_eq!(blocks.len(), *count, "a directory rendered to another size");
+                let mut lblk = 0;
+                for e in &l.extents {
+                    let mut run = Vec::with_capacity(e.len as usize * BlockSize::USIZE);
+                    for b in &blocks[lblk..lblk + e.len as usize] {
+                        run.extend_from_slice(b);
+                    }
+                    put(sink, e.pblk, run, true);
+                    lblk += e.len as usize;
+                }
+                for (nr, b) in extent::build_tree(&l.extents, &l.tree_blocks, o.ino, fs_seed).blocks {
+                    put(sink, nr, b, true);
+                }
+            }
+            ObjKind::File { .. } => {
+                if let Some(n) = o.node {
+                    placements[n] = placed(&l.extents);
+                }
+                if !l.tree_blocks.is_empty() {
+                    for (nr, b) in extent::build_tree(&l.extents, &l.tree_blocks, o.ino, fs_seed).blocks {
+                        put(sink, nr, b, false);
+                    }
+                }
+            }
+            ObjKind::Symlink { target } if target.len() > FAST_SYMLINK_MAX => {
+                let mut b = vec![0u8; BlockSize::USIZE];
+                b[..target.len()].copy_from_slice(target);
+                put(sink, l.symlink_block, b, true);
+            }
+            _ => {}
         }
-        tables.put(o.ino, &d.render(o.ino, fs_seed));
+        if let Some(x) = o.xattr_block {
+            if let (Some(done), Some(body), Some(&nr)) =
+                (xblock_done.get_mut(x), input.xblocks.get(x), lay.xblock_nr.get(x))
+            {
+                if !*done {
+                    *done = true;
+                    put(sink, nr, xattr::seal_block(&body.body, body.refcount, nr, fs_seed), true);
+                }
+            }
+        }
+        sink.flush_below(finished);
     }
     placements
 }
 
-/// One object's inode fields; its directory, extent-tree and symlink blocks go into the sink.
-fn render_object(input: &RenderInput<'_>, o: &Obj, l: &ObjLayout, sink: &mut MetaSink) -> InodeData {
+/// One object's inode fields (its own blocks are rendered by [`render_object_blocks`]).
+fn inode_of(input: &RenderInput<'_>, o: &Obj, l: &ObjLayout) -> InodeData {
     let (lay, fs_seed) = (input.lay, input.ids.fs_seed);
     let mut d = InodeData {
         uid: o.meta.uid,
@@ -795,27 +896,25 @@ fn render_object(input: &RenderInput<'_>, o: &Obj, l: &ObjLayout, sink: &mut Met
         d.file_acl = lay.xblock_nr[x];
         owned_blocks += 1;
     }
+    let extent_root = |d: &mut InodeData| {
+        d.i_block = extent::build_tree(&l.extents, &l.tree_blocks, o.ino, fs_seed).i_block;
+        d.flags |= inode::EXT4_EXTENTS_FL;
+    };
     match &o.kind {
         ObjKind::Dir { blocks: count, htree } => {
-            let blocks = match o.node {
-                Some(n) => Nodes { tree: input.tree, ns: input.ns, ids: &input.ids }.dir_blocks(n, o.ino).0,
-                None => created_lost_found_blocks(o.ino, fs_seed),
-            };
-            debug_assert_eq!(blocks.len(), *count, "a directory rendered to another size");
             d.mode = inode::S_IFDIR | perm;
-            d.size = blocks.len() as u64 * BlockSize::U64;
-            owned_blocks += blocks.len() as u64;
+            d.size = *count as u64 * BlockSize::U64;
+            owned_blocks += *count as u64;
             if *htree {
                 d.flags |= inode::EXT4_INDEX_FL;
             }
-            put_dir_blocks(&blocks, &l.extents, sink);
-            put_extent_tree(&mut d, o.ino, l, fs_seed, sink);
+            extent_root(&mut d);
         }
         ObjKind::File { size, .. } => {
             d.mode = inode::S_IFREG | perm;
             d.size = *size;
             owned_blocks += l.extents.iter().map(|e| e.len as u64).sum::<u64>();
-            put_extent_tree(&mut d, o.ino, l, fs_seed, sink);
+            extent_root(&mut d);
         }
         ObjKind::Symlink { target } => {
             d.mode = inode::S_IFLNK | perm;
@@ -823,9 +922,6 @@ fn render_object(input: &RenderInput<'_>, o: &Obj, l: &ObjLayout, sink: &mut Met
             if target.len() <= FAST_SYMLINK_MAX {
                 d.i_block[..target.len()].copy_from_slice(target);
             } else {
-                let mut b = vec![0u8; BlockSize::USIZE];
-                b[..target.len()].copy_from_slice(target);
-                sink.put(l.symlink_block, b);
                 owned_blocks += 1;
                 let ext = [Extent { lblk: 0, len: 1, pblk: l.symlink_block }];
                 d.i_block = extent::build_tree(&ext, &[], o.ino, fs_seed).i_block;
@@ -845,29 +941,6 @@ fn render_object(input: &RenderInput<'_>, o: &Obj, l: &ObjLayout, sink: &mut Met
     }
     d.blocks_512 = owned_blocks * (BlockSize::U64 / 512);
     d
-}
-
-/// A directory's blocks, one run per extent.
-fn put_dir_blocks(blocks: &[Vec<u8>], extents: &[Extent], sink: &mut MetaSink) {
-    let mut lblk = 0;
-    for e in extents {
-        let mut run = Vec::with_capacity(e.len as usize * BlockSize::USIZE);
-        for b in &blocks[lblk..lblk + e.len as usize] {
-            run.extend_from_slice(b);
-        }
-        sink.put(e.pblk, run);
-        lblk += e.len as usize;
-    }
-}
-
-/// The extent tree of an object: its root into `i_block`, its tree blocks into the sink.
-fn put_extent_tree(d: &mut InodeData, ino: u32, l: &ObjLayout, fs_seed: u32, sink: &mut MetaSink) {
-    let t = extent::build_tree(&l.extents, &l.tree_blocks, ino, fs_seed);
-    d.i_block = t.i_block;
-    d.flags |= inode::EXT4_EXTENTS_FL;
-    for (nr, b) in t.blocks {
-        sink.put(nr, b);
-    }
 }
 
 /// The journal's inode record and the superblock's copy of its `i_block` and size.
@@ -906,31 +979,6 @@ fn render_journal(input: &RenderInput<'_>, sink: &mut MetaSink) -> JournalInode 
     jnl_blocks[15] = (jsize >> 32) as u32;
     jnl_blocks[16] = jsize as u32;
     JournalInode { inode: jd.render(namespace::JOURNAL_INO, fs_seed), jnl_blocks }
-}
-
-/// Step 4: each group's inode table, only its used prefix (the rest reads as zeros).
-/// Every group's inode table, up to its last used inode (the rest reads as zeros).
-struct InodeTables(Vec<Vec<u8>>, u64);
-
-impl InodeTables {
-    fn new(input: &RenderInput<'_>) -> Self {
-        let ipg = input.lay.ipg;
-        let last_ino = input.ns.last_ino() as u64;
-        let tables = (0..input.lay.groups)
-            .map(|g| {
-                let used = last_ino.saturating_sub(g * ipg).min(ipg);
-                vec![0u8; (used * 256).next_multiple_of(BlockSize::U64) as usize]
-            })
-            .collect();
-        Self(tables, ipg)
-    }
-
-    /// Put inode `ino`'s record in its slot.
-    fn put(&mut self, ino: u32, raw: &[u8; inode::INODE_SIZE]) {
-        let idx = u64::from(ino - 1);
-        let (g, i) = ((idx / self.1) as usize, (idx % self.1) as usize * 256);
-        self.0[g][i..i + 256].copy_from_slice(raw);
-    }
 }
 
 /// The rendered group descriptor table and the free counts it sums to.
@@ -1073,14 +1121,38 @@ mod tests {
 
     #[test]
     fn sink_drops_zero_blocks_and_coalesces() {
-        let mut s = MetaSink::default();
+        let mut runs: Vec<MetadataRun> = Vec::new();
+        let mut s = MetaSink::new(&mut runs);
         let blk = |v: u8| vec![v; 4096];
         s.put(10, [blk(1), blk(0), blk(2)].concat());
         s.put(13, blk(3));
         s.put(5, blk(4));
-        let runs = s.finish();
+        s.flush_below(11);
+        s.put(20, blk(5));
+        s.finish().unwrap();
         let shape: Vec<(u64, usize)> = runs.iter().map(|r| (r.start_block, r.data.len() / 4096)).collect();
-        assert_eq!(shape, vec![(5, 1), (10, 1), (12, 2)]);
+        assert_eq!(shape, vec![(5, 1), (10, 1), (12, 2), (20, 1)]);
+    }
+
+    #[test]
+    fn sink_refuses_blocks_behind_what_it_handed_on() {
+        let mut runs: Vec<MetadataRun> = Vec::new();
+        let mut s = MetaSink::new(&mut runs);
+        s.put(10, vec![1; 4096]);
+        s.flush_below(11);
+        s.put(9, vec![2; 4096]);
+        assert!(matches!(s.finish(), Err(Ext4Error::Internal { .. })));
+    }
+
+    #[test]
+    fn long_runs_are_handed_on_in_pieces_that_join_up() {
+        let mut runs: Vec<MetadataRun> = Vec::new();
+        let mut s = MetaSink::new(&mut runs);
+        let blocks = 2 * RUN_BYTES / 4096 + 3;
+        s.put(7, vec![9; blocks * 4096]);
+        s.finish().unwrap();
+        assert_eq!(runs.len(), 1, "the Vec sink joins contiguous pieces");
+        assert_eq!((runs[0].start_block, runs[0].data.len()), (7, blocks * 4096));
     }
 
     #[test]

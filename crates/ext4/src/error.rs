@@ -46,4 +46,6 @@ pub enum Ext4Error {
     BadDeviceNumber { path: String, major: u32, minor: u32 },
     #[error("label is {len} bytes, at most 16 allowed")]
     LabelTooLong { len: usize },
+    #[error("internal error of the synthesizer: {what}")]
+    Internal { what: &'static str },
 }

@@ -121,6 +121,35 @@ pub struct Ext4Image {
     pub placements: Vec<Vec<PlacedExtent>>,
 }
 
+/// What [`synthesize_into`] returns besides the metadata it handed to its sink.
+#[derive(Debug, Clone)]
+pub struct Ext4Layout {
+    pub geometry: Geometry,
+    /// As [`Ext4Image::placements`].
+    pub placements: Vec<Vec<PlacedExtent>>,
+}
+
+/// Receives the metadata as it is rendered: runs of non-zero blocks in device order, each
+/// starting after the end of the one before. Contiguous runs may come in several pieces.
+pub trait MetadataSink {
+    fn put(&mut self, run: MetadataRun);
+}
+
+/// Collects the runs, joining contiguous pieces ([`Ext4Image::metadata`]'s form).
+impl MetadataSink for Vec<MetadataRun> {
+    fn put(&mut self, mut run: MetadataRun) {
+        match self.last_mut() {
+            Some(last)
+                if last.start_block + (last.data.len() / tessera_image::BlockSize::USIZE) as u64
+                    == run.start_block =>
+            {
+                last.data.append(&mut run.data);
+            }
+            _ => self.push(run),
+        }
+    }
+}
+
 /// Largest regular file ext4 can describe with 32-bit logical block numbers: 16 TiB − 4 KiB.
 pub const MAX_FILE_SIZE: u64 = build::MAX_FILE_SIZE;
 
@@ -131,5 +160,18 @@ pub const MAX_FILE_SIZE: u64 = build::MAX_FILE_SIZE;
 /// one sequential allocator, and renders every metadata block with its checksum. The output is a pure
 /// function of `tree` and `options`.
 pub fn synthesize(tree: &Tree, options: &Options) -> Result<Ext4Image, Ext4Error> {
-    build::synthesize(tree, options)
+    let mut metadata = Vec::new();
+    let Ext4Layout { geometry, placements } = build::synthesize(tree, options, &mut metadata)?;
+    Ok(Ext4Image { geometry, metadata, placements })
+}
+
+/// [`synthesize`], handing the metadata to `sink` as it is rendered, in device order, instead of
+/// returning it: the metadata (256 bytes an inode plus every directory block) is never held whole.
+/// The runs are those of [`Ext4Image::metadata`], possibly cut in pieces.
+pub fn synthesize_into(
+    tree: &Tree,
+    options: &Options,
+    sink: &mut dyn MetadataSink,
+) -> Result<Ext4Layout, Ext4Error> {
+    build::synthesize(tree, options, sink)
 }
