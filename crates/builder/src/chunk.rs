@@ -28,11 +28,14 @@ pub const BATCH_JOBS: usize = 4096;
 pub const PACK_TARGET_BYTES: u64 = 128 << 20;
 const ZSTD_LEVEL: i32 = 3;
 
-/// Where a chunk lives: in a pack that already existed, or in a pack of this build (by ordinal).
+/// Where a chunk lives: in a pack that already existed (`loc.pack` indexes
+/// [`ChunkOutput::existing_packs`]), or in a pack of this build (`loc.pack` is its ordinal, an
+/// index of [`ChunkOutput::new_packs`]). 24 bytes, not a pack digest per chunk: there is one of
+/// these per chunk of the image.
 #[derive(Debug, Clone, Copy)]
 pub enum ChunkHome {
-    Existing(Sha256Digest, PackLocation),
-    New { pack: usize, loc: PackLocation },
+    Existing(PackLocation),
+    New(PackLocation),
 }
 
 /// What chunking produced.
@@ -44,8 +47,41 @@ pub struct ChunkOutput {
     pub homes: HashMap<ChunkId, ChunkHome>,
     /// Digests of the packs this build wrote, by ordinal.
     pub new_packs: Vec<Sha256Digest>,
+    /// Digests of the packs the store held that chunks of this build are in.
+    pub existing_packs: Vec<Sha256Digest>,
+    /// The index of each digest in `existing_packs`.
+    existing_pack_no: HashMap<Sha256Digest, u32>,
     pub new_chunks: u64,
     pub new_stored_bytes: u64,
+}
+
+impl ChunkOutput {
+    /// The home of a chunk at `loc` in the store's pack `pack`.
+    pub(crate) fn existing_home(&mut self, pack: Sha256Digest, mut loc: PackLocation) -> ChunkHome {
+        let packs = &mut self.existing_packs;
+        loc.pack = *self.existing_pack_no.entry(pack).or_insert_with(|| {
+            packs.push(pack);
+            (packs.len() - 1) as u32
+        });
+        ChunkHome::Existing(loc)
+    }
+
+    /// Record chunk `id` at `loc` in the store's pack `pack`, unless its home is known.
+    pub(crate) fn add_existing(&mut self, id: ChunkId, pack: Sha256Digest, loc: PackLocation) {
+        if !self.homes.contains_key(&id) {
+            let home = self.existing_home(pack, loc);
+            self.homes.insert(id, home);
+        }
+    }
+
+    /// The pack digest and location of chunk `id`, if it has a home.
+    pub(crate) fn location(&self, id: &ChunkId) -> Option<(Sha256Digest, PackLocation)> {
+        let (packs, loc) = match self.homes.get(id)? {
+            ChunkHome::Existing(loc) => (&self.existing_packs, loc),
+            ChunkHome::New(loc) => (&self.new_packs, loc),
+        };
+        Some((*packs.get(loc.pack as usize)?, *loc))
+    }
 }
 
 /// Where a chunk's raw bytes come from.
@@ -333,7 +369,7 @@ impl ChunkState {
             let home = match self.out.homes.get(&p.id) {
                 Some(home) => *home,
                 None => match self.existing.get(&p.id) {
-                    Some(&(pack, loc)) => ChunkHome::Existing(pack, loc),
+                    Some(&(pack, loc)) => self.out.existing_home(pack, loc),
                     None => {
                         // What is known only grows between batches, so a chunk judged known while
                         // the batch ran is still known here.
@@ -351,8 +387,8 @@ impl ChunkState {
                         }
                         self.out.new_chunks += 1;
                         self.out.new_stored_bytes += u64::from(stored_len);
-                        let loc = PackLocation { pack: 0, offset, stored_len, raw_len: p.len, compression };
-                        ChunkHome::New { pack, loc }
+                        let pack = pack as u32;
+                        ChunkHome::New(PackLocation { pack, offset, stored_len, raw_len: p.len, compression })
                     }
                 },
             };

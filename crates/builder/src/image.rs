@@ -23,11 +23,11 @@ use std::sync::atomic::AtomicU64;
 use std::sync::mpsc;
 use std::sync::Arc;
 
-use tessera_image::{ChunkId, PackIndex, Sha256Digest};
+use tessera_image::{ChunkId, PackIndex, PackLocation, Sha256Digest};
 use tessera_store::{KnownChunks, LayerRecord, LocalStore};
 use tracing::{debug, info, warn};
 
-use crate::chunk::{chunk_with, Batcher, ChunkHome, ChunkOutput, Job, JobData};
+use crate::chunk::{chunk_with, Batcher, ChunkOutput, Job, JobData};
 use crate::error::BuildError;
 use crate::manifest::{data_ranges, ContentManifest};
 use crate::pipeline::{check_chunk_size, finish_image, index_of, BuildConfig, BuildOutput};
@@ -66,14 +66,14 @@ pub fn build_image(
     }
     check_chunk_size(config.chunk_size)?;
     let mut layers: Vec<Option<Layer>> = Vec::with_capacity(source.layers.len());
-    let mut homes: HashMap<ChunkId, ChunkHome> = HashMap::new();
+    let mut homes: HashMap<ChunkId, (Sha256Digest, PackLocation)> = HashMap::new();
     let mut reused_bytes = 0u64;
     for blob in &source.layers {
         let found = reusable(store, blob, config.chunk_size)?;
         layers.push(found.map(|(record, manifest, index)| {
             for &(id, loc) in index.entries() {
                 if let Some(pack) = index.packs().get(loc.pack as usize) {
-                    homes.insert(id, ChunkHome::Existing(*pack, loc));
+                    homes.insert(id, (*pack, loc));
                 }
             }
             reused_bytes += record.tar_bytes;
@@ -97,8 +97,8 @@ pub fn build_image(
     if layers.len() != source.layers.len() {
         return Err(BuildError::Internal { what: "a layer has no manifest", chunk: None });
     }
-    for (id, home) in homes {
-        chunks.homes.entry(id).or_insert(home);
+    for (id, (pack, loc)) in homes {
+        chunks.add_existing(id, pack, loc);
     }
 
     let flat = flatten(&source.layers, &layers, config.fs_time)?;

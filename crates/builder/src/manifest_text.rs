@@ -12,7 +12,7 @@ use tessera_image::{BlockSize, ChunkId, RuntimeConfig};
 use tessera_store::LocalStore;
 use tracing::info;
 
-use crate::chunk::{chunk_with, Batcher, ChunkHome, Job, JobData};
+use crate::chunk::{chunk_with, Batcher, Job, JobData};
 use crate::error::BuildError;
 use crate::image::attach_chunks;
 use crate::manifest::{check_chunk, ContentManifest};
@@ -285,7 +285,7 @@ pub fn build_manifest(
         for &(_, id, len) in manifest.files.get(ordinal).map(Vec::as_slice).unwrap_or(&[]) {
             let path = String::from_utf8_lossy(&e.path).into_owned();
             match existing.get(&id) {
-                Some((pack, loc)) if loc.raw_len == len => homes.push((id, ChunkHome::Existing(*pack, *loc))),
+                Some((pack, loc)) if loc.raw_len == len => homes.push((id, *pack, *loc)),
                 Some((_, loc)) => {
                     return Err(BuildError::MissingContent {
                         path,
@@ -329,8 +329,8 @@ pub fn build_manifest(
             *slot = std::mem::take(list);
         }
     }
-    for (id, home) in homes {
-        chunks.homes.entry(id).or_insert(home);
+    for (id, pack, loc) in homes {
+        chunks.add_existing(id, pack, loc);
     }
     info!(entries = manifest.entries.len(), read_files = disk.len(), "content manifest");
     let mut flattener = Flattener::new(config.fs_time);

@@ -12,7 +12,7 @@ use tessera_image::{
 use tessera_store::LocalStore;
 use tracing::{debug, info};
 
-use crate::chunk::{chunk_tree, ChunkHome, ChunkOutput};
+use crate::chunk::{chunk_tree, ChunkOutput};
 use crate::error::BuildError;
 use crate::seed::tree_seed;
 use crate::source::{open_docker_archive, open_oci_layout, open_registry, Platform, SourceSpec};
@@ -274,13 +274,8 @@ pub(crate) fn index_of(
     let mut pack_no: HashMap<Sha256Digest, u32> = HashMap::new();
     let mut entries: Vec<(ChunkId, PackLocation)> = Vec::new();
     for id in ids {
-        let (digest, mut loc) = match chunks.homes.get(&id) {
-            Some(ChunkHome::Existing(d, l)) => (*d, *l),
-            Some(ChunkHome::New { pack, loc }) => match chunks.new_packs.get(*pack) {
-                Some(d) => (*d, *loc),
-                None => return Err(missing_chunk(id)),
-            },
-            None => return Err(missing_chunk(id)),
+        let Some((digest, mut loc)) = chunks.location(&id) else {
+            return Err(missing_chunk(id));
         };
         let n = *pack_no.entry(digest).or_insert_with(|| {
             packs.push(digest);

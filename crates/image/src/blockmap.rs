@@ -310,6 +310,8 @@ impl BlockMapBuilder {
 
     /// Sort, merge, renumber chunks by first use, validate.
     pub fn finish(mut self) -> Result<BlockMap, Error> {
+        // Only `add_chunk` needs the index: free it before the map is renumbered.
+        self.chunk_index = std::collections::HashMap::new();
         self.runs.sort_by_key(|r| r.start);
         let prefix_blocks = self
             .runs
@@ -322,23 +324,25 @@ impl BlockMapBuilder {
             .max()
             .unwrap_or(0);
         // Validate against the builder's numbering first, so errors name what the caller pushed.
+        // (Moved in and out again, not cloned: a million-file map is tens of MiB.)
         let unsorted = BlockMap {
             device_blocks: self.device_blocks,
             prefix_blocks,
-            runs: self.runs.clone(),
-            chunks: self.chunks.clone(),
+            runs: self.runs,
+            chunks: self.chunks,
         };
         unsorted.validate()?;
+        let BlockMap { runs: unsorted_runs, chunks: unsorted_chunks, .. } = unsorted;
 
-        let mut renumber = vec![u32::MAX; self.chunks.len()];
-        let mut chunks = Vec::with_capacity(self.chunks.len());
-        let mut runs: Vec<Run> = Vec::with_capacity(self.runs.len());
-        for mut run in self.runs {
+        let mut renumber = vec![u32::MAX; unsorted_chunks.len()];
+        let mut chunks = Vec::with_capacity(unsorted_chunks.len());
+        let mut runs: Vec<Run> = Vec::with_capacity(unsorted_runs.len());
+        for mut run in unsorted_runs {
             if let RunSource::Chunk { chunk, block } = run.source {
                 let slot = &mut renumber[chunk as usize];
                 if *slot == u32::MAX {
                     *slot = u32::try_from(chunks.len()).unwrap_or(u32::MAX);
-                    chunks.push(self.chunks[chunk as usize]);
+                    chunks.push(unsorted_chunks[chunk as usize]);
                 }
                 run.source = RunSource::Chunk { chunk: *slot, block };
             }
