@@ -332,6 +332,8 @@ pub(crate) fn chunk_with(
     out.new_packs = new_packs;
     for list in &mut out.files {
         list.sort_by_key(|c| c.0);
+        // Most files have one chunk, and a Vec's first growth makes room for four (192 bytes).
+        list.shrink_to_fit();
     }
     progress.finish();
     Ok(out)

@@ -124,6 +124,10 @@ pub fn walk_dir(root: &Path) -> Result<SourceTree, BuildError> {
         // Reverse so the first name is walked first.
         stack.extend(subdirs.into_iter().rev());
     }
+    // Grown by doubling: up to half of it is spare room otherwise, for the whole build.
+    out.tree.nodes.shrink_to_fit();
+    out.files.shrink_to_fit();
+    out.dirs.shrink_to_fit();
     Ok(out)
 }
 

@@ -564,6 +564,7 @@ fn layout(
             let pieces = a.alloc_run(*dblocks as u64);
             used.extend_from_slice(&pieces);
             pieces_to_extents(&pieces, 0, &mut objl[i].extents);
+            objl[i].extents.shrink_to_fit();
             let tb = extent::tree_blocks(objl[i].extents.len());
             objl[i].tree_blocks = (0..tb).map(|_| take_one(&mut a, &mut used)).collect();
         }
@@ -606,6 +607,8 @@ fn layout(
                 }
             }
             needed += extent::tree_blocks(ext.len());
+            // Kept to the end of rendering, one list per file: no spare room.
+            ext.shrink_to_fit();
             file_extents.push(ext);
         }
         if needed > estimate {
@@ -1100,6 +1103,8 @@ fn placed(extents: &[Extent]) -> Vec<PlacedExtent> {
             _ => out.push(PlacedExtent { file_block: fb, device_block: db, blocks: n }),
         }
     }
+    // One list per file, kept by the caller: no spare room (a first push makes room for four).
+    out.shrink_to_fit();
     out
 }
 
