@@ -67,15 +67,15 @@ enum ObjKind {
 #[derive(Debug)]
 struct Obj {
     ino: u32,
-    /// The tree node, or `None` for a lost+found we created.
-    node: Option<usize>,
-    meta: Meta,
+    /// The tree node, or `None` for a lost+found we created. Its metadata is the node's (read
+    /// from the tree, not copied: 64 bytes an inode), or [`created_lost_found_meta`].
+    node: Option<u32>,
     kind: ObjKind,
     links: u16,
     /// The in-inode xattr area, `None` when it is all zeros (most inodes): boxed, so an inode
     /// without attributes costs 8 bytes here rather than the area's size.
     xattr_area: Option<Box<[u8; XATTR_AREA_LEN]>>,
-    xattr_block: Option<usize>,
+    xattr_block: Option<u32>,
 }
 
 impl Obj {
@@ -143,7 +143,7 @@ pub fn synthesize(tree: &Tree, opts: &Options, out: &mut dyn MetadataSink) -> Re
     let ns = namespace::number(tree)?;
     let (uuid, hash_seed) = derive_ids(&opts.seed);
     let ids = Ids { uuid, hash_seed, fs_seed: crate::checksum::fs_seed(&uuid) };
-    let (objs, xblocks) = Nodes { tree, ns: &ns, ids: &ids }.prepare(opts)?;
+    let (objs, xblocks) = Nodes { tree, ns: &ns, ids: &ids }.prepare()?;
     // Regular files' data goes in NodeId order.
     let mut files: Vec<usize> =
         (0..objs.len()).filter(|&i| matches!(objs[i].kind, ObjKind::File { .. })).collect();
@@ -172,13 +172,18 @@ fn file_type(kind: &NodeKind) -> u8 {
     }
 }
 
+/// The metadata of a lost+found we create: 0700 root:root at the filesystem time.
+fn created_lost_found_meta(fs_time: i64) -> Meta {
+    let t = Timestamp { sec: fs_time, nsec: 0 };
+    Meta { mode: 0o700, uid: 0, gid: 0, atime: t, mtime: t, ctime: t }
+}
+
 /// mke2fs's lost+found: 0700 root:root, 4 empty blocks so e2fsck can reconnect without allocating.
-fn created_lost_found(ino: u32, t: Timestamp, fs_seed: u32) -> Obj {
+fn created_lost_found(ino: u32, fs_seed: u32) -> Obj {
     let blocks = created_lost_found_blocks(ino, fs_seed);
     Obj {
         ino,
         node: None,
-        meta: Meta { mode: 0o700, uid: 0, gid: 0, atime: t, mtime: t, ctime: t },
         kind: ObjKind::Dir { blocks: blocks.len(), htree: false },
         links: 2,
         xattr_area: None,
@@ -200,9 +205,8 @@ struct Nodes<'a> {
 
 impl Nodes<'_> {
     /// Validate every node and build its inode content (directory blocks, xattrs, extents-to-be).
-    fn prepare(&self, opts: &Options) -> Result<(Vec<Obj>, Vec<XBlock>), Ext4Error> {
+    fn prepare(&self) -> Result<(Vec<Obj>, Vec<XBlock>), Ext4Error> {
         let Self { tree, ns, ids } = *self;
-        let t = Timestamp { sec: opts.fs_time, nsec: 0 };
         let mut order: Vec<Option<usize>> = vec![Some(0)];
         order.extend(ns.slots.iter().map(|s| match s {
             Slot::Node(n) => Some(*n),
@@ -216,7 +220,7 @@ impl Nodes<'_> {
         for (k, node) in order.into_iter().enumerate() {
             let ino = if k == 0 { namespace::ROOT_INO } else { LOST_FOUND_INO + k as u32 - 1 };
             let Some(n) = node else {
-                objs.push(created_lost_found(ino, t, ids.fs_seed));
+                objs.push(created_lost_found(ino, ids.fs_seed));
                 continue;
             };
             let src = &tree.nodes[n];
@@ -228,8 +232,7 @@ impl Nodes<'_> {
             let (xattr_area, xattr_block) = place_xattrs(src, ns, n, &mut xblocks, &mut shared)?;
             objs.push(Obj {
                 ino,
-                node: Some(n),
-                meta: src.meta,
+                node: Some(n as u32),
                 kind,
                 links: links as u16,
                 xattr_area: (xattr_area != [0; XATTR_AREA_LEN]).then(|| Box::new(xattr_area)),
@@ -353,7 +356,7 @@ fn place_xattrs(
     n: usize,
     xblocks: &mut Vec<XBlock>,
     shared: &mut BTreeMap<Vec<u8>, usize>,
-) -> Result<([u8; XATTR_AREA_LEN], Option<usize>), Ext4Error> {
+) -> Result<([u8; XATTR_AREA_LEN], Option<u32>), Ext4Error> {
     let mut list: Vec<DiskXattr> = Vec::with_capacity(src.xattrs.len());
     for x in &src.xattrs {
         let d = xattr::parse(&x.name, &x.value).map_err(|reason| Ext4Error::BadXattr {
@@ -414,7 +417,7 @@ fn place_xattrs(
             xblocks.len() - 1
         }
     };
-    Ok((area, Some(idx)))
+    Ok((area, Some(idx as u32)))
 }
 
 /// Find the geometry for the size policy and lay everything out.
@@ -571,7 +574,7 @@ fn layout(
         if o.is_slow_symlink() {
             objl[i].symlink_block = take_one(&mut a, &mut used);
         }
-        if let Some(x) = o.xattr_block {
+        if let Some(x) = o.xattr_block.map(|x| x as usize) {
             if xblock_nr[x] == 0 {
                 xblock_nr[x] = take_one(&mut a, &mut used);
             }
@@ -827,7 +830,7 @@ fn render_object_blocks(input: &RenderInput<'_>, sink: &mut MetaSink) -> Vec<Vec
         };
         match &o.kind {
             ObjKind::Dir { blocks: count, .. } => {
-                let blocks = match o.node {
+                let blocks = match o.node.map(|n| n as usize) {
                     Some(n) => {
                         Nodes { tree: input.tree, ns: input.ns, ids: &input.ids }.dir_blocks(n, o.ino).0
                     }
@@ -848,7 +851,7 @@ fn render_object_blocks(input: &RenderInput<'_>, sink: &mut MetaSink) -> Vec<Vec
                 }
             }
             ObjKind::File { .. } => {
-                if let Some(n) = o.node {
+                if let Some(n) = o.node.map(|n| n as usize) {
                     placements[n] = placed(&l.extents);
                 }
                 if !l.tree_blocks.is_empty() {
@@ -864,7 +867,7 @@ fn render_object_blocks(input: &RenderInput<'_>, sink: &mut MetaSink) -> Vec<Vec
             }
             _ => {}
         }
-        if let Some(x) = o.xattr_block {
+        if let Some(x) = o.xattr_block.map(|x| x as usize) {
             if let (Some(done), Some(body), Some(&nr)) =
                 (xblock_done.get_mut(x), input.xblocks.get(x), lay.xblock_nr.get(x))
             {
@@ -882,21 +885,25 @@ fn render_object_blocks(input: &RenderInput<'_>, sink: &mut MetaSink) -> Vec<Vec
 /// One object's inode fields (its own blocks are rendered by [`render_object_blocks`]).
 fn inode_of(input: &RenderInput<'_>, o: &Obj, l: &ObjLayout) -> InodeData {
     let (lay, fs_seed) = (input.lay, input.ids.fs_seed);
+    let meta = match o.node {
+        Some(n) => input.tree.nodes[n as usize].meta,
+        None => created_lost_found_meta(input.opts.fs_time),
+    };
     let mut d = InodeData {
-        uid: o.meta.uid,
-        gid: o.meta.gid,
-        atime: o.meta.atime,
-        ctime: o.meta.ctime,
-        mtime: o.meta.mtime,
-        crtime: o.meta.mtime,
+        uid: meta.uid,
+        gid: meta.gid,
+        atime: meta.atime,
+        ctime: meta.ctime,
+        mtime: meta.mtime,
+        crtime: meta.mtime,
         links: o.links,
         xattr_area: o.xattr_area.as_deref().copied().unwrap_or([0; XATTR_AREA_LEN]),
         ..Default::default()
     };
-    let perm = o.meta.mode & 0o7777;
+    let perm = meta.mode & 0o7777;
     let mut owned_blocks: u64 = l.tree_blocks.len() as u64;
     if let Some(x) = o.xattr_block {
-        d.file_acl = lay.xblock_nr[x];
+        d.file_acl = lay.xblock_nr[x as usize];
         owned_blocks += 1;
     }
     let extent_root = |d: &mut InodeData| {
