@@ -527,6 +527,15 @@ fn pieces_to_extents(pieces: &[(u64, u64)], mut lblk: u64, out: &mut Vec<Extent>
     lblk
 }
 
+/// Note blocks `start..start + len` as allocated, joined to the range before when they follow it:
+/// the allocator is sequential, so the list stays short instead of one entry per object.
+fn mark_used(used: &mut Vec<(u64, u64)>, start: u64, len: u64) {
+    match used.last_mut() {
+        Some(last) if last.0 + last.1 == start => last.1 += len,
+        _ => used.push((start, len)),
+    }
+}
+
 /// Run the sequential allocator over everything for one candidate geometry.
 fn layout(
     objs: &[Obj],
@@ -544,7 +553,7 @@ fn layout(
     let mut a = Allocator::new(1 + gdt, backups);
     let take_one = |a: &mut Allocator, used: &mut Vec<(u64, u64)>| {
         let b = a.alloc_one();
-        used.push((b, 1));
+        mark_used(used, b, 1);
         b
     };
     let block_bitmap: Vec<u64> = (0..groups).map(|_| take_one(&mut a, &mut used)).collect();
@@ -565,7 +574,9 @@ fn layout(
     for (i, o) in objs.iter().enumerate() {
         if let ObjKind::Dir { blocks: dblocks, .. } = &o.kind {
             let pieces = a.alloc_run(*dblocks as u64);
-            used.extend_from_slice(&pieces);
+            for &(s, n) in &pieces {
+                mark_used(&mut used, s, n);
+            }
             pieces_to_extents(&pieces, 0, &mut objl[i].extents);
             objl[i].extents.shrink_to_fit();
             let tb = extent::tree_blocks(objl[i].extents.len());
@@ -605,7 +616,9 @@ fn layout(
             if let ObjKind::File { ranges, .. } = &objs[i].kind {
                 for &(start, len) in ranges {
                     let pieces = b.alloc_run(len);
-                    data_used.extend_from_slice(&pieces);
+                    for &(s, n) in &pieces {
+                        mark_used(&mut data_used, s, n);
+                    }
                     pieces_to_extents(&pieces, start, &mut ext);
                 }
             }
@@ -622,11 +635,15 @@ fn layout(
         for (&i, ext) in files.iter().zip(file_extents) {
             let tb = extent::tree_blocks(ext.len());
             objl[i].tree_blocks = reserve[next..next + tb].to_vec();
-            used.extend(objl[i].tree_blocks.iter().map(|&b| (b, 1)));
+            for &b in &objl[i].tree_blocks {
+                mark_used(&mut used, b, 1);
+            }
             next += tb;
             objl[i].extents = ext;
         }
-        used.extend(data_used);
+        for (s, n) in data_used {
+            mark_used(&mut used, s, n);
+        }
         return Layout {
             groups,
             ipg,
