@@ -1,9 +1,9 @@
 //! `cargo xtask bench` with no subcommand: every comparison in one run, on one machine, under one
 //! load — each part is the measuring function of its own subcommand (`bench build`, `build-oci`,
-//! `serve`, `lazy`, `cold`, `scale`, and with `--guest` `boot-profile`), called with the
-//! report's sizes; this file only chooses the sizes, turns each part's result into the report's
-//! comparisons, figures and plots (`report.rs`, `plot.rs`), records the machine and the load
-//! average before and after each part, and writes:
+//! `serve`, `lazy`, `cold`, `scale`, `mounts`, and with `--guest` `boot-profile` and `virtiofs`),
+//! called with the report's sizes; this file only chooses the sizes, turns each part's result
+//! into the report's comparisons, figures and plots (`report.rs`, `plot.rs`), records the machine
+//! and the load average before and after each part, and writes:
 //!
 //! - the generated section of `docs/benchmarks.md` (between `report::BEGIN` and `report::END`;
 //!   the hand-written history around it is kept byte for byte),
@@ -22,7 +22,9 @@ use clap::Args;
 
 use crate::plot::{self, Plot, Series};
 use crate::report::{self, Better, Comparison, Figure, Machine, Part, Report, Samples};
-use crate::{bench_cold, bench_lazy, bench_oci, bench_scale, bench_serve, bench_warm};
+use crate::{
+    bench_cold, bench_lazy, bench_mounts, bench_oci, bench_scale, bench_serve, bench_virtiofs, bench_warm,
+};
 
 /// Options of `cargo xtask bench` (no subcommand).
 #[derive(Debug, Args)]
@@ -31,13 +33,14 @@ pub struct ReportBench {
     /// the lazy bench's image and traces are cached; the full run ≤ 75 minutes).
     #[arg(long)]
     pub quick: bool,
-    /// Also the guest (TCG) figures: `boot-profile`.
+    /// Also the guest (TCG) figures: `boot-profile` and `virtiofs`.
     #[arg(long)]
     pub guest: bool,
     /// Measure this prebuilt release `tessera` binary instead of building one.
     #[arg(long, value_name = "PATH")]
     pub tessera: Option<PathBuf>,
-    /// Only these parts, comma-separated: build, oci, serve, lazy, cold, scale, boot-profile.
+    /// Only these parts, comma-separated: build, oci, serve, lazy, cold, scale, mounts, and with
+    /// --guest boot-profile, virtiofs.
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
     /// The page whose generated section is rewritten (relative to the workspace root).
@@ -52,15 +55,20 @@ pub struct ReportBench {
 }
 
 /// The parts, in the order they run: `--only` name and title.
-const PARTS: [(&str, &str); 7] = [
+const PARTS: [(&str, &str); 9] = [
     ("build", "Build: `tessera build` vs `mkfs.ext4 -d`"),
     ("oci", "Build from an OCI image: `tessera build oci:…` vs `umoci unpack` + `mkfs.ext4 -d`"),
     ("serve", "Serve: `tessera serve` vs `qemu-storage-daemon`, and write + FLUSH vs fio fdatasync"),
     ("lazy", "Lazy loading: time to ready vs the eager peers"),
     ("cold", "Cold daemons: one and N at once against the link floor"),
     ("scale", "Scaling: build time and memory vs entries, daemon RSS"),
+    ("mounts", "One image, one device: container starts over overlayfs layer mounts vs `tessera serve`"),
     ("boot-profile", "Guest start-up (TCG): no profile, profile, warmed cache, local store"),
+    ("virtiofs", "Metadata-heavy guest work (TCG): virtio-fs vs ext4 on Tessera"),
 ];
+
+/// The parts that boot the QEMU guest (TCG): only with `--guest`.
+const GUEST_PARTS: [&str; 2] = ["boot-profile", "virtiofs"];
 
 fn loadavg() -> [f64; 3] {
     let s = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
@@ -825,6 +833,91 @@ impl Ctx<'_> {
         Ok(())
     }
 
+    fn mounts(&self, p: &mut Part) -> Result<()> {
+        let mut opts =
+            if self.quick() { bench_mounts::MountsBench::quick() } else { bench_mounts::MountsBench::full() };
+        opts.bin = Some(self.bin.clone());
+        let r = bench_mounts::measure(&opts)?;
+        p.inputs.push(format!(
+            "{} containers from one {}-layer image ({} files per layer), started one after the other, all alive, \
+             then stopped; each timed from its start to its first read",
+            r.containers, r.layers, r.files_per_layer
+        ));
+        let ms = |v: &[u64]| v.iter().map(|&n| n as f64 / 1e6).collect::<Vec<f64>>();
+        let peers = [
+            ("overlayfs (a directory per layer)", Some(&r.overlay)),
+            ("overlayfs (a loop image per layer)", r.layer_images.as_ref()),
+        ];
+        for (name, side) in peers {
+            match side {
+                Some(Ok(s)) => {
+                    p.comparisons.push(cmp(
+                        format!("container start to its first read vs {name}, container by container in start order"),
+                        "ms",
+                        Better::Lower,
+                        ("tessera serve", ms(&r.tessera.first_read_ns)),
+                        (name, ms(&s.first_read_ns)),
+                    ));
+                    p.figures.push(fig(
+                        format!("{name}: host mounts per container"),
+                        "mounts",
+                        vec![s.mounts_per_container as f64],
+                    ));
+                }
+                Some(Err(e)) => p.notes.push(format!("{name}: not measured: {e}")),
+                None => {}
+            }
+        }
+        p.figures.push(fig(
+            "tessera serve: host mounts per container",
+            "mounts",
+            vec![r.tessera.mounts_per_container as f64],
+        ));
+        p.figures.push(fig(
+            format!("tessera serve: the {} daemons' RSS, each", r.containers),
+            "MiB",
+            vec![mib(r.tessera_rss_total) / r.containers.max(1) as f64],
+        ));
+        p.notes.push(format!("The bench's own table:\n\n```text\n{}```", r.table()));
+        Ok(())
+    }
+
+    fn virtiofs(&self, p: &mut Part) -> Result<()> {
+        let mut opts = if self.quick() {
+            bench_virtiofs::VirtiofsBench::quick()
+        } else {
+            bench_virtiofs::VirtiofsBench::full()
+        };
+        opts.bin = Some(self.bin.clone());
+        let r = bench_virtiofs::measure(&opts)?;
+        p.inputs.push(format!(
+            "tree {} ({} entries, {} files); untar of {} entries, {:.1} MB; {} round(s); the guest runs under TCG \
+             (guest CPU work {:.0}× slower than on the host; guest clock {})",
+            r.tree,
+            r.entries,
+            r.files,
+            r.untar_entries,
+            r.untar_bytes as f64 / 1e6,
+            r.rounds,
+            r.tcg_slowdown,
+            r.clocksource
+        ));
+        p.commands.push(("virtiofsd".into(), r.virtiofsd_command.clone()));
+        p.commands.push(("tessera".into(), r.tessera_command.clone()));
+        let ms = |v: &[u64]| v.iter().map(|&n| n as f64 / 1e6).collect::<Vec<f64>>();
+        for w in &r.workloads {
+            p.comparisons.push(cmp(
+                format!("{} ({} operations), in the guest", w.name, w.ops),
+                "ms",
+                Better::Lower,
+                ("tessera (ext4 on vhost-user-blk)", ms(&w.tessera.op_ns)),
+                ("virtio-fs", ms(&w.virtiofs.op_ns)),
+            ));
+        }
+        p.notes.push(format!("The bench's own table:\n\n```text\n{}```", r.table()));
+        Ok(())
+    }
+
     fn boot_profile(&self, p: &mut Part) -> Result<()> {
         let opts = bench_warm::BootProfileBench {
             runs: if self.quick() { 2 } else { 3 },
@@ -922,8 +1015,8 @@ pub fn run(o: &ReportBench) -> Result<()> {
         if !PARTS.iter().any(|(p, _)| p == n) {
             bail!("--only {n}: no such part ({})", PARTS.map(|p| p.0).join(", "));
         }
-        if n == "boot-profile" && !o.guest {
-            bail!("--only boot-profile: the guest part runs only with --guest");
+        if GUEST_PARTS.contains(&n.as_str()) && !o.guest {
+            bail!("--only {n}: a guest part, run only with --guest");
         }
     }
     crate::fixtures::require_root()?;
@@ -987,7 +1080,9 @@ pub fn run(o: &ReportBench) -> Result<()> {
             "lazy" => ctx.lazy(&mut p),
             "cold" => ctx.cold(&mut p),
             "scale" => ctx.scale(&mut p),
-            _ => ctx.boot_profile(&mut p),
+            "mounts" => ctx.mounts(&mut p),
+            "boot-profile" => ctx.boot_profile(&mut p),
+            _ => ctx.virtiofs(&mut p),
         };
         p.seconds = t.elapsed().as_secs_f64();
         p.load_after = loadavg();

@@ -146,6 +146,14 @@ fn tick(v: f64) -> String {
     }
 }
 
+/// A log axis' tick label: the value at the tick, to two significant digits (the ticks are
+/// evenly spaced in log10, so 10^1.3 = 19.95 is labelled 20).
+fn log_tick(v: f64) -> String {
+    let x = 10f64.powf(v);
+    let scale = 10f64.powi(x.abs().log10().floor() as i32 - 1);
+    tick((x / scale).round() * scale)
+}
+
 /// The corner of the plotting area with the fewest points (drawn coordinates), for the legend.
 fn legend_corner(series: &[Vec<(f64, f64)>], x: Range, y: Range) -> SeriesLabelPosition {
     let f = |v: f64, r: Range| (v - r.lo) / (r.hi - r.lo).max(f64::MIN_POSITIVE);
@@ -190,14 +198,18 @@ pub fn render(p: &Plot) -> Result<String, PlotError> {
         // A log axis is drawn linear in log10 of the value; its labels name the value.
         let x_fmt = |v: &f64| {
             if cats.is_empty() {
-                tick(if x_log { 10f64.powf(*v) } else { *v })
+                if x_log {
+                    log_tick(*v)
+                } else {
+                    tick(*v)
+                }
             } else if (v - v.round()).abs() < 1e-9 && *v >= 0.0 {
                 cats.get(v.round() as usize).cloned().unwrap_or_default()
             } else {
                 String::new()
             }
         };
-        let y_fmt = |v: &f64| tick(if p.y_log { 10f64.powf(*v) } else { *v });
+        let y_fmt = |v: &f64| if p.y_log { log_tick(*v) } else { tick(*v) };
         // About two labels per decade on a log axis (the grid's step is then half a decade or
         // a whole one).
         let decades = |r: Range| (((r.hi - r.lo) * 2.0).ceil() as usize + 1).max(5);
@@ -298,6 +310,9 @@ mod tests {
         let (x, y) = p.ranges().expect("ranges");
         assert!((x.lo - 2.9).abs() < 1e-9 && (x.hi - 5.1).abs() < 1e-9, "{x:?}");
         assert!(y.lo < 0.5f64.log10() && y.hi > 20f64.log10(), "{y:?}");
+        assert_eq!(log_tick(1.3), "20");
+        assert_eq!(log_tick(3.5), "3200");
+        assert_eq!(log_tick(-0.5), "0.32");
         assert_eq!(tick(1000.0), "1000");
         assert_eq!(tick(1e5), "100k");
         assert_eq!(tick(2.5e6), "2.500M");
