@@ -73,6 +73,14 @@ impl ProxyConfig {
 pub enum Fault {
     /// Answer this status (empty body, keep-alive) instead of forwarding the request.
     Status(u16),
+    /// Answer this status with this XML body (an S3 error document: `SlowDown`,
+    /// `RequestTimeTooSkewed`, `ExpiredToken`, …) instead of forwarding the request.
+    Answer {
+        /// The status code.
+        status: u16,
+        /// The body, sent as `application/xml`.
+        body: &'static str,
+    },
     /// Send the head and `after` bytes of the body, then reset the connection (RST).
     Reset {
         /// Body bytes delivered before the reset.
@@ -513,6 +521,22 @@ fn serve_connection(client: TcpStream, id: u64, s: &Shared) -> std::io::Result<(
                 let head = format!("HTTP/1.1 {code} {}\r\nContent-Length: 0\r\n\r\n", status_text(code));
                 s.send(&mut client, head.as_bytes())?;
                 s.finished(logged, 0);
+                if req.wants_close() {
+                    return Ok(());
+                }
+                continue;
+            }
+            Some(Fault::Answer { status, body }) => {
+                sleep_until(answer_at);
+                let head = format!(
+                    "HTTP/1.1 {status} {}\r\nContent-Type: application/xml\r\nContent-Length: {}\r\n\r\n",
+                    status_text(status),
+                    body.len()
+                );
+                s.send(&mut client, head.as_bytes())?;
+                s.send(&mut client, body.as_bytes())?;
+                s.body_bytes.fetch_add(body.len() as u64, Ordering::SeqCst);
+                s.finished(logged, body.len() as u64);
                 if req.wants_close() {
                     return Ok(());
                 }

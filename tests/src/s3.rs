@@ -88,6 +88,11 @@ impl S3Server {
         Err(last.unwrap_or_else(|| anyhow::anyhow!("rclone serve s3 did not start")))
     }
 
+    /// The server's address (for a proxy in front of it).
+    pub fn addr(&self) -> std::net::SocketAddr {
+        (Ipv4Addr::LOCALHOST, self.port).into()
+    }
+
     /// The endpoint URL, `http://127.0.0.1:PORT`.
     pub fn endpoint(&self) -> String {
         format!("http://127.0.0.1:{}", self.port)

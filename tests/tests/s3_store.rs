@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use anyhow::{ensure, Context, Result};
 use tessera_e2e::daemon::BlkClient;
 use tessera_e2e::prng::Prng;
+use tessera_e2e::proxy::{Fault, Proxy, ProxyConfig};
 use tessera_e2e::s3::{S3Server, ACCESS_KEY_ID, SECRET_ACCESS_KEY};
 use tessera_e2e::tessera;
 use tessera_e2e::testutil::{built_store, BuiltStore};
@@ -53,8 +54,13 @@ const GOOD: Creds<'static> = Creds::Keys(ACCESS_KEY_ID, SECRET_ACCESS_KEY);
 /// `tessera ARGS --s3-endpoint ENDPOINT` with `creds` and nothing else of the caller's AWS
 /// environment.
 fn command(server: &S3Server, creds: Creds<'_>, args: &[&str]) -> Command {
+    command_at(&server.endpoint(), creds, args)
+}
+
+/// [`command`] against `endpoint` (a proxy in front of the server).
+fn command_at(endpoint: &str, creds: Creds<'_>, args: &[&str]) -> Command {
     let mut c = tessera::command(args);
-    c.args(["--s3-endpoint", &server.endpoint()]);
+    c.args(["--s3-endpoint", endpoint]);
     for v in
         ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL"]
     {
@@ -125,12 +131,17 @@ fn stderr(o: &Output) -> String {
 
 /// `tessera serve` as a child with `creds`, waited for until its socket exists (or it exits).
 fn serve(server: &S3Server, creds: Creds<'_>, args: &[&str], socket: &Path, log: &Path) -> Result<Child> {
+    serve_at(&server.endpoint(), creds, args, socket, log)
+}
+
+/// [`serve`] against `endpoint`.
+fn serve_at(endpoint: &str, creds: Creds<'_>, args: &[&str], socket: &Path, log: &Path) -> Result<Child> {
     let _ = fs::remove_file(socket);
     let mut all = vec!["serve"];
     all.extend_from_slice(args);
     all.extend(["--socket", s(socket)?, "--read-only"]);
     let mut child =
-        command(server, creds, &all).stdout(Stdio::null()).stderr(fs::File::create(log)?).spawn()?;
+        command_at(endpoint, creds, &all).stdout(Stdio::null()).stderr(fs::File::create(log)?).spawn()?;
     let deadline = Instant::now() + Duration::from_secs(30);
     while !socket.exists() {
         if let Some(status) = child.try_wait()? {
@@ -355,5 +366,83 @@ fn serve_picks_up_a_rewritten_credentials_file_and_never_logs_secrets() -> Resul
         let hits: Vec<&str> = logs.lines().filter(|l| l.contains(secret)).take(3).collect();
         ensure!(hits.is_empty(), "a secret is in the logs:\n{}", hits.join("\n"));
     }
+    Ok(())
+}
+
+const SLOW_DOWN: &str =
+    "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>";
+const SKEWED: &str = "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>RequestTimeTooSkewed</Code><Message>The difference \
+     between the request time and the current time is too large.</Message></Error>";
+const EXPIRED: &str = "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>ExpiredToken</Code><Message>The provided token \
+     has expired.</Message></Error>";
+
+/// Faults a real server seldom produces on demand, injected by the fault proxy in front of the
+/// real one (the server still checks every signature): throttling (`503 SlowDown`) is retried
+/// with backoff and the export is exact; a clock skew (`403 RequestTimeTooSkewed`) is a clear
+/// error naming the bucket, the operation and the fix (exit 1); an expired session token
+/// (`400 ExpiredToken`) under a running `serve` fails the reads it hits (I/O error, said once in
+/// the log), never the daemon, and reads are exact again once the token is good.
+#[test]
+fn throttling_skew_and_token_expiry_through_the_fault_proxy() -> Result<()> {
+    let f = fixture("s3-faults")?;
+    let server = S3Server::start(&["flt"])?;
+    let dest = "s3://flt/img";
+    copy_to(&server, &f, dest)?;
+    let proxy = Proxy::start(server.addr(), ProxyConfig::default())?;
+    let endpoint = format!("http://{}", proxy.addr());
+
+    // Throttling: two blob reads are told to slow down; retried, the export is exact.
+    proxy.inject("/blobs/", Fault::Answer { status: 503, body: SLOW_DOWN }, 2);
+    let out = f.t.path().join("throttled.raw");
+    let o = command_at(&endpoint, GOOD, &["export", "demo", "--store", dest, "-o", s(&out)?]).output()?;
+    ok(o, "export under SlowDown")?;
+    ensure!(proxy.faults_left() == 0, "the SlowDown answers were not all given");
+    same_file(&f.local_raw, &out, "export under SlowDown")?;
+    let throttled = proxy.log().iter().filter(|r| r.fault.is_some()).count();
+    ensure!(throttled == 2, "{throttled} requests throttled");
+
+    // Clock skew: every request refused; a clear error, exit 1.
+    proxy.inject("", Fault::Answer { status: 403, body: SKEWED }, 1000);
+    let o = command_at(&endpoint, GOOD, &["inspect", "demo", "--store", dest]).output()?;
+    let e = stderr(&o);
+    ensure!(o.status.code() == Some(1), "inspect with a skewed clock: {} — {e}", o.status);
+    for want in ["RequestTimeTooSkewed", "flt", "clock", "NTP"] {
+        ensure!(e.contains(want), "the skew message lacks {want:?}: {e}");
+    }
+    proxy.clear_faults();
+
+    // Token expiry under serve: reads of data not fetched yet fail while the token is refused.
+    let (socket, log) = (f.t.path().join("exp.sock"), f.t.path().join("exp.log"));
+    let mut child = serve_at(&endpoint, GOOD, &["demo", "--store", dest], &socket, &log)?;
+    let mut client = BlkClient::connect(&socket, 1, true)?;
+    let got = client.read(0, 4096)?.map_err(|e| anyhow::anyhow!("first read: errno {e}"))?;
+    ensure!(got == f.local_raw[..4096], "first read differs");
+    let big = fs::read(f.t.path().join("src/big.bin"))?;
+    let block = |at: usize| -> Result<u64> {
+        let needle = &big[at..at + 4096];
+        Ok((0..f.local_raw.len() / 4096)
+            .map(|b| b * 4096)
+            .find(|&o| f.local_raw.get(o..o + 4096) == Some(needle))
+            .context("big.bin's block is not on the device")? as u64)
+    };
+    let (first, second) = (block(1 << 20)?, block(2 << 20)?);
+    proxy.inject("/blobs/", Fault::Answer { status: 400, body: EXPIRED }, 1000);
+    for off in [first, second] {
+        ensure!(client.read(off, 4096)?.is_err(), "a read with an expired token succeeded");
+    }
+    ensure!(child.try_wait()?.is_none(), "serve exited after reads with an expired token");
+    proxy.clear_faults();
+    for (off, at) in [(first, 1 << 20), (second, 2 << 20)] {
+        let got = client.read(off, 4096)?.map_err(|e| anyhow::anyhow!("read after renewal: errno {e}"))?;
+        ensure!(got == big[at..at + 4096], "read at {off} after renewal differs");
+    }
+    drop(client);
+    let _ = child.kill();
+    child.wait()?;
+    let logs = fs::read_to_string(&log)?;
+    let said = logs.lines().filter(|l| l.contains("ExpiredToken")).count();
+    ensure!(said >= 1, "the expired token is not in the log:\n{logs}");
+    let refused = logs.lines().filter(|l| l.contains("S3 refused the request")).count();
+    ensure!(refused <= 1, "the refusal was logged {refused} times within a minute:\n{logs}");
     Ok(())
 }
