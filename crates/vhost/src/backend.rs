@@ -52,6 +52,8 @@ struct Inner {
     recorder: Option<Arc<RequestRecorder>>,
     /// The in-flight tracking area the front-end shares (`SET_INFLIGHT_FD`), if any.
     inflight: RwLock<Option<Arc<InflightArea>>>,
+    /// Set once the front-end has gone ([`BlkBackend::detach`]): its rings are no longer ours.
+    detached: AtomicBool,
 }
 
 /// Per queue: the worker's own state and the out-of-order completions.
@@ -69,6 +71,9 @@ struct QueueState {
     event: EventFd,
     /// The queue's vring, once its worker has seen it (for `stop_vring`).
     vring: Mutex<Option<VringRwLock<GuestMem>>>,
+    /// Whether the guest has been signalled on this connection yet: the first serve of a ring
+    /// signals unconditionally (see [`BlkBackend::serve_queue`]).
+    signalled: AtomicBool,
 }
 
 /// What a queue's worker keeps between wake-ups.
@@ -143,6 +148,7 @@ impl BlkBackend {
                     drained: Condvar::new(),
                     event: EventFd::new(EFD_NONBLOCK)?,
                     vring: Mutex::new(None),
+                    signalled: AtomicBool::new(false),
                 })
             })
             .collect::<io::Result<Vec<_>>>()?;
@@ -157,6 +163,7 @@ impl BlkBackend {
                 metrics,
                 recorder: None,
                 inflight: RwLock::new(None),
+                detached: AtomicBool::new(false),
             }),
         })
     }
@@ -198,6 +205,33 @@ impl BlkBackend {
         self.inner.queues.iter().all(|q| wait_drained(q, timeout).0)
     }
 
+    /// The front-end has gone (its connection closed): from now on nothing is added to its
+    /// rings, and no new request is taken off them. Once the connection is gone the VMM stops
+    /// watching the rings' call eventfds (QEMU replaces its guest notifiers at the next start),
+    /// so a completion added to a used ring now would reach guest memory without an interrupt
+    /// the guest ever sees, and the next daemon would find nothing to resubmit: the guest would
+    /// wait for it forever. A request still in flight finishes its I/O but stays marked in the
+    /// in-flight area, which the next daemon the front-end connects resubmits from. Returns
+    /// once no worker is serving a ring.
+    pub fn detach(&self) {
+        self.inner.detached.store(true, Ordering::SeqCst);
+        for (queue, qs) in self.inner.queues.iter().enumerate() {
+            // A worker serving this ring finishes its turn; the next one sees `detached`.
+            drop(lock(&qs.worker));
+            let mut c = lock(&qs.completions);
+            c.generation += 1;
+            if !c.done.is_empty() {
+                debug!(
+                    connection = self.inner.connection,
+                    queue,
+                    left = c.done.len(),
+                    "completions left in the in-flight area for the next daemon"
+                );
+            }
+            c.done.clear();
+        }
+    }
+
     /// Serve queue `queue` after a kick or a completion event: add the deferred reads that
     /// finished to the used ring, drain every available chain (reads missing the memory tier are
     /// deferred to the read engine), signal the guest once per batch, then poll the ring and the
@@ -218,6 +252,9 @@ impl BlkBackend {
             }
         }
         let mut worker = lock(&qs.worker);
+        if self.inner.detached.load(Ordering::SeqCst) {
+            return;
+        }
         let Worker { bounce, poll, idle_since } = &mut *worker;
         if let Some(since) = idle_since.take() {
             poll.waited(since.elapsed());
@@ -226,6 +263,16 @@ impl BlkBackend {
         let requests = &self.inner.metrics.requests;
         let _span = debug_span!("queue", queue).entered();
         let mut state = vring.get_mut();
+        // The first serve of a ring on this connection signals the guest whatever it finds:
+        // a daemon before this one may have added completions to the used ring after the VMM
+        // stopped watching the call eventfd it signalled (a stop between the VMM's disconnect
+        // and the daemon noticing it), and a driver waiting for those would wait forever. A
+        // spurious interrupt only makes the driver look at the used ring.
+        if state.get_call().is_some() && !qs.signalled.swap(true, Ordering::AcqRel) {
+            if let Err(e) = state.signal_used_queue() {
+                warn!(queue, error = &e as &dyn std::error::Error, "cannot signal the guest");
+            }
+        }
         let mut polled_from = None;
         let area = self.inner.inflight_area();
         let track = area.as_ref().and_then(|a| a.queue(queue));
@@ -612,6 +659,9 @@ impl VhostUserBackend for BlkBackend {
     fn stop_vring(&self, queue_index: u32) -> io::Result<()> {
         let queue = queue_index as usize;
         let Some(qs) = self.inner.queues.get(queue) else { return Ok(()) };
+        if self.inner.detached.load(Ordering::SeqCst) {
+            return Ok(());
+        }
         let (drained, mut c) = wait_drained(qs, DRAIN_TIMEOUT);
         if !drained {
             warn!(queue, in_flight = c.in_flight, "reads still in flight when the ring stopped");

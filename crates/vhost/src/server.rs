@@ -73,8 +73,9 @@ struct StopInner {
     current: Mutex<Option<ShutdownHandleDebug>>,
 }
 
-/// `ShutdownHandle` has no Debug; wrap it.
-struct ShutdownHandleDebug(ShutdownHandle);
+/// The connection being served: its shutdown handle (which has no Debug; hence the wrapper) and
+/// its backend, detached before the connection is shut.
+struct ShutdownHandleDebug(ShutdownHandle, BlkBackend);
 
 impl std::fmt::Debug for ShutdownHandleDebug {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -99,15 +100,19 @@ impl StopHandle {
         })
     }
 
-    /// Ask the server to stop: close the current connection (its in-flight requests complete
-    /// first: requests are served synchronously by the queue workers, which are joined) and stop
-    /// accepting. Idempotent.
+    /// Ask the server to stop: close the current connection and stop accepting. Requests the
+    /// client had in flight finish their I/O but are not completed into its rings (the client
+    /// has gone): they stay in the in-flight area the client shares, and the next daemon it
+    /// connects to resubmits them ([`BlkBackend::detach`]). Idempotent.
     pub fn stop(&self) {
         self.inner.stopped.store(true, Ordering::SeqCst);
         if let Err(e) = (&self.inner.wake_tx).write(&[1]) {
             warn!(error = &e as &dyn std::error::Error, "cannot signal the stop event");
         }
         if let Some(h) = self.current().as_ref() {
+            // Detached first: between the shutdown and the server noticing it, a worker would
+            // still complete requests into rings the VMM no longer watches.
+            h.1.detach();
             h.0.shutdown();
         }
     }
@@ -294,12 +299,15 @@ impl Server {
         self.connections.fetch_add(1, Ordering::SeqCst);
         self.metrics.device.connections.inc();
         info!(connection = n, "client connected");
-        *self.stop.current() = daemon.shutdown_handle().map(ShutdownHandleDebug);
+        *self.stop.current() = daemon.shutdown_handle().map(|h| ShutdownHandleDebug(h, backend.clone()));
         if self.stop.is_stopped() {
             daemon.request_shutdown();
         }
         let result = daemon.wait();
         *self.stop.current() = None;
+        // The client is gone (it left, or the stop shut its connection): its rings are its own
+        // again. What is still in flight stays in the in-flight area for the next daemon.
+        backend.detach();
         match result {
             Ok(())
             | Err(DaemonError::HandleRequest(VhostUserError::Disconnected))
@@ -311,8 +319,8 @@ impl Server {
                 warn!(connection = n, error = %e, "connection ended with an error")
             }
         }
-        // Reads still in flight finish (into this connection's guest memory, which they hold)
-        // before the overlay may be flushed on stop.
+        // Reads still in flight finish (into this connection's guest memory, which they hold;
+        // they complete again when resubmitted) before the overlay may be flushed on stop.
         if !backend.drain(DRAIN_TIMEOUT) {
             warn!(
                 connection = n,

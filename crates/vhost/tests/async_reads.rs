@@ -155,26 +155,7 @@ fn a_client_leaving_with_a_read_in_flight_with_the_chunk_fetcher() {
 
 fn client_leaving(fetcher: bool) {
     let f = fixture();
-    let plain = reader(&f.store, &f.id);
-    let g = plain.image().record().geometry;
-    let (slow_off, slow_chunk) = (g.data_start_block..g.data_end_block)
-        .find_map(|b| chunk_at(&plain, b * 4096).map(|c| (b * 4096, c)))
-        .unwrap();
-    let (_, pack, loc) = plain.image().chunk_location(slow_chunk).unwrap();
-    let gate = Arc::new(Gate::default());
-    let source = Gated { inner: f.store.clone(), held: (pack, loc.offset), gate: Arc::clone(&gate) };
-    let tier = tier(&f, source, fetcher);
-    let device = DeviceConfig::new(&f.id, tier.device_bytes(), 1, true);
-    let server = Running::serve(&f.dir.path().join("leave.sock"), device, Disk::Base(tier));
-
-    let mut c = Client::connect(&server.socket, 1);
-    let ptr = c.ptr(0);
-    c.queues[0].read(slow_off, ptr, 4096, 0, ReqFlags::empty());
-    // Submit without waiting for the completion, then leave once the fetch is held.
-    let mut none: [std::mem::MaybeUninit<blkio::Completion>; 0] = [];
-    let mut timeout = std::time::Duration::from_millis(0);
-    let _ = c.queues[0].do_io(&mut none, 0, Some(&mut timeout), None);
-    gate.wait_for_waiter();
+    let (slow_off, gate, server, c) = held_read(&f, fetcher, "leave.sock");
     drop(c);
     // The next client connects while the old read is still held; the server finishes it (into
     // the old client's memory) before serving the new one, whose ring sees only its own reads.
@@ -190,4 +171,61 @@ fn client_leaving(fetcher: bool) {
     let off = slow_off as usize;
     assert!(bytes == f.raw[off..off + 4096]);
     server.finish();
+}
+
+/// A stop (SIGTERM) while a read waits for its fetch: the read finishes its I/O, but it is not
+/// completed into the client's ring once the connection is closed — a VMM stops watching the
+/// ring's interrupts then, so a completion added later would never reach the guest and the
+/// next daemon would not resubmit it. It stays in flight (in the in-flight area, for a VMM that
+/// shares one) for the next daemon to resubmit.
+#[test]
+fn a_read_in_flight_at_a_stop_is_left_for_the_next_daemon() {
+    let f = fixture();
+    let (_, gate, mut server, mut c) = held_read(&f, true, "stop.sock");
+    server.stop.stop();
+    gate.open();
+    // The server waits for the read's I/O, then joins its workers and returns: after that
+    // nothing can reach the ring any more.
+    server.thread.take().unwrap().join().unwrap().unwrap();
+    let mut one = [std::mem::MaybeUninit::<blkio::Completion>::uninit()];
+    let mut timeout = std::time::Duration::from_millis(0);
+    let got = c.queues[0].do_io(&mut one, 0, Some(&mut timeout), None);
+    let first = matches!(got, Ok(1)).then(|| {
+        // SAFETY: do_io initialized the first entry.
+        let c = unsafe { one[0].assume_init_ref() };
+        (c.user_data, c.ret)
+    });
+    assert!(
+        matches!(got, Ok(0) | Err(_)),
+        "the read was completed into the ring after the stop: {got:?} {first:?}"
+    );
+}
+
+/// A server over `f` whose source holds the first data chunk's read at the gate, a client on
+/// it, and that chunk's read submitted on queue 0 and held (the server waits at the gate);
+/// returns the read's device offset.
+fn held_read(f: &common::Fixture, fetcher: bool, socket: &str) -> (u64, Arc<Gate>, Running, Client) {
+    let plain = reader(&f.store, &f.id);
+    let g = plain.image().record().geometry;
+    let (slow_off, slow_chunk) = (g.data_start_block..g.data_end_block)
+        .find_map(|b| chunk_at(&plain, b * 4096).map(|c| (b * 4096, c)))
+        .unwrap();
+    let (_, pack, loc) = plain.image().chunk_location(slow_chunk).unwrap();
+    let gate = Arc::new(Gate::default());
+    let source = Gated { inner: f.store.clone(), held: (pack, loc.offset), gate: Arc::clone(&gate) };
+    let tier = tier(f, source, fetcher);
+    let device = DeviceConfig::new(&f.id, tier.device_bytes(), 1, true);
+    let server = Running::serve(&f.dir.path().join(socket), device, Disk::Base(tier));
+
+    let mut c = Client::connect(&server.socket, 1);
+    // A read served before the held one completes as usual.
+    assert_eq!(c.read(0, 4096, 4096), 0);
+    let ptr = c.ptr(0);
+    c.queues[0].read(slow_off, ptr, 4096, 0, ReqFlags::empty());
+    // Submit without waiting for the completion.
+    let mut none: [std::mem::MaybeUninit<blkio::Completion>; 0] = [];
+    let mut timeout = std::time::Duration::from_millis(0);
+    let _ = c.queues[0].do_io(&mut none, 0, Some(&mut timeout), None);
+    gate.wait_for_waiter();
+    (slow_off, gate, server, c)
 }
