@@ -12,7 +12,7 @@
 use std::fs;
 use std::path::Path;
 
-use anyhow::{ensure, Result};
+use anyhow::{ensure, Context, Result};
 use tessera_e2e::oci::{build_ok, build_source, require_tools, TarWriter, UmociImage};
 use tessera_e2e::registry::{Fault, FaultProxy, Registry, PASSWORD, USER};
 use tessera_e2e::testutil::tmp;
@@ -396,6 +396,30 @@ fn reference_layers_pushed_to_their_source_are_found_by_its_digest() -> Result<(
         "inspect @{other}: {:?} {}",
         o.status,
         String::from_utf8_lossy(&o.stderr)
+    );
+    // Through a host disk cache (as `serve --cache-dir` opens it) the subject is looked up at
+    // the registry too.
+    let cache = t.path().join("cache");
+    let o = tessera::run([
+        "inspect",
+        &format!("@{digest}"),
+        "--store",
+        &remote,
+        "--cache-dir",
+        cache.to_str().context("utf-8 path")?,
+        "--json",
+    ])?;
+    ensure!(o.status.success(), "cached inspect @{digest}: {}", String::from_utf8_lossy(&o.stderr));
+    let cached: serde_json::Value = serde_json::from_slice(&o.stdout)?;
+    ensure!(cached["id"] == serde_json::json!(id.as_str()), "cached @{digest} found {}", cached["id"]);
+    // A local store has no subjects to look up: a usage error that says so (exit 2).
+    let o =
+        tessera::run(["inspect", &format!("@{digest}"), "--store", store.to_str().context("utf-8 path")?])?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    ensure!(
+        o.status.code() == Some(2) && err.contains("only a registry store"),
+        "local inspect @{digest}: {:?} {err}",
+        o.status
     );
     Ok(())
 }

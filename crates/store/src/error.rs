@@ -86,6 +86,13 @@ pub enum StoreError {
         "invalid image reference {reference:?}: expected sha256:<64 hex> or a tag [A-Za-z0-9_][A-Za-z0-9._-]{{0,127}}"
     )]
     InvalidReference { reference: String },
+    /// `@sha256:<digest>` (an image named by the source image manifest it refers to) given to a
+    /// store that does not index images by their subject: only registry stores do.
+    #[error(
+        "{reference} names an image by the source image manifest it refers to, which only a registry \
+         store (docker://…) can look up; name the image by its tag or ID in this store"
+    )]
+    SubjectNeedsRegistry { reference: String },
     /// A tag that does not match `[A-Za-z0-9_][A-Za-z0-9._-]{0,127}`.
     #[error("invalid tag {tag:?}: expected [A-Za-z0-9_][A-Za-z0-9._-]{{0,127}}")]
     InvalidTag { tag: String },
@@ -174,6 +181,7 @@ impl StoreError {
             StoreError::ReadOnlyStore { .. }
                 | StoreError::InvalidLocation { .. }
                 | StoreError::InvalidReference { .. }
+                | StoreError::SubjectNeedsRegistry { .. }
                 | StoreError::InvalidTag { .. }
                 | StoreError::BadSetting { .. }
         ) || matches!(self, StoreError::Registry(e) if e.is_usage_error())

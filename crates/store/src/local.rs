@@ -497,6 +497,9 @@ impl LocalStore {
     /// Resolve `sha256:<64 hex>` (the store must hold that image) or a tag to an image ID.
     pub fn resolve(&self, reference: &str) -> Result<ImageId, StoreError> {
         let unknown = || StoreError::UnknownImage { reference: reference.to_owned() };
+        if reference.starts_with('@') {
+            return Err(StoreError::SubjectNeedsRegistry { reference: reference.to_owned() });
+        }
         if reference.starts_with("sha256:") {
             let id: ImageId = reference
                 .parse()

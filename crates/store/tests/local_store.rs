@@ -182,6 +182,14 @@ fn entries_refs_and_resolve() {
     for r in ["", ".hidden", "a/b", "../../etc/passwd", "sha256:abc", "sha256:", &"a".repeat(129)] {
         assert!(matches!(store.resolve(r), Err(StoreError::InvalidReference { .. })), "{r:?}");
     }
+    // By subject (`@sha256:`, a source image manifest): registry stores only; a usage error.
+    match store.resolve(&format!("@{unknown_id}")) {
+        Err(e @ StoreError::SubjectNeedsRegistry { .. }) => {
+            assert!(e.is_usage_error());
+            assert!(e.to_string().contains("only a registry store"), "{e}");
+        }
+        other => panic!("@sha256: expected SubjectNeedsRegistry, got {other:?}"),
+    }
     assert!(matches!(store.set_ref("bad/tag", &img.id), Err(StoreError::InvalidTag { .. })));
     assert!(matches!(store.set_ref("orphan", &unknown_id), Err(StoreError::UnknownImage { .. })));
     assert!(!dir.path().join("refs/orphan").exists());

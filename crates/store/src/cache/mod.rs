@@ -792,6 +792,11 @@ pub trait Origin: ReadStore + ChunkSource + Clone + 'static {
     fn cache_key(&self) -> String;
     /// The image tag `tag` names, `None` when the origin says it has no such tag.
     fn read_ref(&self, tag: &str) -> Result<Option<ImageId>, StoreError>;
+    /// `@sha256:<digest>`: the image that refers to that source image manifest (registry
+    /// stores only; always asked of the origin, since a later push may change the answer).
+    fn resolve_subject(&self, reference: &str) -> Result<ImageId, StoreError> {
+        Err(StoreError::SubjectNeedsRegistry { reference: reference.to_owned() })
+    }
 }
 
 impl Origin for HttpStore {
@@ -811,6 +816,10 @@ impl Origin for crate::origin::registry::RegistryStore {
 
     fn read_ref(&self, tag: &str) -> Result<Option<ImageId>, StoreError> {
         crate::origin::registry::RegistryStore::read_ref(self, tag)
+    }
+
+    fn resolve_subject(&self, reference: &str) -> Result<ImageId, StoreError> {
+        ReadStore::resolve(self, reference)
     }
 }
 
@@ -884,6 +893,11 @@ impl<O: Origin> ReadStore for CachedStore<O> {
     }
 
     fn resolve(&self, reference: &str) -> Result<ImageId, StoreError> {
+        if reference.starts_with('@') {
+            let id = self.origin.resolve_subject(reference)?;
+            self.get_entry(&id)?;
+            return Ok(id);
+        }
         resolve_with(reference, |tag| self.read_ref(tag), |id| self.get_entry(id).map(|_| ()))
     }
 

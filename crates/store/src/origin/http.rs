@@ -1031,12 +1031,16 @@ pub(crate) fn parse_ref(text: &[u8]) -> Option<ImageId> {
 }
 
 /// Resolve a reference given a ref reader and an entry check (shared by the HTTP and cached
-/// stores): IDs must have an entry; tags must point at one.
+/// stores): IDs must have an entry; tags must point at one. `@sha256:` (by subject) is only for
+/// registry stores.
 pub(crate) fn resolve_with(
     reference: &str,
     read_ref: impl FnOnce(&str) -> Result<Option<ImageId>, StoreError>,
     check_entry: impl FnOnce(&ImageId) -> Result<(), StoreError>,
 ) -> Result<ImageId, StoreError> {
+    if reference.starts_with('@') {
+        return Err(StoreError::SubjectNeedsRegistry { reference: reference.to_owned() });
+    }
     if reference.starts_with("sha256:") {
         let id: ImageId = reference
             .parse()
