@@ -332,6 +332,21 @@ fn record_profile_warm_round_trip_then_serve_with_the_origin_stopped() -> Result
     let line = String::from_utf8(o.stdout)?;
     ensure!(line.contains(&format!("{} chunks", f.chunks)) && line.contains("0 failed"), "{line}");
 
+    // Warmed, an image named by ID starts and reads without asking the origin anything: the
+    // entry, record, prefix, pack index and chunks are all in the cache (only a tag needs the
+    // origin).
+    let before = origin.access_log().lines().count();
+    let socket = f.t.path().join("by-id.sock");
+    let d = Daemon::start(f.id.as_str(), &url, &socket, &["--read-only", "--cache-dir", s(&cache)?])?;
+    let mut c = BlkClient::connect(d.socket(), 1, true)?;
+    let got = c.read(f.data.0, 4096)?.map_err(|e| anyhow::anyhow!("read by ID: errno {e}"))?;
+    ensure!(got[..] == f.raw[f.data.0 as usize..f.data.0 as usize + 4096], "read by ID: wrong bytes");
+    drop(c);
+    d.stop()?;
+    let log = origin.access_log();
+    let new: Vec<&str> = log.lines().skip(before).collect();
+    ensure!(new.is_empty(), "serving a warmed image by ID asked the origin: {new:?}");
+
     // Origin down: the cache alone serves every block, by tag, to export and to the daemon.
     origin.stop();
     let out = f.t.path().join("from-cache.raw");

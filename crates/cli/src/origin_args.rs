@@ -93,7 +93,7 @@ impl OriginArgs {
     pub fn options(&self) -> Result<OriginOptions> {
         let http = HttpConfig { tls: self.tls(), ..HttpConfig::from_vars(env)? };
         let s3 = S3Config::from_vars(env, self.s3_endpoint.as_deref())?;
-        Ok(OriginOptions { http, registry: self.registry(), s3 })
+        Ok(OriginOptions { http, registry: self.registry(), s3, cached_entries: false })
     }
 }
 

@@ -14,11 +14,11 @@ use signal_hook::iterator::Signals;
 use tessera_engine::metrics::watch_mem_tier;
 use tessera_engine::{FetchLimits, MemTier, DEFAULT_LOCAL_FETCH_JOBS, DEFAULT_REMOTE_FETCH_JOBS};
 use tessera_image::Profile;
-use tessera_image::{ImageId, RequestTraceHeader, BLOCK_SIZE};
+use tessera_image::{ImageId, RequestTraceHeader, Sha256Digest, BLOCK_SIZE};
 use tessera_metrics::{Exporter, Metrics, Tier};
 use tessera_overlay::{Mode as OverlayMode, Overlay, OverlayParams};
 use tessera_store::{
-    CacheConfig, ChunkSource, ImageReader, LocalStore, Metered, OpenImage, OriginOptions, ReadStore,
+    CacheConfig, ChunkSource, ImageReader, LocalStore, Metered, OpenImage, OriginOptions, StoreError,
     StoreLocation,
 };
 use tessera_vhost::{DeviceConfig, Disk, RequestRecorder, Server, DEFAULT_SOCKET_MODE, MAX_QUEUES};
@@ -357,7 +357,9 @@ impl ServeConfig {
         };
         Ok(Self {
             image: args.image,
-            origin: args.origin.options()?,
+            // A warmed cache starts an image named by ID without the origin (the tag lookup is
+            // the only thing that needs it).
+            origin: OriginOptions { cached_entries: true, ..args.origin.options()? },
             cache: args.cache.config(),
             store: args.store,
             socket: args.socket,
@@ -415,7 +417,18 @@ pub fn run_on(config: ServeConfig, listener: Option<std::os::unix::net::UnixList
     let _pin = opened.local.as_ref().and_then(|local| {
         local.pin(&id).map_err(|e| tracing::info!(error = %crate::error_text(e), "image not pinned")).ok()
     });
-    let image = Arc::new(store.open_image(&id).with_context(|| format!("store {}", store.describe()))?);
+    // The profile is read while the image opens (its record, prefix and pack index are in
+    // flight): one round trip fewer before the first read.
+    let profile_digest =
+        if config.prefetch { store.get_entry(&id).ok().and_then(|e| e.profile) } else { None };
+    let (image, profile) = std::thread::scope(|s| {
+        let store = &store;
+        let profile = profile_digest.map(|d| s.spawn(move || (d, store.read_blob(&d))));
+        let image = store.open_image(&id);
+        let profile = profile.map(|h| h.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)));
+        (image, profile)
+    });
+    let image = Arc::new(image.with_context(|| format!("store {}", store.describe()))?);
     let metrics = Metrics::new();
     describe_image(&metrics, &image);
     let mut source: Arc<dyn ChunkSource> = store.chunk_source(&image);
@@ -441,8 +454,8 @@ pub fn run_on(config: ServeConfig, listener: Option<std::os::unix::net::UnixList
     if let Some(t) = &trace {
         tier = tier.with_trace(t.recorder());
     }
-    if config.prefetch {
-        start_prefetch(&*store, &image, &tier);
+    if let Some((digest, bytes)) = profile {
+        start_prefetch(digest, bytes, &image, &tier);
     }
     let reader = Arc::new(tier);
     watch_mem_tier(&metrics, &reader);
@@ -542,10 +555,16 @@ pub fn run_on(config: ServeConfig, listener: Option<std::os::unix::net::UnixList
 /// Queue the chunks of the image's prefetch profile, if the entry names one, for background
 /// fetching. A profile that cannot be read or does not fit the image is logged and ignored: it
 /// only ever makes things faster.
-fn start_prefetch<S: ChunkSource>(store: &dyn ReadStore, image: &OpenImage, tier: &MemTier<S>) {
-    let Some(digest) = image.entry().profile else { return };
-    let profile = store
-        .read_blob(&digest)
+fn start_prefetch<S: ChunkSource>(
+    digest: Sha256Digest,
+    bytes: Result<Vec<u8>, StoreError>,
+    image: &OpenImage,
+    tier: &MemTier<S>,
+) {
+    if image.entry().profile != Some(digest) {
+        return;
+    }
+    let profile = bytes
         .map_err(crate::error_text)
         .and_then(|bytes| Profile::decode(&bytes).map_err(crate::error_text))
         .and_then(|p| {

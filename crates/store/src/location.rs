@@ -24,6 +24,10 @@ pub struct OriginOptions {
     pub registry: ClientOptions,
     /// Endpoint, region and credentials of `s3://` stores.
     pub s3: S3Config,
+    /// Behind a disk cache: an image entry the cache holds is used without asking the origin
+    /// ([`crate::CachedStore::with_cached_entries`]; `serve`: a warmed cache then starts an
+    /// image named by ID with no origin round trip).
+    pub cached_entries: bool,
 }
 
 /// A store opened for reading ([`StoreLocation::open_read_store`]), with what only some kinds
@@ -127,15 +131,18 @@ impl StoreLocation {
         origins: &OriginOptions,
         cache: Option<&CacheConfig>,
     ) -> Result<OpenedStore, StoreError> {
+        let cached_entries = origins.cached_entries;
         fn remote<O: crate::Origin>(
             origin: O,
             transport: tessera_transport::Transport,
             cache: Option<&CacheConfig>,
+            cached_entries: bool,
         ) -> Result<OpenedStore, StoreError> {
             let (store, cache): (Arc<dyn ReadStore>, _) = match cache {
                 Some(config) => {
                     let cache = DiskCache::open(config)?;
-                    (Arc::new(CachedStore::new(origin, cache.clone())), Some(cache))
+                    let store = CachedStore::new(origin, cache.clone()).with_cached_entries(cached_entries);
+                    (Arc::new(store), Some(cache))
                 }
                 None => (Arc::new(origin), None),
             };
@@ -160,7 +167,9 @@ impl StoreLocation {
                 let origin = HttpStore::with_cache(url, origins.http.clone(), disk.clone());
                 let transport = origin.transport().clone();
                 let store: Arc<dyn ReadStore> = match &disk {
-                    Some(d) => Arc::new(CachedStore::new(origin, d.clone())),
+                    Some(d) => {
+                        Arc::new(CachedStore::new(origin, d.clone()).with_cached_entries(cached_entries))
+                    }
                     None => Arc::new(origin),
                 };
                 Ok(OpenedStore { store, local: None, cache: disk, origin: Some(transport) })
@@ -168,14 +177,16 @@ impl StoreLocation {
             StoreLocation::Registry(r) => {
                 let origin = RegistryStore::new(r, origins.registry.clone())?;
                 let transport = origin.client().transport().clone();
-                remote(origin, transport, cache)
+                remote(origin, transport, cache, cached_entries)
             }
             StoreLocation::S3(l) => {
                 let disk = cache.map(DiskCache::open).transpose()?;
                 let origin = S3Store::new(l, &origins.s3, origins.http.clone(), disk.clone());
                 let transport = origin.transport().clone();
                 let store: Arc<dyn ReadStore> = match &disk {
-                    Some(d) => Arc::new(CachedStore::new(origin, d.clone())),
+                    Some(d) => {
+                        Arc::new(CachedStore::new(origin, d.clone()).with_cached_entries(cached_entries))
+                    }
                     None => Arc::new(origin),
                 };
                 Ok(OpenedStore { store, local: None, cache: disk, origin: Some(transport) })

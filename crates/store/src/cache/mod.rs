@@ -845,12 +845,22 @@ fn origin_unavailable(e: &StoreError) -> bool {
 pub struct CachedStore<O = HttpStore> {
     origin: O,
     cache: DiskCache,
+    cached_entries: bool,
 }
 
 impl<O: Origin> CachedStore<O> {
     /// The origin behind the cache.
     pub fn new(origin: O, cache: DiskCache) -> Self {
-        Self { origin, cache }
+        Self { origin, cache, cached_entries: false }
+    }
+
+    /// Use an image entry the cache holds without asking the origin (by default the origin is
+    /// asked first, the cache only when it is unavailable). An entry is tied to its image ID —
+    /// the record, prefix and pack index it names are digest-addressed — and only its profile
+    /// and provenance may change (`tessera profile`); a daemon started from the cached entry
+    /// prefetches the profile it names. `tessera warm` asks the origin, so it refreshes it.
+    pub fn with_cached_entries(self, on: bool) -> Self {
+        Self { cached_entries: on, ..self }
     }
 
     /// The origin.
@@ -903,6 +913,12 @@ impl<O: Origin> ReadStore for CachedStore<O> {
 
     fn get_entry(&self, id: &ImageId) -> Result<ImageEntry, StoreError> {
         let base = &self.origin.cache_key();
+        if self.cached_entries {
+            if let Some(entry) = self.cache.get_entry(base, id) {
+                debug!(image = %id, "image entry from the disk cache");
+                return Ok(entry);
+            }
+        }
         match self.origin.get_entry(id) {
             Ok(entry) => {
                 self.cache.put_entry(base, id, &entry);
