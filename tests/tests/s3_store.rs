@@ -125,6 +125,15 @@ fn walk(dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(out)
 }
 
+/// The device offset of the 4 KiB block holding `needle` (a block of big.bin's data).
+fn device_block(f: &BuiltStore, needle: &[u8]) -> Result<u64> {
+    let block = (0..f.local_raw.len() / 4096)
+        .map(|b| b * 4096)
+        .find(|&o| f.local_raw.get(o..o + 4096) == Some(needle))
+        .context("big.bin's block is not on the device")?;
+    Ok(block as u64)
+}
+
 fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
@@ -331,10 +340,7 @@ fn serve_picks_up_a_rewritten_credentials_file_and_never_logs_secrets() -> Resul
     // File data not read yet: the device block holding big.bin's bytes at 1 MiB.
     let big = fs::read(f.t.path().join("src/big.bin"))?;
     let needle = &big[1 << 20..(1 << 20) + 4096];
-    let off = (0..f.local_raw.len() / 4096)
-        .map(|b| b * 4096)
-        .find(|&o| f.local_raw.get(o..o + 4096) == Some(needle))
-        .context("big.bin's block is not on the device")? as u64;
+    let off = device_block(&f, needle)?;
     let failed = client.read(off, 4096)?;
     ensure!(failed.is_err(), "a read with a wrong secret in the credentials file succeeded");
     ensure!(child.try_wait()?.is_none(), "serve exited after a refused read");
@@ -418,13 +424,7 @@ fn throttling_skew_and_token_expiry_through_the_fault_proxy() -> Result<()> {
     let got = client.read(0, 4096)?.map_err(|e| anyhow::anyhow!("first read: errno {e}"))?;
     ensure!(got == f.local_raw[..4096], "first read differs");
     let big = fs::read(f.t.path().join("src/big.bin"))?;
-    let block = |at: usize| -> Result<u64> {
-        let needle = &big[at..at + 4096];
-        Ok((0..f.local_raw.len() / 4096)
-            .map(|b| b * 4096)
-            .find(|&o| f.local_raw.get(o..o + 4096) == Some(needle))
-            .context("big.bin's block is not on the device")? as u64)
-    };
+    let block = |at: usize| device_block(&f, &big[at..at + 4096]);
     let (first, second) = (block(1 << 20)?, block(2 << 20)?);
     proxy.inject("/blobs/", Fault::Answer { status: 400, body: EXPIRED }, 1000);
     for off in [first, second] {
