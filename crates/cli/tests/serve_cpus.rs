@@ -82,7 +82,18 @@ fn threads_while_serving(dir: &Path, extra: &[&str]) -> BTreeMap<String, Vec<Str
     let mut d = serve(dir, extra);
     let mut c = Client::connect(&dir.join("vm.sock"));
     assert_eq!(c.read(0, 4096), 0);
-    let t = threads(d.id());
+    // A thread names itself once it runs (std sets the name from the new thread), so a queue
+    // worker spawned as the client connected may still carry its parent's name on a loaded
+    // machine: wait until both queues' workers show theirs (or the deadline, and the callers'
+    // checks fail on what is there).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let t = loop {
+        let t = threads(d.id());
+        if t.get("vring_worker").map_or(0, Vec::len) >= 2 || Instant::now() > deadline {
+            break t;
+        }
+        std::thread::sleep(Duration::from_millis(5)); // polling interval, not a fixed wait
+    };
     drop(c);
     // SAFETY: kill(2) on our own child's pid; it has not been reaped yet.
     assert_eq!(unsafe { libc::kill(d.id() as i32, libc::SIGTERM) }, 0);

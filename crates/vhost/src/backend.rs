@@ -283,10 +283,19 @@ impl BlkBackend {
                 loop {
                     let mut served = self.take_completions(qs, &mut state, &atomic, track.as_ref())?;
                     loop {
-                        // A fresh snapshot per chain (an atomic load): the GuestMemoryAtomic
-                        // changes on every ADD_MEM_REG (libblkio maps its buffers right before
-                        // its first request), and a chain made available after a map must see
-                        // the new memory.
+                        // The avail index first, then a fresh memory snapshot (an atomic load):
+                        // the GuestMemoryAtomic changes on every ADD_MEM_REG, and a driver may
+                        // map a buffer right before the request that uses it (libblkio does,
+                        // before its first). A snapshot loaded before the index that shows the
+                        // chain — this worker preempted in between — may miss that region and
+                        // refuse the buffer as outside guest memory; one loaded after it holds
+                        // every region mapped before the chain was made available.
+                        if resubmit.as_slice().is_empty() {
+                            let q = state.get_queue_mut();
+                            if q.avail_idx(&*atomic.memory(), Ordering::Acquire)?.0 == q.next_avail() {
+                                break;
+                            }
+                        }
                         let mem = atomic.memory();
                         let Some((head, chain)) =
                             inflight::next_chain(state.get_queue_mut(), &*mem, track.as_ref(), &mut resubmit)
