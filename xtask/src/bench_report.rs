@@ -362,14 +362,17 @@ impl Ctx<'_> {
                     p.comparisons.push(c);
                 }
             }
-            if let Some((_, p99)) = r.fio {
+            let fio = get(l, bench_serve::FIO, bench_serve::FIO_P99);
+            if !fio.is_empty() {
                 p.comparisons.push(target(
                     cmp(
-                        format!("4 KiB write + FLUSH p99 vs fio fdatasync p99 (fio once), {where_}"),
+                        format!(
+                            "4 KiB write + FLUSH p99 vs fio fdatasync p99 (fio in the same round), {where_}"
+                        ),
                         "µs",
                         Better::Lower,
                         ("tessera", get(l, "tessera", "write4k_flush.p99_us")),
-                        ("fio fdatasync", vec![p99]),
+                        ("fio fdatasync", fio),
                     ),
                     "≤ 2×",
                 ));
@@ -456,9 +459,20 @@ impl Ctx<'_> {
                 ));
             }
         }
-        if let Some((p50, p99)) = r.fio {
-            p.figures.push(fig("fio fdatasync p50 (same disk)", "µs", vec![p50]));
-            p.figures.push(fig("fio fdatasync p99 (same disk)", "µs", vec![p99]));
+        let fio = |key: &str| -> Vec<f64> {
+            r.layouts.iter().flat_map(|l| get(l, bench_serve::FIO, key)).collect()
+        };
+        if r.fio.is_some() {
+            p.figures.push(fig(
+                "fio fdatasync p50 (same disk, every round)",
+                "µs",
+                fio(bench_serve::FIO_P50),
+            ));
+            p.figures.push(fig(
+                "fio fdatasync p99 (same disk, every round)",
+                "µs",
+                fio(bench_serve::FIO_P99),
+            ));
         }
         Ok(())
     }
