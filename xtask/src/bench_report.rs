@@ -279,11 +279,11 @@ impl Ctx<'_> {
     fn serve(&self, p: &mut Part) -> Result<()> {
         let quick = self.quick();
         let opts = bench_serve::ServeBench {
-            files: 8000,
+            files: None,
             secs: if quick { 1.0 } else { 2.0 },
             rounds: if quick { 2 } else { 3 },
             layout: "both".into(),
-            mem_cache: "1G".into(),
+            mem_cache: "auto".into(),
             baseline: None,
             tessera: vec!["default".into()],
             qsd: vec!["tuned".into(), "defaults".into()],

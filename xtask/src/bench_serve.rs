@@ -19,9 +19,10 @@ use super::{cargo, status, target_dir};
 /// Options of `cargo xtask bench serve`.
 #[derive(Debug, Args)]
 pub struct ServeBench {
-    /// Files in the generated tree (`generate_bench_tree`).
-    #[arg(long, default_value_t = 8000)]
-    pub(crate) files: u64,
+    /// Files in the generated tree (`generate_bench_tree`; default: enough for a file-data
+    /// region of 4× the last-level cache, at least 8000).
+    #[arg(long)]
+    pub(crate) files: Option<u64>,
     /// Seconds per measurement.
     #[arg(long, default_value_t = 2.0)]
     pub(crate) secs: f64,
@@ -33,8 +34,9 @@ pub struct ServeBench {
     /// CPU 1), or `both`.
     #[arg(long, default_value = "both")]
     pub(crate) layout: String,
-    /// `--mem-cache` for tessera serve (`none`: do not pass the option).
-    #[arg(long, default_value = "1G")]
+    /// `--mem-cache` for tessera serve (`none`: do not pass the option; `auto`: the file-data
+    /// region and a quarter more, so every timed read is a memory-tier hit after the warm pass).
+    #[arg(long, default_value = "auto")]
     pub(crate) mem_cache: String,
     /// Another `tessera` binary (e.g. built from an older commit) run the same way in every
     /// round, right after this one: its figures and the ratios to it are reported (the cost of a
@@ -191,6 +193,13 @@ impl QsdVariant {
 
 /// The size of the last-level cache of CPU 0 (the highest `level` under
 /// `/sys/devices/system/cpu/cpu0/cache`).
+/// Files of `generate_bench_tree` for a file-data region of at least `span` bytes (its files
+/// average ~18 KiB of device blocks at 22 000 files and ~22 KiB at 8000: 16 KiB leaves room),
+/// at least 8000. `measure` checks the region it gets.
+fn files_for_span(span: u64) -> u64 {
+    span.div_ceil(16 << 10).max(8000)
+}
+
 fn last_level_cache() -> Result<u64> {
     let mut best: Option<(u32, u64)> = None;
     for e in std::fs::read_dir("/sys/devices/system/cpu/cpu0/cache")? {
@@ -400,12 +409,14 @@ pub(crate) fn measure(opts: &ServeBench) -> Result<ServeResult> {
     std::fs::create_dir_all(&dir)?;
 
     // The image: a generated tree, built and exported raw (fresh every run).
+    let llc = last_level_cache()?;
+    let files = opts.files.unwrap_or_else(|| files_for_span(4 * llc));
     let tree = dir.join("tree");
-    let recipe = format!("bench-tree v1 files={}\n", opts.files);
+    let recipe = format!("bench-tree v1 files={files}\n");
     let marker = dir.join("tree.recipe");
     if std::fs::read_to_string(&marker).ok().as_deref() != Some(recipe.as_str()) {
-        println!("==> generating the tree ({} files) at {}", opts.files, tree.display());
-        fixtures::generate_bench_tree(&tree, opts.files)?;
+        println!("==> generating the tree ({files} files) at {}", tree.display());
+        fixtures::generate_bench_tree(&tree, files)?;
         std::fs::write(&marker, &recipe)?;
     }
     let store = dir.join("store");
@@ -421,7 +432,6 @@ pub(crate) fn measure(opts: &ServeBench) -> Result<ServeResult> {
     let lo = g["data_start_block"].as_u64().context("data_start_block")? * bs;
     let hi = g["data_end_block"].as_u64().context("data_end_block")? * bs;
     let size = g["size_bytes"].as_u64().context("size_bytes")?;
-    let llc = last_level_cache()?;
     let mib = |b: u64| b as f64 / 1048576.0;
     println!(
         "image {id}: {:.0} MiB device, file data in bytes [{lo}, {hi}) ({:.0} MiB), {} files",
@@ -499,8 +509,14 @@ pub(crate) fn measure(opts: &ServeBench) -> Result<ServeResult> {
             .arg("--overlay")
             .arg(&overlay)
             .args(["--queues", &max_queues.to_string()]);
-        if opts.mem_cache != "none" {
-            cmd.args(["--mem-cache", &opts.mem_cache]);
+        match opts.mem_cache.as_str() {
+            "none" => {}
+            "auto" => {
+                cmd.args(["--mem-cache", &format!("{}M", (hi - lo).div_ceil(1 << 20) * 5 / 4)]);
+            }
+            size => {
+                cmd.args(["--mem-cache", size]);
+            }
         }
         if metrics {
             cmd.args(["--metrics", "127.0.0.1:0"]);
@@ -574,7 +590,8 @@ pub(crate) fn measure(opts: &ServeBench) -> Result<ServeResult> {
                 } else {
                     let v = &variants[i - (names.len() - variants.len())];
                     let _ = std::fs::remove_file(&raw);
-                    std::fs::copy(&reference, &raw)?;
+                    // Holes stay holes: only the image's data is written, not its free space.
+                    status(Command::new("cp").arg("--sparse=always").arg(&reference).arg(&raw))?;
                     std::fs::File::open(&raw)?.sync_all()?;
                     Daemon::spawn(qsd_cmd(v, l.daemon), &qsock, &dir.join("qsd.log"))?
                 };
@@ -601,7 +618,7 @@ pub(crate) fn measure(opts: &ServeBench) -> Result<ServeResult> {
         layouts: all,
         fio,
         fio_command: "fio --rw=write --ioengine=sync --fdatasync=1 --bs=2300 --size=22m (same disk)".into(),
-        files: opts.files,
+        files,
         device_bytes: size,
         span_bytes: hi - lo,
         llc_bytes: llc,
