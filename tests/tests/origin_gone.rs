@@ -5,6 +5,11 @@
 //! TCP but never HTTP (a listener that never accepts): the read fails within the configured
 //! first-byte timeout times the attempts. Once nginx is back on the same port, the same reads
 //! succeed with the right bytes.
+//!
+//! The failing origin is remembered (`RetryPolicy::failing_after`, docs/store.md): once two
+//! requests have spent their retries, each later request makes one attempt, so the later failed
+//! reads take no backoff cycle, the silent origin costs one first-byte timeout, not five, and
+//! the first read after the origin is back succeeds at once.
 
 use std::fs;
 use std::time::{Duration, Instant};
@@ -61,6 +66,7 @@ fn origin_gone_cached_reads_work_uncached_fail_fast_then_recover() -> Result<()>
     // The rest, 1 MiB at a time: each read either succeeds (right bytes: holes, or chunks read
     // ahead before the origin went) or fails with EIO, within the bound.
     let (mut failed, mut served, mut slowest) = (Vec::new(), 0usize, Duration::ZERO);
+    let mut failed_took = Vec::new();
     for off in (MIB..cap).step_by(MIB) {
         let len = MIB.min(cap - off);
         let t0 = Instant::now();
@@ -76,10 +82,24 @@ fn origin_gone_cached_reads_work_uncached_fail_fast_then_recover() -> Result<()>
             Err(errno) => {
                 ensure!(errno == -libc::EIO, "the read at {off} failed with errno {errno}, not EIO");
                 failed.push(off);
+                failed_took.push(took);
             }
         }
     }
-    ensure!(!failed.is_empty(), "no read needed the origin: the test shows nothing");
+    ensure!(failed.len() >= 4, "only {} reads needed the origin: the test shows too little", failed.len());
+    // The first failed read spent the retry cycle (at least the 50 + 100 + 200 + 400 ms of
+    // backoff's lower halves); from the third on the origin counts as failing and a read costs
+    // one refused connection per request.
+    ensure!(
+        failed_took[0] >= Duration::from_millis(750),
+        "the first failed read took {:?}: no retries?",
+        failed_took[0]
+    );
+    let fast = Duration::from_millis(300);
+    ensure!(
+        failed_took[2..].iter().all(|&t| t < fast),
+        "failed reads after the origin counts as failing took {failed_took:?} (each should be < {fast:?})"
+    );
 
     // Silent: the port accepts TCP (the kernel's backlog) but nothing ever answers.
     let silent = std::net::TcpListener::bind(origin.addr()).context("binding nginx's port")?;
@@ -93,6 +113,12 @@ fn origin_gone_cached_reads_work_uncached_fail_fast_then_recover() -> Result<()>
         r.as_ref().map(|b| b.len())
     );
     ensure!(silent_took <= FAIL_WITHIN, "the read with a silent origin took {silent_took:?}");
+    // One attempt of the 1 s first-byte timeout (a 1 MiB read is one request or a few in
+    // parallel), not five.
+    ensure!(
+        silent_took < Duration::from_millis(2500),
+        "the read with a silent origin took {silent_took:?}: more than one first-byte timeout"
+    );
     drop(silent);
 
     // The origin is back: the reads that failed succeed, right bytes.
@@ -110,11 +136,14 @@ fn origin_gone_cached_reads_work_uncached_fail_fast_then_recover() -> Result<()>
     d.stop()?;
     eprintln!(
         "origin gone: cached 1 MiB read {cached_ms} ms; {} uncached 1 MiB reads failed with EIO, slowest {} ms \
-         (bound {} s), {served} served from cache/holes; silent origin (5 × 1 s first byte): EIO after {} ms; \
-         origin back: all {} succeed ({back_ms} ms)",
+         (bound {} s; the first {} ms, the last {} ms: the origin remembered as failing), {served} served from \
+         cache/holes; silent origin (one attempt, 1 s first byte): EIO after {} ms; origin back: all {} succeed \
+         ({back_ms} ms)",
         failed.len(),
         slowest.as_millis(),
         FAIL_WITHIN.as_secs(),
+        failed_took[0].as_millis(),
+        failed_took[failed_took.len() - 1].as_millis(),
         silent_took.as_millis(),
         failed.len()
     );

@@ -117,8 +117,12 @@ impl Fake {
             }
             None => CredentialSource::Anonymous,
         };
-        let retry =
-            RetryPolicy { attempts: 4, base: Duration::from_millis(1), max: Duration::from_millis(5) };
+        let retry = RetryPolicy {
+            attempts: 4,
+            base: Duration::from_millis(1),
+            max: Duration::from_millis(5),
+            ..RetryPolicy::default()
+        };
         Client::new(&self.addr.to_string(), ClientOptions { credentials, retry, ..ClientOptions::default() })
             .unwrap()
     }
@@ -323,7 +327,12 @@ fn failures_are_typed() {
     let c = Client::new(
         &dead.to_string(),
         ClientOptions {
-            retry: RetryPolicy { attempts: 2, base: Duration::from_millis(1), max: Duration::from_millis(2) },
+            retry: RetryPolicy {
+                attempts: 2,
+                base: Duration::from_millis(1),
+                max: Duration::from_millis(2),
+                ..RetryPolicy::default()
+            },
             ..ClientOptions::default()
         },
     )
@@ -375,7 +384,12 @@ fn a_rewritten_auth_file_is_read_again_on_a_401() {
         std::fs::write(&file, text).unwrap();
     };
     write("old");
-    let retry = RetryPolicy { attempts: 2, base: Duration::from_millis(1), max: Duration::from_millis(2) };
+    let retry = RetryPolicy {
+        attempts: 2,
+        base: Duration::from_millis(1),
+        max: Duration::from_millis(2),
+        ..RetryPolicy::default()
+    };
     let options = ClientOptions {
         credentials: CredentialSource::AuthFiles(vec![file.clone()]),
         retry,
@@ -628,7 +642,12 @@ fn range_reads_are_limited_per_client() {
             cut: None,
         }
     });
-    let retry = RetryPolicy { attempts: 1, base: Duration::from_millis(1), max: Duration::from_millis(1) };
+    let retry = RetryPolicy {
+        attempts: 1,
+        base: Duration::from_millis(1),
+        max: Duration::from_millis(1),
+        ..RetryPolicy::default()
+    };
     let c = Client::new(
         &fake.addr.to_string(),
         ClientOptions {

@@ -24,11 +24,12 @@ mod retry;
 mod stats;
 
 use std::io::{self, Read};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
 use tessera_metrics::Histogram;
-use tracing::debug;
+use tracing::{debug, info, warn};
 
 pub use config::{BadPem, Timeouts, TlsOptions, TransportConfig};
 pub use error::{ErrorKind, Failure, FetchError, TimeoutKind, TransportError, TransportErrorKind};
@@ -107,6 +108,41 @@ struct Shared {
     limiter: Limiter,
     counters: Counters,
     latency: Histogram,
+    /// Requests in a row that spent their attempts on retryable failures (reset by any answer):
+    /// the origin is failing from [`RetryPolicy::failing_after`] on.
+    exhausted: AtomicU32,
+}
+
+impl Shared {
+    /// Whether the origin counts as failing: requests make one attempt each.
+    fn failing(&self) -> bool {
+        let after = self.config.retry.failing_after;
+        after > 0 && self.exhausted.load(Ordering::Relaxed) >= after
+    }
+
+    /// A request spent its attempts on retryable failures.
+    fn exhausted(&self) {
+        let after = self.config.retry.failing_after;
+        if after > 0 && self.exhausted.fetch_add(1, Ordering::Relaxed) + 1 == after {
+            warn!(
+                requests = after,
+                "the origin is failing (requests in a row spent their retries): one attempt per request, \
+                 without backoff, until it answers"
+            );
+        }
+    }
+
+    /// The origin answered (a success or a final refusal such as a 404).
+    fn answered(&self) {
+        let after = self.config.retry.failing_after;
+        // The common case, a healthy origin, only reads the counter.
+        if self.exhausted.load(Ordering::Relaxed) > 0
+            && self.exhausted.swap(0, Ordering::Relaxed) >= after
+            && after > 0
+        {
+            info!("the origin answers again: requests are retried as usual");
+        }
+    }
 }
 
 /// The HTTP client of one origin. Cheap to clone (the pool, the limiter, the counters and the
@@ -223,6 +259,7 @@ impl Transport {
                 config,
                 counters: Counters::default(),
                 latency: tessera_metrics::origin_latency_histogram(),
+                exhausted: AtomicU32::new(0),
             }),
         }
     }
@@ -307,21 +344,44 @@ impl Transport {
     /// the request (a retryable [`TransportError`]), the status (5xx, 408, 429: waiting for
     /// `Retry-After` when the server sends one; the last such answer goes to `on_response`), or
     /// the caller's verdict ([`Failure::retry`]). Every failed attempt counts once in
-    /// [`Stats::errors`], by its kind.
+    /// [`Stats::errors`], by its kind. While the origin is failing
+    /// ([`RetryPolicy::failing_after`]) a request makes one attempt.
     pub fn fetch<T, E>(
         &self,
         req: &Request<'_>,
         mut on_response: impl FnMut(Response) -> Result<T, Failure<E>>,
     ) -> Result<T, FetchError<E>> {
-        let policy = self.shared.config.retry;
+        let result = self.fetch_inner(req, &mut on_response);
+        if !req.probe {
+            match &result {
+                Ok(_) | Err(Exhausted::Answered(_)) => self.shared.answered(),
+                Err(Exhausted::Retryable(_)) => self.shared.exhausted(),
+                Err(Exhausted::Final(_)) => {}
+            }
+        }
+        result.map_err(Exhausted::into_inner)
+    }
+
+    fn fetch_inner<T, E>(
+        &self,
+        req: &Request<'_>,
+        on_response: &mut impl FnMut(Response) -> Result<T, Failure<E>>,
+    ) -> Result<T, Exhausted<E>> {
+        let shared = &*self.shared;
+        let policy = shared.config.retry;
         let attempts = if req.probe { 1 } else { policy.attempts.max(1) };
-        let counters = &self.shared.counters;
+        let counters = &shared.counters;
         let mut retry = 0u32;
         loop {
-            let last = retry + 1 >= attempts;
+            let single = !req.probe && shared.failing();
+            if single && retry == 0 {
+                counters.single_attempt();
+            }
+            let last = retry + 1 >= attempts || single;
             let (wait, why) = match self.attempt(req) {
                 Err(e) if e.is_retryable() && !last => (policy.backoff(retry), e.to_string()),
-                Err(e) => return Err(FetchError::Transport(e)),
+                Err(e) if e.is_retryable() => return Err(Exhausted::Retryable(FetchError::Transport(e))),
+                Err(e) => return Err(Exhausted::Final(FetchError::Transport(e))),
                 Ok(resp) => {
                     let status = resp.status();
                     let retryable = retryable_status(status);
@@ -340,8 +400,12 @@ impl Transport {
                                 if let (Some(kind), false, false) = (f.kind, req.probe, already) {
                                     counters.error(kind);
                                 }
+                                if !f.retry && !retryable {
+                                    // A final answer (a 404, a 416): the origin is up.
+                                    return Err(Exhausted::Answered(FetchError::Rejected(f.error)));
+                                }
                                 if !f.retry || last {
-                                    return Err(FetchError::Rejected(f.error));
+                                    return Err(Exhausted::Retryable(FetchError::Rejected(f.error)));
                                 }
                                 (policy.backoff(retry), "the answer was rejected".to_owned())
                             }
@@ -365,6 +429,11 @@ impl Transport {
         }
     }
 
+    /// Whether the origin counts as failing now ([`RetryPolicy::failing_after`]).
+    pub fn is_failing(&self) -> bool {
+        self.shared.failing()
+    }
+
     /// [`Self::fetch`] returning the answer as it is: retries on transport failures and
     /// retryable statuses only; the caller reads the body (a stream: the attempt lasts until the
     /// response or its reader is dropped).
@@ -373,6 +442,24 @@ impl Transport {
             FetchError::Transport(t) => t,
             FetchError::Rejected(never) => match never {},
         })
+    }
+}
+
+/// How a request's retry loop ended without a result.
+enum Exhausted<E> {
+    /// Its attempts spent on retryable failures: the origin may be failing.
+    Retryable(FetchError<E>),
+    /// A final answer (a 404, a 416, a body the caller refuses for good): the origin is up.
+    Answered(FetchError<E>),
+    /// A failure no attempt can help, with no answer (a refused certificate, a bad URL).
+    Final(FetchError<E>),
+}
+
+impl<E> Exhausted<E> {
+    fn into_inner(self) -> FetchError<E> {
+        match self {
+            Exhausted::Retryable(e) | Exhausted::Answered(e) | Exhausted::Final(e) => e,
+        }
     }
 }
 
@@ -401,7 +488,12 @@ mod tests {
 
     fn quick() -> TransportConfig {
         TransportConfig {
-            retry: RetryPolicy { attempts: 3, base: Duration::from_millis(1), max: Duration::from_millis(2) },
+            retry: RetryPolicy {
+                attempts: 3,
+                base: Duration::from_millis(1),
+                max: Duration::from_millis(2),
+                ..RetryPolicy::default()
+            },
             ..TransportConfig::default()
         }
     }
@@ -460,6 +552,86 @@ mod tests {
         assert!(t.send(&probe).is_err());
         assert_eq!(t.stats().requests, 3);
         assert_eq!(t.latency_histogram().get_sample_count(), 3);
+    }
+
+    #[test]
+    fn a_failing_origin_gets_one_attempt_per_request_until_it_answers() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let url = format!("http://{addr}/x");
+        drop(l);
+        let t = Transport::new(quick());
+        // Two requests spend their 3 attempts each on refused connections: the origin is failing.
+        for n in 1..=2 {
+            assert!(t.send(&Request::get(&url)).is_err());
+            assert_eq!(t.stats().requests, 3 * n);
+        }
+        assert!(t.is_failing());
+        // Now one attempt each, no backoff.
+        for n in 1..=3 {
+            assert!(t.send(&Request::get(&url)).is_err());
+            let s = t.stats();
+            assert_eq!((s.requests, s.retries, s.single_attempts), (6 + n, 4, n));
+        }
+        // The origin is back on the same port: the next request succeeds with its one attempt,
+        // and requests are retried as usual again.
+        let l = TcpListener::bind(addr).unwrap();
+        let busy = "HTTP/1.1 503 Busy\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
+        let ok = "HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok";
+        std::thread::spawn(move || {
+            for answer in [ok, busy, ok] {
+                let (mut s, _) = l.accept().unwrap();
+                let mut buf = [0u8; 4096];
+                let _ = s.read(&mut buf);
+                let _ = s.write_all(answer.as_bytes());
+            }
+        });
+        let mut body = String::new();
+        t.send(&Request::get(&url)).unwrap().into_reader().read_to_string(&mut body).unwrap();
+        assert_eq!(body, "ok");
+        assert!(!t.is_failing());
+        assert_eq!((t.stats().requests, t.stats().single_attempts), (10, 4));
+        // A 503 is retried again.
+        let mut body = String::new();
+        t.send(&Request::get(&url)).unwrap().into_reader().read_to_string(&mut body).unwrap();
+        let s = t.stats();
+        assert_eq!((body.as_str(), s.requests, s.retries, s.single_attempts), ("ok", 12, 5, 4));
+    }
+
+    #[test]
+    fn a_final_answer_or_a_success_between_exhausted_requests_keeps_the_retries() {
+        let busy = "HTTP/1.1 503 Busy\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
+        let missing = "HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
+        // Exhausted, a 404 (the origin answers), exhausted: never two in a row.
+        let url = serve(vec![busy, busy, busy, missing, busy, busy, busy, busy, busy, busy]);
+        let t = Transport::new(quick());
+        let judge = |r: Response| match r.status() {
+            200 => Ok(()),
+            s => Err(if retryable_status(s) {
+                Failure::retry(ErrorKind::Status, s)
+            } else {
+                Failure::fatal(ErrorKind::Status, s)
+            }),
+        };
+        assert!(matches!(t.fetch(&Request::get(&url), judge), Err(FetchError::Rejected(503))));
+        assert!(matches!(t.fetch(&Request::get(&url), judge), Err(FetchError::Rejected(404))));
+        assert!(matches!(t.fetch(&Request::get(&url), judge), Err(FetchError::Rejected(503))));
+        assert!(!t.is_failing(), "a 404 between the exhausted requests: the origin answers");
+        assert_eq!(t.stats().requests, 7);
+        // The second exhausted request in a row trips it; 0 turns it off.
+        assert!(t.fetch(&Request::get(&url), judge).is_err());
+        assert!(t.is_failing());
+        let mut off = quick();
+        off.retry.failing_after = 0;
+        let t = Transport::new(off);
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}/x", l.local_addr().unwrap());
+        drop(l);
+        for _ in 0..3 {
+            assert!(t.send(&Request::get(&url)).is_err());
+        }
+        assert!(!t.is_failing());
+        assert_eq!((t.stats().requests, t.stats().single_attempts), (9, 0));
     }
 
     #[test]

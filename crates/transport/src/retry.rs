@@ -20,11 +20,18 @@ pub struct RetryPolicy {
     /// Cap on one backoff, and on a server's `Retry-After` (default 4 s). With the defaults the
     /// waits before giving up add up to at most 1.5 s.
     pub max: Duration,
+    /// Requests in a row that spent every attempt on retryable failures, none answered in
+    /// between, after which the origin counts as failing (default 2; 0: never): from then on
+    /// every request makes one attempt, without backoff, until one is answered. An origin that
+    /// is gone then costs a read one attempt instead of the whole retry cycle, and a read
+    /// succeeds again as soon as the origin is back; an origin failing a share of requests
+    /// (a storm of 5xx and resets) almost never spends two requests' attempts in a row.
+    pub failing_after: u32,
 }
 
 impl Default for RetryPolicy {
     fn default() -> Self {
-        Self { attempts: 5, base: Duration::from_millis(100), max: Duration::from_secs(4) }
+        Self { attempts: 5, base: Duration::from_millis(100), max: Duration::from_secs(4), failing_after: 2 }
     }
 }
 
@@ -73,7 +80,7 @@ mod tests {
 
     #[test]
     fn backoff_grows_jitters_and_caps() {
-        let p = RetryPolicy { attempts: 5, base: Duration::from_millis(100), max: Duration::from_secs(1) };
+        let p = RetryPolicy { max: Duration::from_secs(1), ..RetryPolicy::default() };
         assert_eq!(p.backoff_with(0, 0), Duration::from_millis(50));
         assert_eq!(
             p.backoff_with(0, u64::MAX),

@@ -17,6 +17,9 @@ pub struct Stats {
     pub bytes: u64,
     /// Attempts that failed, by kind (each failed attempt counts once, retried or not).
     pub errors: ErrorCounts,
+    /// Requests given a single attempt because the origin was failing
+    /// ([`crate::RetryPolicy::failing_after`]).
+    pub single_attempts: u64,
 }
 
 /// Failed attempts by kind (see [`ErrorKind`]).
@@ -53,6 +56,7 @@ pub(crate) struct Counters {
     retries: AtomicU64,
     bytes: AtomicU64,
     errors: [AtomicU64; 5],
+    single_attempts: AtomicU64,
 }
 
 impl Counters {
@@ -62,6 +66,10 @@ impl Counters {
 
     pub(crate) fn retry(&self) {
         self.retries.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn single_attempt(&self) {
+        self.single_attempts.fetch_add(1, Ordering::Relaxed);
     }
 
     pub(crate) fn bytes(&self, n: usize) {
@@ -85,6 +93,7 @@ impl Counters {
                 body: e(ErrorKind::Body),
                 digest: e(ErrorKind::Digest),
             },
+            single_attempts: self.single_attempts.load(Ordering::Relaxed),
         }
     }
 }

@@ -1209,7 +1209,12 @@ mod tests {
     fn unreachable_origin_is_a_typed_error_naming_the_url() {
         // Port 9 (discard) on loopback: nothing listens; connection refused, retried, then failed.
         let cfg = HttpConfig {
-            retry: RetryPolicy { attempts: 2, base: Duration::from_millis(1), max: Duration::from_millis(2) },
+            retry: RetryPolicy {
+                attempts: 2,
+                base: Duration::from_millis(1),
+                max: Duration::from_millis(2),
+                ..RetryPolicy::default()
+            },
             ..HttpConfig::default()
         };
         let s = HttpStore::new("http://127.0.0.1:9/p", cfg);

@@ -1167,6 +1167,7 @@ mod tests {
                 attempts: 3,
                 base: Duration::from_millis(1),
                 max: Duration::from_millis(2),
+                ..tessera_transport::RetryPolicy::default()
             },
             coalesce_wait: Duration::ZERO,
             ..HttpConfig::default()
