@@ -202,6 +202,26 @@ pub fn ratio_cell(s: Option<Spread>) -> String {
 }
 
 /// A markdown table: `|`-escaped cells.
+/// Whether a median `ratio` meets `target` ("≤ 0.25×", "≥ 2×"); `None` for a target of
+/// another shape.
+pub fn met(target: &str, ratio: f64) -> Option<bool> {
+    let t = target.trim();
+    let (bound, at_most) =
+        if let Some(b) = t.strip_prefix('≤') { (b, true) } else { (t.strip_prefix('≥')?, false) };
+    let bound: f64 = bound.trim().strip_suffix('×')?.trim().parse().ok()?;
+    Some(if at_most { ratio <= bound } else { ratio >= bound })
+}
+
+/// The target column: the target and whether the median ratio meets it (✓ / ✗).
+fn target_cell(target: Option<&str>, ratio: Option<f64>) -> String {
+    let Some(t) = target else { return String::new() };
+    match ratio.and_then(|r| met(t, r)) {
+        Some(true) => format!("{t} ✓"),
+        Some(false) => format!("{t} ✗"),
+        None => t.to_owned(),
+    }
+}
+
 pub fn table(header: &[&str], rows: &[Vec<String>]) -> String {
     let esc = |c: &str| c.replace('|', "\\|").replace('\n', " ");
     let mut s = format!("| {} |\n", header.iter().map(|h| esc(h)).collect::<Vec<_>>().join(" | "));
@@ -273,7 +293,7 @@ pub fn render_markdown(r: &Report, plots_dir: &str) -> String {
                             Better::Lower => "lower".into(),
                             Better::Higher => "higher".into(),
                         },
-                        c.target.clone().unwrap_or_default(),
+                        target_cell(c.target.as_deref(), c.ratio().map(|r| r.median)),
                     ]
                 })
                 .collect();
@@ -354,6 +374,21 @@ mod tests {
 
     fn close(a: f64, b: f64) -> bool {
         (a - b).abs() < 1e-9
+    }
+
+    #[test]
+    fn targets_are_judged_on_the_median_ratio() {
+        assert_eq!(met("≤ 2×", 1.96), Some(true));
+        assert_eq!(met("≤ 0.25×", 1.51), Some(false));
+        assert_eq!(met("≥ 2×", 3.17), Some(true));
+        assert_eq!(met("≥ 2.5×", 1.16), Some(false));
+        assert_eq!(met(" ≥ 4× ", 4.0), Some(true));
+        assert_eq!(met("≤ 512 B", 1.0), None);
+        assert_eq!(met("fast", 1.0), None);
+        assert_eq!(target_cell(Some("≤ 2×"), Some(1.19)), "≤ 2× ✓");
+        assert_eq!(target_cell(Some("≥ 4×"), Some(2.29)), "≥ 4× ✗");
+        assert_eq!(target_cell(Some("≥ 4×"), None), "≥ 4×");
+        assert_eq!(target_cell(None, Some(1.0)), "");
     }
 
     #[test]
@@ -487,7 +522,7 @@ mod tests {
             "### Build: tessera build vs mkfs.ext4 -d",
             "load average before 0.50 0.40 0.30, after 1.00 0.60 0.40",
             "- tree: 5 000 files",
-            "| build time | s | tessera build: 1.10 (1.00–1.20) | mkfs.ext4 -d: 1.00 (1.00–1.00) | **1.10×** (1.00×–1.20×) | 3 | lower | ≤ 0.2× |",
+            "| build time | s | tessera build: 1.10 (1.00–1.20) | mkfs.ext4 -d: 1.00 (1.00–1.00) | **1.10×** (1.00×–1.20×) | 3 | lower | ≤ 0.2× ✗ |",
             "| store | MB | 42.0 | 1 |",
             "- mkfs.ext4: `mkfs.ext4 -d tree img`",
             "\nA note.\n",
