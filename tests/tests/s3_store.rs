@@ -1,6 +1,7 @@
 //! `s3://` stores against a real S3 server that checks AWS Signature V4 (`rclone serve s3`,
 //! `tessera_e2e::s3`): `copy --to s3://` (multipart for a pack larger than one part, the store's
-//! write order, a rerun skipping every object; an interrupted copy resumed), `export`, `inspect`
+//! write order, a rerun skipping every object; an interrupted copy resumed, an unfinished multipart
+//! upload too, keeping the parts already sent), `export`, `inspect`
 //! and `serve` (libblkio) from it, with the disk cache serving on after the server is killed;
 //! clear errors (exit 1) for a wrong secret (the server really checks signatures), an unknown
 //! key, a missing bucket — at `serve` start-up too; a rewritten credentials file picked up by a
@@ -265,6 +266,53 @@ fn an_interrupted_copy_is_resumed_skipping_what_is_there() -> Result<()> {
     let out = f.t.path().join("resumed.raw");
     ok(run(&server, GOOD, &["export", "demo", "--store", dest, "-o", s(&out)?])?, "export after resuming")?;
     same_file(&f.local_raw, &out, "export after the resumed copy")?;
+    Ok(())
+}
+
+#[test]
+fn an_unfinished_multipart_upload_is_resumed_keeping_the_parts_already_sent() -> Result<()> {
+    let f = fixture("s3-parts")?;
+    let server = S3Server::start(&["parts"])?;
+    let dest = "s3://parts/img";
+    let proxy = Proxy::start(server.addr(), ProxyConfig::default())?;
+    let endpoint = format!("http://{}", proxy.addr());
+    let part_puts = |from: usize| -> Vec<String> {
+        proxy.log()[from..]
+            .iter()
+            .filter(|r| r.method == "PUT" && r.path.contains("partNumber=") && r.fault.is_none())
+            .map(|r| r.path.clone())
+            .collect()
+    };
+    let copy_args = ["copy", "demo", "--store", s(&f.store)?, "--to", dest, "--json"];
+
+    // The pack's third part never gets in: the copy fails after two parts went up.
+    proxy.inject("partNumber=3", Fault::Status(500), 1000);
+    let o = command_at(&endpoint, GOOD, &copy_args).output()?;
+    ensure!(!o.status.success(), "a copy whose third part is refused succeeded");
+    let first = part_puts(0);
+    ensure!(first.len() == 2, "parts sent before the failure: {first:?}");
+    proxy.clear_faults();
+
+    // The rerun finds the unfinished upload, keeps the two parts (their MD5s match) and sends
+    // only the third.
+    let mark = proxy.log().len();
+    let o = ok(command_at(&endpoint, GOOD, &copy_args).output()?, "resumed copy")?;
+    let report: serde_json::Value = serde_json::from_slice(&o.stdout)?;
+    let resent = part_puts(mark);
+    ensure!(
+        resent.len() == 1 && resent[0].contains("partNumber=3&"),
+        "parts sent by the resumed copy: {resent:?}"
+    );
+    let part: u64 = PART.parse()?;
+    ensure!(report["resumed_bytes"] == 2 * part, "resumed copy: {report}");
+    let total = report["total_bytes"].as_u64().context("total_bytes")?;
+    let copied = report["copied_bytes"].as_u64().context("copied_bytes")?;
+    ensure!(copied + 2 * part <= total && copied > 0, "resumed copy: {report}");
+
+    // What the kept parts and the new one make is the exact pack: the image exports exactly.
+    let out = f.t.path().join("parts.raw");
+    ok(run(&server, GOOD, &["export", "demo", "--store", dest, "-o", s(&out)?])?, "export")?;
+    same_file(&f.local_raw, &out, "export after the resumed multipart upload")?;
     Ok(())
 }
 

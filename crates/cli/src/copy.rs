@@ -22,14 +22,14 @@ destination already has. Every blob is checked against its digest on the way.\n\
 \n\
 SRC is any readable store (PATH, file://, http(s)://, docker://, s3://). DST is a local store \
 (created if missing), s3://BUCKET[/PREFIX] (objects already there are skipped after a HEAD; packs \
-larger than one part go up as multipart uploads; credentials and endpoint as for every s3:// store: \
+larger than one part go up as multipart uploads, and a rerun resumes an upload an interrupted copy left unfinished, keeping the parts whose MD5 matches; credentials and endpoint as for every s3:// store: \
 AWS_* variables or ~/.aws/credentials, --s3-endpoint or AWS_ENDPOINT_URL) or \
 docker://HOST[:PORT]/REPO, where the image is pushed as `tessera push` does, tagged \
 with IMAGE's tag (or sha256-<id hex> when IMAGE is an ID). An http(s):// store is read-only: publish \
 a local copy with any static file server.\n\
 \n\
 stdout: one summary line, or with --json one object: id, destination, tag, blobs, total_bytes, \
-copied, copied_bytes, present.\n\
+copied, copied_bytes (bytes sent), resumed_bytes (bytes an interrupted copy had sent, kept), present.\n\
 \n\
 Examples:\n  tessera copy web --store ./build-store --to /srv/origin/store\n  \
 tessera copy web --store https://cdn.example/tessera --to ./mirror --cache-dir /var/cache/tessera\n  \
@@ -65,6 +65,7 @@ struct CopyJson {
     total_bytes: u64,
     copied: usize,
     copied_bytes: u64,
+    resumed_bytes: u64,
     present: usize,
 }
 
@@ -115,6 +116,7 @@ pub fn run(args: CopyArgs) -> Result<()> {
                 total_bytes: report.total_bytes,
                 copied: report.uploaded,
                 copied_bytes: report.uploaded_bytes,
+                resumed_bytes: 0,
                 present: report.present + report.mounted,
             }
         }
@@ -138,6 +140,7 @@ pub fn run(args: CopyArgs) -> Result<()> {
                 total_bytes: report.total_bytes,
                 copied: report.copied,
                 copied_bytes: report.copied_bytes,
+                resumed_bytes: report.resumed_bytes,
                 present: report.present,
             }
         }
@@ -147,7 +150,7 @@ pub fn run(args: CopyArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&doc)?);
     } else {
         println!(
-            "copied {} to {}{}: {} blobs, {}: {} copied ({}), {} already there",
+            "copied {} to {}{}: {} blobs, {}: {} copied ({}{}), {} already there",
             doc.id,
             doc.destination,
             doc.tag.as_deref().map(|t| format!(" as {t}")).unwrap_or_default(),
@@ -155,6 +158,11 @@ pub fn run(args: CopyArgs) -> Result<()> {
             HumanBytes(doc.total_bytes),
             doc.copied,
             HumanBytes(doc.copied_bytes),
+            if doc.resumed_bytes > 0 {
+                format!(", {} resumed", HumanBytes(doc.resumed_bytes))
+            } else {
+                String::new()
+            },
             doc.present
         );
     }

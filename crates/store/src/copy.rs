@@ -26,9 +26,12 @@ pub struct CopyReport {
     pub blobs: usize,
     /// Their total bytes.
     pub total_bytes: u64,
-    /// Blobs copied, and their bytes.
+    /// Blobs copied, and the bytes sent for them.
     pub copied: usize,
     pub copied_bytes: u64,
+    /// Bytes of copied blobs that an interrupted earlier copy had already sent (the parts of an
+    /// unfinished multipart upload, kept): not sent again, not in `copied_bytes`.
+    pub resumed_bytes: u64,
     /// Blobs the destination already had.
     pub present: usize,
     /// The tag written, if any.
@@ -44,8 +47,10 @@ pub trait CopyDest {
     /// Store a small blob; its bytes must hash to `digest`.
     fn put_blob(&self, digest: &Sha256Digest, bytes: &[u8]) -> Result<(), StoreError>;
     /// Store a (large) blob of `len` bytes streamed from `reader`; it must hash to `digest`,
-    /// or nothing appears under that name.
-    fn put_streamed(&self, digest: &Sha256Digest, len: u64, reader: &mut dyn Read) -> Result<(), StoreError>;
+    /// or nothing appears under that name. Returns how many of the bytes an interrupted earlier
+    /// attempt had left at the destination and were kept rather than sent again.
+    fn put_streamed(&self, digest: &Sha256Digest, len: u64, reader: &mut dyn Read)
+        -> Result<u64, StoreError>;
     /// Write the image entry (after every blob it names).
     fn put_entry(&self, id: &ImageId, entry: &ImageEntry) -> Result<(), StoreError>;
     /// Point `tag` at `id` (after its entry).
@@ -71,7 +76,7 @@ impl CopyDest for LocalStore {
         digest: &Sha256Digest,
         _len: u64,
         reader: &mut dyn Read,
-    ) -> Result<(), StoreError> {
+    ) -> Result<u64, StoreError> {
         let mut writer = self.blob_writer()?;
         let mut buf = vec![0u8; PIECE];
         loop {
@@ -90,7 +95,8 @@ impl CopyDest for LocalStore {
             writer.append(&buf[..n])?;
         }
         let written = writer.commit()?;
-        check_digest(self, digest, &written)
+        check_digest(self, digest, &written)?;
+        Ok(0)
     }
 
     fn put_entry(&self, id: &ImageId, entry: &ImageEntry) -> Result<(), StoreError> {
@@ -141,14 +147,16 @@ pub fn copy_image(
         if dest.has_blob_of_len(&digest, size)? {
             report.present += 1;
         } else {
-            if stream {
+            let resumed = if stream {
                 let mut reader = source.open_blob(&digest)?;
-                dest.put_streamed(&digest, size, &mut reader)?;
+                dest.put_streamed(&digest, size, &mut reader)?.min(size)
             } else {
                 dest.put_blob(&digest, &source.read_blob(&digest)?)?;
-            }
+                0
+            };
             report.copied += 1;
-            report.copied_bytes += size;
+            report.copied_bytes += size - resumed;
+            report.resumed_bytes += resumed;
             debug!(%digest, size, "copied blob");
         }
         done += size;

@@ -17,10 +17,12 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
+use std::collections::BTreeMap;
 use std::io::Read;
 
+use md5::Md5;
 use sha2::{Digest, Sha256};
 use tessera_image::{ImageEntry, ImageId, Sha256Digest};
 use tessera_transport::{ErrorKind, Failure, FetchError, Request, Transport, TransportError};
@@ -389,6 +391,8 @@ pub(crate) fn operation(method: Method, url: &str) -> &'static str {
     let has = |k: &str| query.iter().any(|(q, _)| *q == k);
     match method {
         Method::Get if has("list-type") => "ListObjectsV2",
+        Method::Get if has("uploads") => "ListMultipartUploads",
+        Method::Get if has("uploadId") => "ListParts",
         Method::Get => "GetObject",
         Method::Head => "HeadObject",
         Method::Put if has("partNumber") => "UploadPart",
@@ -405,14 +409,48 @@ pub(crate) fn operation(method: Method, url: &str) -> &'static str {
 pub(crate) fn xml_text(xml: &str, tag: &str) -> Option<String> {
     let start = xml.find(&format!("<{tag}>"))? + tag.len() + 2;
     let end = start + xml[start..].find(&format!("</{tag}>"))?;
-    Some(
-        xml[start..end]
-            .replace("&lt;", "<")
-            .replace("&gt;", ">")
-            .replace("&quot;", "\"")
-            .replace("&apos;", "'")
-            .replace("&amp;", "&"),
-    )
+    Some(xml_unescape(&xml[start..end]))
+}
+
+/// `text` with XML's five named entities and numeric character references (`&#34;`, `&#x22;`:
+/// Go's encoder writes quotes in ETags so) replaced; anything else is left as it is.
+fn xml_unescape(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(i) = rest.find('&') {
+        out.push_str(&rest[..i]);
+        rest = &rest[i..];
+        let decoded = rest.find(';').filter(|&end| end <= 10).and_then(|end| {
+            let name = &rest[1..end];
+            let c = match name {
+                "lt" => '<',
+                "gt" => '>',
+                "quot" => '"',
+                "apos" => '\'',
+                "amp" => '&',
+                _ => {
+                    let code = match name.strip_prefix("#x").or_else(|| name.strip_prefix("#X")) {
+                        Some(hex) => u32::from_str_radix(hex, 16).ok()?,
+                        None => name.strip_prefix('#')?.parse().ok()?,
+                    };
+                    char::from_u32(code)?
+                }
+            };
+            Some((c, end + 1))
+        });
+        match decoded {
+            Some((c, used)) => {
+                out.push(c);
+                rest = &rest[used..];
+            }
+            None => {
+                out.push('&');
+                rest = &rest[1..];
+            }
+        }
+    }
+    out.push_str(rest);
+    out
 }
 
 impl S3Auth {
@@ -566,6 +604,15 @@ impl S3Store {
         join_url(self.http.base(), key)
     }
 
+    /// What the store's keys start with in the bucket: its prefix and a `/`, or nothing.
+    fn key_base(&self) -> String {
+        if self.location.prefix.is_empty() {
+            String::new()
+        } else {
+            format!("{}/", self.location.prefix)
+        }
+    }
+
     fn blob_key(digest: &Sha256Digest) -> String {
         format!("blobs/sha256/{}", digest.hex())
     }
@@ -635,11 +682,7 @@ impl S3Store {
     /// The objects whose keys (relative to the store's prefix) start with `dir` and have no
     /// further `/` (ListObjectsV2 with a delimiter, page after page): key, size, last modified.
     pub fn list(&self, dir: &str) -> Result<Vec<crate::gc::StoreObject>, StoreError> {
-        let base = if self.location.prefix.is_empty() {
-            String::new()
-        } else {
-            format!("{}/", self.location.prefix)
-        };
+        let base = self.key_base();
         let prefix = format!("{base}{dir}");
         let mut out = Vec::new();
         let mut after: Option<String> = None;
@@ -699,21 +742,91 @@ impl S3Store {
         Ok(())
     }
 
+    /// The newest multipart upload of `key` an earlier copy left unfinished
+    /// (ListMultipartUploads) and the parts it holds (ListParts, page after page): part number →
+    /// (size, ETag). `None` when there is none, or when the server cannot say (the upload is then
+    /// started afresh: resuming is an optimisation, never a condition).
+    fn unfinished_upload(&self, key: &str) -> Option<(String, BTreeMap<u32, (u64, String)>)> {
+        let full = format!("{}{key}", self.key_base());
+        let url = format!("{}?prefix={}&uploads", self.bucket_url, uri_encode(&full, false));
+        let listed = match self.call(Method::Get, &url, &[], &[], |s| s == 200) {
+            Ok(a) => a,
+            Err(e) => {
+                debug!(error = %e, "cannot list unfinished multipart uploads: starting afresh");
+                return None;
+            }
+        };
+        let text = String::from_utf8_lossy(&listed.body);
+        // ISO 8601 times of one server compare as strings.
+        let (upload_id, _) = text
+            .split("<Upload>")
+            .skip(1)
+            .filter(|u| xml_text(u, "Key").as_deref() == Some(full.as_str()))
+            .filter_map(|u| Some((xml_text(u, "UploadId")?, xml_text(u, "Initiated").unwrap_or_default())))
+            .max_by(|a, b| a.1.cmp(&b.1))?;
+        let key_url = self.key_url(key);
+        let enc_id = uri_encode(&upload_id, false);
+        let mut parts = BTreeMap::new();
+        let mut marker = 0u32;
+        loop {
+            let mut url = format!("{key_url}?uploadId={enc_id}");
+            if marker > 0 {
+                url.push_str(&format!("&part-number-marker={marker}"));
+            }
+            let page = match self.call(Method::Get, &url, &[], &[], |s| s == 200) {
+                Ok(a) => a,
+                Err(e) => {
+                    debug!(error = %e, "cannot list the parts of an unfinished upload: starting afresh");
+                    return None;
+                }
+            };
+            let text = String::from_utf8_lossy(&page.body);
+            let mut last = marker;
+            for block in text.split("<Part>").skip(1) {
+                let number = xml_text(block, "PartNumber").and_then(|n| n.trim().parse::<u32>().ok());
+                let size = xml_text(block, "Size").and_then(|n| n.trim().parse::<u64>().ok());
+                if let (Some(number), Some(size), Some(etag)) = (number, size, xml_text(block, "ETag")) {
+                    parts.insert(number, (size, etag));
+                    last = last.max(number);
+                }
+            }
+            let truncated = xml_text(&text, "IsTruncated").is_some_and(|t| t.trim() == "true");
+            if !truncated || last == marker {
+                break;
+            }
+            marker = last;
+        }
+        Some((upload_id, parts))
+    }
+
     /// Upload blob `digest` (`len` bytes from `reader`) in parts of the part size, checking its
     /// sha256 before completing (a mismatch aborts the upload: nothing appears under the name).
+    /// An upload of the same blob that an earlier copy left unfinished is resumed: a part already
+    /// there is kept when its size and ETag (the MD5 of its bytes, which this copy computes from
+    /// its own bytes) match, and sent again otherwise. Returns the bytes kept.
     fn put_multipart(
         &self,
         digest: &Sha256Digest,
         len: u64,
         reader: &mut dyn Read,
-    ) -> Result<(), StoreError> {
+    ) -> Result<u64, StoreError> {
         let key = Self::blob_key(digest);
         let url = self.key_url(&key);
-        let created = self.call(Method::Post, &format!("{url}?uploads"), &[], &[], |s| s == 200)?;
-        let upload_id = xml_text(&String::from_utf8_lossy(&created.body), "UploadId").ok_or_else(|| {
-            http_err(&url, HttpError::BadLength("CreateMultipartUpload answered without an UploadId"))
-        })?;
+        let (upload_id, there) = match self.unfinished_upload(&key) {
+            Some(found) => found,
+            None => {
+                let created = self.call(Method::Post, &format!("{url}?uploads"), &[], &[], |s| s == 200)?;
+                let id = xml_text(&String::from_utf8_lossy(&created.body), "UploadId").ok_or_else(|| {
+                    http_err(&url, HttpError::BadLength("CreateMultipartUpload answered without an UploadId"))
+                })?;
+                (id, BTreeMap::new())
+            }
+        };
+        if !there.is_empty() {
+            debug!(%digest, parts = there.len(), "resuming an unfinished multipart upload");
+        }
         let enc_id = uri_encode(&upload_id, false);
+        let mut kept = 0u64;
         let result = (|| {
             let mut whole = Sha256::new();
             let mut etags = Vec::new();
@@ -736,10 +849,21 @@ impl S3Store {
                     });
                 }
                 whole.update(&part);
-                let number = etags.len() + 1;
-                let part_url = format!("{url}?partNumber={number}&uploadId={enc_id}");
-                let a = self.call(Method::Put, &part_url, &[], &part, |s| s == 200)?;
-                etags.push(a.etag.unwrap_or_default());
+                let number = u32::try_from(etags.len() + 1).unwrap_or(u32::MAX);
+                let md5 = hex::encode(Md5::digest(&part));
+                match there.get(&number) {
+                    Some((size, etag))
+                        if *size == want && etag.trim_matches('"').eq_ignore_ascii_case(&md5) =>
+                    {
+                        kept += want;
+                        etags.push(etag.clone());
+                    }
+                    _ => {
+                        let part_url = format!("{url}?partNumber={number}&uploadId={enc_id}");
+                        let a = self.call(Method::Put, &part_url, &[], &part, |s| s == 200)?;
+                        etags.push(a.etag.unwrap_or_else(|| format!("\"{md5}\"")));
+                    }
+                }
                 done += want;
             }
             let got = Sha256Digest(whole.finalize().into());
@@ -766,9 +890,11 @@ impl S3Store {
             if text.contains("<Error>") {
                 return Err(http_err(&url, self.auth.error(Method::Post, &url, a.status, &a.body)));
             }
-            Ok(())
+            Ok(kept)
         })();
-        if result.is_err() {
+        // Wrong source bytes can never complete: abort. Anything else (the server or the network
+        // failing) leaves the parts for the next copy to resume.
+        if matches!(result, Err(StoreError::Corrupt { .. })) {
             let abort = format!("{url}?uploadId={enc_id}");
             if let Err(e) = self.call(Method::Delete, &abort, &[], &[], |s| s == 204 || s == 200 || s == 404)
             {
@@ -801,7 +927,12 @@ impl CopyDest for S3Store {
         self.put(&Self::blob_key(digest), bytes, true)
     }
 
-    fn put_streamed(&self, digest: &Sha256Digest, len: u64, reader: &mut dyn Read) -> Result<(), StoreError> {
+    fn put_streamed(
+        &self,
+        digest: &Sha256Digest,
+        len: u64,
+        reader: &mut dyn Read,
+    ) -> Result<u64, StoreError> {
         if len > self.part_size {
             return self.put_multipart(digest, len, reader);
         }
@@ -811,7 +942,8 @@ impl CopyDest for S3Store {
             path: digest.hex().into(),
             source,
         })?;
-        self.put_blob(digest, &bytes)
+        self.put_blob(digest, &bytes)?;
+        Ok(0)
     }
 
     fn put_entry(&self, id: &ImageId, entry: &ImageEntry) -> Result<(), StoreError> {
@@ -1100,6 +1232,18 @@ mod tests {
         std::fs::remove_file(&path).unwrap();
         assert!(p.reload());
         assert_eq!(p.current(), None, "no file: unsigned");
+    }
+
+    #[test]
+    fn xml_entities_named_and_numeric() {
+        assert_eq!(xml_unescape("&#34;83c5&#34;"), "\"83c5\"");
+        assert_eq!(xml_unescape("&quot;a&quot; &lt;b&gt; &amp;amp; &apos;"), "\"a\" <b> &amp; '");
+        assert_eq!(xml_unescape("&#x22;&#X41;&#65;"), "\"AA");
+        // Not entities: kept as written.
+        assert_eq!(xml_unescape("a & b &bogus; &#xZZ; &#1114112; &"), "a & b &bogus; &#xZZ; &#1114112; &");
+        assert_eq!(xml_text("<P><ETag>&#34;x&#34;</ETag></P>", "ETag").as_deref(), Some("\"x\""));
+        assert_eq!(operation(Method::Get, "http://h/b?prefix=k&uploads"), "ListMultipartUploads");
+        assert_eq!(operation(Method::Get, "http://h/b/k?uploadId=u"), "ListParts");
     }
 
     #[test]
