@@ -565,6 +565,9 @@ impl std::fmt::Debug for S3Store {
     }
 }
 
+/// The parts an unfinished multipart upload holds: part number → (size, ETag).
+type UploadedParts = BTreeMap<u32, (u64, String)>;
+
 /// What a signed write call answered.
 struct Answer {
     status: u16,
@@ -746,7 +749,7 @@ impl S3Store {
     /// (ListMultipartUploads) and the parts it holds (ListParts, page after page): part number →
     /// (size, ETag). `None` when there is none, or when the server cannot say (the upload is then
     /// started afresh: resuming is an optimisation, never a condition).
-    fn unfinished_upload(&self, key: &str) -> Option<(String, BTreeMap<u32, (u64, String)>)> {
+    fn unfinished_upload(&self, key: &str) -> Option<(String, UploadedParts)> {
         let full = format!("{}{key}", self.key_base());
         let url = format!("{}?prefix={}&uploads", self.bucket_url, uri_encode(&full, false));
         let listed = match self.call(Method::Get, &url, &[], &[], |s| s == 200) {
