@@ -751,14 +751,16 @@ impl S3Store {
     /// started afresh: resuming is an optimisation, never a condition).
     fn unfinished_upload(&self, key: &str) -> Option<(String, UploadedParts)> {
         let full = format!("{}{key}", self.key_base());
-        let url = format!("{}?prefix={}&uploads", self.bucket_url, uri_encode(&full, false));
-        let listed = match self.call(Method::Get, &url, &[], &[], |s| s == 200) {
-            Ok(a) => a,
+        // A listing the server refuses means starting afresh, not failing the copy.
+        let get = |url: &str, what: &str| match self.call(Method::Get, url, &[], &[], |s| s == 200) {
+            Ok(a) => Some(a),
             Err(e) => {
-                debug!(error = %e, "cannot list unfinished multipart uploads: starting afresh");
-                return None;
+                debug!(error = %e, "cannot list {what}: starting afresh");
+                None
             }
         };
+        let url = format!("{}?prefix={}&uploads", self.bucket_url, uri_encode(&full, false));
+        let listed = get(&url, "unfinished multipart uploads")?;
         let text = String::from_utf8_lossy(&listed.body);
         // ISO 8601 times of one server compare as strings.
         let (upload_id, _) = text
@@ -776,13 +778,7 @@ impl S3Store {
             if marker > 0 {
                 url.push_str(&format!("&part-number-marker={marker}"));
             }
-            let page = match self.call(Method::Get, &url, &[], &[], |s| s == 200) {
-                Ok(a) => a,
-                Err(e) => {
-                    debug!(error = %e, "cannot list the parts of an unfinished upload: starting afresh");
-                    return None;
-                }
-            };
+            let page = get(&url, "the parts of an unfinished upload")?;
             let text = String::from_utf8_lossy(&page.body);
             let mut last = marker;
             for block in text.split("<Part>").skip(1) {
