@@ -69,6 +69,8 @@ fn pattern(b: usize, round: u64) -> Vec<u8> {
 struct Ledger {
     durable: BTreeMap<usize, Vec<u8>>,
     maybe: BTreeMap<usize, Vec<u8>>,
+    /// Unflushed writes a restart did not keep (the block read back its earlier content).
+    lost_unflushed: u64,
 }
 
 impl Ledger {
@@ -85,6 +87,7 @@ impl Ledger {
                     self.durable.insert(b, got);
                     continue;
                 }
+                self.lost_unflushed += u64::from(new.is_some());
                 match self.durable.get(&b) {
                     Some(want) => ensure!(&got == want, "{what}: block {b} lost its flushed write"),
                     // Never flushed before: the base content or the unflushed write.
@@ -130,10 +133,6 @@ fn round_over(
         // The daemon went away mid-round.
         _ => Ok(false),
     }
-}
-
-fn spawn(store: &Path, overlay: &Path, socket: &Path) -> Result<Child> {
-    spawn_with(store, overlay, socket, &[])
 }
 
 fn spawn_with(store: &Path, overlay: &Path, socket: &Path, extra: &[&str]) -> Result<Child> {
@@ -191,16 +190,30 @@ fn export_and_check(s: &Setup, overlay: &Path, ledger: &Ledger) -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn kill_9_under_writes_and_flushes_loses_nothing_flushed() -> Result<()> {
-    let kills: u64 = std::env::var("TESSERA_RESTART_KILLS").ok().and_then(|v| v.parse().ok()).unwrap_or(5);
-    let s = setup("restart-blkio")?;
+/// What a run of kills under writes saw.
+struct KillRun {
+    kills: u64,
+    rounds: u64,
+    cut_rounds: u64,
+    /// Early kills (0–40 ms after a start) that came before the socket appeared.
+    early: u64,
+    blocks: usize,
+    lost_unflushed: u64,
+    downtime: Vec<Duration>,
+}
+
+/// `kills` lives of `tessera serve --overlay` (plus `extra`), each SIGKILLed 20–300 ms into
+/// rounds of writes + FLUSH, every fifth restart killed again 0–40 ms after its start; after
+/// each restart every flushed block reads back, and at the end the export is e2fsck clean and
+/// holds every flushed block.
+fn kill_under_writes(name: &str, extra: &[&str], kills: u64) -> Result<KillRun> {
+    let s = setup(name)?;
     let (socket, overlay) = (s.t.path().join("vm.sock"), s.t.path().join("vm.overlay"));
-    let mut rng = Prng::from_label("kill-9-blkio");
+    let mut rng = Prng::from_label(name);
     let mut ledger = Ledger::default();
     let (mut rounds, mut cut_rounds, mut early) = (0u64, 0u64, 0u64);
     let mut downtime = Vec::new();
-    let mut child = spawn(&s.store, &overlay, &socket)?;
+    let mut child = spawn_with(&s.store, &overlay, &socket, extra)?;
     wait_socket(&mut child, &socket)?;
     for k in 0..kills {
         let mut c = BlkClient::connect(&socket, 1, false)?;
@@ -223,7 +236,7 @@ fn kill_9_under_writes_and_flushes_loses_nothing_flushed() -> Result<()> {
         let down = Instant::now();
         // Every fifth restart is killed again while it opens the overlay.
         if k % 5 == 4 {
-            child = spawn(&s.store, &overlay, &socket)?;
+            child = spawn_with(&s.store, &overlay, &socket, extra)?;
             std::thread::sleep(Duration::from_millis(rng.below(40)));
             child.kill()?;
             child.wait()?;
@@ -231,22 +244,63 @@ fn kill_9_under_writes_and_flushes_loses_nothing_flushed() -> Result<()> {
                 early += 1;
             }
         }
-        child = spawn(&s.store, &overlay, &socket)?;
+        child = spawn_with(&s.store, &overlay, &socket, extra)?;
         wait_socket(&mut child, &socket)?;
         downtime.push(down.elapsed());
     }
     last_check_and_stop(&mut child, &socket, &mut ledger, s.base)?;
     export_and_check(&s, &overlay, &ledger)?;
     downtime.sort();
-    eprintln!(
-        "kill -9 under writes: {kills} kills, plus {} 0–40 ms after a start ({early} before its socket appeared: \
-         while opening the overlay), {rounds} rounds of 16 writes + FLUSH \
-         ({cut_rounds} cut by a kill), {} blocks flushed, 0 lost; e2fsck clean; restart to socket median {} ms, max {} ms",
-        kills / 5,
-        ledger.durable.len(),
-        downtime.get(downtime.len() / 2).map_or(0, |d| d.as_millis()),
-        downtime.last().map_or(0, |d| d.as_millis()),
-    );
+    Ok(KillRun {
+        kills,
+        rounds,
+        cut_rounds,
+        early,
+        blocks: ledger.durable.len(),
+        lost_unflushed: ledger.lost_unflushed,
+        downtime,
+    })
+}
+
+impl KillRun {
+    fn report(&self, what: &str) {
+        let median = self.downtime.get(self.downtime.len() / 2).map_or(0, |d| d.as_millis());
+        eprintln!(
+            "{what}: {} kills, plus {} 0–40 ms after a start ({} before its socket appeared: while opening \
+             the overlay), {} rounds of 16 writes + FLUSH ({} cut by a kill, {} unflushed writes not kept), \
+             {} blocks flushed, 0 lost; e2fsck clean; restart to socket median {median} ms, max {} ms",
+            self.kills,
+            self.kills / 5,
+            self.early,
+            self.rounds,
+            self.cut_rounds,
+            self.lost_unflushed,
+            self.blocks,
+            self.downtime.last().map_or(0, |d| d.as_millis()),
+        );
+    }
+}
+
+fn kills_from_env(var: &str, default: u64) -> u64 {
+    std::env::var(var).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+#[test]
+fn kill_9_under_writes_and_flushes_loses_nothing_flushed() -> Result<()> {
+    let run = kill_under_writes("kill-9-blkio", &[], kills_from_env("TESSERA_RESTART_KILLS", 5))?;
+    run.report("kill -9 under writes");
+    Ok(())
+}
+
+/// The same kills through the power-loss double (`--overlay-lose-unsynced`): the daemon holds
+/// the overlay's unsynced writes in memory (some reach the file early, some torn), so each kill
+/// loses what a power loss could — every write no FLUSH covered may be gone or torn, and every
+/// flushed one must still be there. `TESSERA_POWER_LOSS_KILLS` (default 5).
+#[test]
+fn kill_9_through_the_power_loss_double_loses_nothing_flushed() -> Result<()> {
+    let kills = kills_from_env("TESSERA_POWER_LOSS_KILLS", 5);
+    let run = kill_under_writes("kill-9-power-loss", &["--overlay-lose-unsynced"], kills)?;
+    run.report("kill -9 through the power-loss double");
     Ok(())
 }
 
@@ -269,7 +323,7 @@ fn overlay_generation(overlay: &Path) -> Result<u64> {
 /// the export is e2fsck clean and holds them. `TESSERA_COMPACTION_KILLS` (default 3).
 #[test]
 fn kill_9_during_online_compaction_loses_nothing_flushed() -> Result<()> {
-    let kills: u64 = std::env::var("TESSERA_COMPACTION_KILLS").ok().and_then(|v| v.parse().ok()).unwrap_or(3);
+    let kills = kills_from_env("TESSERA_COMPACTION_KILLS", 3);
     let s = setup("restart-compact")?;
     let (socket, overlay) = (s.t.path().join("vm.sock"), s.t.path().join("vm.overlay"));
     let knob = ["--overlay-compact-after", "16"];

@@ -14,6 +14,7 @@ type Row = (&'static str, &'static str, Option<&'static str>, &'static str);
 const FULL: &[(&str, &str)] = &[
     ("TESSERA_RESTART_KILLS", "20"),
     ("TESSERA_COMPACTION_KILLS", "20"),
+    ("TESSERA_POWER_LOSS_KILLS", "20"),
     ("TESSERA_RESTART_GRACEFUL", "10"),
 ];
 
@@ -54,6 +55,12 @@ const MATRIX: &[Row] = &[
         "tessera-e2e",
         Some("restart_under_load"),
         "kill_9_under_writes",
+    ),
+    (
+        "kill -9 ×20 through the power-loss double (unsynced writes lost or torn)",
+        "tessera-e2e",
+        Some("restart_under_load"),
+        "kill_9_through_the_power_loss_double",
     ),
     (
         "kill -9 ×20 during online overlay compactions (libblkio)",

@@ -16,7 +16,7 @@ use tessera_engine::{FetchLimits, MemTier, DEFAULT_LOCAL_FETCH_JOBS, DEFAULT_REM
 use tessera_image::Profile;
 use tessera_image::{ImageId, RequestTraceHeader, Sha256Digest, BLOCK_SIZE};
 use tessera_metrics::{Exporter, Metrics, Tier};
-use tessera_overlay::{Mode as OverlayMode, Overlay, OverlayParams};
+use tessera_overlay::{FileAccess as OverlayFileAccess, Mode as OverlayMode, Overlay, OverlayParams};
 use tessera_store::{
     CacheConfig, ChunkSource, ImageReader, LocalStore, Metered, OpenImage, OriginOptions, StoreError,
     StoreLocation,
@@ -125,6 +125,11 @@ pub struct ServeArgs {
     /// daemon in the middle of online compactions (docs/reliability.md).
     #[arg(long, value_name = "N", default_value_t = tessera_overlay::COMPACT_MIN_RECORDS, hide = true)]
     overlay_compact_after: u64,
+    /// Test knob, hidden: with --overlay, hold the overlay's writes in memory until a FLUSH's
+    /// sync covers them (some reach the file early, some torn), so that a kill -9 loses what a
+    /// power loss could: the reliability matrix kills the daemon through it (docs/reliability.md).
+    #[arg(long, hide = true)]
+    overlay_lose_unsynced: bool,
     /// Concurrent chunk fetches (threads): the chunks of reads missing memory are fetched in
     /// parallel, each once however many reads wait for it. Default: 4 for a local store, 64 for
     /// a remote one (enough to hide the origin's round trip for a queue full of cold reads).
@@ -313,6 +318,8 @@ pub struct ServeConfig {
     pub overlay_prepare: u64,
     /// `--overlay-compact-after`: log records that make the group commit compact the log.
     pub overlay_compact_after: u64,
+    /// `--overlay-lose-unsynced`: the overlay file through the power-loss double.
+    pub overlay_lose_unsynced: bool,
     /// Concurrent chunk fetches.
     pub fetch_jobs: usize,
     /// Bandwidth cap of background fetches, stored bytes per second (`None`: no cap).
@@ -373,6 +380,7 @@ impl ServeConfig {
             mem_huge_pages: args.mem_huge_pages,
             overlay_prepare: args.overlay_prepare,
             overlay_compact_after: args.overlay_compact_after,
+            overlay_lose_unsynced: args.overlay_lose_unsynced,
             fetch_jobs: args.fetch_jobs.map_or(default_jobs, usize::from),
             prefetch_rate: args.prefetch_rate.filter(|&r| r > 0),
             readahead: args.readahead,
@@ -468,7 +476,14 @@ pub fn run_on(config: ServeConfig, listener: Option<std::os::unix::net::UnixList
             Disk::Overlay(Arc::new(Overlay::open_file(path, params, reader, OverlayMode::ReadOnly)?))
         }
         Writes::Persistent(path) => {
-            let overlay = Overlay::open_or_create_file(path, params, reader)?;
+            let access = if config.overlay_lose_unsynced {
+                let seed = std::time::UNIX_EPOCH.elapsed().map_or(1, |d| d.as_nanos() as u64);
+                tracing::warn!(seed, "the overlay runs through the power-loss double: for tests only");
+                OverlayFileAccess::LoseUnsynced { seed }
+            } else {
+                OverlayFileAccess::Direct
+            };
+            let overlay = Overlay::open_or_create_file_through(path, params, reader, access)?;
             let overlay =
                 overlay.prepare_ahead(config.overlay_prepare).compact_after(config.overlay_compact_after);
             Disk::Overlay(Arc::new(overlay))

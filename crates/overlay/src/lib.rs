@@ -38,7 +38,7 @@ use crate::extents::{ExtentMap, FreeSpace, Mapping};
 use crate::format::{
     Header, HeaderProblem, Op, Record, RecordProblem, HEADER_B_OFFSET, HEADER_LEN, RECORD_LEN, VERSION,
 };
-use crate::io::{FileIo, OverlayIo};
+use crate::io::{FileIo, LoseUnsyncedIo, OverlayIo};
 
 /// What an overlay belongs to; an overlay made for other parameters is refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -252,6 +252,25 @@ struct LogTail {
     header_in_b: bool,
 }
 
+/// How an overlay file is accessed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FileAccess {
+    /// Positional reads and writes, `fdatasync` ([`FileIo`]): what serving uses.
+    Direct,
+    /// Through the power-loss double [`LoseUnsyncedIo`] (seeded): a `kill -9` of the process
+    /// loses what a power loss could. For whole-process reliability tests only.
+    LoseUnsynced { seed: u64 },
+}
+
+impl FileAccess {
+    fn io(self, file: File) -> Box<dyn OverlayIo> {
+        match self {
+            Self::Direct => Box::new(FileIo::new(file)),
+            Self::LoseUnsynced { seed } => Box::new(LoseUnsyncedIo::new(FileIo::new(file), seed)),
+        }
+    }
+}
+
 /// Largest count of one record.
 const MAX_RUN: u64 = u32::MAX as u64;
 
@@ -262,6 +281,15 @@ impl Overlay {
         path: &Path,
         params: OverlayParams,
         base: Arc<dyn BlockDevice>,
+    ) -> Result<Self, OverlayError> {
+        Self::create_file_through(path, params, base, FileAccess::Direct)
+    }
+
+    fn create_file_through(
+        path: &Path,
+        params: OverlayParams,
+        base: Arc<dyn BlockDevice>,
+        access: FileAccess,
     ) -> Result<Self, OverlayError> {
         let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
         let tmp = path.with_file_name(format!(".{name}.{}.tmp", std::process::id()));
@@ -274,9 +302,8 @@ impl Overlay {
                 .open(&tmp)
                 .map_err(OverlayError::io("creating", 0))?;
             lock(&file, true)?;
-            let io = FileIo::new(file);
-            let overlay =
-                Self::create(Box::new(io), params, base, Mode::Durable)?.prepare_ahead(PREPARE_AHEAD_BYTES);
+            let overlay = Self::create(access.io(file), params, base, Mode::Durable)?
+                .prepare_ahead(PREPARE_AHEAD_BYTES);
             fs::rename(&tmp, path).map_err(OverlayError::io("renaming into place", 0))?;
             if let Some(dir) =
                 path.parent().map(|p| if p.as_os_str().is_empty() { Path::new(".") } else { p })
@@ -299,10 +326,20 @@ impl Overlay {
         params: OverlayParams,
         base: Arc<dyn BlockDevice>,
     ) -> Result<Self, OverlayError> {
+        Self::open_or_create_file_through(path, params, base, FileAccess::Direct)
+    }
+
+    /// [`Self::open_or_create_file`], the file accessed as `access` says.
+    pub fn open_or_create_file_through(
+        path: &Path,
+        params: OverlayParams,
+        base: Arc<dyn BlockDevice>,
+        access: FileAccess,
+    ) -> Result<Self, OverlayError> {
         if path.exists() {
-            Self::open_file(path, params, base, Mode::Durable)
+            Self::open_file_through(path, params, base, Mode::Durable, access)
         } else {
-            Self::create_file(path, params, base)
+            Self::create_file_through(path, params, base, access)
         }
     }
 
@@ -313,6 +350,16 @@ impl Overlay {
         base: Arc<dyn BlockDevice>,
         mode: Mode,
     ) -> Result<Self, OverlayError> {
+        Self::open_file_through(path, params, base, mode, FileAccess::Direct)
+    }
+
+    fn open_file_through(
+        path: &Path,
+        params: OverlayParams,
+        base: Arc<dyn BlockDevice>,
+        mode: Mode,
+        access: FileAccess,
+    ) -> Result<Self, OverlayError> {
         let writable = mode != Mode::ReadOnly;
         let file = OpenOptions::new()
             .read(true)
@@ -320,7 +367,7 @@ impl Overlay {
             .open(path)
             .map_err(|e| OverlayError::io("opening", 0)(e).at(path))?;
         lock(&file, writable).map_err(|e| e.at(path))?;
-        Self::open(Box::new(FileIo::new(file)), params, base, mode)
+        Self::open(access.io(file), params, base, mode)
             .map(|o| o.prepare_ahead(PREPARE_AHEAD_BYTES))
             .map_err(|e| e.at(path))
     }
