@@ -121,6 +121,9 @@ fn ranges_of(lines: &[&str], uri: &str) -> Vec<(u64, u64)> {
 
 /// Wait (polling: nginx logs a request once it has sent it) until the access log has at least
 /// `n` lines; returns it.
+/// Copies of a chunk fetched before a read fails on it (`tessera_store::VERIFY_ATTEMPTS`).
+const COPIES: usize = 5;
+
 fn log_with_lines(origin: &Nginx, n: usize) -> String {
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
@@ -213,8 +216,8 @@ fn corrupt_chunks_are_refetched_and_bad_origin_bytes_fail_with_eio() -> Result<(
         }
     }
     // Within the failed pieces, read 4 KiB at a time: a read touching the corrupt chunk fails
-    // with EIO after exactly two GETs of its range (the fetch and one refetch); every other read
-    // returns the right bytes.
+    // with EIO after exactly COPIES GETs of its range (the fetch and the refetches of the one
+    // policy, `tessera_store::VERIFY_ATTEMPTS`); every other read returns the right bytes.
     let mut eio = 0;
     for &(piece, _) in &failed {
         let end = (piece + MIB as u64).min(f.raw.len() as u64);
@@ -229,12 +232,14 @@ fn corrupt_chunks_are_refetched_and_bad_origin_bytes_fail_with_eio() -> Result<(
                 Err(e) => {
                     ensure!(e == -libc::EIO, "read at {at}: errno {e}, expected EIO");
                     eio += 1;
-                    let log = log_with_lines(&origin, mark + 2);
+                    let log = log_with_lines(&origin, mark + COPIES);
                     let lines: Vec<&str> = log.lines().skip(mark).collect();
                     let ranges = ranges_of(&lines, &pack_uri);
                     ensure!(
-                        lines.len() == 2 && ranges.len() == 2 && ranges[0] == ranges[1],
-                        "a corrupt chunk must be fetched exactly twice per failed read; log:\n{}",
+                        lines.len() == COPIES
+                            && ranges.len() == COPIES
+                            && ranges.iter().all(|r| *r == ranges[0]),
+                        "a corrupt chunk must be fetched exactly {COPIES} times per failed read; log:\n{}",
                         lines.join("\n")
                     );
                     let (a, b) = ranges[0];

@@ -58,8 +58,8 @@ stalls the other requests of its queue. Up to --fetch-jobs chunks are fetched at
 however many reads want it; guest reads go first, then readahead of the next chunks of a file \
 being read sequentially (--readahead), then the image's prefetch profile if it has one (capped \
 by --prefetch-rate; --no-prefetch turns it off). Every chunk is checked against its blake3 id \
-whatever tier it comes from; one that fails is dropped and fetched once more from the origin, and \
-if that fails too the read fails with an I/O error (VIRTIO_BLK_S_IOERR) — never wrong bytes.\n\
+whatever tier it comes from; one that fails is dropped and fetched again from the origin (up to 5 \
+copies), and if the last fails too the read fails with an I/O error (VIRTIO_BLK_S_IOERR) — never wrong bytes.\n\
 \n\
 --metrics ADDR serves Prometheus text at http://ADDR/metrics from its own thread: requests, bytes \
 and latency by type, chunk reads per tier, fetches, memory tier and overlay sizes (every metric is \

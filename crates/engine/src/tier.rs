@@ -641,7 +641,7 @@ impl<S: ChunkSource> MemTier<S> {
 
     /// Chunk `index`, fetched, decoded and verified if it is not in memory (concurrent callers
     /// of the same chunk share one fetch, and its error). A chunk failing verification is
-    /// fetched once more before the error is returned.
+    /// fetched again ([`tessera_store::refetch_if_corrupt`]) before the error is returned.
     pub fn chunk(&self, index: u32) -> Result<Chunk, Arc<StoreError>> {
         self.core.chunk(index)
     }

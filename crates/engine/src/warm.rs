@@ -14,7 +14,9 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tessera_image::{ChunkId, ChunkRef, ImageId, PackLocation, Sha256Digest};
-use tessera_store::{decode_stored_chunk, read_profile, CachedStore, Origin, ReadStore, StoreError};
+use tessera_store::{
+    decode_stored_chunk, read_profile, refetch_if_corrupt, CachedStore, Origin, ReadStore, StoreError,
+};
 use tracing::{debug, warn};
 
 use crate::fetcher::{ChunkFetcher, ChunkPlace, FetchLimits, Priority};
@@ -269,11 +271,11 @@ fn warm_run<O: Origin>(store: &CachedStore<O>, run: &[&Target]) -> Vec<Result<Ou
                     let t = run[k];
                     // What the origin sent must decode to its id (the cache keeps only bytes
                     // that check out, but hands back what it got); a chunk that does not is
-                    // warmed on its own, under the single chunk's policy.
-                    out[k] = Some(match decode_stored_chunk(&t.chunk, &t.pack, &t.loc, &bytes) {
-                        Ok(_) => Ok(Outcome::Fetched),
-                        Err(_) => warm_chunk(store, t),
-                    });
+                    // fetched on its own under the read path's refetch policy: the run's copy
+                    // was its first.
+                    let first =
+                        decode_stored_chunk(&t.chunk, &t.pack, &t.loc, &bytes).map(|_| Outcome::Fetched);
+                    out[k] = Some(refetch_if_corrupt(first, || warm_once(store, t)));
                 }
             }
             Err(e) => {
@@ -293,8 +295,15 @@ fn warm_run<O: Origin>(store: &CachedStore<O>, run: &[&Target]) -> Vec<Result<Ou
     out.into_iter().map(|o| o.unwrap_or_else(|| Err(crate::fetcher::no_outcome()))).collect()
 }
 
-/// One chunk: already cached (verified) or fetched, verified and cached.
+/// One chunk (or span): already cached (verified) or fetched, verified and cached, a copy that
+/// fails verification fetched again — the read path's one refetch policy
+/// ([`refetch_if_corrupt`]), so `warm` gives up on a chunk exactly when `serve` would.
 fn warm_chunk<O: Origin>(store: &CachedStore<O>, t: &Target) -> Result<Outcome, StoreError> {
+    refetch_if_corrupt(warm_once(store, t), || warm_once(store, t))
+}
+
+/// One attempt at [`warm_chunk`].
+fn warm_once<O: Origin>(store: &CachedStore<O>, t: &Target) -> Result<Outcome, StoreError> {
     let cache = store.cache();
     if let Some(digest) = &t.span {
         if cache.get_span(digest).is_some() {

@@ -47,6 +47,10 @@ mod reader;
 mod reference;
 mod source;
 
+/// The disk cache's index, pure: entry keys, journal lines ([`cache_index::Record::parse`]) and
+/// their replay ([`cache_index::LruIndex::replay`]); no I/O (the journal file around it stays
+/// private). Public for the `cache_index` fuzz target (`docs/fuzzing.md`).
+pub use cache::index as cache_index;
 pub use cache::{
     BlobFileError, CacheConfig, CacheStats, CachedSource, CachedStore, DiskCache, Evicted, GcReport,
     Leftovers, Origin,
@@ -71,7 +75,8 @@ pub use origin::s3::{
 pub use profile::{attach_profile, read_profile};
 pub use read_store::ReadStore;
 pub use reader::{
-    decode_stored_chunk, ImageReader, OpenImage, Piece, ReadAt, Visit, DEFAULT_CHUNK_CACHE, MAX_CHUNK_LEN,
+    decode_stored_chunk, refetch_if_corrupt, ImageReader, OpenImage, Piece, ReadAt, Visit,
+    DEFAULT_CHUNK_CACHE, MAX_CHUNK_LEN, VERIFY_ATTEMPTS,
 };
 pub use reference::{decode_span, RefImage, DEFAULT_SPAN_CACHE};
 pub use source::ChunkSource;

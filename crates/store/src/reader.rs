@@ -428,6 +428,44 @@ fn decompress_prefix(compressed: &[u8], expected: u64) -> Result<Vec<u8>, String
     Ok(out)
 }
 
+/// Copies of a chunk or span fetched at most when each fails verification: as many as the
+/// transport's default attempts ([`tessera_transport::RetryPolicy`]), so a copy that arrives
+/// corrupt costs what any other failed attempt costs. One refetch was not enough: with 5 % of the
+/// answers corrupted in transit (the fault storm of `tests/tests/fault_storm.rs`), one chunk in
+/// 400 failed twice in a row, and `warm` of a hundred chunks failed one run in four.
+pub const VERIFY_ATTEMPTS: u32 = 5;
+
+/// The one refetch policy for chunks and checkpoint spans, wherever they are fetched (`serve`'s
+/// read path, `warm`, `export`): bytes that fail verification (`first` is
+/// [`StoreError::CorruptChunk`] or [`StoreError::CorruptSpan`]) are fetched again with `again`,
+/// up to [`VERIFY_ATTEMPTS`] copies in all — a bit flipped in transit; a tier below drops a copy
+/// that fails, so each new copy comes from the origin. If the last copy fails too, so does the
+/// fetch: never wrong bytes. Any other outcome is returned as it is (a transport failure has
+/// had its retries already).
+pub fn refetch_if_corrupt<T>(
+    first: Result<T, StoreError>,
+    mut again: impl FnMut() -> Result<T, StoreError>,
+) -> Result<T, StoreError> {
+    let mut result = first;
+    for copy in 2..=VERIFY_ATTEMPTS {
+        match result {
+            Err(e @ (StoreError::CorruptChunk { .. } | StoreError::CorruptSpan { .. })) => {
+                if copy == 2 {
+                    warn!(
+                        error = &e as &dyn std::error::Error,
+                        "chunk failed verification; fetching it again"
+                    );
+                } else {
+                    debug!(copy, error = &e as &dyn std::error::Error, "chunk failed verification again");
+                }
+                result = again();
+            }
+            other => return other,
+        }
+    }
+    result
+}
+
 /// Turn stored chunk bytes into verified uncompressed bytes: decompress per `loc.compression`,
 /// check the length, check blake3 against the chunk id. Anything off is
 /// [`StoreError::CorruptChunk`].
@@ -607,24 +645,17 @@ impl<S: ChunkSource> ImageReader<S> {
         decode_stored_chunk(&chunk, &pack, &loc, &stored)
     }
 
-    /// The refetch-once policy: a first attempt that failed verification is fetched once more.
+    /// [`refetch_if_corrupt`] for chunk `index`, counted in [`Self::refetches`].
     fn refetch_if_corrupt(
         &self,
         index: u32,
         first: Result<Vec<u8>, StoreError>,
     ) -> Result<Vec<u8>, StoreError> {
-        match first {
-            Err(e @ (StoreError::CorruptChunk { .. } | StoreError::CorruptSpan { .. })) => {
-                warn!(
-                    index,
-                    error = &e as &dyn std::error::Error,
-                    "chunk failed verification; fetching it once more"
-                );
-                self.refetches.fetch_add(1, Ordering::Relaxed);
-                self.fetch_once(index)
-            }
-            other => other,
-        }
+        refetch_if_corrupt(first, || {
+            trace!(index, "refetching a chunk that failed verification");
+            self.refetches.fetch_add(1, Ordering::Relaxed);
+            self.fetch_once(index)
+        })
     }
 
     /// Chunks fetched a second time because the first copy failed verification.
