@@ -15,6 +15,8 @@ const FULL: &[(&str, &str)] = &[
     ("TESSERA_RESTART_KILLS", "20"),
     ("TESSERA_COMPACTION_KILLS", "20"),
     ("TESSERA_POWER_LOSS_KILLS", "20"),
+    ("TESSERA_SOAK_DAEMONS", "64"),
+    ("TESSERA_SOAK_SECS", "600"),
     ("TESSERA_RESTART_GRACEFUL", "10"),
 ];
 
@@ -83,6 +85,12 @@ const MATRIX: &[Row] = &[
         "bearer_token_push_asks",
     ),
     ("format fixtures: golden bytes, truncations, bit flips", "tessera-fuzz", Some("formats"), ""),
+    (
+        "soak: 64 daemons, one cache dir, --mem-cache 64M, 20 ms origin, 10 min",
+        "tessera-e2e",
+        Some("soak"),
+        "",
+    ),
     ("in-flight area: bookkeeping, recovery, chain walk", "tessera-vhost", None, "inflight::"),
     (
         "kill -9 ×20 + 10 SIGTERM restarts under a QEMU guest's reads (reconnect)",
