@@ -204,6 +204,11 @@ impl LruIndex {
         self.entries.len()
     }
 
+    /// Whether no entry is indexed.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
     /// The size of `key`, if indexed.
     pub fn get(&self, key: &EntryKey) -> Option<u64> {
         self.entries.get(key).map(|e| e.0)

@@ -16,7 +16,7 @@
 
 mod full;
 mod gc;
-mod index;
+pub mod index;
 mod journal;
 mod lock;
 
