@@ -8,11 +8,16 @@
 //! Every property violated is a panic (what libFuzzer reports).
 #![allow(clippy::unwrap_used)]
 
+pub mod boot_trace;
+pub mod cache_index;
 pub mod content_manifest;
 pub mod gzip_index;
 pub mod image_record;
 pub mod oci_layers;
 pub mod overlay_replay;
+pub mod pack_index;
+pub mod profile;
+pub mod request_trace;
 pub mod seeds;
 pub mod vhost_request;
 

@@ -4,10 +4,7 @@
 use std::sync::Arc;
 
 use tessera_builder::test_support::tar_header;
-use tessera_image::{
-    BlockMap, ChunkId, Compression, ImageEntry, ImageRecord, PackIndex, PackLocation, RuntimeConfig,
-    Sha256Digest,
-};
+use tessera_image::{BlockMap, ImageEntry, ImageRecord, PackIndex, RuntimeConfig};
 use tessera_overlay::{Mode as OverlayMode, Overlay, OverlayParams};
 use virtio_bindings::bindings::virtio_blk::{
     VIRTIO_BLK_T_DISCARD, VIRTIO_BLK_T_FLUSH, VIRTIO_BLK_T_GET_ID, VIRTIO_BLK_T_IN, VIRTIO_BLK_T_OUT,
@@ -27,7 +24,8 @@ use crate::Output;
 pub type Seeds = Vec<(String, Vec<u8>)>;
 
 /// Seeds of the named target (`vhost_request`, `image_record`, `overlay_replay`, `oci_layers`,
-/// `content_manifest`, `gzip_index`).
+/// `content_manifest`, `gzip_index`, `pack_index`, `cache_index`, `profile`, `boot_trace`,
+/// `request_trace`).
 pub fn for_target(target: &str) -> Seeds {
     match target {
         "vhost_request" => vhost_request(),
@@ -36,12 +34,28 @@ pub fn for_target(target: &str) -> Seeds {
         "oci_layers" => oci_layers(),
         "content_manifest" => crate::content_manifest::seeds(),
         "gzip_index" => crate::gzip_index::seeds(),
+        "pack_index" => crate::pack_index::seeds(),
+        "cache_index" => crate::cache_index::seeds(),
+        "profile" => crate::profile::seeds(),
+        "boot_trace" => crate::boot_trace::seeds(),
+        "request_trace" => crate::request_trace::seeds(),
         other => panic!("unknown fuzz target {other}"),
     }
 }
 
-pub const TARGETS: [&str; 6] =
-    ["vhost_request", "image_record", "overlay_replay", "oci_layers", "content_manifest", "gzip_index"];
+pub const TARGETS: [&str; 11] = [
+    "vhost_request",
+    "image_record",
+    "overlay_replay",
+    "oci_layers",
+    "content_manifest",
+    "gzip_index",
+    "pack_index",
+    "cache_index",
+    "profile",
+    "boot_trace",
+    "request_trace",
+];
 
 const CAP: u64 = 4 << 20;
 
@@ -165,22 +179,7 @@ pub fn image_record() -> Seeds {
     empty.config = RuntimeConfig::default();
     out.push(("record-minimal".into(), with_mode(MODE_RECORD, &empty.encode())));
 
-    let p = Sha256Digest::of(b"pack");
-    let loc = |pack, offset, stored_len, raw_len, compression| PackLocation {
-        pack,
-        offset,
-        stored_len,
-        raw_len,
-        compression,
-    };
-    let idx = PackIndex::new(
-        vec![p, Sha256Digest::of(b"pack2")],
-        vec![
-            (ChunkId::of(b"a"), loc(0, 0, 100, 4096, Compression::Zstd)),
-            (ChunkId::of(b"b"), loc(0, 100, 4096, 4096, Compression::None)),
-            (ChunkId::of(b"c"), loc(1, 0, 7, 65536, Compression::Zstd)),
-        ],
-    );
+    let idx = crate::pack_index::example();
     out.push(("pack-index".into(), with_mode(MODE_PACK_INDEX, &idx.encode())));
     out.push(("pack-index-empty".into(), with_mode(MODE_PACK_INDEX, &PackIndex::default().encode())));
 

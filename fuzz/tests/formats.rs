@@ -27,9 +27,8 @@ use tessera_engine::BlockDevice as _;
 use tessera_fuzz::overlay_replay::MemIo;
 use tessera_fuzz::vhost_request::SectorPattern;
 use tessera_image::{
-    ChunkId, Compression, DecodeError, ImageEntry, ImageId, ImageRecord, PackIndex, PackLocation, Profile,
-    RefIndex, RequestOp, RequestRecord, RequestStatus, RequestTrace, RequestTraceHeader, Sha256Digest, Trace,
-    TraceEntry,
+    ChunkId, DecodeError, ImageEntry, ImageId, ImageRecord, PackIndex, Profile, RefIndex, RequestOp,
+    RequestStatus, RequestTrace, RequestTraceHeader, Sha256Digest, Trace, TraceEntry,
 };
 use tessera_overlay::format::{Header, HEADER_LEN};
 use tessera_overlay::{Mode as OverlayMode, Overlay, OverlayError, OverlayParams};
@@ -115,21 +114,7 @@ fn refuses_next_version<T: std::fmt::Debug>(
 }
 
 fn pack_index() -> PackIndex {
-    let loc = |pack, offset, stored_len, raw_len, compression| PackLocation {
-        pack,
-        offset,
-        stored_len,
-        raw_len,
-        compression,
-    };
-    PackIndex::new(
-        vec![Sha256Digest::of(b"pack"), Sha256Digest::of(b"pack2")],
-        vec![
-            (ChunkId::of(b"a"), loc(0, 0, 100, 4096, Compression::Zstd)),
-            (ChunkId::of(b"b"), loc(0, 100, 4096, 4096, Compression::None)),
-            (ChunkId::of(b"c"), loc(1, 0, 7, 65536, Compression::Zstd)),
-        ],
-    )
+    tessera_fuzz::pack_index::example()
 }
 
 fn image() -> ImageId {
@@ -148,15 +133,7 @@ fn profile() -> Profile {
 }
 
 fn requests() -> RequestTrace {
-    let r = |queue, op, status, sector, len, issued_ns, completed_ns| RequestRecord {
-        queue,
-        op,
-        status,
-        sector,
-        len,
-        issued_ns,
-        completed_ns,
-    };
+    let r = tessera_fuzz::request_trace::record;
     RequestTrace {
         header: RequestTraceHeader {
             image: image(),

@@ -13,6 +13,11 @@ fn run(target: &str, data: &[u8]) {
         "oci_layers" => tessera_fuzz::oci_layers::run(data),
         "content_manifest" => tessera_fuzz::content_manifest::run(data),
         "gzip_index" => tessera_fuzz::gzip_index::run(data),
+        "pack_index" => tessera_fuzz::pack_index::run(data),
+        "cache_index" => tessera_fuzz::cache_index::run(data),
+        "profile" => tessera_fuzz::profile::run(data),
+        "boot_trace" => tessera_fuzz::boot_trace::run(data),
+        "request_trace" => tessera_fuzz::request_trace::run(data),
         _ => unreachable!(),
     }
 }
@@ -97,4 +102,29 @@ fn content_manifest_seeds() {
 #[test]
 fn gzip_index_seeds() {
     seeds("gzip_index");
+}
+
+#[test]
+fn pack_index_seeds() {
+    seeds("pack_index");
+}
+
+#[test]
+fn cache_index_seeds() {
+    seeds("cache_index");
+}
+
+#[test]
+fn profile_seeds() {
+    seeds("profile");
+}
+
+#[test]
+fn boot_trace_seeds() {
+    seeds("boot_trace");
+}
+
+#[test]
+fn request_trace_seeds() {
+    seeds("request_trace");
 }
