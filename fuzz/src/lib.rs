@@ -11,6 +11,7 @@
 pub mod boot_trace;
 pub mod cache_index;
 pub mod content_manifest;
+pub mod ext4_roundtrip;
 pub mod gzip_index;
 pub mod image_record;
 pub mod oci_layers;

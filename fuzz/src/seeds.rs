@@ -25,7 +25,7 @@ pub type Seeds = Vec<(String, Vec<u8>)>;
 
 /// Seeds of the named target (`vhost_request`, `image_record`, `overlay_replay`, `oci_layers`,
 /// `content_manifest`, `gzip_index`, `pack_index`, `cache_index`, `profile`, `boot_trace`,
-/// `request_trace`).
+/// `request_trace`, `ext4_roundtrip`).
 pub fn for_target(target: &str) -> Seeds {
     match target {
         "vhost_request" => vhost_request(),
@@ -39,11 +39,12 @@ pub fn for_target(target: &str) -> Seeds {
         "profile" => crate::profile::seeds(),
         "boot_trace" => crate::boot_trace::seeds(),
         "request_trace" => crate::request_trace::seeds(),
+        "ext4_roundtrip" => crate::ext4_roundtrip::seeds(),
         other => panic!("unknown fuzz target {other}"),
     }
 }
 
-pub const TARGETS: [&str; 11] = [
+pub const TARGETS: [&str; 12] = [
     "vhost_request",
     "image_record",
     "overlay_replay",
@@ -55,6 +56,7 @@ pub const TARGETS: [&str; 11] = [
     "profile",
     "boot_trace",
     "request_trace",
+    "ext4_roundtrip",
 ];
 
 const CAP: u64 = 4 << 20;

@@ -18,6 +18,7 @@ fn run(target: &str, data: &[u8]) {
         "profile" => tessera_fuzz::profile::run(data),
         "boot_trace" => tessera_fuzz::boot_trace::run(data),
         "request_trace" => tessera_fuzz::request_trace::run(data),
+        "ext4_roundtrip" => tessera_fuzz::ext4_roundtrip::run(data),
         _ => unreachable!(),
     }
 }
@@ -127,4 +128,9 @@ fn boot_trace_seeds() {
 #[test]
 fn request_trace_seeds() {
     seeds("request_trace");
+}
+
+#[test]
+fn ext4_roundtrip_seeds() {
+    seeds("ext4_roundtrip");
 }
