@@ -136,6 +136,11 @@ fn round_over(
 }
 
 fn spawn_with(store: &Path, overlay: &Path, socket: &Path, extra: &[&str]) -> Result<Child> {
+    spawn_logged(store, overlay, socket, extra, Stdio::inherit())
+}
+
+/// [`spawn_with`], the daemon's standard error going to `stderr`.
+fn spawn_logged(store: &Path, overlay: &Path, socket: &Path, extra: &[&str], stderr: Stdio) -> Result<Child> {
     let _ = fs::remove_file(socket);
     tessera::command(["serve", "demo", "--store"])
         .arg(store)
@@ -146,6 +151,7 @@ fn spawn_with(store: &Path, overlay: &Path, socket: &Path, extra: &[&str]) -> Re
         .args(extra)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
+        .stderr(stderr)
         .spawn()
         .context("starting tessera serve")
 }
@@ -402,6 +408,116 @@ fn a_hundred_reconnects_under_load() -> Result<()> {
         ledger.durable.len(),
         took.as_secs_f64(),
         took.as_secs_f64() * 1000.0 / cycles as f64
+    );
+    Ok(())
+}
+
+/// The overlay's file system fills up (issue 13): `serve --overlay` with the overlay on a 3 MiB
+/// tmpfs while a client writes rounds of 16 new blocks + FLUSH over a 4 MiB file. Writes, or the
+/// FLUSH, then fail with an I/O error status (never a hang, never another errno); reads go on:
+/// every flushed block and the base read back; later writes keep failing cleanly. The daemon
+/// stops on SIGTERM; with the file system still full a new daemon opens the same overlay and
+/// serves every flushed block; once space returns, writes succeed again, and the export of
+/// base + overlay is e2fsck clean with every flushed block.
+#[test]
+fn a_full_overlay_file_system_fails_writes_and_keeps_reads() -> Result<()> {
+    let s = setup("overlay-full")?;
+    let fs_dir = tessera_e2e::judge::TmpfsMount::new("3M")?;
+    let (socket, overlay) = (s.t.path().join("vm.sock"), fs_dir.path().join("vm.overlay"));
+    let base_raw = fs::read(s.t.path().join("base.raw"))?;
+    let base_block = |b: usize| base_raw[s.base as usize + b * BLOCK..][..BLOCK].to_vec();
+    let mut ledger = Ledger::default();
+    // Its log tells why it exits as it does.
+    let log = s.t.path().join("first-daemon.log");
+    let mut child = spawn_logged(&s.store, &overlay, &socket, &[], fs::File::create(&log)?.into())?;
+    wait_socket(&mut child, &socket)?;
+    let mut c = BlkClient::connect(&socket, 1, false)?;
+    // Fresh blocks every round, so the overlay must grow.
+    let (mut rounds, mut failed_at) = (0usize, None);
+    let mut statuses = Vec::new();
+    while rounds * 16 < FILE_BYTES / BLOCK {
+        let blocks: Vec<usize> = (rounds * 16..rounds * 16 + 16).collect();
+        let writes: Vec<(u64, Vec<u8>)> =
+            blocks.iter().map(|&b| (s.base + (b * BLOCK) as u64, pattern(b, rounds as u64))).collect();
+        for (&b, w) in blocks.iter().zip(&writes) {
+            ledger.maybe.insert(b, w.1.clone());
+        }
+        let (rets, flush) = c.write_and_flush(&writes, Duration::from_secs(30))?;
+        if rets.iter().all(|&r| r == 0) && flush == 0 {
+            for (&b, w) in blocks.iter().zip(writes) {
+                ledger.maybe.remove(&b);
+                ledger.durable.insert(b, w.1);
+            }
+            rounds += 1;
+            continue;
+        }
+        statuses.extend(rets.iter().copied().chain([flush]).filter(|&r| r != 0));
+        failed_at = Some(rounds);
+        break;
+    }
+    let failed_at = failed_at.context("4 MiB of writes fitted a 3 MiB file system")?;
+    ensure!(
+        statuses.iter().all(|&r| r == -libc::EIO),
+        "a full overlay file system must fail writes with EIO, got {statuses:?}"
+    );
+    // Reads go on: every flushed block, and blocks never written read the base.
+    ledger.check(&mut c, s.base, "with the overlay's file system full")?;
+    let last = FILE_BYTES / BLOCK - 1;
+    let got = c.read(s.base + (last * BLOCK) as u64, BLOCK)?.map_err(|e| anyhow::anyhow!("errno {e}"))?;
+    ensure!(got == base_block(last), "an unwritten block no longer reads the base");
+    // A later write fails cleanly too.
+    let (rets, flush) =
+        c.write_and_flush(&[(s.base + (last * BLOCK) as u64, pattern(last, 9999))], Duration::from_secs(30))?;
+    ensure!(
+        rets.iter().chain([&flush]).any(|&r| r == -libc::EIO),
+        "a write into the full file system succeeded: {rets:?} {flush}"
+    );
+    ledger.maybe.insert(last, pattern(last, 9999));
+    drop(c);
+    Command::new("kill").arg("-TERM").arg(child.id().to_string()).status()?;
+    // Exit 0; or, when a log record could not be written (the overlay then refuses writes
+    // until restarted, and its final FLUSH says so), exit 1 naming that (docs/daemon.md).
+    let status = child.wait()?;
+    let said = fs::read_to_string(&log)?;
+    let log_write_failed = said.contains("overlay log write failed");
+    ensure!(
+        status.success() || (status.code() == Some(1) && log_write_failed && said.contains("refuses writes")),
+        "the daemon exited with {status} on SIGTERM with its overlay's disk full:\n{said}"
+    );
+
+    // Still full: a new daemon opens the overlay and serves what was flushed.
+    let mut child = spawn_with(&s.store, &overlay, &socket, &[])?;
+    wait_socket(&mut child, &socket)?;
+    let mut c = BlkClient::connect(&socket, 1, false)?;
+    ledger.check(&mut c, s.base, "a restart on the full file system")?;
+    drop(c);
+    Command::new("kill").arg("-TERM").arg(child.id().to_string()).status()?;
+    ensure!(child.wait()?.success(), "the restarted daemon did not exit 0");
+
+    // Space back: writes succeed again.
+    tessera_e2e::judge::run(Command::new("mount").args(["-o", "remount,size=64M"]).arg(fs_dir.path()))?;
+    let mut child = spawn_with(&s.store, &overlay, &socket, &[])?;
+    wait_socket(&mut child, &socket)?;
+    let mut c = BlkClient::connect(&socket, 1, false)?;
+    ledger.check(&mut c, s.base, "after space returned")?;
+    let mut rng = Prng::from_label("overlay-full");
+    for n in 0..4 {
+        ensure!(
+            round(&mut c, &mut ledger, &mut rng, s.base, 10_000 + n)?,
+            "a round failed after space returned"
+        );
+    }
+    drop(c);
+    last_check_and_stop(&mut child, &socket, &mut ledger, s.base)?;
+    export_and_check(&s, &overlay, &ledger)?;
+    eprintln!(
+        "overlay disk full: {failed_at} rounds of 16 new blocks + FLUSH fitted the 3 MiB file system, the next \
+         failed with EIO ({} statuses); flushed blocks and the base kept reading; a later write failed with EIO; \
+         SIGTERM exit 0; a restart on the full file system served every flushed block; with space back 4 rounds \
+         succeeded; export e2fsck clean with all {} flushed blocks; first daemon's exit: {status}{}",
+        statuses.len(),
+        ledger.durable.len(),
+        if log_write_failed { " (a log record found no room: writes refused until restart)" } else { "" },
     );
     Ok(())
 }

@@ -35,6 +35,12 @@ const MATRIX: &[Row] = &[
     ("socket activation, restart on one socket", "tessera-e2e", Some("socket_activation"), ""),
     ("cache disk full (1 MiB tmpfs)", "tessera-store", Some("faults"), "a_full_cache_filesystem"),
     (
+        "overlay disk full (3 MiB tmpfs): EIO on writes, reads go on, restart while full",
+        "tessera-e2e",
+        Some("restart_under_load"),
+        "a_full_overlay_file_system",
+    ),
+    (
         "power loss in FLUSH, compaction or open (40 × 6 lives)",
         "tessera-overlay",
         None,

@@ -82,6 +82,11 @@ pub enum OverlayError {
     BadBlockSize(u32),
     #[error("an earlier overlay write or flush failed; the overlay refuses writes until restarted")]
     Failed,
+    #[error(
+        "the overlay's file system was full when the overlay was opened; it refuses writes until it is opened \
+         again with space"
+    )]
+    FullAtOpen,
     #[error("the overlay was opened read-only")]
     ReadOnly,
     #[error("the overlay is in use by another process")]
@@ -101,6 +106,17 @@ impl OverlayError {
 
     fn at(self, path: &Path) -> OverlayError {
         OverlayError::At { path: path.to_owned(), source: Box::new(self) }
+    }
+
+    /// Whether the error is the file system's lack of space (ENOSPC, or EDQUOT: a quota).
+    pub fn is_out_of_space(&self) -> bool {
+        match self {
+            OverlayError::Io { source, .. } => {
+                matches!(source.kind(), stdio::ErrorKind::StorageFull | stdio::ErrorKind::QuotaExceeded)
+            }
+            OverlayError::At { source, .. } => source.is_out_of_space(),
+            _ => false,
+        }
     }
 }
 
@@ -156,6 +172,9 @@ pub struct Overlay {
     log: Mutex<LogTail>,
     /// Serializes FLUSHes and compactions (held across their syncs).
     commit_lock: Mutex<()>,
+    /// Opened on a full file system ([`Self::open`]): reads served, writes refused, and no
+    /// write accepted since, so a FLUSH has nothing to make durable.
+    full_at_open: AtomicBool,
     failed: AtomicBool,
     syncs: AtomicU64,
     /// FLUSHes waiting for the group commit ([`Overlay::flush_async`]).
@@ -527,7 +546,25 @@ impl Overlay {
         let overlay = Self::assemble(io, base, params, mode, replayed.map, free, tail);
         if mode != Mode::ReadOnly {
             let mut log = lock_mutex(&overlay.log);
-            overlay.checkpoint(&mut log)?;
+            if let Err(e) = overlay.checkpoint(&mut log) {
+                if !e.is_out_of_space() {
+                    return Err(e);
+                }
+                // The file system is full: the checkpoint's new log found no room. The replayed
+                // map is what the file holds whichever header a partial checkpoint left (both
+                // logs describe the same blocks), so reads are served from it; writes are
+                // refused until a daemon opens it with space again (the tail of the log may
+                // be a partial checkpoint's, so nothing may be appended). FLUSHes succeed: no
+                // write was accepted, so nothing is waiting to become durable.
+                warn!(
+                    error = &e as &dyn std::error::Error,
+                    "the overlay's file system is full: serving reads, refusing writes until it has space \
+                     and the overlay is opened again"
+                );
+                overlay.full_at_open.store(true, Ordering::Release);
+                drop(log);
+                return Ok(overlay);
+            }
             if header.version < VERSION {
                 // Upgrade: the checkpoint wrote one header copy in this version; a second one
                 // writes the other, so that no copy of the old version is left for an older
@@ -559,6 +596,7 @@ impl Overlay {
             write_lock: Mutex::new(()),
             log: Mutex::new(tail),
             commit_lock: Mutex::new(()),
+            full_at_open: AtomicBool::new(false),
             failed: AtomicBool::new(false),
             syncs: AtomicU64::new(0),
             commits: Mutex::new(Commits::default()),
@@ -846,6 +884,9 @@ impl Overlay {
         if self.mode == Mode::ReadOnly {
             return Err(OverlayError::ReadOnly);
         }
+        if self.full_at_open.load(Ordering::Acquire) {
+            return Err(OverlayError::FullAtOpen);
+        }
         if self.failed.load(Ordering::Acquire) {
             return Err(OverlayError::Failed);
         }
@@ -1063,7 +1104,7 @@ impl Overlay {
     /// sync, into the next group. After a failure the overlay refuses writes (the page cache
     /// state is unknown).
     pub fn flush(&self) -> Result<(), OverlayError> {
-        if self.mode == Mode::ReadOnly {
+        if self.mode == Mode::ReadOnly || self.full_at_open.load(Ordering::Acquire) {
             return Ok(()); // nothing was written
         }
         self.check_writable()?;
