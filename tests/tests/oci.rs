@@ -8,6 +8,7 @@
 
 use std::fs;
 use std::path::Path;
+use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
 use tessera_e2e::compare::{Field, Kind};
@@ -552,5 +553,167 @@ fn symlink_modes_match_umoci_unpack() -> Result<()> {
     }
     mnt.unmount()?;
     judge_image(&reference, &raw, |d| only_dir_mtimes(d, &reference))?;
+    Ok(())
+}
+
+/// A tar with one regular file `name` whose header declares `size` bytes (GNU base-256 when it
+/// does not fit in octal) and carries none of them.
+fn tar_declaring(name: &str, size: u64) -> Vec<u8> {
+    let mut tar = TarWriter::default().file(name, 0o644, b"").finish();
+    let field = &mut tar[124..136];
+    field.fill(0);
+    field[0] = 0x80;
+    field[4..].copy_from_slice(&size.to_be_bytes());
+    tar[148..156].fill(b' ');
+    let sum: u32 = tar[..512].iter().map(|&b| u32::from(b)).sum();
+    tar[148..155].copy_from_slice(format!("{sum:06o}\0").as_bytes());
+    tar
+}
+
+/// `tessera build SOURCE --store STORE ARGS` under GNU time: (exit code, stderr, peak RSS
+/// bytes, wall time). Unlike `tessera::run_peak_rss`, the build may fail.
+fn build_measured(source: &str, store: &Path, args: &[&str]) -> Result<(Option<i32>, String, u64, Duration)> {
+    let dir = tempfile::tempdir()?;
+    let (rss, err) = (dir.path().join("rss"), dir.path().join("stderr"));
+    let t = Instant::now();
+    let status = std::process::Command::new("/usr/bin/time")
+        .args(["-f", "%M", "-o"])
+        .arg(&rss)
+        .arg(tessera::tessera_bin())
+        .args(["build", source, "--store"])
+        .arg(store)
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .stderr(fs::File::create(&err)?)
+        .status()
+        .context("running tessera build under /usr/bin/time (Debian package time)")?;
+    let took = t.elapsed();
+    let kib: u64 =
+        fs::read_to_string(&rss)?.lines().last().unwrap_or("").trim().parse().context("GNU time's %M")?;
+    Ok((status.code(), fs::read_to_string(&err)?, kib * 1024, took))
+}
+
+/// Every file name under `dir`, recursively (what a build must not add to outside its store).
+fn names_under(dir: &Path, skip: &Path) -> Result<Vec<std::path::PathBuf>> {
+    let mut out = Vec::new();
+    for e in fs::read_dir(dir)? {
+        let p = e?.path();
+        if p == skip {
+            continue;
+        }
+        if p.is_dir() && !p.is_symlink() {
+            out.extend(names_under(&p, skip)?);
+        }
+        out.push(p);
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// Hostile OCI layers through the whole command (issue 13's matrix row): path traversal, a
+/// symlink escape, a hard link outside, an absurd size header, an absurd PAX record, a name
+/// component ext4 cannot hold, and zstd and gzip bombs against `--max-size`. Each build fails
+/// with exit status 1 and a message saying what is wrong, leaves no image and writes nothing
+/// outside its store, within 30 s and 256 MiB of peak RSS (the issue's build bound).
+#[test]
+fn hostile_layers_fail_cleanly_within_bounds() -> Result<()> {
+    fixtures::require_root()?;
+    require_tools()?;
+    let t = tmp("oci-hostile-layers")?;
+    const RSS_BOUND: u64 = 256 << 20;
+    const TIME_BOUND: Duration = Duration::from_secs(30);
+    let long = "n".repeat(300);
+    let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+        ("path traversal", TarWriter::default().file("../escape", 0o644, b"x").finish(), ".."),
+        (
+            "symlink escape",
+            TarWriter::default()
+                .symlink("s", "/etc")
+                .file("s/passwd", 0o644, b"root::0:0::/:/bin/sh\n")
+                .finish(),
+            "symlink",
+        ),
+        ("hard link outside", TarWriter::default().hardlink("h", "../../etc/shadow").finish(), ".."),
+        ("size header of 2^62 bytes", tar_declaring("huge", 1 << 62), "layer 1 (sha256:"),
+        (
+            "PAX record claiming 99 GB",
+            {
+                // A PAX header whose one record says it is 99 999 999 999 bytes long.
+                let mut tar = TarWriter::default().pax(&[("path", b"p")]).file("p", 0o644, b"").finish();
+                let record = b"99999999999 path=p\n";
+                tar[512..1024].fill(0);
+                tar[512..512 + record.len()].copy_from_slice(record);
+                tar[124..136].copy_from_slice(format!("{:011o}\0", record.len()).as_bytes());
+                tar[148..156].fill(b' ');
+                let sum: u32 = tar[..512].iter().map(|&b| u32::from(b)).sum();
+                tar[148..155].copy_from_slice(format!("{sum:06o}\0").as_bytes());
+                tar
+            },
+            "layer 1 (sha256:",
+        ),
+        (
+            "a 300-byte name",
+            TarWriter::default().pax(&[("path", long.as_bytes())]).file("x", 0o644, b"").finish(),
+            "255",
+        ),
+    ];
+    let mut figures = Vec::new();
+    for (i, (what, tar, needle)) in cases.into_iter().enumerate() {
+        let img = UmociImage::new(&t.path().join(format!("case{i}")), "t")?;
+        img.layer(|root| Ok(fs::write(root.join("keep"), b"keep\n")?))?;
+        img.append_tar_layer(&tar)?;
+        let store = t.path().join(format!("store{i}"));
+        let before = names_under(t.path(), &store)?;
+        let (code, stderr, rss, took) = build_measured(&img.source(), &store, &[])?;
+        ensure!(code == Some(1), "{what}: exit {code:?}, expected 1: {stderr}");
+        ensure!(stderr.contains(needle), "{what}: expected {needle:?} in: {stderr}");
+        ensure!(rss <= RSS_BOUND && took <= TIME_BOUND, "{what}: {} MiB, {took:?}", rss >> 20);
+        let images = store.join("images");
+        ensure!(
+            !images.exists() || fs::read_dir(&images)?.next().is_none(),
+            "{what}: an image entry was left"
+        );
+        ensure!(names_under(t.path(), &store)? == before, "{what}: the build wrote outside its store");
+        figures.push(format!("{what}: {} ms, {} MiB, {:?}", took.as_millis(), rss >> 20, stderr.trim()));
+    }
+    // Bombs: 128 MiB of zeros in a layer of a few hundred KiB, gzip (umoci) and zstd (skopeo),
+    // against --max-size 16M.
+    let img = UmociImage::new(&t.path().join("bomb"), "t")?;
+    img.layer(|root| {
+        let f = fs::File::create(root.join("zeros"))?;
+        // Written, not sparse: umoci reads every byte into the layer.
+        let block = vec![0u8; 1 << 20];
+        let mut w = std::io::BufWriter::new(f);
+        for _ in 0..128 {
+            std::io::Write::write_all(&mut w, &block)?;
+        }
+        Ok(())
+    })?;
+    let zstd = t.path().join("bomb-zstd");
+    skopeo_copy(
+        &format!("oci:{}:t", img.layout.display()),
+        &format!("oci:{}:t", zstd.display()),
+        &["--dest-compress-format", "zstd"],
+    )?;
+    for (what, source) in [("gzip bomb", img.source()), ("zstd bomb", format!("oci:{}:t", zstd.display()))] {
+        let blob_bytes: u64 = fs::read_dir(
+            Path::new(source.trim_start_matches("oci:").trim_end_matches(":t")).join("blobs/sha256"),
+        )?
+        .filter_map(|e| e.ok()?.metadata().ok())
+        .map(|m| m.len())
+        .max()
+        .unwrap_or(0);
+        ensure!(blob_bytes < 4 << 20, "{what}: the largest blob is {blob_bytes} bytes, not a bomb");
+        let store = t.path().join(format!("store-{}", what.replace(' ', "-")));
+        let (code, stderr, rss, took) = build_measured(&source, &store, &["--max-size", "16M"])?;
+        ensure!(code == Some(1), "{what}: exit {code:?}, expected 1: {stderr}");
+        ensure!(stderr.contains("--max-size"), "{what}: expected --max-size in: {stderr}");
+        ensure!(rss <= RSS_BOUND && took <= TIME_BOUND, "{what}: {} MiB, {took:?}", rss >> 20);
+        figures.push(format!("{what}: {} ms, {} MiB, {:?}", took.as_millis(), rss >> 20, stderr.trim()));
+    }
+    eprintln!(
+        "hostile layers: each exit 1 with a clear message, no image, nothing outside the store —\n{}",
+        figures.join("\n")
+    );
     Ok(())
 }

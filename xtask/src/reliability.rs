@@ -27,6 +27,13 @@ const MATRIX: &[Row] = &[
         Some("oci"),
         "symlink_modes_match_umoci_unpack",
     ),
+    (
+        "hostile OCI layers: traversal, escapes, absurd headers, gzip/zstd bombs",
+        "tessera-e2e",
+        Some("oci"),
+        "hostile_layers_fail_cleanly",
+    ),
+    ("hostile virtio chains (in-process)", "tessera-vhost", Some("hostile"), ""),
     ("origin ignoring Range (python http.server)", "tessera-e2e", Some("range_ignoring_origin"), ""),
     ("origin ignoring Range: concurrency, byte counts", "tessera-store", None, "range_ignoring_server"),
     ("guest log flood (20 000 bad requests)", "tessera-vhost", Some("log_flood"), ""),
