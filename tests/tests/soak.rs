@@ -27,11 +27,11 @@ const MIB: usize = 1 << 20;
 const MEM_CACHE: u64 = 64 << 20;
 /// What a daemon may hold privately beyond its memory tier: the image's metadata (record,
 /// prefix, pack index), the fetch threads' stacks and buffers in flight, and the allocators'
-/// slack — measured 46–53 MiB (110–117 MiB in all, 2 to 64 daemons, 2026-12-03), most of it
-/// free slots of the tier's huge-page pool and of the heap that evictions left resident
-/// (`smaps`: about 55 mappings of 2 MiB, nearly all resident), which the tier's budget does not
-/// count; a third on top for a loaded machine's timing.
-const RSS_ALLOWANCE: u64 = 72 << 20;
+/// slack (free slots of the tier's huge-page pool that evictions left resident) — measured
+/// 23–24 MiB (87–88 MiB in all, 2 to 64 daemons, 2026-12-03), with a margin for a loaded
+/// machine's timing. It was 46–53 MiB before the daemon capped glibc's malloc arenas at two
+/// (each fetch thread's arena kept freed run buffers resident: ~15 arenas of 2.5 MiB).
+const RSS_ALLOWANCE: u64 = 40 << 20;
 /// Files of the image: 24 × 4 MiB, half random (incompressible), half text.
 const FILES: usize = 24;
 const FILE_BYTES: usize = 4 * MIB;
