@@ -40,6 +40,12 @@ const MATRIX: &[Row] = &[
     ("credentials at RUST_LOG=trace", "tessera-e2e", Some("registry_store"), "credentials_are_never_logged"),
     ("serve as nobody, no capabilities", "tessera-e2e", Some("unprivileged"), ""),
     ("socket activation, restart on one socket", "tessera-e2e", Some("socket_activation"), ""),
+    (
+        "corrupt chunks in the disk cache and at the origin",
+        "tessera-e2e",
+        Some("serve_origin"),
+        "corrupt_chunks_are_refetched",
+    ),
     ("cache disk full (1 MiB tmpfs)", "tessera-store", Some("faults"), "a_full_cache_filesystem"),
     (
         "overlay disk full (3 MiB tmpfs): EIO on writes, reads go on, restart while full",
