@@ -358,11 +358,22 @@ fn reference_layers_pushed_to_their_source_are_found_by_its_digest() -> Result<(
     let t = tmp("reg-subject")?;
     let img = make_image(t.path())?;
     let reg = Registry::start()?;
-    let addr = reg.addr();
     reg.load(&format!("oci:{}", img.image_ref()), "team/app:v1", &[])?;
     let digest = reg.manifest_digest("team/app:v1", &[])?;
+    // Everything goes through a logging proxy: the build reads each layer blob once (inflating,
+    // indexing and copying it into the store in the same read; it used to download every layer
+    // twice).
+    let proxy = tessera_e2e::proxy::Proxy::start(reg.addr(), tessera_e2e::proxy::ProxyConfig::default())?;
+    let addr = proxy.addr();
     let store = t.path().join("store");
     let id = build_ok(&format!("docker://{addr}/team/app:v1"), &store, &["--reference-layers"])?;
+    let log = proxy.log();
+    for i in 0..3 {
+        let layer = img.layer_digest(i)?;
+        let gets =
+            log.iter().filter(|r| r.method == "GET" && r.path.ends_with(&format!("/blobs/{layer}"))).count();
+        ensure!(gets == 1, "layer {i} ({layer}) was fetched {gets} times");
+    }
     let converted = build_ok(&img.source(), &t.path().join("converted"), &[])?;
     ensure!(id == converted, "reference build {id}, converted {converted}");
 

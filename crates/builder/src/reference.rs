@@ -11,11 +11,12 @@
 
 use std::io::Read;
 use std::sync::atomic::AtomicU64;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use rayon::prelude::*;
+use sha2::{Digest as _, Sha256};
 use tessera_image::{ChunkId, RefCheckpoint, RefIndex, RefLayer, RefLocation, Sha256Digest};
-use tessera_store::LocalStore;
+use tessera_store::{BlobWriter, LocalStore};
 use tracing::{debug, info};
 
 use crate::error::BuildError;
@@ -60,8 +61,10 @@ pub(crate) fn build_referenced(
     let read: Vec<ReadLayer> = source
         .layers
         .par_iter()
-        .map(|blob| {
-            let layer = read_for_reference(blob, budget.clone(), u64::from(config.chunk_size))?;
+        .zip(&digests)
+        .map(|(blob, digest)| {
+            let layer =
+                read_for_reference(blob, digest, store, budget.clone(), u64::from(config.chunk_size))?;
             progress.advance(blob.size.unwrap_or(0));
             Ok(layer)
         })
@@ -75,10 +78,10 @@ pub(crate) fn build_referenced(
     let flat = flatten(&source.layers, &layers, config.fs_time)?;
     info!(nodes = flat.tree.nodes.len(), layers = layers.len(), "flattened layers (reference)");
 
-    // The layer blobs, copied as they are, with every span's compressed bytes hashed on the way.
+    // Every span's compressed bytes hashed, from the store's copy of its layer blob.
     let mut ref_layers = Vec::with_capacity(read.len());
     for ((blob, digest), r) in source.layers.iter().zip(&digests).zip(&read) {
-        ref_layers.push(copy_layer(store, blob, digest, r)?);
+        ref_layers.push(hash_spans(store, blob, digest, r)?);
     }
     let mut entries = Vec::new();
     for (layer, r) in read.iter().enumerate() {
@@ -119,13 +122,41 @@ pub(crate) fn build_referenced(
     Ok(out)
 }
 
-/// Inflate `blob` once through the checkpoint indexer, hashing each file's chunks.
+/// A store blob writer shared with the layer stream's tee (taken back to commit it).
+#[derive(Clone)]
+struct SharedBlob(Arc<Mutex<Option<BlobWriter>>>);
+
+impl std::io::Write for SharedBlob {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let mut w = self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        match w.as_mut() {
+            Some(w) => w.write(buf),
+            None => Err(std::io::Error::other("the layer copy was already committed")),
+        }
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Inflate `blob` once through the checkpoint indexer, hashing each file's chunks; the same
+/// read copies the blob as it is into `store` (unless it holds it already), checked against
+/// `digest` — a registry's layer is downloaded once.
 fn read_for_reference(
     blob: &LayerBlob,
+    digest: &Sha256Digest,
+    store: &LocalStore,
     budget: Option<(Arc<AtomicU64>, u64)>,
     chunk_size: u64,
 ) -> Result<ReadLayer, BuildError> {
-    let (stream, handle) = LayerStream::open_indexed(blob, budget, tessera_gzip::DEFAULT_SPACING)?;
+    let copy = if store.has_blob(digest)? {
+        None
+    } else {
+        Some(SharedBlob(Arc::new(Mutex::new(Some(store.blob_writer()?)))))
+    };
+    let tee = copy.clone().map(|c| Box::new(c) as Box<dyn std::io::Write + Send>);
+    let (stream, handle) = LayerStream::open_indexed(blob, budget, tessera_gzip::DEFAULT_SPACING, tee)?;
     let mut files: Vec<FileChunks> = Vec::new();
     let mut chunks: Vec<(ChunkId, u64, u32)> = Vec::new();
     let mut buf = vec![0u8; chunk_size as usize];
@@ -154,12 +185,29 @@ fn read_for_reference(
     if count != files.len() || index.uncompressed_len != tar_bytes {
         return Err(BuildError::Internal { what: "a layer's files and chunks disagree", chunk: None });
     }
+    // The stream was read to its end (its raw digest checked): the copy is the whole blob.
+    if let Some(copy) = copy {
+        let writer = copy.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take();
+        let writer =
+            writer.ok_or(BuildError::Internal { what: "a layer copy was taken twice", chunk: None })?;
+        let got = writer.commit()?;
+        if got != *digest {
+            return Err(SourceError::DigestMismatch {
+                what: blob.name.clone(),
+                expected: digest.to_string(),
+                actual: got.to_string(),
+            }
+            .into());
+        }
+    }
     debug!(layer = %blob.name, checkpoints = index.checkpoints.len(), tar_bytes, "indexed layer");
     Ok(ReadLayer { manifest: ContentManifest { entries, files }, tar_bytes, chunks, index })
 }
 
-/// Copy `blob` into `store` as it is (its digest checked) and hash each span's compressed bytes.
-fn copy_layer(
+/// Hash each span's compressed bytes, reading the store's copy of layer `blob` (made by
+/// [`read_for_reference`]'s read, or already there), whose sha256 is checked on the way: spans
+/// are hashed from exactly the blob the image names.
+fn hash_spans(
     store: &LocalStore,
     blob: &LayerBlob,
     digest: &Sha256Digest,
@@ -169,8 +217,8 @@ fn copy_layer(
     let spans: Vec<(u64, u64)> =
         (0..r.index.checkpoints.len()).filter_map(|k| r.index.span(k)).map(|s| s.compressed).collect();
     let mut hashers: Vec<blake3::Hasher> = vec![blake3::Hasher::new(); spans.len()];
-    let mut raw = (blob.open)().map_err(corrupt)?;
-    let mut writer = if store.has_blob(digest)? { None } else { Some(store.blob_writer()?) };
+    let mut raw = std::fs::File::open(store.blob_path(digest)).map_err(corrupt)?;
+    let mut whole = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     let mut at = 0u64;
     let mut first = 0usize;
@@ -180,9 +228,7 @@ fn copy_layer(
             break;
         }
         let (start, end) = (at, at + n as u64);
-        if let Some(w) = writer.as_mut() {
-            w.append(&buf[..n])?;
-        }
+        whole.update(&buf[..n]);
         while first < spans.len() && spans[first].1 <= start {
             first += 1;
         }
@@ -200,16 +246,14 @@ fn copy_layer(
         // Bytes after the gzip stream are allowed by the layer reader; spans never reach them.
         debug!(layer = %blob.name, blob = at, gzip = r.index.compressed_len, "bytes after the gzip stream");
     }
-    if let Some(w) = writer {
-        let got = w.commit()?;
-        if got != *digest {
-            return Err(SourceError::DigestMismatch {
-                what: blob.name.clone(),
-                expected: digest.to_string(),
-                actual: got.to_string(),
-            }
-            .into());
+    let got = Sha256Digest(whole.finalize().into());
+    if got != *digest {
+        return Err(SourceError::DigestMismatch {
+            what: format!("{} (the store's copy)", blob.name),
+            expected: digest.to_string(),
+            actual: got.to_string(),
         }
+        .into());
     }
     let checkpoints = r
         .index

@@ -71,6 +71,20 @@ impl std::fmt::Debug for LayerBlob {
     }
 }
 
+/// A reader that writes every byte it reads to `sink` as well.
+struct TeeRead {
+    inner: Box<dyn Read + Send>,
+    sink: Box<dyn io::Write + Send>,
+}
+
+impl Read for TeeRead {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.sink.write_all(&buf[..n])?;
+        Ok(n)
+    }
+}
+
 /// Hashes and counts a reader's bytes; at EOF checks them against the expected digest and size.
 struct Verify<R> {
     inner: R,
@@ -268,14 +282,16 @@ impl LayerStream {
     /// Open a gzip `blob` for `--reference-layers`: as [`Self::open`], inflated by a
     /// [`tessera_gzip::Indexer`] recording a checkpoint every `spacing` bytes. Once the stream has
     /// been read to its end, the index is in the returned handle. A layer that is not gzip is
-    /// [`SourceError::NotGzip`].
+    /// [`SourceError::NotGzip`]. With `tee`, every raw (compressed) byte read from the blob is
+    /// also written there, in order — a copy of the blob made by the same read (one download).
     pub fn open_indexed(
         blob: &LayerBlob,
         budget: Option<(Arc<AtomicU64>, u64)>,
         spacing: u64,
+        tee: Option<Box<dyn io::Write + Send>>,
     ) -> Result<(Self, GzipIndexHandle), SourceError> {
         let handle = GzipIndexHandle::default();
-        let stream = Self::open_with(blob, budget, true, Some((spacing, handle.clone())))?;
+        let stream = Self::open_with(blob, budget, true, Some((spacing, handle.clone())), tee)?;
         Ok((stream, handle))
     }
 
@@ -284,7 +300,7 @@ impl LayerStream {
         budget: Option<(Arc<AtomicU64>, u64)>,
         check_diff_id: bool,
     ) -> Result<Self, SourceError> {
-        Self::open_with(blob, budget, check_diff_id, None)
+        Self::open_with(blob, budget, check_diff_id, None, None)
     }
 
     fn open_with(
@@ -292,9 +308,13 @@ impl LayerStream {
         budget: Option<(Arc<AtomicU64>, u64)>,
         check_diff_id: bool,
         index: Option<(u64, GzipIndexHandle)>,
+        tee: Option<Box<dyn io::Write + Send>>,
     ) -> Result<Self, SourceError> {
         let err = |e| from_stream_error(&blob.name, e);
-        let raw = (blob.open)().map_err(err)?;
+        let mut raw = (blob.open)().map_err(err)?;
+        if let Some(sink) = tee {
+            raw = Box::new(TeeRead { inner: raw, sink });
+        }
         let mut raw =
             BufReader::with_capacity(256 << 10, Verify::new(raw, blob.digest.clone(), blob.size, None));
         let head = raw.fill_buf().map_err(err)?;
