@@ -12,7 +12,8 @@
 //! Properties: synthesis succeeds (only "xattrs do not fit" may refuse a tree); `ext4-view` loads
 //! the device (superblock, group descriptors, checksums) and every directory lists exactly the
 //! tree's names (plus `lost+found` at the root); every node has its type, permissions, owner and
-//! mtime; every file reads back whole, holes as zeros; every symlink has its target. Xattrs are
+//! mtime; every file reads back whole, holes as zeros; every symlink has its target (its length
+//! only, where a component of it is over 255 bytes, which `ext4-view` cannot read). Xattrs are
 //! synthesized but not read back here (`ext4-view` 1.0 has no xattr API); the stable test
 //! `tests/ext4_e2fsck.rs` checks them with `debugfs` and the whole image with `e2fsck`.
 
@@ -316,8 +317,14 @@ fn check_node(fs: &ext4_view::Ext4, path: Vec<u8>, tree: &Tree, id: usize) {
             assert!(got == content(tree, id), "{ctx}: data differs");
         }
         NodeKind::Symlink { target } => {
-            let got = fs.read_link(p).unwrap_or_else(|e| panic!("{ctx}: {e}"));
-            assert_eq!(got.as_ref(), &target[..], "{ctx}: target");
+            assert_eq!(md.len(), target.len() as u64, "{ctx}: target length");
+            // ext4-view refuses targets with a component over 255 bytes (it makes a `PathBuf` of
+            // them), which ext4 and Linux allow (the campaign of 2026-12-03 hit it, docs/fuzzing.md);
+            // only their length is checked for them.
+            if target.split(|&b| b == b'/').all(|c| c.len() <= 255) {
+                let got = fs.read_link(p).unwrap_or_else(|e| panic!("{ctx}: {e}"));
+                assert_eq!(got.as_ref(), &target[..], "{ctx}: target");
+            }
         }
         _ => {}
     }

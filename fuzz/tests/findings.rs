@@ -222,3 +222,52 @@ fn f7_refusing_a_device_size_near_2_64_overflows() {
         assert!(r.is_err(), "a device of {device_bytes} bytes (not a multiple of 4096) was accepted");
     }
 }
+
+/// F8 (campaign 2026-12-03, `overlay_replay`; not fixed yet: `crates/overlay` was being edited
+/// by another engineer): `replay` follows a LINK record to any slot but the header's and stops
+/// at a segment past the end of the file without dropping it (F4 kept the read in range, not the
+/// slot), so a LINK to slot `u64::MAX` reaches `Overlay::open`'s free-space scan, where
+/// `prev_end = s + l` (lib.rs, "Free space: everything the map and the log do not use")
+/// overflows: a panic with overflow checks; in release the scan wraps and the log tail sits at
+/// slot `u64::MAX`, whose byte offset wraps too. Fix: in `replay`, end the log at a LINK whose
+/// slot is not inside the file (as a torn link; it was never synced) or refuse it as corrupt.
+#[test]
+#[ignore = "F8 is open: un-ignore with the fix in crates/overlay (docs/fuzzing.md)"]
+fn f8_log_link_to_slot_u64_max_overflows_at_open() {
+    let dev = 1 << 20;
+    for group in [0, 1] {
+        let file = craft(dev, 1, &[(group, Op::Link { slot: u64::MAX })], &[], 3);
+        for mode in [OverlayMode::ReadOnly, OverlayMode::Durable] {
+            // Refused as corrupt or opened with the link ignored, but no panic and no wrap.
+            if let Ok(o) = Overlay::open(
+                Box::new(MemIo::new(file.clone())),
+                params(BS as u32, dev),
+                Arc::new(SectorPattern),
+                mode,
+            ) {
+                let mut buf = vec![0u8; BS as usize];
+                o.read_at(0, &mut buf).unwrap();
+            }
+        }
+    }
+}
+
+/// F9 (campaign 2026-12-03, `ext4_roundtrip`; in the judge, not in Tessera): a symlink whose
+/// target has a component over 255 bytes — valid on ext4 and Linux, and synthesized correctly —
+/// is refused by `ext4-view`'s `read_link` ("invalid symlink path": it makes a `PathBuf` of the
+/// target). The target now checks such a symlink's length only. Input: one symlink `l` → 279
+/// bytes without a slash.
+#[test]
+fn f9_symlink_target_with_a_long_component() {
+    let mut o = tessera_fuzz::Output::default();
+    let meta = |o: &mut tessera_fuzz::Output| {
+        o.u16(0o777).u16(0).u8(0).u32(1_600_000_000).u32(0);
+    };
+    o.u8(1).u32(0);
+    meta(&mut o);
+    o.u8(0); // root: no xattrs
+    o.u8(3).u8(0).u8(1).bytes(b"l");
+    meta(&mut o);
+    o.u16(278).bytes(&[b'a'; 279]).u8(0);
+    tessera_fuzz::ext4_roundtrip::run(&o.buf);
+}
