@@ -431,8 +431,9 @@ fn decompress_prefix(compressed: &[u8], expected: u64) -> Result<Vec<u8>, String
 /// Copies of a chunk or span fetched at most when each fails verification: as many as the
 /// transport's default attempts ([`tessera_transport::RetryPolicy`]), so a copy that arrives
 /// corrupt costs what any other failed attempt costs. One refetch was not enough: with 5 % of the
-/// answers corrupted in transit (the fault storm of `tests/tests/fault_storm.rs`), one chunk in
-/// 400 failed twice in a row, and `warm` of a hundred chunks failed one run in four.
+/// answers corrupted in transit (the fault storm of `tests/tests/fault_storm.rs`) a chunk fails
+/// two copies in a row once in 400, and `warm`, which did not refetch a chunk warmed alone at
+/// all, failed under that storm ("3 of 96 chunks could not be warmed", docs/reliability.md).
 pub const VERIFY_ATTEMPTS: u32 = 5;
 
 /// The one refetch policy for chunks and checkpoint spans, wherever they are fetched (`serve`'s
@@ -658,7 +659,7 @@ impl<S: ChunkSource> ImageReader<S> {
         })
     }
 
-    /// Chunks fetched a second time because the first copy failed verification.
+    /// Extra copies of chunks fetched because a copy failed verification.
     pub fn refetches(&self) -> u64 {
         self.refetches.load(Ordering::Relaxed)
     }
