@@ -331,7 +331,8 @@ fn check_node(fs: &ext4_view::Ext4, path: Vec<u8>, tree: &Tree, id: usize) {
 }
 
 /// Seeds: one of every kind (a file with holes, a hard link, a slow symlink, xattrs in the inode
-/// and in a block, a wide directory); an empty tree.
+/// and in a block, a wide directory); an empty tree; a symlink whose target is one 279-byte
+/// component (F9).
 pub fn seeds() -> Vec<(String, Vec<u8>)> {
     let mut o = Output::default();
     let meta = |o: &mut Output, mode: u16| {
@@ -389,5 +390,12 @@ pub fn seeds() -> Vec<(String, Vec<u8>)> {
     o.u32(4096).u8(0xff).u8(0);
     head(&mut o, 1, 2, &[b'L'; 255], 0o644);
     o.u32(1).u8(1).u8(0);
-    vec![("every-kind".into(), o.buf), ("empty".into(), vec![0])]
+    // F9 (docs/fuzzing.md): one symlink `l` to 279 bytes without a slash.
+    let mut long = Output::default();
+    long.u8(1).u32(0);
+    meta(&mut long, 0o777);
+    long.u8(0);
+    head(&mut long, 3, 0, b"l", 0o777);
+    long.u16(278).bytes(&[b'a'; 279]).u8(0);
+    vec![("every-kind".into(), o.buf), ("empty".into(), vec![0]), ("symlink-long-component".into(), long.buf)]
 }

@@ -255,19 +255,33 @@ fn f8_log_link_to_slot_u64_max_overflows_at_open() {
 /// F9 (campaign 2026-12-03, `ext4_roundtrip`; in the judge, not in Tessera): a symlink whose
 /// target has a component over 255 bytes — valid on ext4 and Linux, and synthesized correctly —
 /// is refused by `ext4-view`'s `read_link` ("invalid symlink path": it makes a `PathBuf` of the
-/// target). The target now checks such a symlink's length only. Input: one symlink `l` → 279
-/// bytes without a slash.
+/// target). The target now checks such a symlink's length only. Input: the seed
+/// `symlink-long-component`, one symlink `l` → 279 bytes without a slash (which
+/// `tests/ext4_e2fsck.rs` also runs through e2fsck).
 #[test]
 fn f9_symlink_target_with_a_long_component() {
-    let mut o = tessera_fuzz::Output::default();
-    let meta = |o: &mut tessera_fuzz::Output| {
-        o.u16(0o777).u16(0).u8(0).u32(1_600_000_000).u32(0);
-    };
-    o.u8(1).u32(0);
-    meta(&mut o);
-    o.u8(0); // root: no xattrs
-    o.u8(3).u8(0).u8(1).bytes(b"l");
-    meta(&mut o);
-    o.u16(278).bytes(&[b'a'; 279]).u8(0);
-    tessera_fuzz::ext4_roundtrip::run(&o.buf);
+    let seeds = tessera_fuzz::ext4_roundtrip::seeds();
+    let (_, input) = seeds.iter().find(|s| s.0 == "symlink-long-component").unwrap();
+    tessera_fuzz::ext4_roundtrip::run(input);
+}
+
+/// F10 (campaign 2026-12-03, `overlay_replay` in fork mode; not fixed yet, as F8): a record of
+/// group `u64::MAX` makes `replay`'s in-doubt test `r.group + 1 >= last_group` overflow (a panic
+/// with overflow checks; in release it wraps to 0, so the last group is not in doubt and its data
+/// CRC is not checked), and `Overlay::open`'s new log tail `last_group + 1` overflows the same
+/// way (in release the next group is 0, below the log's, so the next replay ends the log before
+/// it). Fix: refuse a group of `u64::MAX` as corrupt, or use checked arithmetic there.
+#[test]
+#[ignore = "F10 is open: un-ignore with the fix in crates/overlay (docs/fuzzing.md)"]
+fn f10_record_group_u64_max_overflows_at_open() {
+    let dev = 1 << 20;
+    let file = craft(dev, 1, &[(u64::MAX, Op::Zero { block: 0, count: 1 })], &[], 3);
+    for mode in [OverlayMode::ReadOnly, OverlayMode::Durable] {
+        let _ = Overlay::open(
+            Box::new(MemIo::new(file.clone())),
+            params(BS as u32, dev),
+            Arc::new(SectorPattern),
+            mode,
+        );
+    }
 }
