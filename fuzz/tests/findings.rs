@@ -223,31 +223,29 @@ fn f7_refusing_a_device_size_near_2_64_overflows() {
     }
 }
 
-/// F8 (campaign 2026-12-03, `overlay_replay`; not fixed yet: `crates/overlay` was being edited
-/// by another engineer): `replay` follows a LINK record to any slot but the header's and stops
-/// at a segment past the end of the file without dropping it (F4 kept the read in range, not the
-/// slot), so a LINK to slot `u64::MAX` reaches `Overlay::open`'s free-space scan, where
-/// `prev_end = s + l` (lib.rs, "Free space: everything the map and the log do not use")
-/// overflows: a panic with overflow checks; in release the scan wraps and the log tail sits at
-/// slot `u64::MAX`, whose byte offset wraps too. Fix: in `replay`, end the log at a LINK whose
-/// slot is not inside the file (as a torn link; it was never synced) or refuse it as corrupt.
+/// F8 (campaign 2026-12-03, `overlay_replay`): `replay` followed a LINK record to any slot but
+/// the header's and stopped at a segment past the end of the file without dropping it, so a LINK
+/// to slot `u64::MAX` reached `Overlay::open`'s free-space scan, where `prev_end = s + l`
+/// overflowed (a panic with overflow checks; in release the scan wrapped and the log tail sat at
+/// slot `u64::MAX`, whose byte offset wrapped too). Fixed: a link past every slot the device can
+/// use is corrupt, and the scan's ends are checked.
 #[test]
-#[ignore = "F8 is open: un-ignore with the fix in crates/overlay (docs/fuzzing.md)"]
 fn f8_log_link_to_slot_u64_max_overflows_at_open() {
     let dev = 1 << 20;
     for group in [0, 1] {
         let file = craft(dev, 1, &[(group, Op::Link { slot: u64::MAX })], &[], 3);
         for mode in [OverlayMode::ReadOnly, OverlayMode::Durable] {
-            // Refused as corrupt or opened with the link ignored, but no panic and no wrap.
-            if let Ok(o) = Overlay::open(
+            let r = Overlay::open(
                 Box::new(MemIo::new(file.clone())),
                 params(BS as u32, dev),
                 Arc::new(SectorPattern),
                 mode,
-            ) {
-                let mut buf = vec![0u8; BS as usize];
-                o.read_at(0, &mut buf).unwrap();
-            }
+            );
+            assert!(
+                matches!(r, Err(tessera_overlay::OverlayError::Corrupt { .. })),
+                "group {group}, {mode:?}: {:?}",
+                r.map(|_| ())
+            );
         }
     }
 }
@@ -265,23 +263,26 @@ fn f9_symlink_target_with_a_long_component() {
     tessera_fuzz::ext4_roundtrip::run(input);
 }
 
-/// F10 (campaign 2026-12-03, `overlay_replay` in fork mode; not fixed yet, as F8): a record of
-/// group `u64::MAX` makes `replay`'s in-doubt test `r.group + 1 >= last_group` overflow (a panic
-/// with overflow checks; in release it wraps to 0, so the last group is not in doubt and its data
-/// CRC is not checked), and `Overlay::open`'s new log tail `last_group + 1` overflows the same
-/// way (in release the next group is 0, below the log's, so the next replay ends the log before
-/// it). Fix: refuse a group of `u64::MAX` as corrupt, or use checked arithmetic there.
+/// F10 (campaign 2026-12-03, `overlay_replay` in fork mode): a record of group `u64::MAX` made
+/// `replay`'s in-doubt test `r.group + 1 >= last_group` overflow (a panic with overflow checks;
+/// in release it wrapped to 0, so the last group was not in doubt and its data CRC not checked),
+/// and `Overlay::open`'s new log tail `last_group + 1` overflowed the same way. Fixed: a group
+/// no FLUSH count can reach (≥ 2^63) is corrupt.
 #[test]
-#[ignore = "F10 is open: un-ignore with the fix in crates/overlay (docs/fuzzing.md)"]
 fn f10_record_group_u64_max_overflows_at_open() {
     let dev = 1 << 20;
     let file = craft(dev, 1, &[(u64::MAX, Op::Zero { block: 0, count: 1 })], &[], 3);
     for mode in [OverlayMode::ReadOnly, OverlayMode::Durable] {
-        let _ = Overlay::open(
+        let r = Overlay::open(
             Box::new(MemIo::new(file.clone())),
             params(BS as u32, dev),
             Arc::new(SectorPattern),
             mode,
+        );
+        assert!(
+            matches!(r, Err(tessera_overlay::OverlayError::Corrupt { .. })),
+            "{mode:?}: {:?}",
+            r.map(|_| ())
         );
     }
 }

@@ -520,7 +520,8 @@ impl Overlay {
             if s > prev_end {
                 gaps.push((prev_end, s - prev_end));
             }
-            prev_end = s + l;
+            prev_end =
+                s.checked_add(l).ok_or(OverlayError::Corrupt { what: "a slot range overflows", slot: s })?;
         }
         end = end.max(prev_end);
         if prev_end < end {
@@ -1321,11 +1322,25 @@ fn replay(
         if r.seq != seq || r.group < group {
             break;
         }
+        // Groups count FLUSHes from 1: one near u64::MAX cannot have been written, and would
+        // overflow the in-doubt test and the next group (fuzzing F10).
+        if r.group >= MAX_GROUP {
+            return Err(OverlayError::Corrupt {
+                what: "a log record's group is out of range",
+                slot: segment,
+            });
+        }
         seq += 1;
         group = r.group;
         if let Op::Link { slot } = r.op {
             if slot == 0 || segments.contains(&slot) {
                 return Err(OverlayError::Corrupt { what: "a log link points to the header or loops", slot });
+            }
+            // A link may name a segment past the end of the file (allocated, its first record
+            // never written: the log ends there), but never one beyond every slot the device
+            // could use: its byte offset would overflow, and open's free-space scan (fuzzing F8).
+            if slot > max_slots(bs, blocks) {
+                return Err(OverlayError::Corrupt { what: "a log link points past any usable slot", slot });
             }
             segments.push(slot);
             segment = slot;
@@ -1423,6 +1438,16 @@ fn check_params(p: &OverlayParams) -> Result<u64, OverlayError> {
         });
     }
     Ok(bs)
+}
+
+/// Groups at or above this are refused as corrupt (see [`replay`]).
+const MAX_GROUP: u64 = u64::MAX / 2;
+
+/// A bound on the slots an overlay of `blocks` device blocks can ever use: every device block,
+/// twice (blocks released but not yet reusable), and room for log segments — well above
+/// [`Overlay::prepare_cap`], and far below any offset that overflows.
+fn max_slots(bs: u64, blocks: u64) -> u64 {
+    blocks.saturating_mul(2).saturating_add(1 << 20).min(u64::MAX / bs)
 }
 
 /// Largest buffer used to check the data of an in-doubt map record.
