@@ -234,19 +234,25 @@ fn f8_log_link_to_slot_u64_max_overflows_at_open() {
     let dev = 1 << 20;
     for group in [0, 1] {
         let file = craft(dev, 1, &[(group, Op::Link { slot: u64::MAX })], &[], 3);
-        for mode in [OverlayMode::ReadOnly, OverlayMode::Durable] {
-            let r = Overlay::open(
-                Box::new(MemIo::new(file.clone())),
-                params(BS as u32, dev),
-                Arc::new(SectorPattern),
-                mode,
-            );
-            assert!(
-                matches!(r, Err(tessera_overlay::OverlayError::Corrupt { .. })),
-                "group {group}, {mode:?}: {:?}",
-                r.map(|_| ())
-            );
-        }
+        opens_as_corrupt(&file, dev, &format!("a link to slot u64::MAX in group {group}"));
+    }
+}
+
+/// `file`, an overlay of a `dev`-byte device, is refused as corrupt when opened read-only and
+/// when opened for writes.
+fn opens_as_corrupt(file: &[u8], dev: u64, what: &str) {
+    for mode in [OverlayMode::ReadOnly, OverlayMode::Durable] {
+        let r = Overlay::open(
+            Box::new(MemIo::new(file.to_vec())),
+            params(BS as u32, dev),
+            Arc::new(SectorPattern),
+            mode,
+        );
+        assert!(
+            matches!(r, Err(tessera_overlay::OverlayError::Corrupt { .. })),
+            "{what}, {mode:?}: {:?}",
+            r.map(|_| ())
+        );
     }
 }
 
@@ -272,17 +278,5 @@ fn f9_symlink_target_with_a_long_component() {
 fn f10_record_group_u64_max_overflows_at_open() {
     let dev = 1 << 20;
     let file = craft(dev, 1, &[(u64::MAX, Op::Zero { block: 0, count: 1 })], &[], 3);
-    for mode in [OverlayMode::ReadOnly, OverlayMode::Durable] {
-        let r = Overlay::open(
-            Box::new(MemIo::new(file.clone())),
-            params(BS as u32, dev),
-            Arc::new(SectorPattern),
-            mode,
-        );
-        assert!(
-            matches!(r, Err(tessera_overlay::OverlayError::Corrupt { .. })),
-            "{mode:?}: {:?}",
-            r.map(|_| ())
-        );
-    }
+    opens_as_corrupt(&file, dev, "a record of group u64::MAX");
 }
