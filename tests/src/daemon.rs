@@ -263,30 +263,66 @@ impl BlkClient {
         Ok(())
     }
 
-    /// Read the whole device in `piece`-byte requests, `depth` at a time on queue 0. Returns the
-    /// bytes (zeros where a read failed) and the offsets of the failed reads with their errno.
+    /// Read the whole device in `piece`-byte requests on queue 0, keeping `depth` in flight (a
+    /// new one is submitted as each completes, as fio's `iodepth` does — not in lockstep
+    /// batches, where the slowest of each batch would hold the others). Returns the bytes
+    /// (zeros where a read failed) and the offsets of the failed reads with their errno.
     pub fn read_device(&mut self, piece: usize, depth: usize) -> Result<(Vec<u8>, Vec<FailedRead>)> {
         ensure!(piece > 0 && depth > 0 && piece * depth <= self.region.len, "bad piece or depth");
         let cap = usize::try_from(self.capacity)?;
         let mut out = vec![0u8; cap];
         let mut failed = Vec::new();
-        let mut at = 0usize;
-        while at < cap {
-            let batch: Vec<(u64, usize)> = (0..depth)
-                .map(|k| at + k * piece)
-                .take_while(|&o| o < cap)
-                .map(|o| (o as u64, piece.min(cap - o)))
-                .collect();
-            let results = self.read_batch(0, &batch)?;
-            for ((offset, len), r) in batch.iter().zip(results) {
-                let o = usize::try_from(*offset)?;
-                match r {
-                    Ok(bytes) => out[o..o + len].copy_from_slice(&bytes),
-                    Err(errno) => failed.push((*offset, errno)),
-                }
+        let region = self.region.addr;
+        let queue = self.queues.first_mut().context("no queue 0")?;
+        // Slot k reads into region[k·piece..]; `inflight[k]` is its request's device offset.
+        let mut inflight: Vec<Option<usize>> = vec![None; depth];
+        let mut next = 0usize;
+        let submit = |queue: &mut Blkioq,
+                      slot: usize,
+                      inflight: &mut Vec<Option<usize>>,
+                      next: &mut usize| {
+            if *next < cap {
+                let len = piece.min(cap - *next);
+                queue.read(*next as u64, (region + slot * piece) as *mut u8, len, slot, ReqFlags::empty());
+                inflight[slot] = Some(*next);
+                *next += len;
             }
-            at += batch.iter().map(|b| b.1).sum::<usize>();
+        };
+        for slot in 0..depth {
+            submit(queue, slot, &mut inflight, &mut next);
         }
+        let mut completions: Vec<MaybeUninit<Completion>> =
+            (0..depth).map(|_| MaybeUninit::uninit()).collect();
+        let limit = Duration::from_secs(60);
+        while inflight.iter().any(Option::is_some) {
+            let mut timeout = limit;
+            let got = queue
+                .do_io(&mut completions, 1, Some(&mut timeout), None)
+                .map_err(|e| anyhow::anyhow!("libblkio do_io: {e}"))?;
+            ensure!(got > 0, "no read completed within {limit:?}");
+            for c in &completions[..got] {
+                // SAFETY: do_io initialized the first `got` entries.
+                let c = unsafe { c.assume_init_ref() };
+                let slot = c.user_data;
+                let at = inflight
+                    .get_mut(slot)
+                    .and_then(Option::take)
+                    .context("a completion for a slot with nothing in flight")?;
+                let len = piece.min(cap - at);
+                if c.ret == 0 {
+                    // SAFETY: the region is a live mapping of `region.len` bytes owned by
+                    // `self.blkio`; `slot·piece + len <= depth·piece <= region.len`; this slot's
+                    // read has completed and the next one is submitted only below.
+                    let bytes =
+                        unsafe { std::slice::from_raw_parts((region + slot * piece) as *const u8, len) };
+                    out[at..at + len].copy_from_slice(bytes);
+                } else {
+                    failed.push((at as u64, c.ret));
+                }
+                submit(queue, slot, &mut inflight, &mut next);
+            }
+        }
+        failed.sort_unstable();
         Ok((out, failed))
     }
 }

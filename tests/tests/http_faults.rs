@@ -2,7 +2,8 @@
 //! (`tessera_e2e::proxy`). Connections are reused and near chunks of a pack share one Range
 //! request; a reset or truncated body is retried and the export is still byte-identical; a
 //! flipped byte is refetched, and never served when it persists; a silent server hits the
-//! first-byte timeout; bursts of 503 are retried with growing waits, then reported.
+//! first-byte timeout, or (the default) the request is resent when its head is late; bursts of
+//! 503 are retried with growing waits, then reported.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -160,12 +161,13 @@ fn a_flipped_byte_is_refetched_and_never_served() -> Result<()> {
 fn a_silent_server_hits_the_first_byte_timeout() -> Result<()> {
     let s = setup("http-stall")?;
     let p = proxy(&s, 2)?;
-    // The other timeouts far away, so that only the first-byte timeout can end a stall within
-    // the bounds below (generous: CI machines are loaded).
+    // The other timeouts far away, and no late-head resends, so that only the first-byte
+    // timeout can end a stall within the bounds below (generous: CI machines are loaded).
     let env = [
         ("TESSERA_HTTP_FIRST_BYTE_TIMEOUT", "400ms"),
         ("TESSERA_HTTP_STALL_TIMEOUT", "60s"),
         ("TESSERA_HTTP_TIMEOUT", "120s"),
+        ("TESSERA_HTTP_RESEND_LATE", "off"),
     ];
     let bound = Duration::from_secs(30);
     p.inject(&s.pack, Fault::Stall, 2);
@@ -185,6 +187,15 @@ fn a_silent_server_hits_the_first_byte_timeout() -> Result<()> {
     ensure!(o.status.code() == Some(1), "export into a stall without retries: {} — {err}", o.status);
     ensure!(err.contains(&s.pack) && err.to_lowercase().contains("timeout"), "message: {err}");
     ensure!(t.elapsed() < bound, "took {:?}", t.elapsed());
+    // With late-head resends (the default) the same stall, still without retries, is resent
+    // after the origin's usual latency (the refs and entry GETs taught it) and the export
+    // succeeds: a resend spends no attempt.
+    p.inject(&s.pack, Fault::Stall, 1);
+    let resend = [("TESSERA_HTTP_FIRST_BYTE_TIMEOUT", "20s"), ("TESSERA_HTTP_RETRIES", "1")];
+    let t = Instant::now();
+    export_ok(&s, &p.url("store"), &resend, "export with a stall, resent")?;
+    ensure!(p.faults_left() == 0, "the stall was not hit");
+    ensure!(t.elapsed() < Duration::from_secs(10), "the stall was waited out: {:?}", t.elapsed());
     Ok(())
 }
 

@@ -42,6 +42,7 @@ pub fn watch_store(metrics: &Arc<Metrics>, store: &OpenedStore) {
         if let Some(h) = origin.as_ref().map(|t| t.stats()) {
             mirror(&m.origin.requests, h.requests);
             mirror(&m.origin.retries, h.retries);
+            mirror(&m.origin.resends, h.resends);
             mirror(&m.origin.bytes, h.bytes);
             let errors = &m.origin.errors;
             mirror(&errors.status, h.errors.status);

@@ -211,6 +211,8 @@ pub struct OriginMetrics {
     pub errors: OriginErrorMetrics,
     /// Tries after a failure.
     pub retries: IntCounter,
+    /// First tries given up because their response head was late, and sent again.
+    pub resends: IntCounter,
     /// Body bytes received.
     pub bytes: IntCounter,
 }
@@ -248,6 +250,10 @@ impl OriginMetrics {
                 digest: errors.with_label_values(&["digest"]),
             },
             retries: r.counter("tessera_origin_retries_total", "Origin requests retried after a failure"),
+            resends: r.counter(
+                "tessera_origin_late_resends_total",
+                "Origin requests sent again because their response head was later than the origin's usual latency",
+            ),
             bytes: r.counter("tessera_origin_bytes_total", "Body bytes received from the origin"),
         }
     }

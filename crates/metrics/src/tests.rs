@@ -29,6 +29,7 @@ fn every_family_is_rendered_with_help_and_type() {
         "tessera_memory_tier_bytes",
         "tessera_disk_cache_evictions_total",
         "tessera_origin_retries_total",
+        "tessera_origin_late_resends_total",
         "tessera_prefetch_wasted_bytes_total",
     ] {
         assert!(text.contains(&format!("# HELP {family} ")), "{family} has no HELP");

@@ -50,6 +50,8 @@ pub enum TransportErrorKind {
 #[error("{}", describe(*.kind))]
 pub struct TransportError {
     kind: TransportErrorKind,
+    /// No connection was made: refused, name lookup or connect failed or timed out.
+    unreachable: bool,
     #[source]
     source: Box<dyn std::error::Error + Send + Sync>,
 }
@@ -72,6 +74,12 @@ impl TransportError {
         self.kind
     }
 
+    /// Whether no connection was made (refused, name lookup or connect failed or timed out):
+    /// the server is not there now, and asking again at once will not change that.
+    pub fn is_unreachable(&self) -> bool {
+        self.unreachable
+    }
+
     /// Whether another attempt may succeed (timeouts, connection and protocol failures).
     pub fn is_retryable(&self) -> bool {
         matches!(
@@ -91,16 +99,31 @@ impl TransportError {
     /// A body read that broke (the reader's `io::Error`).
     pub fn from_io(e: io::Error) -> Self {
         let kind = io_kind(&e);
-        Self { kind, source: Box::new(e) }
+        let unreachable = e.kind() == io::ErrorKind::ConnectionRefused;
+        Self { kind, unreachable, source: Box::new(e) }
     }
 
     /// A request that failed in ureq. A TLS failure keeps rustls's own error as the source (what
     /// ureq wraps around it says nothing more).
     pub(crate) fn from_ureq(e: ureq::Error) -> Self {
         if let Some(tls) = rustls_error(&e) {
-            return Self { kind: tls_kind(tls), source: Box::new(tls.clone()) };
+            return Self { kind: tls_kind(tls), unreachable: false, source: Box::new(tls.clone()) };
         }
-        Self { kind: ureq_kind(&e), source: Box::new(e) }
+        Self { kind: ureq_kind(&e), unreachable: unreachable(&e), source: Box::new(e) }
+    }
+}
+
+/// Whether `e` means no connection was made (refused, name lookup or connect failed or timed
+/// out), as opposed to one that broke.
+fn unreachable(e: &ureq::Error) -> bool {
+    match e {
+        ureq::Error::ConnectionFailed | ureq::Error::HostNotFound => true,
+        ureq::Error::Timeout(t) => matches!(t, ureq::Timeout::Resolve | ureq::Timeout::Connect),
+        ureq::Error::Io(io) => match io.get_ref().and_then(|r| r.downcast_ref::<ureq::Error>()) {
+            Some(inner) => unreachable(inner),
+            None => io.kind() == io::ErrorKind::ConnectionRefused,
+        },
+        _ => false,
     }
 }
 

@@ -20,20 +20,21 @@
 
 mod config;
 mod error;
+mod late;
 mod retry;
 mod stats;
 
 use std::io::{self, Read};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tessera_metrics::Histogram;
 use tracing::{debug, info, warn};
 
 pub use config::{BadPem, Timeouts, TlsOptions, TransportConfig};
 pub use error::{ErrorKind, Failure, FetchError, TimeoutKind, TransportError, TransportErrorKind};
-pub use retry::{retryable_status, RetryPolicy};
+pub use retry::{retryable_status, RetryBudget, RetryPolicy};
 pub use stats::{ErrorCounts, Stats};
 
 use stats::{Counters, Limiter};
@@ -111,6 +112,13 @@ struct Shared {
     /// Requests in a row that spent their attempts on retryable failures (reset by any answer):
     /// the origin is failing from [`RetryPolicy::failing_after`] on.
     exhausted: AtomicU32,
+    /// The origin's head latency, for [`RetryPolicy::resend_late`].
+    head: late::HeadLatency,
+    /// Immediate retries left.
+    budget: RetryBudget,
+    /// Requests answered so far (a success or a final refusal): a request whose attempts
+    /// failed while others were answered met a flaky origin, not a gone one.
+    answers: AtomicU64,
 }
 
 impl Shared {
@@ -134,6 +142,7 @@ impl Shared {
 
     /// The origin answered (a success or a final refusal such as a 404).
     fn answered(&self) {
+        self.answers.fetch_add(1, Ordering::Relaxed);
         let after = self.config.retry.failing_after;
         // The common case, a healthy origin, only reads the counter.
         if self.exhausted.load(Ordering::Relaxed) > 0
@@ -239,6 +248,36 @@ impl Read for BodyReader {
     }
 }
 
+/// How many times one request is given up for a late head and sent again
+/// ([`RetryPolicy::resend_late`]): each deadline twice the last, then the first-byte timeout
+/// alone. Two stalled answers in a row are not rare in a storm; a slow origin (every head late)
+/// costs at most seven deadlines before an answer teaches the estimate its new latency.
+const LATE_RESENDS: u32 = 3;
+
+/// Whether `req` teaches the head latency estimate: a counted GET.
+fn times_heads(req: &Request<'_>) -> bool {
+    !req.probe && req.method == Method::Get
+}
+
+/// Whether `req` may be given up when its head is late and sent again: a counted ranged GET —
+/// the data path's reads, which a guest may be waiting for. Other requests (a manifest, a
+/// token, an upload, a whole blob) are never resent.
+fn resends_late(req: &Request<'_>) -> bool {
+    times_heads(req) && req.headers.iter().any(|(k, _)| k.eq_ignore_ascii_case("range"))
+}
+
+/// `rb` giving up when no response head came within `deadline` (`None`: the agent's first-byte
+/// timeout).
+fn with_deadline(
+    rb: ureq::RequestBuilder<ureq::typestate::WithoutBody>,
+    deadline: Option<Duration>,
+) -> ureq::RequestBuilder<ureq::typestate::WithoutBody> {
+    match deadline {
+        Some(d) => rb.config().timeout_recv_response(Some(d)).build(),
+        None => rb,
+    }
+}
+
 fn with_headers<B>(mut rb: ureq::RequestBuilder<B>, headers: &[(&str, &str)]) -> ureq::RequestBuilder<B> {
     for (k, v) in headers {
         rb = rb.header(*k, *v);
@@ -260,6 +299,9 @@ impl Transport {
                 counters: Counters::default(),
                 latency: tessera_metrics::origin_latency_histogram(),
                 exhausted: AtomicU32::new(0),
+                head: late::HeadLatency::default(),
+                budget: RetryBudget::new(),
+                answers: AtomicU64::new(0),
             }),
         }
     }
@@ -302,8 +344,13 @@ impl Transport {
         self.shared.counters.retry();
     }
 
-    /// One attempt: send `req`, return the answer whatever its status.
-    fn attempt(&self, req: &Request<'_>) -> Result<Response, TransportError> {
+    /// One attempt: send `req`, return the answer whatever its status. `head_deadline`: give up
+    /// when no response head came within it (instead of the first-byte timeout).
+    fn attempt(
+        &self,
+        req: &Request<'_>,
+        head_deadline: Option<Duration>,
+    ) -> Result<Response, TransportError> {
         let shared = &self.shared;
         shared.limiter.acquire();
         let attempt = Attempt { shared: Arc::clone(shared), started: Instant::now(), counted: !req.probe };
@@ -313,7 +360,7 @@ impl Transport {
         let agent = if req.skip_tls_verify { &shared.unverified } else { &shared.verified };
         let h = req.headers;
         let sent = match req.method {
-            Method::Get => with_headers(agent.get(req.url), h).call(),
+            Method::Get => with_deadline(with_headers(agent.get(req.url), h), head_deadline).call(),
             Method::Head => with_headers(agent.head(req.url), h).call(),
             Method::Post => with_headers(agent.post(req.url), h).send(req.body),
             Method::Put => with_headers(agent.put(req.url), h).send(req.body),
@@ -322,6 +369,9 @@ impl Transport {
         };
         match sent {
             Ok(resp) => {
+                if times_heads(req) {
+                    shared.head.observe(attempt.started.elapsed());
+                }
                 let (parts, body) = resp.into_parts();
                 Ok(Response {
                     status: parts.status.as_u16(),
@@ -331,7 +381,9 @@ impl Transport {
             }
             Err(e) => {
                 let e = TransportError::from_ureq(e);
-                if !req.probe {
+                let abandoned = head_deadline.is_some()
+                    && e.kind() == TransportErrorKind::Timeout(TimeoutKind::FirstByte);
+                if !req.probe && !abandoned {
                     shared.counters.error(e.error_kind());
                 }
                 Err(e)
@@ -372,14 +424,58 @@ impl Transport {
         let attempts = if req.probe { 1 } else { policy.attempts.max(1) };
         let counters = &shared.counters;
         let mut retry = 0u32;
+        if !req.probe {
+            shared.budget.deposit();
+        }
+        let answers_before = shared.answers.load(Ordering::Relaxed);
+        // A first attempt whose head is late is sent again at once, without spending an attempt,
+        // up to LATE_RESENDS times with the deadline doubled each time (RetryPolicy::resend_late).
+        let mut resends = 0u32;
+        let mut head_deadline = match policy.resend_late {
+            Some(floor) if resends_late(req) => {
+                shared.head.deadline(floor, shared.config.timeouts.first_byte)
+            }
+            _ => None,
+        };
         loop {
             let single = !req.probe && shared.failing();
             if single && retry == 0 {
                 counters.single_attempt();
             }
-            let last = retry + 1 >= attempts || single;
-            let (wait, why) = match self.attempt(req) {
-                Err(e) if e.is_retryable() && !last => (policy.backoff(retry), e.to_string()),
+            // Twice the attempts while other requests are being answered: a flaky origin.
+            let flaky = !req.probe && shared.answers.load(Ordering::Relaxed) > answers_before;
+            let allowed = if flaky && attempts > 1 { attempts.saturating_mul(2) } else { attempts };
+            let last = retry + 1 >= allowed || single;
+            let deadline = head_deadline.take();
+            let (wait, why) = match self.attempt(req, deadline) {
+                Err(e)
+                    if deadline.is_some()
+                        && e.kind() == TransportErrorKind::Timeout(TimeoutKind::FirstByte) =>
+                {
+                    counters.resend();
+                    debug!(
+                        method = req.method.as_str(),
+                        url = req.url,
+                        late_ms = deadline.map_or(0, |d| d.as_millis() as u64),
+                        "no response head in the usual time: sending the request again"
+                    );
+                    resends += 1;
+                    if resends < LATE_RESENDS {
+                        head_deadline = deadline
+                            .map(|d| d.saturating_mul(2))
+                            .filter(|&d| d < shared.config.timeouts.first_byte);
+                    }
+                    continue;
+                }
+                Err(e) if e.is_retryable() && !last => {
+                    // Nobody there: back off. A broken exchange: at once, within the budget.
+                    let wait = if e.is_unreachable() {
+                        policy.backoff(retry)
+                    } else {
+                        policy.wait(retry, None, None, &shared.budget)
+                    };
+                    (wait, e.to_string())
+                }
                 Err(e) if e.is_retryable() => return Err(Exhausted::Retryable(FetchError::Transport(e))),
                 Err(e) => return Err(Exhausted::Final(FetchError::Transport(e))),
                 Ok(resp) => {
@@ -389,7 +485,8 @@ impl Transport {
                         counters.error(ErrorKind::Status);
                     }
                     if retryable && !last {
-                        let wait = policy.retry_after(retry, resp.header("retry-after"));
+                        let wait =
+                            policy.wait(retry, Some(status), resp.header("retry-after"), &shared.budget);
                         (wait, format!("HTTP {status}"))
                     } else {
                         match on_response(resp) {
@@ -407,7 +504,10 @@ impl Transport {
                                 if !f.retry || last {
                                     return Err(Exhausted::Retryable(FetchError::Rejected(f.error)));
                                 }
-                                (policy.backoff(retry), "the answer was rejected".to_owned())
+                                (
+                                    policy.wait(retry, None, None, &shared.budget),
+                                    "the answer was rejected".to_owned(),
+                                )
                             }
                         }
                     }
@@ -425,7 +525,9 @@ impl Transport {
                 wait_ms = wait.as_millis() as u64,
                 "retrying"
             );
-            std::thread::sleep(wait);
+            if !wait.is_zero() {
+                std::thread::sleep(wait);
+            }
         }
     }
 
@@ -468,7 +570,6 @@ mod tests {
     use super::*;
     use std::io::Write;
     use std::net::TcpListener;
-    use std::time::Duration;
 
     /// A server answering each connection's requests from `answers` in turn (one per
     /// connection; `Connection: close`).
@@ -543,8 +644,12 @@ mod tests {
         let url = format!("http://{}/x", l.local_addr().unwrap());
         drop(l);
         let t = Transport::new(quick());
+        let started = Instant::now();
         let e = t.send(&Request::get(&url)).unwrap_err();
         assert_eq!(e.kind(), TransportErrorKind::Connection);
+        assert!(e.is_unreachable());
+        // Nobody there: the retries backed off (equal jitter: at least half of 1 ms, 2 ms).
+        assert!(started.elapsed() >= Duration::from_micros(1500), "{:?}", started.elapsed());
         let s = t.stats();
         assert_eq!((s.requests, s.retries, s.errors.transport), (3, 2, 3));
         // An uncounted probe leaves no trace.
@@ -632,6 +737,167 @@ mod tests {
         }
         assert!(!t.is_failing());
         assert_eq!((t.stats().requests, t.stats().single_attempts), (9, 0));
+    }
+
+    /// A server answering each connection from `answers` in turn; `None` accepts, reads the
+    /// request and never answers (the connection is kept open until the server ends).
+    fn serve_or_stall(answers: Vec<Option<&'static str>>) -> String {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        std::thread::spawn(move || {
+            let mut stalled = Vec::new();
+            for answer in answers {
+                let (mut s, _) = l.accept().unwrap();
+                let mut buf = [0u8; 4096];
+                let _ = s.read(&mut buf);
+                match answer {
+                    Some(a) => drop(s.write_all(a.as_bytes())),
+                    None => stalled.push(s),
+                }
+            }
+            std::thread::sleep(Duration::from_secs(30));
+        });
+        format!("http://{addr}/x")
+    }
+
+    const RANGE: [(&str, &str); 1] = [("Range", "bytes=0-1")];
+
+    #[test]
+    fn a_late_head_is_sent_again_after_the_usual_latency_without_spending_an_attempt() {
+        let ok = "HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok";
+        let mut answers = vec![Some(ok); 8];
+        answers.extend([None, None, Some(ok)]);
+        let url = serve_or_stall(answers);
+        let config = TransportConfig {
+            timeouts: Timeouts { first_byte: Duration::from_secs(20), ..TransportConfig::default().timeouts },
+            retry: RetryPolicy { attempts: 1, ..RetryPolicy::default() },
+            ..TransportConfig::default()
+        };
+        let t = Transport::new(config);
+        let get = || {
+            let mut body = String::new();
+            let req = Request::get(&url).headers(&RANGE);
+            t.send(&req).unwrap().into_reader().read_to_string(&mut body).unwrap();
+            body
+        };
+        for _ in 0..8 {
+            assert_eq!(get(), "ok");
+        }
+        // The ninth read's first two connections never answer: it is sent again after the
+        // usual head latency (a loopback server: the 50 ms floor), then after twice that, not
+        // after 20 s, and the one attempt allowed is not spent on them.
+        let started = Instant::now();
+        assert_eq!(get(), "ok");
+        let took = started.elapsed();
+        assert!(took < Duration::from_secs(2), "{took:?}");
+        let s = t.stats();
+        assert_eq!((s.requests, s.resends, s.retries, s.errors.total()), (11, 2, 2, 0));
+
+        // Never resent: any request when the setting is off, and a GET without a Range (its
+        // latency is not the data path's) when it is on. The stalled request waits out the
+        // first-byte timeout and fails (one attempt).
+        for (resend_late, ranged) in [(None, true), (Some(Duration::from_millis(50)), false)] {
+            let url = serve_or_stall(vec![Some(ok), Some(ok), None]);
+            let config = TransportConfig {
+                timeouts: Timeouts {
+                    first_byte: Duration::from_millis(300),
+                    ..TransportConfig::default().timeouts
+                },
+                retry: RetryPolicy { attempts: 1, resend_late, ..RetryPolicy::default() },
+                ..TransportConfig::default()
+            };
+            let t = Transport::new(config);
+            for _ in 0..2 {
+                let req = Request::get(&url).headers(&RANGE);
+                t.send(&req).unwrap().into_reader().read_to_end(&mut Vec::new()).unwrap();
+            }
+            let started = Instant::now();
+            let req = if ranged { Request::get(&url).headers(&RANGE) } else { Request::get(&url) };
+            let e = t.send(&req).unwrap_err();
+            assert_eq!(e.kind(), TransportErrorKind::Timeout(TimeoutKind::FirstByte));
+            assert!(started.elapsed() >= Duration::from_millis(300));
+            let s = t.stats();
+            assert_eq!((s.requests, s.resends, s.errors.timeout), (3, 0, 1), "{resend_late:?} {ranged}");
+        }
+    }
+
+    #[test]
+    fn an_error_status_is_retried_at_once_an_overloaded_server_after_a_backoff() {
+        let broken = "HTTP/1.1 500 Broken\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
+        let busy = "HTTP/1.1 503 Busy\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
+        let slow = "HTTP/1.1 429 Slow Down\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
+        let ok = "HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok";
+        let url = serve(vec![broken, ok, slow, ok, busy, ok]);
+        let t = Transport::new(TransportConfig::default());
+        let timed = || {
+            let started = Instant::now();
+            let mut body = String::new();
+            t.send(&Request::get(&url)).unwrap().into_reader().read_to_string(&mut body).unwrap();
+            assert_eq!(body, "ok");
+            started.elapsed()
+        };
+        let after_500 = timed();
+        let after_429 = timed();
+        let after_503 = timed();
+        // The default backoff's first wait is 50–100 ms.
+        assert!(after_500 < Duration::from_millis(50), "{after_500:?}");
+        assert!(after_429 >= Duration::from_millis(50), "{after_429:?}");
+        assert!(after_503 >= Duration::from_millis(50), "{after_503:?}");
+    }
+
+    #[test]
+    fn a_request_keeps_retrying_while_the_origin_answers_others() {
+        // "/ok" always answers; "/flaky" fails its first `fails` requests with a 500.
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let flaky = Arc::new(AtomicU64::new(0));
+        let seen = Arc::clone(&flaky);
+        std::thread::spawn(move || {
+            for s in l.incoming() {
+                let mut s = s.unwrap();
+                let mut buf = [0u8; 4096];
+                let n = s.read(&mut buf).unwrap_or(0);
+                let head = String::from_utf8_lossy(&buf[..n]).to_string();
+                let answer = if head.starts_with("GET /flaky") && seen.fetch_add(1, Ordering::Relaxed) < 7 {
+                    "HTTP/1.1 500 Broken\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                } else {
+                    "HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok"
+                };
+                let _ = s.write_all(answer.as_bytes());
+            }
+        });
+        let config = TransportConfig {
+            retry: RetryPolicy {
+                attempts: 5,
+                base: Duration::from_millis(20),
+                max: Duration::from_millis(20),
+                ..RetryPolicy::default()
+            },
+            ..TransportConfig::default()
+        };
+        // Alone, /flaky spends its 5 attempts.
+        let t = Transport::new(config.clone());
+        assert!(t.send(&Request::get(&format!("http://{addr}/flaky"))).unwrap().status() == 500);
+        assert_eq!(t.stats().requests, 5);
+        // While another thread's requests are answered, the next /flaky request gets up to 10
+        // attempts: it fails twice more (7 in all) and then succeeds.
+        let t = Transport::new(config);
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let other = {
+            let (t, stop) = (t.clone(), Arc::clone(&stop));
+            let url = format!("http://{addr}/ok");
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    t.send(&Request::get(&url)).unwrap().into_reader().read_to_end(&mut Vec::new()).unwrap();
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+            })
+        };
+        let r = t.send(&Request::get(&format!("http://{addr}/flaky"))).unwrap();
+        stop.store(true, Ordering::Relaxed);
+        other.join().unwrap();
+        assert_eq!(r.status(), 200);
+        assert_eq!(flaky.load(Ordering::Relaxed), 8, "5 alone, then 2 failed and 1 answered");
     }
 
     #[test]

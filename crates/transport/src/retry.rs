@@ -5,6 +5,7 @@
 //! the store's HTTP origin and of the registry client.
 
 use std::hash::{BuildHasher, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 /// Bounded retries with exponential backoff and jitter, for 5xx (500, 502, 503, 504), 408, 429
@@ -12,10 +13,13 @@ use std::time::Duration;
 /// name lookup).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RetryPolicy {
-    /// Attempts in all, the first included (default 5). 1 disables retries.
+    /// Attempts in all, the first included (default 5); twice as many while other requests to
+    /// the same origin are being answered (a flaky origin, not a gone one: a guest read would
+    /// rather wait than fail). 1 disables retries.
     pub attempts: u32,
-    /// Backoff before the first retry (default 100 ms: a guest read may be waiting); doubles
-    /// every retry.
+    /// Backoff unit (default 100 ms: a guest read may be waiting): a retry that waits
+    /// ([`Self::wait`]: an overloaded server, or the immediate retries spent) waits about
+    /// `base·2^retry` ([`Self::backoff`]).
     pub base: Duration,
     /// Cap on one backoff, and on a server's `Retry-After` (default 4 s). With the defaults the
     /// waits before giving up add up to at most 1.5 s.
@@ -27,11 +31,28 @@ pub struct RetryPolicy {
     /// succeeds again as soon as the origin is back; an origin failing a share of requests
     /// (a storm of 5xx and resets) almost never spends two requests' attempts in a row.
     pub failing_after: u32,
+    /// The least time a ranged read's first attempt (a GET with `Range`: the data path) waits
+    /// for its response head before it is given up and sent again at once (default 50 ms;
+    /// `None`: never). The wait is the origin's usual head latency for GETs plus four
+    /// times its spread (RFC 6298's estimate, as TCP times a retransmission), at least this,
+    /// below the first-byte timeout. A resend does not
+    /// spend an attempt; up to three are made, each waiting twice as long as the last, and then
+    /// the first-byte timeout applies. A server that stalls some requests then costs each about
+    /// one usual round trip instead of a first-byte timeout. The floor keeps a busy client's
+    /// scheduling delays (milliseconds on a loaded host) from counting as late heads of a
+    /// nearby origin.
+    pub resend_late: Option<Duration>,
 }
 
 impl Default for RetryPolicy {
     fn default() -> Self {
-        Self { attempts: 5, base: Duration::from_millis(100), max: Duration::from_secs(4), failing_after: 2 }
+        Self {
+            attempts: 5,
+            base: Duration::from_millis(100),
+            max: Duration::from_secs(4),
+            failing_after: 2,
+            resend_late: Some(Duration::from_millis(50)),
+        }
     }
 }
 
@@ -64,6 +85,28 @@ impl RetryPolicy {
         half + Duration::from_nanos(jitter)
     }
 
+    /// The wait before retry number `retry` (0-based) after a failed exchange: a server's
+    /// `Retry-After` when it sent one; a backoff ([`Self::backoff`]) when the server said it is
+    /// overloaded (429, 503) or when `budget` has no immediate retry left; otherwise none — a
+    /// reset, a truncated or corrupted body, a 500, 502 or 504 is most often cured by asking
+    /// again at once. (A connection that could not be made at all backs off: the transport
+    /// calls [`Self::backoff`] for it.)
+    pub fn wait(
+        &self,
+        retry: u32,
+        status: Option<u16>,
+        retry_after: Option<&str>,
+        budget: &RetryBudget,
+    ) -> Duration {
+        if retry_after.is_some() {
+            return self.retry_after(retry, retry_after);
+        }
+        if matches!(status, Some(429 | 503)) || !budget.take() {
+            return self.backoff(retry);
+        }
+        Duration::ZERO
+    }
+
     /// The wait before a retry the server asked for with `Retry-After: SECONDS` (capped at `max`;
     /// HTTP dates and garbage fall back to the backoff).
     pub fn retry_after(&self, retry: u32, header: Option<&str>) -> Duration {
@@ -71,6 +114,49 @@ impl RetryPolicy {
             Some(s) => Duration::from_secs(s).min(self.max),
             None => self.backoff(retry),
         }
+    }
+}
+
+/// The retries that may go at once, shared by every request of one transport: a token bucket
+/// that each request fills by half a retry, holding at most ten. An origin failing a share of
+/// requests below one half keeps its retries immediate; one failing more (or gone) soon finds
+/// the bucket empty, and its retries back off — immediate retries add at most half the request
+/// rate (plus the ten in reserve) to an origin's load, the bound retry budgets (Finagle, Envoy)
+/// keep.
+#[derive(Debug)]
+pub struct RetryBudget {
+    /// Thousandths of a retry.
+    milli: AtomicU64,
+}
+
+impl RetryBudget {
+    const UNIT: u64 = 1000;
+    /// Half a retry per request.
+    const DEPOSIT: u64 = Self::UNIT / 2;
+    /// Ten retries in reserve at most.
+    const CAP: u64 = 10 * Self::UNIT;
+
+    /// A full budget.
+    pub fn new() -> Self {
+        Self { milli: AtomicU64::new(Self::CAP) }
+    }
+
+    /// A request was made.
+    pub fn deposit(&self) {
+        let _ = self.milli.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |m| {
+            (m < Self::CAP).then(|| (m + Self::DEPOSIT).min(Self::CAP))
+        });
+    }
+
+    /// Take one immediate retry, if one is left.
+    pub fn take(&self) -> bool {
+        self.milli.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |m| m.checked_sub(Self::UNIT)).is_ok()
+    }
+}
+
+impl Default for RetryBudget {
+    fn default() -> Self {
+        Self::new()
     }
 }
 
@@ -96,6 +182,26 @@ mod tests {
         assert_eq!(p.retry_after(0, Some("3")), Duration::from_secs(1));
         assert_eq!(p.retry_after(0, Some(" 0 ")), Duration::ZERO);
         assert!(p.retry_after(0, Some("Wed, 21 Oct 2015 07:28:00 GMT")) <= Duration::from_millis(100));
+        // A retry goes at once unless the server asked to wait or is overloaded, or the
+        // budget is spent.
+        let budget = RetryBudget::new();
+        assert_eq!(p.wait(0, None, None, &budget), Duration::ZERO);
+        assert_eq!(p.wait(3, Some(500), None, &budget), Duration::ZERO);
+        assert!(p.wait(0, Some(429), None, &budget) >= Duration::from_millis(50));
+        assert!(p.wait(0, Some(503), None, &budget) >= Duration::from_millis(50));
+        assert_eq!(p.wait(0, Some(502), Some("1"), &budget), Duration::from_secs(1));
+        for _ in 0..8 {
+            assert_eq!(p.wait(0, Some(504), None, &budget), Duration::ZERO);
+        }
+        assert!(p.wait(1, None, None, &budget) >= Duration::from_millis(100), "ten spent");
+        budget.deposit();
+        assert!(p.wait(0, None, None, &budget) >= Duration::from_millis(50), "half a retry is none");
+        budget.deposit();
+        assert_eq!(p.wait(0, None, None, &budget), Duration::ZERO, "two requests: one retry");
+        for _ in 0..100 {
+            budget.deposit();
+        }
+        assert_eq!((0..12).filter(|_| budget.take()).count(), 10, "ten in reserve at most");
         for s in [500, 502, 503, 504, 429, 408] {
             assert!(retryable_status(s), "{s}");
         }

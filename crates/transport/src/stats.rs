@@ -20,6 +20,10 @@ pub struct Stats {
     /// Requests given a single attempt because the origin was failing
     /// ([`crate::RetryPolicy::failing_after`]).
     pub single_attempts: u64,
+    /// First attempts given up because their response head was late, and sent again
+    /// ([`crate::RetryPolicy::resend_late`]; each resend also counts in `requests` and `retries`,
+    /// not in `errors`).
+    pub resends: u64,
 }
 
 /// Failed attempts by kind (see [`ErrorKind`]).
@@ -57,6 +61,7 @@ pub(crate) struct Counters {
     bytes: AtomicU64,
     errors: [AtomicU64; 5],
     single_attempts: AtomicU64,
+    resends: AtomicU64,
 }
 
 impl Counters {
@@ -70,6 +75,11 @@ impl Counters {
 
     pub(crate) fn single_attempt(&self) {
         self.single_attempts.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn resend(&self) {
+        self.resends.fetch_add(1, Ordering::Relaxed);
+        self.retry();
     }
 
     pub(crate) fn bytes(&self, n: usize) {
@@ -94,6 +104,7 @@ impl Counters {
                 digest: e(ErrorKind::Digest),
             },
             single_attempts: self.single_attempts.load(Ordering::Relaxed),
+            resends: self.resends.load(Ordering::Relaxed),
         }
     }
 }

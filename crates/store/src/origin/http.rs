@@ -190,7 +190,7 @@ impl Default for HttpConfig {
 }
 
 /// The environment variables [`HttpConfig::from_env`] reads, with the field each sets.
-pub const HTTP_ENV: [&str; 9] = [
+pub const HTTP_ENV: [&str; 10] = [
     "TESSERA_HTTP_CONNECT_TIMEOUT",
     "TESSERA_HTTP_FIRST_BYTE_TIMEOUT",
     "TESSERA_HTTP_STALL_TIMEOUT",
@@ -200,12 +200,14 @@ pub const HTTP_ENV: [&str; 9] = [
     "TESSERA_HTTP_COALESCE_GAP",
     "TESSERA_HTTP_COALESCE_MAX",
     "TESSERA_HTTP_COALESCE_WAIT",
+    "TESSERA_HTTP_RESEND_LATE",
 ];
 
 impl HttpConfig {
     /// The defaults, overridden by the `TESSERA_HTTP_*` variables ([`HTTP_ENV`]) that `get`
     /// finds: timeouts as `250ms` or `5s`; `TESSERA_HTTP_RETRIES` the attempts in all (≥ 1);
-    /// `TESSERA_HTTP_CONCURRENCY` ≥ 1; the coalescing sizes in bytes. A malformed value is an
+    /// `TESSERA_HTTP_CONCURRENCY` ≥ 1; the coalescing sizes in bytes; `TESSERA_HTTP_RESEND_LATE`
+    /// the floor of [`RetryPolicy::resend_late`] or `off`. A malformed value is an
     /// error naming the variable. Pure: the binary passes its environment.
     pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Self, StoreError> {
         let mut c = Self::default();
@@ -248,6 +250,14 @@ impl HttpConfig {
             c.coalesce_max = n;
         }
         duration(HTTP_ENV[8], &mut c.coalesce_wait)?;
+        if let Some(v) = get(HTTP_ENV[9]) {
+            c.retry.resend_late = match v.trim() {
+                "off" => None,
+                d => Some(
+                    parse_duration(d).ok_or_else(|| bad(HTTP_ENV[9], &v, "a duration like 50ms, or off"))?,
+                ),
+            };
+        }
         Ok(c)
     }
 }
@@ -1162,8 +1172,12 @@ mod tests {
             ("TESSERA_HTTP_COALESCE_GAP", "65536"),
             ("TESSERA_HTTP_COALESCE_MAX", "1048576"),
             ("TESSERA_HTTP_COALESCE_WAIT", "0ms"),
+            ("TESSERA_HTTP_RESEND_LATE", "off"),
         ]))
         .unwrap();
+        assert_eq!(c.retry.resend_late, None);
+        let late = HttpConfig::from_vars(vars(&[("TESSERA_HTTP_RESEND_LATE", "20ms")])).unwrap();
+        assert_eq!(late.retry.resend_late, Some(Duration::from_millis(20)));
         assert_eq!(c.connect_timeout, Duration::from_secs(2));
         assert_eq!(c.first_byte_timeout, Duration::from_millis(250));
         assert_eq!(c.stall_timeout, Duration::from_secs(3));
@@ -1176,6 +1190,7 @@ mod tests {
             &[("TESSERA_HTTP_CONCURRENCY", "0")],
             &[("TESSERA_HTTP_RETRIES", "many")],
             &[("TESSERA_HTTP_COALESCE_GAP", "-1")],
+            &[("TESSERA_HTTP_RESEND_LATE", "never")],
         ] {
             let e = HttpConfig::from_vars(vars(bad)).unwrap_err();
             assert!(matches!(e, StoreError::BadSetting { ref name, .. } if name == bad[0].0), "{e}");
