@@ -33,6 +33,7 @@ pub mod daemon;
 pub mod debian;
 pub mod fixtures;
 pub mod floor;
+pub mod frontend;
 pub mod guest;
 pub mod judge;
 pub mod metrics;

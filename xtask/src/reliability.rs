@@ -34,6 +34,7 @@ const MATRIX: &[Row] = &[
         "hostile_layers_fail_cleanly",
     ),
     ("hostile virtio chains (in-process)", "tessera-vhost", Some("hostile"), ""),
+    ("hostile guest against a whole daemon (raw frontend)", "tessera-e2e", Some("hostile_frontend"), ""),
     ("origin ignoring Range (python http.server)", "tessera-e2e", Some("range_ignoring_origin"), ""),
     ("origin ignoring Range: concurrency, byte counts", "tessera-store", None, "range_ignoring_server"),
     ("guest log flood (20 000 bad requests)", "tessera-vhost", Some("log_flood"), ""),

@@ -19,6 +19,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use crate::config::{DeviceConfig, MAX_QUEUE_SIZE};
 use crate::execute::{start_chain, Completion, DeferredFlush, DeferredRead, Disk, Started};
 use crate::inflight::{self, InflightArea, QueueInflight};
+use crate::log_limit::LogLimit;
 use crate::poll::PollWindow;
 use crate::record::RequestRecorder;
 use tessera_overlay::FlushDone;
@@ -292,15 +293,24 @@ impl BlkBackend {
                         // every region mapped before the chain was made available.
                         if resubmit.as_slice().is_empty() {
                             let q = state.get_queue_mut();
-                            if q.avail_idx(&*atomic.memory(), Ordering::Acquire)?.0 == q.next_avail() {
+                            let avail = q.avail_idx(&*atomic.memory(), Ordering::Acquire)?.0;
+                            if avail == q.next_avail() {
                                 break;
+                            }
+                            // More new entries than the ring holds: a guest-corrupted index.
+                            // Refused until the ring is set up again; never spun on.
+                            if avail.wrapping_sub(q.next_avail()) > q.size() {
+                                return Err(virtio_queue::Error::InvalidAvailRingIndex);
                             }
                         }
                         let mem = atomic.memory();
                         let Some((head, chain)) =
                             inflight::next_chain(state.get_queue_mut(), &*mem, track.as_ref(), &mut resubmit)
                         else {
-                            break;
+                            // The index shows work but the ring gives no chain: it is broken
+                            // (the queue says why in its own log). Stop here, or the poll
+                            // below would find the same "work" again and spin.
+                            return Err(virtio_queue::Error::QueueNotReady);
                         };
                         let taken = Instant::now();
                         requests.in_flight.inc();
@@ -358,7 +368,16 @@ impl BlkBackend {
         // that found nothing (a closed window: from now).
         *idle_since = Some(polled_from.unwrap_or_else(Instant::now));
         if let Err(e) = result {
-            warn!(queue, error = &e as &dyn std::error::Error, "virtqueue error; waiting for the next kick");
+            // A guest can corrupt its rings at will and kick as often as it likes.
+            static BROKEN: LogLimit = LogLimit::per_10s(5);
+            if let Some(suppressed) = BROKEN.allow() {
+                warn!(
+                    queue,
+                    error = &e as &dyn std::error::Error,
+                    suppressed,
+                    "virtqueue error; waiting for the next kick"
+                );
+            }
         }
     }
 
