@@ -276,22 +276,27 @@ impl<S: ChunkSource> Core<S> {
         }
     }
 
-    /// Chunk `index` borrowed for a copy, if it is in memory (see [`Slots::hold`]).
-    fn held(&self, index: u32) -> Option<Held<'_>> {
-        let held = match self.slots.hold(index) {
-            Some((g, false)) => Some(g),
-            Some((g, true)) => {
-                // Tell the policy with no slot held (a moka call may evict, and eviction takes
-                // the slot's write lock), then borrow again.
-                drop(g);
-                let _ = self.cache.get(&index);
-                self.slots.hold(index).map(|(g, _)| g)
+    /// Chunk `index` borrowed for a copy, if it is in memory, without telling the policy: the
+    /// caller may hold other slots (a moka call may evict one of them, and eviction takes that
+    /// slot's write lock), so a hit the policy must hear of is pushed to `report`, for
+    /// [`Self::report`] once every slot is let go.
+    fn held_quiet(&self, index: u32, report: &mut Vec<u32>) -> Option<Held<'_>> {
+        let held = self.slots.hold(index).map(|(g, tell)| {
+            if tell {
+                report.push(index);
             }
-            None => None,
-        };
+            g
+        });
         let counter = if held.is_some() { &self.stats.hits } else { &self.stats.misses };
         counter.fetch_add(1, Ordering::Relaxed);
         held.map(Held::Slot)
+    }
+
+    /// Tell the policy of the hits [`Self::held_quiet`] deferred. No slot may be held.
+    fn report(&self, report: &[u32]) {
+        for index in report {
+            let _ = self.cache.get(index);
+        }
     }
 
     /// `chunk`, just fetched, goes into memory (its slot first: see [`Slots`]).
@@ -703,6 +708,7 @@ impl<S: ChunkSource> BlockDevice for MemTier<S> {
         // Readahead looks at reads of file data only, on their first visit (the queue thread's,
         // without `fetch`; a deferred read's second visit must not count twice).
         let mut noted = fetch;
+        let mut report = Vec::new();
         let chunk = |chunk: u32, at: u64| {
             if !noted {
                 noted = true;
@@ -714,7 +720,7 @@ impl<S: ChunkSource> BlockDevice for MemTier<S> {
             let data = if fetch {
                 Held::Owned(self.core.chunk(chunk).map_err(|source| ReadError::Store { offset: at, source })?)
             } else {
-                match self.core.held(chunk) {
+                match self.core.held_quiet(chunk, &mut report) {
                     Some(d) => d,
                     None => return Ok(None),
                 }
@@ -724,10 +730,13 @@ impl<S: ChunkSource> BlockDevice for MemTier<S> {
             }
             Ok(Some(data))
         };
-        self.core.reader.image().walk(offset, len, chunk, |piece| match piece {
+        // The walk holds every chunk of the range at once (`OpenImage::walk`).
+        let visited = self.core.reader.image().walk(offset, len, chunk, |piece| match piece {
             Piece::Bytes(b) => sink.put(b).map_err(ReadError::from),
             Piece::Zeros(n) => sink.zeros(n).map_err(ReadError::from),
-        })
+        });
+        self.core.report(&report);
+        visited
     }
 
     fn spawn(&self, job: crate::fetcher::Job) {

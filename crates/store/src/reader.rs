@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use tessera_image::{
     ChunkId, ChunkRef, Compression, ImageEntry, ImageId, ImageRecord, PackIndex, PackLocation, RefIndex,
-    SegmentSource, Sha256Digest, BLOCK_SIZE,
+    Segment, SegmentSource, Sha256Digest, BLOCK_SIZE,
 };
 use tracing::{debug, trace, warn};
 
@@ -362,7 +362,13 @@ impl OpenImage {
     /// `out` in order — zeros for unmapped blocks, bytes of the metadata prefix, and bytes of
     /// the chunks `chunk(index, device_offset)` supplies (verified, uncompressed; bytes a
     /// segment wants past a chunk's end read as zeros). When `chunk` returns `None` the walk
-    /// stops with [`Visit::Missing`] (`out` has then had a prefix of the range).
+    /// stops with [`Visit::Missing`] (`out` has then had a prefix of the range, possibly empty).
+    ///
+    /// A read of several segments asks `chunk` for all its chunks first, then looks at them
+    /// all, then copies: a chunk's bytes sit behind a pointer to a buffer header, and the
+    /// copies stream through the caches, so a header looked up right before its own copy is a
+    /// cache miss each time, one after the other (perf: 6.5% of a warm 1 MiB read's CPU on that
+    /// one load); looked up back to back, the misses overlap.
     pub fn walk<E: From<ReadAt>, C: std::ops::Deref<Target = [u8]>>(
         &self,
         offset: u64,
@@ -370,41 +376,90 @@ impl OpenImage {
         mut chunk: impl FnMut(u32, u64) -> Result<Option<C>, E>,
         mut out: impl FnMut(Piece<'_>) -> Result<(), E>,
     ) -> Result<Visit, E> {
-        let plan = self
+        let mut plan = self
             .record
             .block_map
             .plan(offset, len)
             .map_err(|e| ReadAt { offset, source: StoreError::OutOfRange(e) })?;
+        let Some(first) = plan.next() else { return Ok(Visit::Done) };
+        let Some(second) = plan.next() else {
+            // One segment (most small reads): nothing to overlap.
+            let data = match first.source {
+                SegmentSource::Chunk { chunk: index, .. } => match chunk(index, offset)? {
+                    Some(d) => Some(d),
+                    None => return Ok(Visit::Missing),
+                },
+                _ => None,
+            };
+            self.emit(offset, &first, data.as_deref(), &mut out)?;
+            return Ok(Visit::Done);
+        };
+        let segments: Vec<Segment> = [first, second].into_iter().chain(plan).collect();
+        // Every chunk held first (each lookup may take a lock, which orders memory accesses),
+        // then every header read back to back, then the copies.
+        let mut held = Vec::with_capacity(segments.len());
         let mut at = offset;
-        for seg in plan {
-            match seg.source {
-                SegmentSource::Zero => out(Piece::Zeros(seg.len))?,
-                SegmentSource::Prefix { offset: p } => {
-                    let bytes = usize::try_from(p)
-                        .ok()
-                        .zip(usize::try_from(seg.len).ok())
-                        .and_then(|(p, n)| self.prefix.get(p..p.checked_add(n)?));
-                    let Some(bytes) = bytes else {
-                        let reason = format!("prefix read {p}+{} out of bounds", seg.len);
-                        return Err(ReadAt { offset: at, source: inconsistent(&self.id, reason) }.into());
-                    };
-                    out(Piece::Bytes(bytes))?;
-                }
-                SegmentSource::Chunk { chunk: index, offset: within } => {
-                    let Some(data) = chunk(index, at)? else { return Ok(Visit::Missing) };
-                    let start = usize::try_from(within).unwrap_or(usize::MAX).min(data.len());
-                    let avail = (data.len() - start).min(usize::try_from(seg.len).unwrap_or(usize::MAX));
-                    if avail > 0 {
-                        out(Piece::Bytes(&data[start..start + avail]))?;
-                    }
-                    if (avail as u64) < seg.len {
-                        out(Piece::Zeros(seg.len - avail as u64))?;
-                    }
+        for seg in &segments {
+            if let SegmentSource::Chunk { chunk: index, .. } = seg.source {
+                match chunk(index, at)? {
+                    Some(d) => held.push(d),
+                    None => return Ok(Visit::Missing),
                 }
             }
             at += seg.len;
         }
+        let bytes: Vec<&[u8]> = held.iter().map(|d| &d[..]).collect();
+        let mut bytes = bytes.into_iter();
+        let mut at = offset;
+        for seg in &segments {
+            let data = match seg.source {
+                SegmentSource::Chunk { .. } => bytes.next(),
+                _ => None,
+            };
+            self.emit(at, seg, data, &mut out)?;
+            at += seg.len;
+        }
         Ok(Visit::Done)
+    }
+
+    /// Hand segment `seg` (at device offset `at`) to `out`; `data`: its chunk's bytes, for a
+    /// chunk segment.
+    fn emit<E: From<ReadAt>>(
+        &self,
+        at: u64,
+        seg: &Segment,
+        data: Option<&[u8]>,
+        out: &mut impl FnMut(Piece<'_>) -> Result<(), E>,
+    ) -> Result<(), E> {
+        match (seg.source, data) {
+            (SegmentSource::Zero, _) => out(Piece::Zeros(seg.len)),
+            (SegmentSource::Prefix { offset: p }, _) => {
+                let bytes = usize::try_from(p)
+                    .ok()
+                    .zip(usize::try_from(seg.len).ok())
+                    .and_then(|(p, n)| self.prefix.get(p..p.checked_add(n)?));
+                let Some(bytes) = bytes else {
+                    let reason = format!("prefix read {p}+{} out of bounds", seg.len);
+                    return Err(ReadAt { offset: at, source: inconsistent(&self.id, reason) }.into());
+                };
+                out(Piece::Bytes(bytes))
+            }
+            (SegmentSource::Chunk { offset: within, .. }, Some(data)) => {
+                let start = usize::try_from(within).unwrap_or(usize::MAX).min(data.len());
+                let avail = (data.len() - start).min(usize::try_from(seg.len).unwrap_or(usize::MAX));
+                if avail > 0 {
+                    out(Piece::Bytes(&data[start..start + avail]))?;
+                }
+                if (avail as u64) < seg.len {
+                    out(Piece::Zeros(seg.len - avail as u64))?;
+                }
+                Ok(())
+            }
+            (SegmentSource::Chunk { .. }, None) => {
+                let reason = "a chunk segment without its chunk".to_owned();
+                Err(ReadAt { offset: at, source: inconsistent(&self.id, reason) }.into())
+            }
+        }
     }
 }
 
