@@ -26,18 +26,32 @@ const STATUS_IOERR: u8 = 1;
 const STATUS_UNSUPP: u8 = 2;
 const WAIT: Duration = Duration::from_secs(10);
 
+/// A daemon killed (SIGKILL) when the test lets go of it without stopping it: a failed check
+/// must not leave a daemon running (one spinning on a lying ring would eat a CPU for good).
+struct Killed(Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        if matches!(self.0.try_wait(), Ok(None)) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
 /// `tessera serve` with its stderr in `log`; waits for the socket.
-fn serve(store: &Path, socket: &Path, log: &Path) -> Result<Child> {
-    let mut child = tessera::command(["serve", "demo", "--read-only", "--store"])
+fn serve(store: &Path, socket: &Path, log: &Path) -> Result<Killed> {
+    let child = tessera::command(["serve", "demo", "--read-only", "--store"])
         .arg(store)
         .arg("--socket")
         .arg(socket)
         .stdout(Stdio::null())
         .stderr(fs::File::create(log)?)
         .spawn()?;
+    let mut child = Killed(child);
     let deadline = Instant::now() + Duration::from_secs(30);
     while !socket.exists() {
-        if let Some(status) = child.try_wait()? {
+        if let Some(status) = child.0.try_wait()? {
             bail!("tessera serve exited with {status}: {}", fs::read_to_string(log)?);
         }
         ensure!(Instant::now() < deadline, "no socket after 30 s");
@@ -46,8 +60,8 @@ fn serve(store: &Path, socket: &Path, log: &Path) -> Result<Child> {
     Ok(child)
 }
 
-fn alive(child: &mut Child, log: &Path, when: &str) -> Result<()> {
-    if let Some(status) = child.try_wait()? {
+fn alive(child: &mut Killed, log: &Path, when: &str) -> Result<()> {
+    if let Some(status) = child.0.try_wait()? {
         bail!("the daemon died {when} ({status}): {}", fs::read_to_string(log)?);
     }
     Ok(())
@@ -202,7 +216,7 @@ fn a_hostile_guest_gets_errors_and_the_daemon_keeps_serving() -> Result<()> {
 
     // A lying ring: the avail index jumps 1000 entries ahead of what the guest wrote. The
     // daemon must neither serve garbage nor spin: CPU time over the next second stays near 0.
-    let pid = daemon.id();
+    let pid = daemon.0.id();
     f.publish(f_avail_jump(&f))?;
     std::thread::sleep(Duration::from_millis(200));
     let before = cpu_ticks(pid)?;
@@ -225,7 +239,7 @@ fn a_hostile_guest_gets_errors_and_the_daemon_keeps_serving() -> Result<()> {
     drop(c);
     // SAFETY: kill(2) on our own child, not reaped yet.
     unsafe { libc::kill(pid as i32, libc::SIGTERM) };
-    let status = daemon.wait()?;
+    let status = daemon.0.wait()?;
     ensure!(
         status.success(),
         "tessera serve exited with {status} after SIGTERM: {}",
