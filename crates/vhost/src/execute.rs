@@ -6,7 +6,8 @@ use std::sync::Arc;
 use tessera_metrics::{RequestStatus, RequestType};
 use tracing::{debug, debug_span, warn};
 use virtio_queue::desc::split::Descriptor;
-use vm_memory::{Bytes, GuestAddress, GuestMemory};
+use vm_memory::bitmap::BS;
+use vm_memory::{Bytes, GuestAddress, GuestMemory, Permissions, VolatileSlice};
 
 use crate::config::DeviceConfig;
 use crate::error::{RequestError, Status};
@@ -166,7 +167,7 @@ pub fn execute<M: GuestMemory + ?Sized>(
             done(written)
         }
         Plan::Read { offset, len, data } => {
-            let mut sink = GuestSink { mem, cursor: Cursor { segs: data, index: 0, within: 0 } };
+            let mut sink = GuestSink::new(mem, data);
             match disk.visit(*offset, *len, fetch, &mut sink)? {
                 // A chain is at most 2^32 bytes, so the data length fits.
                 Visit::Done => done(u32::try_from(*len).unwrap_or(u32::MAX)),
@@ -180,20 +181,55 @@ pub fn execute<M: GuestMemory + ?Sized>(
 static ZEROS: [u8; 64 << 10] = [0; 64 << 10];
 
 /// A [`Sink`] scattering device bytes straight into the guest's buffers.
-struct GuestSink<'a, M: ?Sized> {
+struct GuestSink<'a, M: GuestMemory + ?Sized> {
     mem: &'a M,
     cursor: Cursor<'a>,
+    /// The host slice of the guest buffer the cursor is in, by its index: a buffer is
+    /// translated once, not once per piece (a 1 MiB read of small files is ~60 pieces, and each
+    /// translation searched the memory regions: 1.75% of its CPU).
+    open: Option<(usize, VolatileSlice<'a, BS<'a, M::Bitmap>>)>,
+}
+
+impl<'a, M: GuestMemory + ?Sized> GuestSink<'a, M> {
+    fn new(mem: &'a M, segs: &'a [GuestSeg]) -> Self {
+        Self { mem, cursor: Cursor { segs, index: 0, within: 0 }, open: None }
+    }
+
+    /// The host slice of guest buffer `index`, when one slice covers it whole.
+    fn slice(&mut self, index: usize) -> Option<&VolatileSlice<'a, BS<'a, M::Bitmap>>> {
+        if self.open.as_ref().is_none_or(|(i, _)| *i != index) {
+            let seg = self.cursor.segs.get(index)?;
+            let mut slices = self.mem.get_slices(seg.addr, seg.len as usize, Permissions::Write).ok()?;
+            let whole = slices.next()?.ok().filter(|s| s.len() == seg.len as usize)?;
+            self.open = Some((index, whole));
+        }
+        self.open.as_ref().map(|(_, s)| s)
+    }
 }
 
 impl<M: GuestMemory + ?Sized> Sink for GuestSink<'_, M> {
-    fn put(&mut self, bytes: &[u8]) -> Result<(), SinkError> {
-        self.cursor.write(self.mem, bytes)
+    fn put(&mut self, mut bytes: &[u8]) -> Result<(), SinkError> {
+        while !bytes.is_empty() {
+            let (index, within) = (self.cursor.index, self.cursor.within as usize);
+            let (addr, n) = self.cursor.next(bytes.len())?;
+            let piece = &bytes[..n];
+            let written = match self.slice(index) {
+                Some(slice) => slice.write_slice(piece, within).is_ok(),
+                // A buffer spanning regions: translated piece by piece.
+                None => self.mem.write_slice(piece, addr).is_ok(),
+            };
+            if !written {
+                return Err(SinkError { addr: addr.0, len: n as u32 });
+            }
+            bytes = &bytes[n..];
+        }
+        Ok(())
     }
 
     fn zeros(&mut self, mut n: u64) -> Result<(), SinkError> {
         while n > 0 {
             let k = usize::try_from(n).unwrap_or(usize::MAX).min(ZEROS.len());
-            self.cursor.write(self.mem, &ZEROS[..k])?;
+            self.put(&ZEROS[..k])?;
             n -= k as u64;
         }
         Ok(())
@@ -223,16 +259,6 @@ impl Cursor<'_> {
             self.within = 0;
         }
         Ok((addr, n))
-    }
-
-    /// Scatter `bytes` into the guest buffers.
-    fn write<M: GuestMemory + ?Sized>(&mut self, mem: &M, mut bytes: &[u8]) -> Result<(), SinkError> {
-        while !bytes.is_empty() {
-            let (addr, n) = self.next(bytes.len())?;
-            mem.write_slice(&bytes[..n], addr).map_err(|_| SinkError { addr: addr.0, len: n as u32 })?;
-            bytes = &bytes[n..];
-        }
-        Ok(())
     }
 
     /// Gather the guest buffers into `buf`.
@@ -368,7 +394,7 @@ impl DeferredRead {
         let span =
             debug_span!("request", kind = "read", offset = self.offset, len = self.len, deferred = true);
         let _enter = span.enter();
-        let mut sink = GuestSink { mem, cursor: Cursor { segs: &self.data, index: 0, within: 0 } };
+        let mut sink = GuestSink::new(mem, &self.data);
         let result = disk.visit(self.offset, self.len, true, &mut sink).map(|v| match v {
             Visit::Done => Executed::Done(u32::try_from(self.len).unwrap_or(u32::MAX)),
             Visit::Missing => Executed::Missing,
