@@ -9,7 +9,7 @@ use tessera_image::{
     BlockMap, BlockMapBuilder, BlockSize, BuildOptions, ChunkId, Geometry, ImageEntry, ImageId, ImageRecord,
     ImageStats, PackIndex, PackLocation, PrefixInfo, RuntimeConfig, Sha256Digest,
 };
-use tessera_store::LocalStore;
+use tessera_store::{BlobWriter, LocalStore};
 use tracing::{debug, info};
 
 use crate::chunk::{chunk_tree, ChunkOutput};
@@ -144,7 +144,7 @@ pub(crate) fn finish_image_with(
         seed,
         label: Vec::new(),
     };
-    let mut prefix = PrefixSink::new(store.root())?;
+    let mut prefix = PrefixSink::new(store)?;
     let fs = tessera_ext4::synthesize_into(tree, &options, &mut prefix)?;
     let g = &fs.geometry;
     info!(blocks = g.blocks, inodes = g.inodes, data_start = g.data_start_block, "synthesized ext4");
@@ -162,8 +162,7 @@ pub(crate) fn finish_image_with(
     };
     let id = ImageId(Sha256Digest::of(&record.encode()));
     let pack_index = pack_index(&record, id)?;
-    let (id, entry) =
-        write_image(store, config, &record, &prefix.compressed, &pack_index, source_provenance)?;
+    let (id, entry) = write_image(store, config, &record, prefix.stored, &pack_index, source_provenance)?;
     Ok(BuildOutput { id, record, entry, new_chunks: 0, new_stored_bytes: 0 })
 }
 
@@ -172,16 +171,17 @@ struct Prefix {
     /// sha256 of the uncompressed prefix.
     digest: Sha256Digest,
     blocks: u64,
-    /// The stored (compressed) prefix.
-    compressed: Vec<u8>,
+    /// The stored (compressed) prefix's blob.
+    stored: Sha256Digest,
 }
 
 /// Takes the metadata runs as ext4 renders them, in device order, and hashes and zstd-compresses
-/// each at once: the uncompressed prefix (256 bytes per inode plus every directory block) is
-/// never held, only the compressed one and where each run goes.
+/// each at once into a blob of the store: neither the uncompressed prefix (256 bytes per inode
+/// plus every directory block) nor the compressed one (~70 MB at a million entries) is held,
+/// only where each run goes.
 struct PrefixSink<'a> {
     store: &'a Path,
-    z: zstd::stream::Encoder<'static, Vec<u8>>,
+    z: zstd::stream::Encoder<'static, BlobWriter>,
     sha: sha2::Sha256,
     /// (first device block, blocks, first prefix block) of each run.
     runs: Vec<(u64, u64, u64)>,
@@ -191,11 +191,18 @@ struct PrefixSink<'a> {
 }
 
 impl<'a> PrefixSink<'a> {
-    fn new(store: &'a Path) -> Result<Self, BuildError> {
+    fn new(store: &'a LocalStore) -> Result<Self, BuildError> {
         use sha2::Digest as _;
-        let z = zstd::stream::Encoder::new(Vec::new(), PREFIX_ZSTD_LEVEL)
-            .map_err(BuildError::io(store, "compress prefix"))?;
-        Ok(Self { store, z, sha: sha2::Sha256::new(), runs: Vec::new(), blocks: 0, failed: None })
+        let z = zstd::stream::Encoder::new(store.blob_writer()?, PREFIX_ZSTD_LEVEL)
+            .map_err(BuildError::io(store.root(), "compress prefix"))?;
+        Ok(Self {
+            store: store.root(),
+            z,
+            sha: sha2::Sha256::new(),
+            runs: Vec::new(),
+            blocks: 0,
+            failed: None,
+        })
     }
 
     /// Map the prefix runs into `map` and finish the compressed prefix.
@@ -208,8 +215,8 @@ impl<'a> PrefixSink<'a> {
         for &(start, blocks, at) in &self.runs {
             map.push_prefix(start, blocks, at)?;
         }
-        let compressed = self.z.finish().map_err(failed)?;
-        Ok(Prefix { digest: Sha256Digest(self.sha.finalize().into()), blocks: self.blocks, compressed })
+        let stored = self.z.finish().map_err(failed)?.commit()?;
+        Ok(Prefix { digest: Sha256Digest(self.sha.finalize().into()), blocks: self.blocks, stored })
     }
 }
 
@@ -292,13 +299,12 @@ fn write_image(
     store: &LocalStore,
     config: &BuildConfig,
     record: &ImageRecord,
-    compressed_prefix: &[u8],
+    prefix_digest: Sha256Digest,
     pack_index: &[u8],
     source_provenance: serde_json::Value,
 ) -> Result<(ImageId, ImageEntry), BuildError> {
     let record_bytes = record.encode();
     let id = ImageId(Sha256Digest::of(&record_bytes));
-    let prefix_digest = store.put_blob(compressed_prefix)?;
     let pack_index_digest = store.put_blob(pack_index)?;
     let provenance = serde_json::json!({
         "source": config.source_ref,

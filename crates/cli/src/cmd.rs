@@ -60,6 +60,7 @@ pub fn source_date_epoch(value: Option<&std::ffi::OsStr>) -> Result<Option<i64>,
 }
 
 pub fn build(args: BuildArgs) -> Result<()> {
+    crate::malloc::map_large_allocations();
     // The environment is read here, in the binary, and handed to the library as configuration.
     let source_date_epoch = source_date_epoch(std::env::var_os("SOURCE_DATE_EPOCH").as_deref())?;
     let mut spec = SourceSpec::parse(&args.source).map_err(|e| UsageError(crate::error_text(e)))?;

@@ -9,6 +9,7 @@ mod cache_cmd;
 mod cmd;
 mod completions;
 mod copy;
+mod malloc;
 mod origin_args;
 mod profile;
 mod progress;

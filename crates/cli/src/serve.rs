@@ -397,34 +397,13 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     // Socket activation: the supervisor's listening socket (fd 3), taken before anything else
     // can open a descriptor.
     let listener = crate::activation::take_listener()?;
-    limit_malloc_arenas();
+    crate::malloc::limit_arenas();
     if listener.is_some() && args.ready_fd == Some(3) {
         bail!(UsageError(
             "--ready-fd 3 is the socket systemd passed (LISTEN_FDS); use another descriptor".into()
         ));
     }
     run_on(ServeConfig::from_args(args)?, listener)
-}
-
-/// Malloc arenas a daemon uses unless `MALLOC_ARENA_MAX` says otherwise.
-const MALLOC_ARENAS: i32 = 2;
-
-/// Cap glibc's malloc arenas at [`MALLOC_ARENAS`] before any thread starts. By default glibc
-/// gives threads up to 8 arenas per CPU, and the fetch threads (64 for a remote store) each
-/// leave freed run buffers resident in theirs: a daemon with a 64 MiB memory tier held 117 MiB
-/// privately under random reads, 88 MiB with two arenas (`tests/tests/soak.rs`; docs/daemon.md).
-/// The read path copies chunks from the memory tier and allocates little, so contention on the
-/// two is low. An operator's `MALLOC_ARENA_MAX` wins (glibc reads it at start).
-fn limit_malloc_arenas() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    if std::env::var_os("MALLOC_ARENA_MAX").is_none() {
-        // SAFETY: mallopt changes a glibc tunable; it is called before this process starts any
-        // thread of its own, and M_ARENA_MAX only bounds arenas created from now on.
-        let ok = unsafe { libc::mallopt(libc::M_ARENA_MAX, MALLOC_ARENAS) };
-        if ok == 0 {
-            tracing::debug!("mallopt(M_ARENA_MAX) refused; keeping glibc's default arenas");
-        }
-    }
 }
 
 /// Serve `config` until SIGTERM / SIGINT, on `listener` (socket activation: the socket at `--socket` is the supervisor's,

@@ -91,12 +91,24 @@ struct XBlock {
     refcount: u32,
 }
 
-/// Where one object's blocks went.
-#[derive(Debug, Default, Clone)]
+/// Where one object's blocks went: its extents and extent-tree blocks are ranges of
+/// [`Layout::extents`] and [`Layout::tree_blocks`] (32 bytes an object, no allocation of its
+/// own: a million files used to cost two small allocations each here).
+#[derive(Debug, Default, Clone, Copy)]
 struct ObjLayout {
-    extents: Vec<Extent>,
-    tree_blocks: Vec<u64>,
+    ext_start: u64,
+    tree_start: u64,
     symlink_block: u64,
+    ext_len: u32,
+    tree_len: u32,
+}
+
+/// Append `items` to `all` and return where they start and how many there are (an object's
+/// extents split at most at every backup range and every 32 768 blocks: far below 2^32).
+fn append_span<T: Copy>(all: &mut Vec<T>, items: &[T]) -> (u64, u32) {
+    let start = all.len() as u64;
+    all.extend_from_slice(items);
+    (start, u32::try_from(items.len()).unwrap_or(u32::MAX))
 }
 
 #[derive(Debug)]
@@ -110,11 +122,29 @@ struct Layout {
     inode_table: Vec<u64>,
     journal_start: u64,
     objs: Vec<ObjLayout>,
+    /// Every object's extents, each object's a range ([`ObjLayout`]).
+    extents: Vec<Extent>,
+    /// Every object's extent-tree blocks, each object's a range.
+    tree_blocks: Vec<u64>,
     xblock_nr: Vec<u64>,
     /// Every allocated block range `(start, len)`.
     used: Vec<(u64, u64)>,
     data_start: u64,
     data_end: u64,
+}
+
+impl Layout {
+    /// Object `l`'s extents.
+    fn extents_of(&self, l: &ObjLayout) -> &[Extent] {
+        let start = l.ext_start as usize;
+        &self.extents[start..start + l.ext_len as usize]
+    }
+
+    /// Object `l`'s extent-tree blocks.
+    fn tree_blocks_of(&self, l: &ObjLayout) -> &[u64] {
+        let start = l.tree_start as usize;
+        &self.tree_blocks[start..start + l.tree_len as usize]
+    }
 }
 
 /// Derive the UUID (version 4 and RFC 4122 variant bits) and the never-zero hash seed (§13).
@@ -207,17 +237,16 @@ impl Nodes<'_> {
     /// Validate every node and build its inode content (directory blocks, xattrs, extents-to-be).
     fn prepare(&self) -> Result<(Vec<Obj>, Vec<XBlock>), Ext4Error> {
         let Self { tree, ns, ids } = *self;
-        let mut order: Vec<Option<usize>> = vec![Some(0)];
-        order.extend(ns.slots.iter().map(|s| match s {
-            Slot::Node(n) => Some(*n),
+        let order = std::iter::once(Some(0)).chain(ns.slots.iter().map(|s| match s {
+            Slot::Node(n) => Some(*n as usize),
             Slot::CreatedLostFound => None,
         }));
-        let mut objs = Vec::with_capacity(order.len());
+        let mut objs = Vec::with_capacity(ns.slots.len() + 1);
         let mut xblocks: Vec<XBlock> = Vec::new();
         // Sharing index: block body → xblocks index of the newest block with that body.
         let mut shared: BTreeMap<Vec<u8>, usize> = BTreeMap::new();
 
-        for (k, node) in order.into_iter().enumerate() {
+        for (k, node) in order.enumerate() {
             let ino = if k == 0 { namespace::ROOT_INO } else { LOST_FOUND_INO + k as u32 - 1 };
             let Some(n) = node else {
                 objs.push(created_lost_found(ino, ids.fs_seed));
@@ -252,13 +281,13 @@ impl Nodes<'_> {
     /// hash-indexed, and its link count.
     fn dir_blocks(&self, n: usize, ino: u32) -> (Vec<Vec<u8>>, bool, u64) {
         let Self { tree, ns, ids } = *self;
-        let parent = match ns.parent[n] {
+        let parent = match ns.parent(n) {
             Some((p, _)) => ns.ino[p],
             None => namespace::ROOT_INO,
         };
-        let mut children: Vec<DirEnt<'_>> = ns.sorted_entries[n]
-            .iter()
-            .map(|(name, c)| DirEnt { ino: ns.ino[*c], file_type: file_type(&tree.nodes[*c].kind), name })
+        let mut children: Vec<DirEnt<'_>> = ns
+            .entries(n)
+            .map(|(name, c)| DirEnt { ino: ns.ino[c], file_type: file_type(&tree.nodes[c].kind), name })
             .collect();
         if n == 0 && ns.tree_lost_found.is_none() {
             children.push(DirEnt { ino: LOST_FOUND_INO, file_type: dir::FT_DIR, name: b"lost+found" });
@@ -309,7 +338,7 @@ impl Nodes<'_> {
             NodeKind::Fifo => ObjKind::Fifo,
             NodeKind::Socket => ObjKind::Sock,
         };
-        Ok((kind, ns.refs[n]))
+        Ok((kind, ns.refs(n)))
     }
 }
 
@@ -570,17 +599,22 @@ fn layout(
     used.push((journal_start, jblocks));
 
     let mut objl: Vec<ObjLayout> = vec![ObjLayout::default(); objs.len()];
+    let mut all_extents: Vec<Extent> = Vec::new();
+    let mut all_tree_blocks: Vec<u64> = Vec::new();
     let mut xblock_nr = vec![0u64; nxblocks];
+    let mut ext = Vec::new();
     for (i, o) in objs.iter().enumerate() {
         if let ObjKind::Dir { blocks: dblocks, .. } = &o.kind {
             let pieces = a.alloc_run(*dblocks as u64);
             for &(s, n) in &pieces {
                 mark_used(&mut used, s, n);
             }
-            pieces_to_extents(&pieces, 0, &mut objl[i].extents);
-            objl[i].extents.shrink_to_fit();
-            let tb = extent::tree_blocks(objl[i].extents.len());
-            objl[i].tree_blocks = (0..tb).map(|_| take_one(&mut a, &mut used)).collect();
+            ext.clear();
+            pieces_to_extents(&pieces, 0, &mut ext);
+            (objl[i].ext_start, objl[i].ext_len) = append_span(&mut all_extents, &ext);
+            let tb: Vec<u64> =
+                (0..extent::tree_blocks(ext.len())).map(|_| take_one(&mut a, &mut used)).collect();
+            (objl[i].tree_start, objl[i].tree_len) = append_span(&mut all_tree_blocks, &tb);
         }
         if o.is_slow_symlink() {
             objl[i].symlink_block = take_one(&mut a, &mut used);
@@ -609,10 +643,12 @@ fn layout(
         let reserve: Vec<u64> = (0..estimate).map(|_| b.alloc_one()).collect();
         let data_start = b.cursor();
         let mut data_used = Vec::new();
-        let mut file_extents: Vec<Vec<Extent>> = Vec::with_capacity(files.len());
+        // Each file's extents, in `files` order, flat.
+        let mut file_extents: Vec<Extent> = Vec::new();
+        let mut file_spans: Vec<(u64, u32)> = Vec::with_capacity(files.len());
         let mut needed = 0;
         for &i in files {
-            let mut ext = Vec::new();
+            ext.clear();
             if let ObjKind::File { ranges, .. } = &objs[i].kind {
                 for &(start, len) in ranges {
                     let pieces = b.alloc_run(len);
@@ -623,24 +659,29 @@ fn layout(
                 }
             }
             needed += extent::tree_blocks(ext.len());
-            // Kept to the end of rendering, one list per file: no spare room.
-            ext.shrink_to_fit();
-            file_extents.push(ext);
+            file_spans.push(append_span(&mut file_extents, &ext));
         }
         if needed > estimate {
             estimate = needed;
             continue;
         }
         let mut next = 0;
-        for (&i, ext) in files.iter().zip(file_extents) {
-            let tb = extent::tree_blocks(ext.len());
-            objl[i].tree_blocks = reserve[next..next + tb].to_vec();
-            for &b in &objl[i].tree_blocks {
+        // The files' extents follow the directories' in the flat list.
+        let base = all_extents.len() as u64;
+        all_extents.extend_from_slice(&file_extents);
+        drop(file_extents);
+        for (&i, &(start, len)) in files.iter().zip(&file_spans) {
+            let tb = extent::tree_blocks(len as usize);
+            for &b in &reserve[next..next + tb] {
                 mark_used(&mut used, b, 1);
             }
+            (objl[i].tree_start, objl[i].tree_len) =
+                append_span(&mut all_tree_blocks, &reserve[next..next + tb]);
             next += tb;
-            objl[i].extents = ext;
+            (objl[i].ext_start, objl[i].ext_len) = (base + start, len);
         }
+        all_extents.shrink_to_fit();
+        all_tree_blocks.shrink_to_fit();
         for (s, n) in data_used {
             mark_used(&mut used, s, n);
         }
@@ -654,6 +695,8 @@ fn layout(
             inode_table,
             journal_start,
             objs: objl,
+            extents: all_extents,
+            tree_blocks: all_tree_blocks,
             xblock_nr,
             used,
             data_start,
@@ -855,7 +898,7 @@ fn render_object_blocks(input: &RenderInput<'_>, sink: &mut MetaSink) -> Vec<Vec
                 };
                 debug_assert_eq!(blocks.len(), *count, "a directory rendered to another size");
                 let mut lblk = 0;
-                for e in &l.extents {
+                for e in lay.extents_of(l) {
                     let mut run = Vec::with_capacity(e.len as usize * BlockSize::USIZE);
                     for b in &blocks[lblk..lblk + e.len as usize] {
                         run.extend_from_slice(b);
@@ -863,16 +906,20 @@ fn render_object_blocks(input: &RenderInput<'_>, sink: &mut MetaSink) -> Vec<Vec
                     put(sink, e.pblk, run, true);
                     lblk += e.len as usize;
                 }
-                for (nr, b) in extent::build_tree(&l.extents, &l.tree_blocks, o.ino, fs_seed).blocks {
+                for (nr, b) in
+                    extent::build_tree(lay.extents_of(l), lay.tree_blocks_of(l), o.ino, fs_seed).blocks
+                {
                     put(sink, nr, b, true);
                 }
             }
             ObjKind::File { .. } => {
                 if let Some(n) = o.node.map(|n| n as usize) {
-                    placements[n] = placed(&l.extents);
+                    placements[n] = placed(lay.extents_of(l));
                 }
-                if !l.tree_blocks.is_empty() {
-                    for (nr, b) in extent::build_tree(&l.extents, &l.tree_blocks, o.ino, fs_seed).blocks {
+                if l.tree_len > 0 {
+                    for (nr, b) in
+                        extent::build_tree(lay.extents_of(l), lay.tree_blocks_of(l), o.ino, fs_seed).blocks
+                    {
                         put(sink, nr, b, false);
                     }
                 }
@@ -918,13 +965,13 @@ fn inode_of(input: &RenderInput<'_>, o: &Obj, l: &ObjLayout) -> InodeData {
         ..Default::default()
     };
     let perm = meta.mode & 0o7777;
-    let mut owned_blocks: u64 = l.tree_blocks.len() as u64;
+    let mut owned_blocks: u64 = u64::from(l.tree_len);
     if let Some(x) = o.xattr_block {
         d.file_acl = lay.xblock_nr[x as usize];
         owned_blocks += 1;
     }
     let extent_root = |d: &mut InodeData| {
-        d.i_block = extent::build_tree(&l.extents, &l.tree_blocks, o.ino, fs_seed).i_block;
+        d.i_block = extent::build_tree(lay.extents_of(l), lay.tree_blocks_of(l), o.ino, fs_seed).i_block;
         d.flags |= inode::EXT4_EXTENTS_FL;
     };
     match &o.kind {
@@ -940,7 +987,7 @@ fn inode_of(input: &RenderInput<'_>, o: &Obj, l: &ObjLayout) -> InodeData {
         ObjKind::File { size, .. } => {
             d.mode = inode::S_IFREG | perm;
             d.size = *size;
-            owned_blocks += l.extents.iter().map(|e| e.len as u64).sum::<u64>();
+            owned_blocks += lay.extents_of(l).iter().map(|e| e.len as u64).sum::<u64>();
             extent_root(&mut d);
         }
         ObjKind::Symlink { target } => {

@@ -7,7 +7,7 @@
 use std::collections::VecDeque;
 
 use crate::error::Ext4Error;
-use crate::tree::{NodeKind, Tree};
+use crate::tree::{DirEntry, NodeKind, Tree};
 
 pub const ROOT_INO: u32 = 2;
 pub const JOURNAL_INO: u32 = 8;
@@ -18,42 +18,85 @@ pub const LINK_MAX: u64 = 65000;
 /// What occupies an inode number from 11 on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Slot {
-    /// A node of the input tree.
-    Node(usize),
+    /// A node of the input tree (its index; the node count fits u32, `number` checks).
+    Node(u32),
     /// The lost+found directory we create because the tree has none.
     CreatedLostFound,
 }
 
-/// The numbered namespace.
+/// No parent: the root, or a node not reached yet.
+const NO_PARENT: (u32, u32) = (u32::MAX, u32::MAX);
+
+/// The numbered namespace. Per node it keeps 20 bytes and per directory entry 4 (a million-entry
+/// tree is numbered in ~24 MB): the names stay the tree's own.
 #[derive(Debug, Clone)]
 pub struct Namespace<'a> {
+    tree: &'a Tree,
     /// Inode number per node index.
     pub ino: Vec<u32>,
     /// Slots for inodes 11.. in order: `slots[i]` is inode `11 + i`.
     pub slots: Vec<Slot>,
-    /// Number of directory entries referencing each node.
-    pub refs: Vec<u64>,
-    /// Parent directory node and entry name of each node's first reference (for error paths and `..`).
-    pub parent: Vec<Option<(usize, usize)>>,
+    /// Number of directory entries referencing each node (saturating).
+    refs: Vec<u32>,
+    /// Parent directory node and sorted entry index of each node's first reference, or
+    /// [`NO_PARENT`] (for error paths and `..`).
+    parent: Vec<(u32, u32)>,
     /// Node index of the tree's own lost+found, if it has one.
     pub tree_lost_found: Option<usize>,
-    /// Each directory's entries sorted by name: (name, node index). The names are the tree's own,
-    /// borrowed: a copy of every name would cost ~60 bytes an entry.
-    pub sorted_entries: Vec<Vec<(&'a [u8], usize)>>,
+    /// Each directory's entries in name order, as indices into its `entries`: directory `d`'s
+    /// are `order[start[d]..start[d + 1]]` (other nodes have none).
+    order: Vec<u32>,
+    start: Vec<u32>,
 }
 
-impl Namespace<'_> {
+impl<'a> Namespace<'a> {
     /// The highest inode number in use.
     pub fn last_ino(&self) -> u32 {
         LOST_FOUND_INO - 1 + self.slots.len() as u32
+    }
+
+    /// Directory `dir`'s entries sorted by name: (name, node index). Empty for other nodes.
+    pub fn entries(&self, dir: usize) -> impl ExactSizeIterator<Item = (&'a [u8], usize)> + '_ {
+        let tree: &'a Tree = self.tree;
+        let list: &'a [DirEntry] = match &tree.nodes[dir].kind {
+            NodeKind::Directory { entries } => entries,
+            _ => &[],
+        };
+        let range = self.start[dir] as usize..self.start[dir + 1] as usize;
+        self.order[range].iter().map(move |&i| {
+            let e = &list[i as usize];
+            (e.name.as_slice(), e.node.0 as usize)
+        })
+    }
+
+    /// Entry `idx` (in name order) of directory `dir`.
+    fn entry(&self, dir: usize, idx: usize) -> (&'a [u8], usize) {
+        let tree: &'a Tree = self.tree;
+        let NodeKind::Directory { entries } = &tree.nodes[dir].kind else {
+            unreachable!("only directories have entries");
+        };
+        let e = &entries[self.order[self.start[dir] as usize + idx] as usize];
+        (e.name.as_slice(), e.node.0 as usize)
+    }
+
+    /// The parent directory and sorted entry index of `node`'s first reference; `None` for the
+    /// root.
+    pub fn parent(&self, node: usize) -> Option<(usize, usize)> {
+        let (p, i) = self.parent[node];
+        ((p, i) != NO_PARENT).then_some((p as usize, i as usize))
+    }
+
+    /// How many directory entries reference `node`.
+    pub fn refs(&self, node: usize) -> u64 {
+        u64::from(self.refs[node])
     }
 
     /// Slash-separated path of a node, non-UTF-8 bytes escaped as `\xNN`.
     pub fn path(&self, node: usize) -> String {
         let mut parts: Vec<&[u8]> = Vec::new();
         let mut cur = node;
-        while let Some((parent, entry)) = self.parent[cur] {
-            parts.push(self.sorted_entries[parent][entry].0);
+        while let Some((parent, entry)) = self.parent(cur) {
+            parts.push(self.entry(parent, entry).0);
             cur = parent;
         }
         if parts.is_empty() {
@@ -104,24 +147,37 @@ pub fn number(tree: &Tree) -> Result<Namespace<'_>, Ext4Error> {
         Some(root) if matches!(root.kind, NodeKind::Directory { .. }) => {}
         _ => return Err(Ext4Error::RootNotDirectory),
     }
+    let too_many = || Ext4Error::TooManyInodes { needed: n as u64, max: u32::MAX as u64 };
+    if u32::try_from(n).is_err() {
+        return Err(too_many());
+    }
     // Reference counts first, so a directory linked twice cannot make the walk loop.
-    let mut refs = vec![0u64; n];
-    let mut sorted_entries: Vec<Vec<(&[u8], usize)>> = vec![Vec::new(); n];
-    for (i, node) in tree.nodes.iter().enumerate() {
+    let mut refs = vec![0u32; n];
+    let mut order: Vec<u32> = Vec::new();
+    let mut start: Vec<u32> = Vec::with_capacity(n + 1);
+    for node in &tree.nodes {
+        start.push(u32::try_from(order.len()).map_err(|_| too_many())?);
         if let NodeKind::Directory { entries } = &node.kind {
-            let mut list = Vec::with_capacity(entries.len());
             for e in entries {
                 let target = e.node.0 as usize;
                 if target >= n {
                     return Err(Ext4Error::BadNode { node: e.node.0 });
                 }
-                refs[target] += 1;
-                list.push((e.name.as_slice(), target));
+                refs[target] = refs[target].saturating_add(1);
             }
-            list.sort();
-            sorted_entries[i] = list;
+            let first = order.len();
+            order.extend(0..u32::try_from(entries.len()).map_err(|_| too_many())?);
+            // A walked directory comes sorted already; sort only what is not.
+            if !entries.windows(2).all(|w| w[0].name <= w[1].name) {
+                order[first..].sort_by(|&a, &b| {
+                    let (a, b) = (&entries[a as usize], &entries[b as usize]);
+                    a.name.cmp(&b.name).then(a.node.cmp(&b.node))
+                });
+            }
         }
     }
+    start.push(u32::try_from(order.len()).map_err(|_| too_many())?);
+    order.shrink_to_fit();
     for (i, node) in tree.nodes.iter().enumerate() {
         if matches!(node.kind, NodeKind::Directory { .. }) {
             let want = if i == 0 { 0 } else { 1 };
@@ -132,41 +188,46 @@ pub fn number(tree: &Tree) -> Result<Namespace<'_>, Ext4Error> {
     }
 
     let mut ns = Namespace {
+        tree,
         ino: vec![0; n],
-        slots: Vec::new(),
+        slots: Vec::with_capacity(n + 1),
         refs,
-        parent: vec![None; n],
+        parent: vec![NO_PARENT; n],
         tree_lost_found: None,
-        sorted_entries,
+        order,
+        start,
     };
     ns.ino[0] = ROOT_INO;
     // lost+found is inode 11 whether the tree brings one or we create it.
-    if let Some(pos) = ns.sorted_entries[0].iter().position(|(name, _)| *name == b"lost+found") {
-        let lf = ns.sorted_entries[0][pos].1;
+    let lost_found = ns.entries(0).position(|(name, _)| name == b"lost+found");
+    if let Some(pos) = lost_found {
+        let lf = ns.entry(0, pos).1;
         if !matches!(tree.nodes[lf].kind, NodeKind::Directory { .. }) {
             return Err(Ext4Error::LostFoundNotDirectory { path: "/lost+found".to_string() });
         }
         ns.tree_lost_found = Some(lf);
         ns.ino[lf] = LOST_FOUND_INO;
-        ns.parent[lf] = Some((0, pos));
-        ns.slots.push(Slot::Node(lf));
+        ns.parent[lf] = (0, pos as u32);
+        ns.slots.push(Slot::Node(lf as u32));
     } else {
         ns.slots.push(Slot::CreatedLostFound);
     }
 
     let mut queue = VecDeque::from([0usize]);
     while let Some(dir) = queue.pop_front() {
-        let entries = &ns.sorted_entries[dir];
-        for (idx, (name, target)) in entries.iter().enumerate() {
+        let mut prev: Option<&[u8]> = None;
+        for idx in 0..ns.start[dir + 1] as usize - ns.start[dir] as usize {
+            let (name, t) = ns.entry(dir, idx);
             check_name(name, || ns.child_path(dir, name))?;
-            if idx > 0 && entries[idx - 1].0 == *name {
+            if prev == Some(name) {
                 return Err(Ext4Error::DuplicateName { path: ns.child_path(dir, name) });
             }
-            let t = *target;
+            prev = Some(name);
             if ns.ino[t] == 0 {
                 ns.ino[t] = LOST_FOUND_INO + ns.slots.len() as u32;
-                ns.slots.push(Slot::Node(t));
-                ns.parent[t] = Some((dir, idx));
+                ns.slots.push(Slot::Node(t as u32));
+                // idx < the entry count, which fits u32 (checked above).
+                ns.parent[t] = (dir as u32, idx as u32);
             }
             if matches!(tree.nodes[t].kind, NodeKind::Directory { .. }) && Some(t) != ns.tree_lost_found {
                 queue.push_back(t);
@@ -183,8 +244,8 @@ pub fn number(tree: &Tree) -> Result<Namespace<'_>, Ext4Error> {
         return Err(Ext4Error::BadNode { node: unreachable as u32 });
     }
     for (i, node) in tree.nodes.iter().enumerate() {
-        if !matches!(node.kind, NodeKind::Directory { .. }) && ns.refs[i] > LINK_MAX {
-            return Err(Ext4Error::TooManyLinks { path: ns.path(i), links: ns.refs[i] });
+        if !matches!(node.kind, NodeKind::Directory { .. }) && ns.refs(i) > LINK_MAX {
+            return Err(Ext4Error::TooManyLinks { path: ns.path(i), links: ns.refs(i) });
         }
     }
     let max_ino = LOST_FOUND_INO as u64 - 1 + ns.slots.len() as u64;
