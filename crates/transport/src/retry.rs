@@ -86,11 +86,14 @@ impl RetryPolicy {
     }
 
     /// The wait before retry number `retry` (0-based) after a failed exchange: a server's
-    /// `Retry-After` when it sent one; a backoff ([`Self::backoff`]) when the server said it is
-    /// overloaded (429, 503) or when `budget` has no immediate retry left; otherwise none — a
-    /// reset, a truncated or corrupted body, a 500, 502 or 504 is most often cured by asking
-    /// again at once. (A connection that could not be made at all backs off: the transport
-    /// calls [`Self::backoff`] for it.)
+    /// `Retry-After` when it sent one; the full backoff ([`Self::backoff`]) for a 429 (the
+    /// server limits this client's rate) and whenever `budget` has no immediate retry left;
+    /// within the budget, a quarter of the backoff for a 503 (the server, or the one backend a
+    /// balancer chose, is busy: a short, jittered pause, not a long one, while the origin fails
+    /// less than half of what is asked — past that the budget is spent and every retry backs
+    /// off in full) and none for the rest — a reset, a truncated or corrupted body, a 500, 502
+    /// or 504 is most often cured by asking again at once. (A connection that could not be
+    /// made at all backs off: the transport calls [`Self::backoff`] for it.)
     pub fn wait(
         &self,
         retry: u32,
@@ -101,8 +104,11 @@ impl RetryPolicy {
         if retry_after.is_some() {
             return self.retry_after(retry, retry_after);
         }
-        if matches!(status, Some(429 | 503)) || !budget.take() {
+        if status == Some(429) || !budget.take() {
             return self.backoff(retry);
+        }
+        if status == Some(503) {
+            return self.backoff(retry) / 4;
         }
         Duration::ZERO
     }
@@ -188,12 +194,17 @@ mod tests {
         assert_eq!(p.wait(0, None, None, &budget), Duration::ZERO);
         assert_eq!(p.wait(3, Some(500), None, &budget), Duration::ZERO);
         assert!(p.wait(0, Some(429), None, &budget) >= Duration::from_millis(50));
-        assert!(p.wait(0, Some(503), None, &budget) >= Duration::from_millis(50));
+        // A 503 within the budget: a quarter of the backoff (12.5-25 ms, then 25-50 ms).
+        let busy = p.wait(0, Some(503), None, &budget);
+        assert!(busy >= Duration::from_micros(12_500) && busy <= Duration::from_millis(25), "{busy:?}");
+        let busy = p.wait(1, Some(503), None, &budget);
+        assert!(busy >= Duration::from_millis(25) && busy <= Duration::from_millis(50), "{busy:?}");
         assert_eq!(p.wait(0, Some(502), Some("1"), &budget), Duration::from_secs(1));
-        for _ in 0..8 {
+        for _ in 0..6 {
             assert_eq!(p.wait(0, Some(504), None, &budget), Duration::ZERO);
         }
         assert!(p.wait(1, None, None, &budget) >= Duration::from_millis(100), "ten spent");
+        assert!(p.wait(0, Some(503), None, &budget) >= Duration::from_millis(50), "a 503 past the budget");
         budget.deposit();
         assert!(p.wait(0, None, None, &budget) >= Duration::from_millis(50), "half a retry is none");
         budget.deposit();
