@@ -213,7 +213,7 @@ impl Ctx<'_> {
         p.commands.push(("mkfs.ext4".into(), r.mkfs_command.clone()));
         p.comparisons.push(target(
             cmp("build time", "s", Better::Lower, ("tessera build", r.tessera), ("mkfs.ext4 -d", r.mkfs)),
-            "≤ 0.2×",
+            "≤ 0.5×",
         ));
         Ok(())
     }
@@ -250,7 +250,7 @@ impl Ctx<'_> {
                 ("tessera build", r.tessera.clone()),
                 peer.clone(),
             ),
-            "≤ 0.2×",
+            "≤ 0.25×",
         ));
         p.comparisons.push(cmp(
             "rebuild (same store, every blob there)",
