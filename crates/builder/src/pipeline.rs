@@ -104,7 +104,10 @@ pub fn build_dir(
     debug!(chunks = existing.len(), "chunks already in the store");
     let chunks = chunk_tree(&source, store, existing, u64::from(config.chunk_size), progress)?;
     info!(new_chunks = chunks.new_chunks, new_bytes = chunks.new_stored_bytes, "chunked file content");
-    finish_image(&source.tree, &chunks, store, config, RuntimeConfig::default(), serde_json::Value::Null)
+    // The source paths were for reading the files: gone before ext4 is synthesized, where the
+    // build peaks (~20 bytes an entry).
+    let tree = source.into_tree();
+    finish_image(&tree, &chunks, store, config, RuntimeConfig::default(), serde_json::Value::Null)
 }
 
 /// Plan the image (ext4 layout, block map, record, pack index), then write its blobs and entry.
@@ -152,10 +155,12 @@ pub(crate) fn finish_image_with(
     let mut map = BlockMap::builder(g.blocks);
     let prefix = prefix.finish(&mut map)?;
     push_file_data(&mut map, &fs.placements, files)?;
+    let geometry = fs.geometry;
+    drop(fs);
     let record = ImageRecord {
         options: BuildOptions { chunk_size: config.chunk_size },
-        geometry: *g,
-        stats: tree_stats(tree, g, files),
+        geometry,
+        stats: tree_stats(tree, &geometry, files),
         prefix: PrefixInfo { digest: prefix.digest, blocks: prefix.blocks },
         block_map: map.finish()?,
         config: runtime,

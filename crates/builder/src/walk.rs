@@ -28,6 +28,11 @@ pub struct SourceTree {
 const NO_PATH: (u32, u32) = (u32::MAX, u32::MAX);
 
 impl SourceTree {
+    /// The tree alone, the source paths dropped.
+    pub fn into_tree(self) -> Tree {
+        self.tree
+    }
+
     /// The source path of regular-file node `node` (its first link), `None` for other nodes.
     pub fn file_path(&self, node: usize) -> Option<PathBuf> {
         let &(dir, entry) = self.files.get(node).filter(|&&f| f != NO_PATH)?;

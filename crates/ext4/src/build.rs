@@ -37,19 +37,22 @@ const DEFAULT_FREE_BLOCKS: u64 = (256 << 20) / BlockSize::U64;
 
 /// What one inode holds.
 #[derive(Debug)]
-enum ObjKind {
+enum ObjKind<'a> {
     /// A directory of `blocks` blocks. They are rendered twice — once here to count them, again
     /// when written — rather than held from preparation to rendering next to their copy.
     Dir {
         blocks: usize,
         htree: bool,
     },
+    /// A regular file and its data ranges, the tree's own (checked by [`check_file_ranges`];
+    /// [`merged_ranges`] joins adjacent ones): not copied, ~30 bytes a file.
     File {
         size: u64,
-        ranges: Vec<(u64, u64)>,
+        data: &'a [DataRange],
     },
+    /// A symbolic link and its target, the tree's own.
     Symlink {
-        target: Vec<u8>,
+        target: &'a [u8],
     },
     Chr {
         major: u32,
@@ -65,12 +68,12 @@ enum ObjKind {
 
 /// One inode to write: root, lost+found or a tree node.
 #[derive(Debug)]
-struct Obj {
+struct Obj<'a> {
     ino: u32,
     /// The tree node, or `None` for a lost+found we created. Its metadata is the node's (read
     /// from the tree, not copied: 64 bytes an inode), or [`created_lost_found_meta`].
     node: Option<u32>,
-    kind: ObjKind,
+    kind: ObjKind<'a>,
     links: u16,
     /// The in-inode xattr area, `None` when it is all zeros (most inodes): boxed, so an inode
     /// without attributes costs 8 bytes here rather than the area's size.
@@ -78,7 +81,7 @@ struct Obj {
     xattr_block: Option<u32>,
 }
 
-impl Obj {
+impl Obj<'_> {
     fn is_slow_symlink(&self) -> bool {
         matches!(&self.kind, ObjKind::Symlink { target } if target.len() > FAST_SYMLINK_MAX)
     }
@@ -209,7 +212,7 @@ fn created_lost_found_meta(fs_time: i64) -> Meta {
 }
 
 /// mke2fs's lost+found: 0700 root:root, 4 empty blocks so e2fsck can reconnect without allocating.
-fn created_lost_found(ino: u32, fs_seed: u32) -> Obj {
+fn created_lost_found(ino: u32, fs_seed: u32) -> Obj<'static> {
     let blocks = created_lost_found_blocks(ino, fs_seed);
     Obj {
         ino,
@@ -233,9 +236,9 @@ struct Nodes<'a> {
     ids: &'a Ids,
 }
 
-impl Nodes<'_> {
+impl<'a> Nodes<'a> {
     /// Validate every node and build its inode content (directory blocks, xattrs, extents-to-be).
-    fn prepare(&self) -> Result<(Vec<Obj>, Vec<XBlock>), Ext4Error> {
+    fn prepare(&self) -> Result<(Vec<Obj<'a>>, Vec<XBlock>), Ext4Error> {
         let Self { tree, ns, ids } = *self;
         let order = std::iter::once(Some(0)).chain(ns.slots.iter().map(|s| match s {
             Slot::Node(n) => Some(*n as usize),
@@ -272,7 +275,7 @@ impl Nodes<'_> {
     }
 
     /// A directory node's content (its block count) and its link count.
-    fn dir_kind(&self, n: usize, ino: u32) -> (ObjKind, u64) {
+    fn dir_kind(&self, n: usize, ino: u32) -> (ObjKind<'a>, u64) {
         let (blocks, htree, links) = self.dir_blocks(n, ino);
         (ObjKind::Dir { blocks: blocks.len(), htree }, links)
     }
@@ -313,19 +316,20 @@ impl Nodes<'_> {
     }
 
     /// A tree node's inode content, validated, and its link count.
-    fn node_kind(&self, n: usize, ino: u32) -> Result<(ObjKind, u64), Ext4Error> {
+    fn node_kind(&self, n: usize, ino: u32) -> Result<(ObjKind<'a>, u64), Ext4Error> {
         let ns = self.ns;
         let path = || ns.path(n);
         let kind = match &self.tree.nodes[n].kind {
             NodeKind::Directory { .. } => return Ok(self.dir_kind(n, ino)),
             NodeKind::Regular { size, data } => {
-                ObjKind::File { size: *size, ranges: file_ranges(*size, data, path)? }
+                check_file_ranges(*size, data, path)?;
+                ObjKind::File { size: *size, data }
             }
             NodeKind::Symlink { target } => {
                 if target.is_empty() || target.len() > 4095 || target.contains(&0) {
                     return Err(Ext4Error::BadSymlink { path: path(), len: target.len() });
                 }
-                ObjKind::Symlink { target: target.clone() }
+                ObjKind::Symlink { target }
             }
             &NodeKind::CharDevice { major, minor } => {
                 check_device(major, minor, path)?;
@@ -350,31 +354,34 @@ fn check_device(major: u32, minor: u32, path: impl Fn() -> String) -> Result<(),
     Ok(())
 }
 
-/// A regular file's data ranges, checked (ascending, non-empty, inside the size) and with adjacent
-/// ranges merged: they are one run on disk too, and merging keeps the extent count minimal.
-fn file_ranges(
-    size: u64,
-    data: &[DataRange],
-    path: impl Fn() -> String,
-) -> Result<Vec<(u64, u64)>, Ext4Error> {
+/// Check a regular file's data ranges: ascending, non-empty, not overlapping, inside the size.
+fn check_file_ranges(size: u64, data: &[DataRange], path: impl Fn() -> String) -> Result<(), Ext4Error> {
     if size > MAX_FILE_SIZE {
         return Err(Ext4Error::FileTooLarge { path: path(), size, max: MAX_FILE_SIZE });
     }
     let limit = size.div_ceil(BlockSize::U64);
-    let mut ranges: Vec<(u64, u64)> = Vec::with_capacity(data.len());
+    let mut prev_end = 0;
     for r in data {
-        let end = r.start_block.checked_add(r.blocks);
-        let prev_end = ranges.last().map(|&(s, l)| s + l).unwrap_or(0);
-        match end {
-            Some(end) if r.blocks > 0 && end <= limit && r.start_block >= prev_end => {}
+        match r.start_block.checked_add(r.blocks) {
+            Some(end) if r.blocks > 0 && end <= limit && r.start_block >= prev_end => prev_end = end,
             _ => return Err(Ext4Error::BadDataRanges { path: path(), size }),
         }
-        match ranges.last_mut() {
-            Some(last) if last.0 + last.1 == r.start_block => last.1 += r.blocks,
-            _ => ranges.push((r.start_block, r.blocks)),
-        }
     }
-    Ok(ranges)
+    Ok(())
+}
+
+/// A checked file's data ranges as `(first block, blocks)`, adjacent ones joined: they are one
+/// run on disk too, and joining keeps the extent count minimal.
+fn merged_ranges(data: &[DataRange]) -> impl Iterator<Item = (u64, u64)> + '_ {
+    let mut rest = data.iter().peekable();
+    std::iter::from_fn(move || {
+        let first = rest.next()?;
+        let (start, mut blocks) = (first.start_block, first.blocks);
+        while let Some(next) = rest.next_if(|n| start + blocks == n.start_block) {
+            blocks += next.blocks;
+        }
+        Some((start, blocks))
+    })
 }
 
 /// Decide where a node's xattrs go: all in the inode if they fit, else all in a (shared) block, else
@@ -460,7 +467,7 @@ fn size_and_layout(
     let data_blocks: u64 = files
         .iter()
         .map(|&i| match &objs[i].kind {
-            ObjKind::File { ranges, .. } => ranges.iter().map(|r| r.1).sum::<u64>(),
+            ObjKind::File { data, .. } => data.iter().map(|r| r.blocks).sum::<u64>(),
             _ => 0,
         })
         .sum();
@@ -632,8 +639,8 @@ fn layout(
     let mut estimate: usize = files
         .iter()
         .map(|&i| match &objs[i].kind {
-            ObjKind::File { ranges, .. } => extent::tree_blocks(
-                ranges.iter().map(|r| r.1.div_ceil(extent::MAX_EXTENT_LEN) as usize).sum(),
+            ObjKind::File { data, .. } => extent::tree_blocks(
+                merged_ranges(data).map(|r| r.1.div_ceil(extent::MAX_EXTENT_LEN) as usize).sum(),
             ),
             _ => 0,
         })
@@ -649,8 +656,8 @@ fn layout(
         let mut needed = 0;
         for &i in files {
             ext.clear();
-            if let ObjKind::File { ranges, .. } = &objs[i].kind {
-                for &(start, len) in ranges {
+            if let ObjKind::File { data, .. } = &objs[i].kind {
+                for (start, len) in merged_ranges(data) {
                     let pieces = b.alloc_run(len);
                     for &(s, n) in &pieces {
                         mark_used(&mut data_used, s, n);
@@ -802,7 +809,7 @@ struct Ids {
 #[derive(Debug, Clone, Copy)]
 struct RenderInput<'a> {
     tree: &'a Tree,
-    objs: &'a [Obj],
+    objs: &'a [Obj<'a>],
     xblocks: &'a [XBlock],
     lay: &'a Layout,
     ns: &'a Namespace<'a>,
@@ -1229,6 +1236,18 @@ mod tests {
         s.finish().unwrap();
         assert_eq!(runs.len(), 1, "the Vec sink joins contiguous pieces");
         assert_eq!((runs[0].start_block, runs[0].data.len()), (7, blocks * 4096));
+    }
+
+    #[test]
+    fn adjacent_data_ranges_are_joined_gaps_kept() {
+        let r = |start_block, blocks| DataRange { start_block, blocks };
+        let data = [r(0, 2), r(2, 3), r(7, 1), r(8, 1), r(10, 4)];
+        assert_eq!(merged_ranges(&data).collect::<Vec<_>>(), [(0, 5), (7, 2), (10, 4)]);
+        assert_eq!(merged_ranges(&[]).count(), 0);
+        assert!(check_file_ranges(14 * 4096, &data, String::new).is_ok());
+        for bad in [&[r(0, 2), r(1, 1)][..], &[r(0, 0)], &[r(0, 15)], &[r(u64::MAX, 2)]] {
+            assert!(check_file_ranges(14 * 4096, bad, String::new).is_err(), "{bad:?}");
+        }
     }
 
     #[test]
