@@ -211,9 +211,10 @@ fn bursts_of_503_back_off_then_fail_naming_the_url() -> Result<()> {
     let pack_reqs: Vec<_> = p.log().into_iter().filter(|r| r.path.contains(&s.pack)).collect();
     ensure!(pack_reqs.len() >= 5, "{pack_reqs:#?}");
     // The export fetches chunks in parallel (one request at a time on the wire here), so the
-    // attempts of different ranges interleave. Every retried range waited at least 50, 100,
-    // 200, 400 ms before its 2nd, 3rd, 4th, 5th attempt (equal jitter: half of 100 ms doubling),
-    // and every range's last attempt succeeded (the export did).
+    // attempts of different ranges interleave. A 503 within the retry budget (ten in reserve:
+    // these four are) waits a quarter of the backoff, so every retried range waited at least
+    // 12.5, 25, 50, 100 ms before its 2nd, 3rd, 4th, 5th attempt (a quarter of equal jitter's
+    // half of 100 ms doubling), and every range's last attempt succeeded (the export did).
     let mut by_range: Vec<(Option<String>, Vec<std::time::Instant>)> = Vec::new();
     for r in &pack_reqs {
         match by_range.iter_mut().find(|(range, _)| *range == r.range) {
@@ -226,7 +227,7 @@ fn bursts_of_503_back_off_then_fail_naming_the_url() -> Result<()> {
     for (range, at) in &by_range {
         for (k, w) in at.windows(2).enumerate() {
             let gap = w[1] - w[0];
-            let floor = Duration::from_millis(50 << k);
+            let floor = Duration::from_micros(12_500 << k);
             ensure!(gap >= floor, "{range:?} retry {}: waited {gap:?}, expected at least {floor:?}", k + 1);
         }
     }
