@@ -158,7 +158,9 @@ fn thirty_percent_of_origin_requests_fail_every_read_is_exact() -> Result<()> {
         warm_clean.as_millis(),
         warm_ratio,
     );
-    if let Some(max) = std::env::var("TESSERA_STORM_MAX_RATIO").ok().and_then(|v| v.parse::<f64>().ok()) {
+    if let Ok(max) = std::env::var("TESSERA_STORM_MAX_RATIO") {
+        let max: f64 =
+            max.parse().with_context(|| format!("TESSERA_STORM_MAX_RATIO={max:?}: not a number"))?;
         ensure!(
             read_ratio <= max,
             "the reads took {read_ratio:.2}x the clean run's time under the storm (bound {max}x)"

@@ -213,7 +213,10 @@ impl<'a> PrefixSink<'a> {
     /// Map the prefix runs into `map` and finish the compressed prefix.
     fn finish(self, map: &mut BlockMapBuilder) -> Result<Prefix, BuildError> {
         use sha2::Digest as _;
-        let failed = BuildError::io(self.store, "compress prefix");
+        // The compressor writes straight into the prefix's blob: a full or read-only store is
+        // told as such (`StoreError::write` classifies the errno), as `put_blob` did.
+        let store = self.store;
+        let failed = |e| BuildError::from(tessera_store::StoreError::write("write prefix", store, e));
         if let Some(e) = self.failed {
             return Err(failed(e));
         }
