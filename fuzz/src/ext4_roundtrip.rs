@@ -76,7 +76,7 @@ pub fn tree(data: &[u8]) -> (Tree, Options) {
                         _ => data.push(DataRange { start_block: lo, blocks: hi - lo }),
                     }
                 }
-                NodeKind::Regular { size, data }
+                NodeKind::Regular { size, data: data.into() }
             }
             3 => {
                 let len = usize::from(i.u16() % 300) + 1;
@@ -118,7 +118,7 @@ fn link(nodes: &mut [Node], parent: usize, mut name: Vec<u8>, target: usize) {
     let is_dir = matches!(nodes[target].kind, NodeKind::Directory { .. });
     let NodeKind::Directory { entries } = &mut nodes[parent].kind else { return };
     let taken = |n: &[u8], entries: &[DirEntry]| {
-        entries.iter().any(|e| e.name == n) || (parent == 0 && n == b"lost+found" && !is_dir)
+        entries.iter().any(|e| e.name[..] == *n) || (parent == 0 && n == b"lost+found" && !is_dir)
     };
     let mut k = 0u32;
     while taken(&name, entries) {
@@ -126,7 +126,7 @@ fn link(nodes: &mut [Node], parent: usize, mut name: Vec<u8>, target: usize) {
         name.extend_from_slice(format!("~{k}").as_bytes());
         k += 1;
     }
-    entries.push(DirEntry { name, node: NodeId(target as u32) });
+    entries.push(DirEntry { name: name.into(), node: NodeId(target as u32) });
 }
 
 fn name(i: &mut Input<'_>, n: usize) -> Vec<u8> {
@@ -291,7 +291,7 @@ fn check_node(fs: &ext4_view::Ext4, path: Vec<u8>, tree: &Tree, id: usize) {
     assert_eq!((m.seconds(), m.nanoseconds()), (n.meta.mtime.sec, n.meta.mtime.nsec), "{ctx}: mtime");
     match &n.kind {
         NodeKind::Directory { entries } => {
-            let mut want: BTreeSet<Vec<u8>> = entries.iter().map(|e| e.name.clone()).collect();
+            let mut want: BTreeSet<Vec<u8>> = entries.iter().map(|e| e.name.to_vec()).collect();
             if id == 0 {
                 want.insert(b"lost+found".to_vec());
             }

@@ -95,7 +95,7 @@ pub fn run(data: &[u8]) {
                     assert!(w[0].name < w[1].name, "node {i}: names unsorted or repeated");
                 }
                 for e in entries {
-                    let n = &e.name;
+                    let n = &e.name[..];
                     assert!(!n.is_empty() && n.len() <= 255, "node {i}: name length {}", n.len());
                     assert!(!n.contains(&b'/') && !n.contains(&0), "node {i}: bad name {n:?}");
                     assert!(n != b"." && n != b"..", "node {i}: name {n:?}");

@@ -116,10 +116,10 @@ fn image_id_of_a_fixed_tree_is_unchanged() {
         node.meta.gid = 0;
     }
     let config = BuildConfig::default();
-    let chunks =
+    let mut chunks =
         chunk_tree(&source, &store, Default::default(), u64::from(config.chunk_size), &NoProgress).unwrap();
     let out =
-        finish_image(&source.tree, &chunks, &store, &config, Default::default(), serde_json::Value::Null)
+        finish_image(&source.tree, &mut chunks, &store, &config, Default::default(), serde_json::Value::Null)
             .unwrap();
     assert_eq!(out.id.to_string(), EXPECTED_ID);
 }

@@ -30,7 +30,7 @@ use tracing::{debug, info, warn};
 use crate::chunk::{chunk_with, Batcher, ChunkOutput, Job, JobData};
 use crate::error::BuildError;
 use crate::manifest::{data_ranges, ContentManifest};
-use crate::pipeline::{check_chunk_size, finish_image, index_of, BuildConfig, BuildOutput};
+use crate::pipeline::{check_chunk_size, finish_image, write_pack_index, BuildConfig, BuildOutput};
 use crate::seed::FileChunks;
 use crate::source::{
     read_layer, EntryKind, FlatTree, Flattener, ImageSource, LayerBlob, LayerEntry, LayerStream, SourceError,
@@ -98,7 +98,7 @@ pub fn build_image(
         return Err(BuildError::Internal { what: "a layer has no manifest", chunk: None });
     }
     for (id, (pack, loc)) in homes {
-        chunks.add_existing(id, pack, loc);
+        chunks.add_existing(id, pack, loc)?;
     }
 
     let flat = flatten(&source.layers, &layers, config.fs_time)?;
@@ -131,7 +131,7 @@ pub fn build_image(
             .collect();
         obj.insert("layer_manifests".into(), list.into());
     }
-    let out = finish_image(&flat.tree, &chunks, store, config, source.config.clone(), provenance)?;
+    let out = finish_image(&flat.tree, &mut chunks, store, config, source.config.clone(), provenance)?;
     for ((blob, layer), digest) in source.layers.iter().zip(&layers).zip(&digests) {
         if layer.reused.is_some() {
             continue;
@@ -202,8 +202,7 @@ fn record_layer(
     chunk_size: u32,
 ) -> Result<(), BuildError> {
     let Some(diff_id) = diff_digest(blob) else { return Ok(()) };
-    let index = index_of(layer.manifest.chunk_ids().map(|(id, _)| id), chunks)?;
-    let pack_index = store.put_blob(&index.encode())?;
+    let pack_index = write_pack_index(layer.manifest.chunk_ids().map(|(id, _)| id), chunks, store)?;
     let record =
         LayerRecord { reader: LAYER_READER_VERSION, manifest, pack_index, tar_bytes: layer.tar_bytes };
     store.put_layer_record(&diff_id, chunk_size, &record)?;

@@ -7,7 +7,7 @@
 //! Byte layout (version 1): `docs/formats/content-manifest.md`. The decoder is strict: an
 //! unknown version, trailing bytes, a length past the end or a field out of range is an error.
 
-use tessera_ext4::{DataRange, Meta, Timestamp, Xattr};
+use tessera_ext4::{DataRange, DataRanges, Meta, Timestamp, Xattr};
 use tessera_image::codec::{Reader, Writer};
 use tessera_image::{BlockSize, ChunkId, DecodeError};
 
@@ -227,9 +227,12 @@ impl ContentManifest {
                 example_entry("opt/.wh..wh..opq", EntryKind::File { size: 0, offset: 2 }),
             ],
             files: vec![
-                vec![(0, ChunkId::of(b"a"), 524_288), (524_288, ChunkId::of(b"b"), 75_712)],
-                Vec::new(),
-                Vec::new(),
+                tessera_ext4::smallvec::smallvec![
+                    (0, ChunkId::of(b"a"), 524_288),
+                    (524_288, ChunkId::of(b"b"), 75_712)
+                ],
+                Default::default(),
+                Default::default(),
             ],
         }
     }
@@ -254,8 +257,8 @@ pub(crate) fn check_chunk(off: u64, len: u32, end: u64, size: u64) -> Result<(),
 }
 
 /// The blocks a file's chunks cover, merged: its data ranges (the rest is holes).
-pub(crate) fn data_ranges(chunks: &[(u64, ChunkId, u32)]) -> Vec<DataRange> {
-    let mut out: Vec<DataRange> = Vec::new();
+pub(crate) fn data_ranges(chunks: &[(u64, ChunkId, u32)]) -> DataRanges {
+    let mut out = DataRanges::new();
     for &(off, _, len) in chunks {
         let start = off / BlockSize::U64;
         let end = (off + u64::from(len)).div_ceil(BlockSize::U64);
@@ -288,7 +291,7 @@ mod tests {
             ContentManifest::default()
         );
         let ranges = data_ranges(&m.files[0]);
-        assert_eq!(ranges, vec![DataRange { start_block: 0, blocks: 147 }]);
+        assert_eq!(ranges[..], [DataRange { start_block: 0, blocks: 147 }]);
     }
 
     #[test]
@@ -337,31 +340,39 @@ mod tests {
         let file = |size| entry("f", EntryKind::File { size, offset: 0 });
         let id = ChunkId::of(b"x");
         // Chunks: unaligned, overlapping, sharing a block, empty, past the end, too long.
-        assert!(bad(one(file(10_000), vec![vec![(1, id, 10)]])));
-        assert!(bad(one(file(10_000), vec![vec![(0, id, 8192), (4096, id, 10)]])));
-        assert!(bad(one(file(10_000), vec![vec![(0, id, 100), (0, id, 10)]])));
-        assert!(bad(one(file(10_000), vec![vec![(0, id, 0)]])));
-        assert!(bad(one(file(10_000), vec![vec![(8192, id, 4096)]])));
-        assert!(bad(one(file(u64::MAX), vec![vec![(0, id, MAX_MANIFEST_CHUNK + 1)]])));
+        assert!(bad(one(file(10_000), vec![tessera_ext4::smallvec::smallvec![(1, id, 10)]])));
+        assert!(bad(one(
+            file(10_000),
+            vec![tessera_ext4::smallvec::smallvec![(0, id, 8192), (4096, id, 10)]]
+        )));
+        assert!(bad(one(file(10_000), vec![tessera_ext4::smallvec::smallvec![(0, id, 100), (0, id, 10)]])));
+        assert!(bad(one(file(10_000), vec![tessera_ext4::smallvec::smallvec![(0, id, 0)]])));
+        assert!(bad(one(file(10_000), vec![tessera_ext4::smallvec::smallvec![(8192, id, 4096)]])));
+        assert!(bad(one(
+            file(u64::MAX),
+            vec![tessera_ext4::smallvec::smallvec![(0, id, MAX_MANIFEST_CHUNK + 1)]]
+        )));
         // A sparse file (a hole between two chunks) is fine.
-        assert!(
-            ContentManifest::decode(&one(file(3 << 20), vec![vec![(0, id, 4096), (2 << 20, id, 1)]])).is_ok()
-        );
+        assert!(ContentManifest::decode(&one(
+            file(3 << 20),
+            vec![tessera_ext4::smallvec::smallvec![(0, id, 4096), (2 << 20, id, 1)]]
+        ))
+        .is_ok());
         let mut e = file(0);
         e.meta.mode = 0o10000;
-        assert!(bad(one(e, vec![vec![]])));
+        assert!(bad(one(e, vec![tessera_ext4::smallvec::smallvec![]])));
         let mut e = file(0);
         e.meta.uid = u32::MAX;
-        assert!(bad(one(e, vec![vec![]])));
+        assert!(bad(one(e, vec![tessera_ext4::smallvec::smallvec![]])));
         let mut e = file(0);
         e.meta.mtime.nsec = 1_000_000_000;
-        assert!(bad(one(e, vec![vec![]])));
+        assert!(bad(one(e, vec![tessera_ext4::smallvec::smallvec![]])));
         let mut e = file(0);
         e.xattrs = vec![
             Xattr { name: b"user.b".to_vec(), value: vec![] },
             Xattr { name: b"user.a".to_vec(), value: vec![] },
         ];
-        assert!(bad(one(e, vec![vec![]])));
+        assert!(bad(one(e, vec![tessera_ext4::smallvec::smallvec![]])));
         assert!(bad(one(entry("", EntryKind::Dir), vec![])));
         assert!(bad(one(entry("a\0b", EntryKind::Dir), vec![])));
         assert!(bad(one(entry("s", EntryKind::Symlink(Vec::new())), vec![])));

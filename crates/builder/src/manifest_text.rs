@@ -282,7 +282,7 @@ pub fn build_manifest(
         EntryKind::File { offset, .. } => Some((e, offset as usize)),
         _ => None,
     }) {
-        for &(_, id, len) in manifest.files.get(ordinal).map(Vec::as_slice).unwrap_or(&[]) {
+        for &(_, id, len) in manifest.files.get(ordinal).map(|l| l.as_slice()).unwrap_or(&[]) {
             let path = String::from_utf8_lossy(&e.path).into_owned();
             match existing.get(&id) {
                 Some((pack, loc)) if loc.raw_len == len => homes.push((id, *pack, *loc)),
@@ -330,7 +330,7 @@ pub fn build_manifest(
         }
     }
     for (id, pack, loc) in homes {
-        chunks.add_existing(id, pack, loc);
+        chunks.add_existing(id, pack, loc)?;
     }
     info!(entries = manifest.entries.len(), read_files = disk.len(), "content manifest");
     let mut flattener = Flattener::new(config.fs_time);
@@ -338,7 +338,7 @@ pub fn build_manifest(
     let flat = attach_chunks(flattener.finish()?, &[&manifest])?;
     chunks.files = flat.files;
     let provenance = serde_json::json!({ "manifest": tessera_image::Sha256Digest::of(&text).to_string() });
-    finish_image(&flat.tree, &chunks, store, config, RuntimeConfig::default(), provenance)
+    finish_image(&flat.tree, &mut chunks, store, config, RuntimeConfig::default(), provenance)
 }
 
 #[cfg(test)]
@@ -379,12 +379,12 @@ mod tests {
         assert_eq!((big.meta.mode, big.meta.uid, big.meta.mtime.nsec), (0o4755, 5, 500_000_000));
         assert_eq!(big.meta.atime, big.meta.mtime);
         assert_eq!(big.kind, EntryKind::File { size: 65546, offset: 0 });
-        assert_eq!(m.files[0], vec![(0, id, 65536), (65536, id, 10)]);
+        assert_eq!(m.files[0][..], [(0, id, 65536), (65536, id, 10)]);
         assert_eq!(big.xattrs[0].name, b"security.capability");
         assert_eq!(big.xattrs[0].value, b"\x01\x00\x00\x02");
         assert_eq!(m.entries[4].kind, EntryKind::Char { major: 1, minor: 3 });
         assert_eq!(m.entries[5].meta.mode, 0o644);
-        assert_eq!(m.entries[5].meta.mtime.sec, 77, "default time is the filesystem time");
+        assert_eq!({ m.entries[5].meta.mtime.sec }, 77, "default time is the filesystem time");
         // The binary form takes it as it is.
         assert_eq!(ContentManifest::decode(&m.encode()).unwrap(), m);
     }

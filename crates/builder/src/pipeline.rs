@@ -7,7 +7,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use tessera_ext4::{MetadataRun, NodeKind, Options, PlacedExtent, SizePolicy, Tree};
 use tessera_image::{
     BlockMap, BlockMapBuilder, BlockSize, BuildOptions, ChunkId, Geometry, ImageEntry, ImageId, ImageRecord,
-    ImageStats, PackIndex, PackLocation, PrefixInfo, RuntimeConfig, Sha256Digest,
+    ImageStats, PackIndexEncoder, PrefixInfo, RuntimeConfig, Sha256Digest,
 };
 use tessera_store::{BlobWriter, LocalStore};
 use tracing::{debug, info};
@@ -55,6 +55,11 @@ pub struct BuildConfig {
     /// Keep file data in the source image's gzip layers (`--reference-layers`; OCI layouts only):
     /// the store gets the layer blobs as they are and a reference pack index.
     pub reference_layers: bool,
+    /// Called once the content is chunked and what only chunking needed is freed, before ext4
+    /// is synthesized (where a build peaks): the binary returns the freed memory to the system
+    /// (glibc keeps it otherwise: tens of MiB at a million entries). The library allocates no
+    /// differently either way.
+    pub release_memory: Option<fn()>,
 }
 
 impl Default for BuildConfig {
@@ -67,6 +72,7 @@ impl Default for BuildConfig {
             source_ref: String::new(),
             max_size: None,
             reference_layers: false,
+            release_memory: None,
         }
     }
 }
@@ -102,34 +108,56 @@ pub fn build_dir(
     info!(nodes = source.tree.nodes.len(), "walked source tree");
     let existing = store.known_chunks()?;
     debug!(chunks = existing.len(), "chunks already in the store");
-    let chunks = chunk_tree(&source, store, existing, u64::from(config.chunk_size), progress)?;
+    let mut chunks = chunk_tree(&source, store, existing, u64::from(config.chunk_size), progress)?;
     info!(new_chunks = chunks.new_chunks, new_bytes = chunks.new_stored_bytes, "chunked file content");
-    // The source paths were for reading the files: gone before ext4 is synthesized, where the
-    // build peaks (~20 bytes an entry).
+    let pack_index = image_pack_index(&mut chunks, store)?;
+    // Where each chunk is stored (~60 bytes a chunk) and the source paths (~20 bytes an entry)
+    // are written or used: gone before ext4 is synthesized, where the build peaks.
+    // (Dropped by name: fields a destructuring leaves unbound would live to the end of the scope.)
+    let ChunkOutput { files, homes, new_chunks, new_stored_bytes, .. } = chunks;
+    drop(homes);
     let tree = source.into_tree();
-    finish_image(&tree, &chunks, store, config, RuntimeConfig::default(), serde_json::Value::Null)
+    let runtime = RuntimeConfig::default();
+    let mut out =
+        finish_image_with(&tree, &files, store, config, runtime, serde_json::Value::Null, |_, _| {
+            Ok(pack_index)
+        })?;
+    out.new_chunks = new_chunks;
+    out.new_stored_bytes = new_stored_bytes;
+    Ok(out)
+}
+
+/// Seal `chunks`' homes and write the image's pack index: every chunk of its files, packs numbered
+/// by first use in file order.
+pub(crate) fn image_pack_index(
+    chunks: &mut ChunkOutput,
+    store: &LocalStore,
+) -> Result<Sha256Digest, BuildError> {
+    chunks.homes.seal();
+    write_pack_index(chunks.files.iter().flatten().map(|c| c.1), chunks, store)
 }
 
 /// Plan the image (ext4 layout, block map, record, pack index), then write its blobs and entry.
 pub(crate) fn finish_image(
     tree: &Tree,
-    chunks: &ChunkOutput,
+    chunks: &mut ChunkOutput,
     store: &LocalStore,
     config: &BuildConfig,
     runtime: RuntimeConfig,
     source_provenance: serde_json::Value,
 ) -> Result<BuildOutput, BuildError> {
+    let pack_index = image_pack_index(chunks, store)?;
     let mut out =
-        finish_image_with(tree, &chunks.files, store, config, runtime, source_provenance, |record, _| {
-            Ok(index_of(record.block_map.chunks().iter().map(|c| c.id), chunks)?.encode())
+        finish_image_with(tree, &chunks.files, store, config, runtime, source_provenance, |_, _| {
+            Ok(pack_index)
         })?;
     out.new_chunks = chunks.new_chunks;
     out.new_stored_bytes = chunks.new_stored_bytes;
     Ok(out)
 }
 
-/// [`finish_image`] with the pack index made by `pack_index` from the record and the image ID
-/// (a plain pack index, or a reference pack index for `--reference-layers`).
+/// [`finish_image`] with the pack index blob written by `pack_index` from the record and the image
+/// ID (a reference pack index for `--reference-layers`), or before (a plain one: it needs neither).
 pub(crate) fn finish_image_with(
     tree: &Tree,
     files: &[crate::seed::FileChunks],
@@ -137,8 +165,11 @@ pub(crate) fn finish_image_with(
     config: &BuildConfig,
     runtime: RuntimeConfig,
     source_provenance: serde_json::Value,
-    pack_index: impl FnOnce(&ImageRecord, ImageId) -> Result<Vec<u8>, BuildError>,
+    pack_index: impl FnOnce(&ImageRecord, ImageId) -> Result<Sha256Digest, BuildError>,
 ) -> Result<BuildOutput, BuildError> {
+    if let Some(release) = config.release_memory {
+        release();
+    }
     let seed = tree_seed(tree, files);
     let options = Options {
         size: config.size,
@@ -167,7 +198,7 @@ pub(crate) fn finish_image_with(
     };
     let id = ImageId(Sha256Digest::of(&record.encode()));
     let pack_index = pack_index(&record, id)?;
-    let (id, entry) = write_image(store, config, &record, prefix.stored, &pack_index, source_provenance)?;
+    let (id, entry) = write_image(store, config, &record, prefix.stored, pack_index, source_provenance)?;
     Ok(BuildOutput { id, record, entry, new_chunks: 0, new_stored_bytes: 0 })
 }
 
@@ -280,26 +311,50 @@ fn push_file_data(
     Ok(())
 }
 
-/// A pack index of the chunks `ids` (repeats allowed), with packs numbered in first-use order.
-pub(crate) fn index_of(
+/// Write the pack index of the chunks `ids` (repeats allowed) into `store` and give its digest:
+/// packs numbered by first use in `ids`' order, entries streamed in id order from the sealed homes
+/// (a million-chunk index is ~50 MB: never held whole).
+pub(crate) fn write_pack_index(
     ids: impl Iterator<Item = ChunkId>,
     chunks: &ChunkOutput,
-) -> Result<PackIndex, BuildError> {
+    store: &LocalStore,
+) -> Result<Sha256Digest, BuildError> {
+    /// Encoded bytes handed to the blob writer at a time.
+    const PIECE: usize = 1 << 20;
+    let homes = &chunks.homes;
+    if !homes.is_sealed() {
+        return Err(BuildError::Internal { what: "a pack index written from unsealed homes", chunk: None });
+    }
+    let mut used = vec![false; homes.len()];
+    let mut count = 0usize;
     let mut packs: Vec<Sha256Digest> = Vec::new();
     let mut pack_no: HashMap<Sha256Digest, u32> = HashMap::new();
-    let mut entries: Vec<(ChunkId, PackLocation)> = Vec::new();
     for id in ids {
-        let Some((digest, mut loc)) = chunks.location(&id) else {
-            return Err(missing_chunk(id));
-        };
-        let n = *pack_no.entry(digest).or_insert_with(|| {
+        let Some(i) = homes.position(&id) else { return Err(missing_chunk(id)) };
+        if std::mem::replace(&mut used[i], true) {
+            continue;
+        }
+        count += 1;
+        let digest =
+            homes.at(i).and_then(|(_, home)| chunks.pack_of(home)).ok_or_else(|| missing_chunk(id))?;
+        pack_no.entry(digest).or_insert_with(|| {
             packs.push(digest);
             (packs.len() - 1) as u32
         });
-        loc.pack = n;
-        entries.push((id, loc));
     }
-    Ok(PackIndex::new(packs, entries))
+    let mut encoder = PackIndexEncoder::new(&packs, count);
+    let mut blob = store.blob_writer()?;
+    for ((id, home), _) in homes.iter().zip(&used).filter(|(_, &u)| u) {
+        let mut loc = home.location();
+        loc.pack =
+            chunks.pack_of(home).and_then(|d| pack_no.get(&d).copied()).ok_or_else(|| missing_chunk(*id))?;
+        encoder.entry(*id, loc)?;
+        if encoder.buffered() >= PIECE {
+            blob.append(&encoder.take())?;
+        }
+    }
+    blob.append(&encoder.finish()?)?;
+    Ok(blob.commit()?)
 }
 
 /// Write the blobs first, then the entry (the caller writes the ref last).
@@ -308,12 +363,11 @@ fn write_image(
     config: &BuildConfig,
     record: &ImageRecord,
     prefix_digest: Sha256Digest,
-    pack_index: &[u8],
+    pack_index_digest: Sha256Digest,
     source_provenance: serde_json::Value,
 ) -> Result<(ImageId, ImageEntry), BuildError> {
     let record_bytes = record.encode();
     let id = ImageId(Sha256Digest::of(&record_bytes));
-    let pack_index_digest = store.put_blob(pack_index)?;
     let provenance = serde_json::json!({
         "source": config.source_ref,
         "built_at": SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),

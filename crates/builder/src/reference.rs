@@ -116,7 +116,7 @@ pub(crate) fn build_referenced(
                 window_bytes = index.window_bytes(),
                 "reference pack index"
             );
-            Ok(index.encode())
+            Ok(store.put_blob(&index.encode())?)
         },
     )?;
     Ok(out)

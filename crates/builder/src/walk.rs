@@ -8,7 +8,9 @@ use std::path::{Path, PathBuf};
 
 use rustix::fs::SeekFrom;
 use rustix::io::Errno;
-use tessera_ext4::{DataRange, DirEntry, Meta, Node, NodeId, NodeKind, Timestamp, Tree, Xattr};
+use tessera_ext4::{
+    DataRange, DataRanges, DirEntry, Meta, Name, Node, NodeId, NodeKind, Timestamp, Tree, Xattr,
+};
 use tessera_image::BlockSize;
 
 use crate::error::BuildError;
@@ -118,7 +120,7 @@ pub fn walk_dir(root: &Path) -> Result<SourceTree, BuildError> {
                     id
                 }
             };
-            entries.push(DirEntry { name: name.as_bytes().to_vec(), node: id });
+            entries.push(DirEntry { name: Name::from_slice(name.as_bytes()), node: id });
         }
         if let Some(NodeKind::Directory { entries: slot }) =
             out.tree.nodes.get_mut(dir_id.0 as usize).map(|n| &mut n.kind)
@@ -179,18 +181,18 @@ fn node_of(path: &Path, md: &Metadata) -> Result<Node, BuildError> {
 
 /// The block ranges of a regular file that hold data, found with SEEK_DATA / SEEK_HOLE. Ranges are
 /// widened to whole blocks (and clipped to the file's last block).
-fn data_ranges(path: &Path, md: &Metadata) -> Result<Vec<DataRange>, BuildError> {
+fn data_ranges(path: &Path, md: &Metadata) -> Result<DataRanges, BuildError> {
     let size = md.len();
     if size == 0 {
-        return Ok(Vec::new());
+        return Ok(DataRanges::new());
     }
     let size_blocks = size.div_ceil(BlockSize::U64);
     // Fully allocated files need no probing (and neither do filesystems without holes).
     if md.blocks().saturating_mul(512) >= size {
-        return Ok(vec![DataRange { start_block: 0, blocks: size_blocks }]);
+        return Ok(DataRanges::from_slice(&[DataRange { start_block: 0, blocks: size_blocks }]));
     }
     let file = open_noatime(path)?;
-    let mut ranges: Vec<DataRange> = Vec::new();
+    let mut ranges = DataRanges::new();
     let mut pos = 0u64;
     while pos < size {
         let data = match rustix::fs::seek(&file, SeekFrom::Data(pos)) {
@@ -263,7 +265,7 @@ fn read_xattrs(path: &Path) -> Result<Vec<Xattr>, BuildError> {
             }
         };
         if let Some(value) = value {
-            out.push(Xattr { name: name.to_vec(), value });
+            out.push(Xattr { name: name.into(), value });
         }
     }
     out.sort_by(|a, b| a.name.cmp(&b.name));
@@ -307,7 +309,7 @@ mod tests {
 
         let id_of = |dir: usize, name: &[u8]| {
             let NodeKind::Directory { entries } = &nodes[dir].kind else { panic!("not a dir") };
-            entries.iter().find(|e| e.name == name).map(|e| e.node.0 as usize).unwrap()
+            entries.iter().find(|e| e.name[..] == *name).map(|e| e.node.0 as usize).unwrap()
         };
         let a = id_of(0, b"a");
         let b = id_of(0, b"b");

@@ -97,6 +97,7 @@ pub fn build(args: BuildArgs) -> Result<()> {
         max_size: args.max_size,
         reference_layers: args.reference_layers,
         fs_time: tessera_builder::fs_time(source_date_epoch),
+        release_memory: Some(crate::malloc::release_free_memory),
     };
     let bar = Bar::new("building");
     let out = tessera_builder::build_source(&spec, &args.platform, &store, &config, &bar)?;

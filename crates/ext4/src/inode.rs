@@ -28,7 +28,8 @@ pub const MAX_TIME: i64 = i32::MAX as i64 + 3 * (1 << 32);
 /// Encode a timestamp as (low 32 bits of seconds, `(nsec << 2) | epoch`), or `None` if out of range.
 /// The epoch bits extend the signed 32-bit seconds (kernel `ext4_encode_extra_time`).
 pub fn encode_time(t: Timestamp) -> Option<(u32, u32)> {
-    if !(MIN_TIME..=MAX_TIME).contains(&t.sec) || t.nsec >= 1_000_000_000 {
+    let sec = t.sec;
+    if !(MIN_TIME..=MAX_TIME).contains(&sec) || t.nsec >= 1_000_000_000 {
         return None;
     }
     let lo = t.sec as u32;

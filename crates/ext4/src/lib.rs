@@ -21,8 +21,8 @@
 //!                   mtime: Timestamp::default(), ctime: Timestamp::default() };
 //! let tree = Tree {
 //!     nodes: vec![
-//!         Node { meta, kind: NodeKind::Directory { entries: vec![DirEntry { name: b"hello".to_vec(), node: NodeId(1) }] }, xattrs: vec![] },
-//!         Node { meta, kind: NodeKind::Regular { size: 6, data: vec![DataRange { start_block: 0, blocks: 1 }] }, xattrs: vec![] },
+//!         Node { meta, kind: NodeKind::Directory { entries: vec![DirEntry { name: b"hello"[..].into(), node: NodeId(1) }] }, xattrs: vec![] },
+//!         Node { meta, kind: NodeKind::Regular { size: 6, data: tessera_ext4::smallvec::smallvec![DataRange { start_block: 0, blocks: 1 }] }, xattrs: vec![] },
 //!     ],
 //! };
 //! let opts = Options { size: SizePolicy::Free(None), inodes: None, fs_time: 1_700_000_000, seed: [0; 32], label: vec![] };
@@ -56,7 +56,9 @@ pub mod superblock;
 pub mod xattr;
 
 pub use error::Ext4Error;
-pub use tree::{DataRange, DirEntry, Meta, Node, NodeId, NodeKind, Timestamp, Tree, Xattr};
+/// The small-vector type of [`Name`] and [`DataRanges`], for callers that build them.
+pub use smallvec;
+pub use tree::{DataRange, DataRanges, DirEntry, Meta, Name, Node, NodeId, NodeKind, Timestamp, Tree, Xattr};
 
 /// How big the filesystem should be.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

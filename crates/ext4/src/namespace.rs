@@ -276,14 +276,18 @@ mod tests {
             kind: NodeKind::Directory {
                 entries: entries
                     .into_iter()
-                    .map(|(n, i)| DirEntry { name: n.to_vec(), node: NodeId(i) })
+                    .map(|(n, i)| DirEntry { name: n.into(), node: NodeId(i) })
                     .collect(),
             },
             xattrs: vec![],
         }
     }
     fn file() -> Node {
-        Node { meta: meta(), kind: NodeKind::Regular { size: 0, data: vec![] }, xattrs: vec![] }
+        Node {
+            meta: meta(),
+            kind: NodeKind::Regular { size: 0, data: smallvec::smallvec![] },
+            xattrs: vec![],
+        }
     }
 
     #[test]

@@ -30,6 +30,9 @@ pub enum Error {
     /// A run of zero blocks.
     #[error("empty block map run at block {start}")]
     EmptyRun { start: u64 },
+    /// A pack index encoded piecewise was given entries its format cannot hold.
+    #[error("pack index: {reason}")]
+    PackIndexEntries { reason: &'static str },
 }
 
 /// Errors decoding one of the binary formats (record, pack index) or a digest string.

@@ -42,7 +42,7 @@ pub use blockmap::{BlockMap, BlockMapBuilder, ChunkRef, Run, RunSource, Segment,
 pub use digest::{ChunkId, ImageId, Sha256Digest};
 pub use entry::ImageEntry;
 pub use error::{DecodeError, Error};
-pub use packindex::{Compression, PackIndex, PackLocation};
+pub use packindex::{Compression, PackIndex, PackIndexEncoder, PackLocation};
 pub use profile::{
     default_min_runs, Coverage, Profile, ProfileEntry, ProfileError, Trace, TraceEntry, PROFILE_VERSION,
 };

@@ -3,7 +3,7 @@
 
 use crate::codec::{Reader, Writer};
 use crate::digest::{ChunkId, Sha256Digest};
-use crate::error::DecodeError;
+use crate::error::{DecodeError, Error};
 
 const MAGIC: &[u8; 8] = b"TESSPIX\0";
 const VERSION: u32 = 1;
@@ -69,26 +69,13 @@ impl PackIndex {
     }
 
     pub fn encode(&self) -> Vec<u8> {
-        let mut w = Writer::default();
-        w.bytes(MAGIC);
-        w.u32(VERSION);
-        w.len(self.packs.len());
-        for p in &self.packs {
-            w.bytes(&p.0);
+        let mut e = PackIndexEncoder::new(&self.packs, self.entries.len());
+        for &(id, loc) in &self.entries {
+            // `new` sorted and deduplicated the entries; a location naming a pack out of range
+            // is encoded as given (the decoder rejects it).
+            e.put(id, loc);
         }
-        w.len(self.entries.len());
-        for (id, loc) in &self.entries {
-            w.bytes(&id.0);
-            w.u32(loc.pack);
-            w.u64(loc.offset);
-            w.u32(loc.stored_len);
-            w.u32(loc.raw_len);
-            w.u8(match loc.compression {
-                Compression::None => 0,
-                Compression::Zstd => 1,
-            });
-        }
-        w.buf
+        e.w.buf
     }
 
     pub fn decode(bytes: &[u8]) -> Result<Self, DecodeError> {
@@ -127,6 +114,80 @@ impl PackIndex {
     }
 }
 
+/// A pack index encoded a piece at a time, for an index too large to be held twice (a
+/// million-chunk image's is ~50 MB): the caller hands over the bytes made so far with
+/// [`Self::take`] whenever it likes. The same bytes as [`PackIndex::encode`] of the same entries.
+#[derive(Debug)]
+pub struct PackIndexEncoder {
+    w: Writer,
+    packs: usize,
+    /// Entries announced and not yet given.
+    left: usize,
+    last: Option<ChunkId>,
+}
+
+impl PackIndexEncoder {
+    /// Start an index of `packs` holding exactly `entries` entries.
+    pub fn new(packs: &[Sha256Digest], entries: usize) -> Self {
+        let mut w = Writer::default();
+        w.bytes(MAGIC);
+        w.u32(VERSION);
+        w.len(packs.len());
+        for p in packs {
+            w.bytes(&p.0);
+        }
+        w.len(entries);
+        Self { w, packs: packs.len(), left: entries, last: None }
+    }
+
+    fn put(&mut self, id: ChunkId, loc: PackLocation) {
+        self.left = self.left.saturating_sub(1);
+        self.last = Some(id);
+        self.w.bytes(&id.0);
+        self.w.u32(loc.pack);
+        self.w.u64(loc.offset);
+        self.w.u32(loc.stored_len);
+        self.w.u32(loc.raw_len);
+        self.w.u8(match loc.compression {
+            Compression::None => 0,
+            Compression::Zstd => 1,
+        });
+    }
+
+    /// Append one entry: ids strictly ascending, packs in range, no more than announced.
+    pub fn entry(&mut self, id: ChunkId, loc: PackLocation) -> Result<(), Error> {
+        let reason = if self.left == 0 {
+            "more entries than announced"
+        } else if self.last.is_some_and(|last| last >= id) {
+            "chunk ids not strictly ascending"
+        } else if loc.pack as usize >= self.packs {
+            "pack number out of range"
+        } else {
+            self.put(id, loc);
+            return Ok(());
+        };
+        Err(Error::PackIndexEntries { reason })
+    }
+
+    /// How many bytes [`Self::take`] would hand over.
+    pub fn buffered(&self) -> usize {
+        self.w.buf.len()
+    }
+
+    /// The bytes encoded since the last call.
+    pub fn take(&mut self) -> Vec<u8> {
+        std::mem::take(&mut self.w.buf)
+    }
+
+    /// The last bytes, once every announced entry was given.
+    pub fn finish(self) -> Result<Vec<u8>, Error> {
+        if self.left != 0 {
+            return Err(Error::PackIndexEntries { reason: "fewer entries than announced" });
+        }
+        Ok(self.w.buf)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -151,5 +212,46 @@ mod tests {
         assert_eq!(back.get(&b), Some((p, loc(3))));
         assert_eq!(back.get(&ChunkId::of(b"c")), None);
         assert!(PackIndex::decode(&bytes[..bytes.len() - 1]).is_err());
+    }
+
+    #[test]
+    fn piecewise_encoding_is_the_whole_encoding_and_refuses_what_the_format_cannot_hold() {
+        let packs = [Sha256Digest::of(b"p0"), Sha256Digest::of(b"p1")];
+        let mut entries: Vec<(ChunkId, PackLocation)> = (0..1000u32)
+            .map(|i| {
+                let loc = PackLocation {
+                    pack: i % 2,
+                    offset: u64::from(i) * 7,
+                    stored_len: i,
+                    raw_len: i + 1,
+                    compression: Compression::Zstd,
+                };
+                (ChunkId::of(&i.to_le_bytes()), loc)
+            })
+            .collect();
+        entries.sort_by_key(|e| e.0);
+        let whole = PackIndex::new(packs.to_vec(), entries.clone()).encode();
+        let mut e = PackIndexEncoder::new(&packs, entries.len());
+        let mut pieces = Vec::new();
+        for (i, &(id, loc)) in entries.iter().enumerate() {
+            e.entry(id, loc).unwrap();
+            if i % 97 == 0 {
+                pieces.extend(e.take());
+            }
+        }
+        pieces.extend(e.finish().unwrap());
+        assert_eq!(pieces, whole);
+
+        let (a, b) = (entries[0], entries[1]);
+        let mut e = PackIndexEncoder::new(&packs, 2);
+        e.entry(b.0, b.1).unwrap();
+        assert!(e.entry(a.0, a.1).is_err(), "descending ids");
+        assert!(e.entry(b.0, b.1).is_err(), "a repeated id");
+        assert!(e.finish().is_err(), "one entry of two");
+        let mut e = PackIndexEncoder::new(&packs, 1);
+        assert!(e.entry(a.0, PackLocation { pack: 2, ..a.1 }).is_err(), "pack out of range");
+        e.entry(a.0, a.1).unwrap();
+        assert!(e.entry(b.0, b.1).is_err(), "more than announced");
+        assert_eq!(PackIndex::decode(&e.finish().unwrap()).unwrap().entries(), &[a]);
     }
 }

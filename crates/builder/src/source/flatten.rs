@@ -24,7 +24,9 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use tessera_ext4::{DataRange, DirEntry, Meta, Node, NodeId, NodeKind, Timestamp, Tree, Xattr};
+use tessera_ext4::{
+    DataRange, DataRanges, DirEntry, Meta, Name, Node, NodeId, NodeKind, Timestamp, Tree, Xattr,
+};
 use tessera_image::BlockSize;
 
 use super::error::{show, SourceError};
@@ -408,9 +410,12 @@ impl Flattener {
                 FKind::Dir(_) => (NodeKind::Directory { entries: Vec::new() }, None),
                 FKind::File(c) => {
                     let data = if c.size > 0 {
-                        vec![DataRange { start_block: 0, blocks: c.size.div_ceil(BlockSize::U64) }]
+                        DataRanges::from_slice(&[DataRange {
+                            start_block: 0,
+                            blocks: c.size.div_ceil(BlockSize::U64),
+                        }])
                     } else {
-                        Vec::new()
+                        DataRanges::new()
                     };
                     (NodeKind::Regular { size: c.size, data }, Some(*c))
                 }
@@ -448,7 +453,7 @@ impl Flattener {
                         id
                     }
                 };
-                entries.push(DirEntry { name: name.clone(), node: NodeId(id) });
+                entries.push(DirEntry { name: Name::from_slice(name), node: NodeId(id) });
             }
             let slot = new_id[old].map(|i| i as usize);
             if let Some(NodeKind::Directory { entries: e }) =
@@ -574,10 +579,10 @@ mod tests {
         f.apply_layer(1, "l1", &[d, file("e", 3)]).unwrap();
         let flat = f.finish().unwrap();
         let NodeKind::Directory { entries } = &flat.tree.nodes[0].kind else { panic!() };
-        let d = entries.iter().find(|e| e.name == b"d").unwrap().node.0 as usize;
+        let d = entries.iter().find(|e| e.name[..] == b"d"[..]).unwrap().node.0 as usize;
         assert_eq!(flat.tree.nodes[d].meta.mode, 0o700);
         assert!(matches!(&flat.tree.nodes[d].kind, NodeKind::Directory { entries } if entries.len() == 1));
-        let e = entries.iter().find(|e| e.name == b"e").unwrap().node.0 as usize;
+        let e = entries.iter().find(|e| e.name[..] == b"e"[..]).unwrap().node.0 as usize;
         assert!(matches!(flat.tree.nodes[e].kind, NodeKind::Regular { .. }));
     }
 
@@ -588,7 +593,7 @@ mod tests {
         f.apply_layer(1, "l1", &[entry("c", EntryKind::HardLink(b"/a".to_vec())), file("a", 9)]).unwrap();
         let flat = f.finish().unwrap();
         let NodeKind::Directory { entries } = &flat.tree.nodes[0].kind else { panic!() };
-        let id = |n: &[u8]| entries.iter().find(|e| e.name == n).unwrap().node;
+        let id = |n: &[u8]| entries.iter().find(|e| e.name[..] == *n).unwrap().node;
         assert_eq!(id(b"b"), id(b"c"), "b and c stay linked to the old a");
         assert_ne!(id(b"a"), id(b"b"));
         assert_eq!(flat.content[id(b"a").0 as usize].unwrap().offset, 9);

@@ -96,8 +96,12 @@ fn headers_of_every_kind_in_every_compression() {
         let mut cur = 0usize;
         for c in path.split('/') {
             let NodeKind::Directory { entries } = &nodes[cur].kind else { panic!("{path}") };
-            cur = entries.iter().find(|e| e.name == c.as_bytes()).unwrap_or_else(|| panic!("{path}")).node.0
-                as usize;
+            cur = entries
+                .iter()
+                .find(|e| e.name[..] == *c.as_bytes())
+                .unwrap_or_else(|| panic!("{path}"))
+                .node
+                .0 as usize;
         }
         cur
     };

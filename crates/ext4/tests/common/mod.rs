@@ -64,7 +64,7 @@ impl Builder {
 
     pub fn link(&mut self, parent: NodeId, name: &[u8], target: NodeId) {
         match &mut self.tree.nodes[parent.0 as usize].kind {
-            NodeKind::Directory { entries } => entries.push(DirEntry { name: name.to_vec(), node: target }),
+            NodeKind::Directory { entries } => entries.push(DirEntry { name: name.into(), node: target }),
             _ => panic!("parent is not a directory"),
         }
     }
@@ -76,7 +76,7 @@ impl Builder {
     pub fn file(&mut self, parent: NodeId, name: &[u8], size: u64) -> NodeId {
         let blocks = size.div_ceil(4096);
         let data = if blocks > 0 { vec![DataRange { start_block: 0, blocks }] } else { vec![] };
-        self.add(parent, name, node(meta(0o644), NodeKind::Regular { size, data }))
+        self.add(parent, name, node(meta(0o644), NodeKind::Regular { size, data: data.into() }))
     }
 
     pub fn node_mut(&mut self, id: NodeId) -> &mut Node {
@@ -302,7 +302,7 @@ fn file_samples(tree: &Tree, id: usize) -> Vec<(u64, u64)> {
 /// Compare what the kernel sees under `mnt` with the tree.
 pub fn verify_kernel(mnt: &Path, tree: &Tree) {
     let refs = links_of(tree);
-    let root_has_lf = matches!(&tree.nodes[0].kind, NodeKind::Directory { entries } if entries.iter().any(|e| e.name == b"lost+found"));
+    let root_has_lf = matches!(&tree.nodes[0].kind, NodeKind::Directory { entries } if entries.iter().any(|e| e.name[..] == b"lost+found"[..]));
     verify_kernel_node(mnt, tree, 0, &refs, root_has_lf);
 }
 
@@ -328,7 +328,7 @@ fn verify_kernel_node(path: &Path, tree: &Tree, id: usize, refs: &[u64], root_ha
                 .map(|e| e.unwrap().file_name().as_bytes().to_vec())
                 .collect();
             names.sort();
-            let mut want: Vec<Vec<u8>> = entries.iter().map(|e| e.name.clone()).collect();
+            let mut want: Vec<Vec<u8>> = entries.iter().map(|e| e.name.to_vec()).collect();
             if extra == 1 {
                 want.push(b"lost+found".to_vec());
             }
