@@ -23,7 +23,8 @@ use clap::Args;
 use crate::plot::{self, Plot, Series};
 use crate::report::{self, Better, Comparison, Figure, Machine, Part, Report, Samples};
 use crate::{
-    bench_cold, bench_lazy, bench_mounts, bench_oci, bench_scale, bench_serve, bench_virtiofs, bench_warm,
+    bench_cold, bench_devices, bench_lazy, bench_mounts, bench_oci, bench_scale, bench_serve, bench_virtiofs,
+    bench_warm,
 };
 
 /// Options of `cargo xtask bench` (no subcommand).
@@ -59,13 +60,14 @@ pub struct ReportBench {
 }
 
 /// The parts, in the order they run: `--only` name and title.
-const PARTS: [(&str, &str); 9] = [
+const PARTS: [(&str, &str); 10] = [
     ("build", "Build: `tessera build` vs `mkfs.ext4 -d`"),
     ("oci", "Build from an OCI image: `tessera build oci:…` vs `umoci unpack` + `mkfs.ext4 -d`"),
     ("serve", "Serve: `tessera serve` vs `qemu-storage-daemon`, and write + FLUSH vs fio fdatasync"),
     ("lazy", "Lazy loading: time to ready vs the eager peers"),
     ("cold", "Cold daemons: one and N at once against the link floor"),
     ("scale", "Scaling: build time and memory vs entries, daemon RSS"),
+    ("devices", "Devices per host: p99 latency vs devices served at once"),
     ("mounts", "One image, one device: container starts over overlayfs layer mounts vs `tessera serve`"),
     ("boot-profile", "Guest start-up (TCG): no profile, profile, warmed cache, local store"),
     ("virtiofs", "Metadata-heavy guest work (TCG): virtio-fs vs ext4 on Tessera"),
@@ -872,6 +874,99 @@ impl Ctx<'_> {
         Ok(())
     }
 
+    fn devices(&self, p: &mut Part) -> Result<()> {
+        let quick = self.quick();
+        let opts = bench_devices::DevicesBench {
+            devices: if quick { vec![1, 4, 16] } else { vec![1, 2, 4, 8, 16, 32, 64] },
+            rate: 1000,
+            secs: if quick { 2.0 } else { 5.0 },
+            rounds: if quick { 1 } else { 2 },
+            files: 2000,
+            bin: Some(self.bin.clone()),
+            json: false,
+        };
+        let r = bench_devices::measure(&opts)?;
+        p.inputs.push(format!(
+            "the serve bench's generated tree of {} files ({:.0} MiB of file data), built into a local store; per \
+             device one `tessera serve` (its own memory tier, warmed) and one libblkio client (`blkbench`) reading \
+             4 KiB at random offsets of the data at QD1, {} reads/s (open loop: a late read's latency counts from \
+             when it was due), all devices at once for {} s; {} round(s), every read checked against the raw export",
+            opts.files,
+            mib(r.span_bytes),
+            opts.rate,
+            opts.secs,
+            opts.rounds
+        ));
+        p.commands.push((
+            "tessera".into(),
+            format!("{} serve IMAGE --store STORE --socket SOCK --mem-cache SIZE", self.bin.display()),
+        ));
+        p.commands.push((
+            "client".into(),
+            format!(
+                "blkbench --socket SOCK --lo LO --hi HI --verify RAW --secs {} --rate {} randread:1",
+                opts.secs, opts.rate
+            ),
+        ));
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+        let (mut p50s, mut p99s) = (Vec::new(), Vec::new());
+        for &n in &opts.devices {
+            let steps: Vec<&bench_devices::Step> =
+                r.rounds.iter().flatten().filter(|s| s.devices == n).collect();
+            let of = |f: fn(&bench_devices::Step) -> f64| steps.iter().map(|s| f(s)).collect::<Vec<f64>>();
+            p.figures.push(fig(
+                format!("{n} devices: p99 latency (median over the clients)"),
+                "µs",
+                of(bench_devices::Step::p99),
+            ));
+            p.figures.push(fig(
+                format!("{n} devices: p50 latency (median over the clients)"),
+                "µs",
+                of(bench_devices::Step::p50),
+            ));
+            p.figures.push(fig(
+                format!("{n} devices: reads done per second (offered {})", n as u64 * u64::from(opts.rate)),
+                "1/s",
+                of(bench_devices::Step::iops),
+            ));
+            p.figures.push(fig(
+                format!("{n} devices: the daemons' CPU, share of the machine's {cores:.0} CPUs"),
+                "%",
+                steps.iter().map(|s| 100.0 * s.daemon_cpu / s.secs / cores).collect(),
+            ));
+            p50s.push((n as f64, median(&of(bench_devices::Step::p50))));
+            p99s.push((n as f64, median(&of(bench_devices::Step::p99))));
+        }
+        p.notes.push(match bench_devices::doubling_point(&opts, &r) {
+            Some(n) => format!(
+                "The p99 latency at least doubles (against one device) from {n} devices on. The clients share the \
+                 daemons' CPUs here (a VM's vCPUs would not), so this is a lower bound for a host whose guests run \
+                 on other cores."
+            ),
+            None => format!(
+                "The p99 latency does not double up to {} devices. The clients share the daemons' CPUs here (a VM's \
+                 vCPUs would not).",
+                opts.devices.iter().max().copied().unwrap_or(0)
+            ),
+        });
+        p.plots.push(plot_of(
+            Plotted {
+                id: "devices-latency".into(),
+                title: format!(
+                    "Devices served at once, {} reads/s each: latency (medians over the clients)",
+                    opts.rate
+                ),
+                x: "devices (log)",
+                y: "µs (log)",
+                x_log: true,
+                y_log: true,
+                categories: vec![],
+            },
+            vec![series("p50", p50s, true), series("p99", p99s, true)],
+        ));
+        Ok(())
+    }
+
     fn mounts(&self, p: &mut Part) -> Result<()> {
         let mut opts =
             if self.quick() { bench_mounts::MountsBench::quick() } else { bench_mounts::MountsBench::full() };
@@ -1143,6 +1238,7 @@ pub fn run(o: &ReportBench) -> Result<()> {
             "lazy" => ctx.lazy(&mut p),
             "cold" => ctx.cold(&mut p),
             "scale" => ctx.scale(&mut p),
+            "devices" => ctx.devices(&mut p),
             "mounts" => ctx.mounts(&mut p),
             "boot-profile" => ctx.boot_profile(&mut p),
             _ => ctx.virtiofs(&mut p),

@@ -421,23 +421,13 @@ pub(crate) fn measure(opts: &ServeBench) -> Result<ServeResult> {
     }
     let store = dir.join("store");
     let _ = std::fs::remove_dir_all(&store);
-    let out = Command::new(&bin).arg("build").arg(&tree).arg("--store").arg(&store).output()?;
-    if !out.status.success() {
-        bail!("tessera build failed: {}", String::from_utf8_lossy(&out.stderr));
-    }
-    let id = String::from_utf8_lossy(&out.stdout).trim().to_owned();
-    let v = tessera_e2e::tessera::inspect_json_with(&bin, &id, &store)?;
-    let g = &v["geometry"];
-    let bs = g["block_size"].as_u64().context("block_size")?;
-    let lo = g["data_start_block"].as_u64().context("data_start_block")? * bs;
-    let hi = g["data_end_block"].as_u64().context("data_end_block")? * bs;
-    let size = g["size_bytes"].as_u64().context("size_bytes")?;
+    let BuiltImage { id, lo, hi, size, files: file_count } = build_image(&bin, &tree, &store)?;
     let mib = |b: u64| b as f64 / 1048576.0;
     println!(
         "image {id}: {:.0} MiB device, file data in bytes [{lo}, {hi}) ({:.0} MiB), {} files",
         mib(size),
         mib(hi - lo),
-        v["files"]
+        file_count
     );
     println!(
         "random reads: 4 KiB blocks uniformly in [{lo}, {hi}) ({:.1} MiB, the file-data region); \
@@ -833,4 +823,29 @@ fn report(layout: &str, kind: &str, r: &Stats, names: &[String], queues: &[u16],
             }
         }
     }
+}
+
+/// An image built from a tree: its ID, the bytes `[lo, hi)` of its file-data region, its size.
+pub(crate) struct BuiltImage {
+    pub(crate) id: String,
+    pub(crate) lo: u64,
+    pub(crate) hi: u64,
+    pub(crate) size: u64,
+    pub(crate) files: serde_json::Value,
+}
+
+/// `tessera build TREE --store STORE`, and where the image's file data lies.
+pub(crate) fn build_image(bin: &Path, tree: &Path, store: &Path) -> Result<BuiltImage> {
+    let out = Command::new(bin).arg("build").arg(tree).arg("--store").arg(store).output()?;
+    if !out.status.success() {
+        bail!("tessera build failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let id = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    let v = tessera_e2e::tessera::inspect_json_with(bin, &id, store)?;
+    let g = &v["geometry"];
+    let bs = g["block_size"].as_u64().context("block_size")?;
+    let lo = g["data_start_block"].as_u64().context("data_start_block")? * bs;
+    let hi = g["data_end_block"].as_u64().context("data_end_block")? * bs;
+    let size = g["size_bytes"].as_u64().context("size_bytes")?;
+    Ok(BuiltImage { id, lo, hi, size, files: v["files"].clone() })
 }

@@ -25,6 +25,8 @@
 //!   (`bench_s3.rs`).
 //! - `cargo xtask bench scale [--million] [--json]` — build time and VmHWM for 1 k / 10 k / 100 k
 //!   (/ 1 M) generated entries and the daemon's RSS for the 100 k-entry image (`bench_scale.rs`).
+//! - `cargo xtask bench devices [--devices LIST] [--rate N] [--json]` — devices one host serves
+//!   before p99 doubles: N daemons, N steady QD1 clients at once (`bench_devices.rs`).
 //! - `cargo xtask bench virtiofs [--rounds N] [--entries N] [--json]` — metadata-heavy guest work
 //!   over virtio-fs (virtiofsd) vs over Tessera (ext4 on vhost-user-blk), TCG (`bench_virtiofs.rs`).
 //! - `cargo xtask bench mounts [--layers N] [--containers N] [--json]` — host mount operations
@@ -39,6 +41,7 @@ use clap::{Parser, Subcommand};
 use tessera_e2e::{compare, fixtures, judge};
 
 mod bench_cold;
+mod bench_devices;
 mod bench_export;
 mod bench_lazy;
 mod bench_mounts;
@@ -212,6 +215,10 @@ enum Bench {
     /// Build time and peak RSS for 1 k / 10 k / 100 k (/ 1 M) generated entries, and the daemon's
     /// RSS serving the 100 k-entry image.
     Scale(bench_scale::ScaleBench),
+    /// Devices one host serves before p99 doubles: N daemons and N steady QD1 clients at once.
+    ///
+    /// Example: cargo xtask bench devices --devices 1,2,4,8,16,32,64 --rate 1000
+    Devices(bench_devices::DevicesBench),
     /// The same metadata-heavy guest work (find, stat, a git-status-like walk, chown -R, untar)
     /// over virtio-fs (virtiofsd --cache=always) and over Tessera (ext4 on vhost-user-blk), in
     /// the QEMU guest under TCG; rounds interleaved, medians.
@@ -257,6 +264,7 @@ fn main() -> ExitCode {
         Cmd::Bench { what: Some(Bench::Export(opts)), .. } => bench_export::run(&opts),
         Cmd::Bench { what: Some(Bench::S3(opts)), .. } => bench_s3::run(&opts),
         Cmd::Bench { what: Some(Bench::Scale(opts)), .. } => bench_scale::run(&opts),
+        Cmd::Bench { what: Some(Bench::Devices(opts)), .. } => bench_devices::run(&opts),
         Cmd::Bench { what: Some(Bench::Virtiofs(opts)), .. } => bench_virtiofs::run(&opts),
         Cmd::Bench { what: Some(Bench::Mounts(opts)), .. } => bench_mounts::run(&opts),
     };

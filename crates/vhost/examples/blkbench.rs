@@ -5,7 +5,7 @@
 //! ```text
 //! blkbench [--socket SOCK] [--cpu N] [--secs S] [--lo BYTES --hi BYTES] [--queues N]
 //!          [--queue-size N] [--poll-queues] [--verify RAW [--check sample|full|none]]
-//!          [--daemon-pid PID] TEST...
+//!          [--daemon-pid PID] [--rate IOPS] TEST...
 //! TEST: warm | randread:QD[/full] | seqread:QD[/full] | writeflush | memcpy
 //! ```
 //!
@@ -34,6 +34,12 @@
 //! `--daemon-pid PID`: the daemon's CPU time (utime + stime of every thread, from
 //! `/proc/PID/stat`) over each test, reported per request (`cpu_us_per_op`) and as a share of
 //! the test's wall time (`cpu_util`).
+//!
+//! `--rate IOPS`: `randread:1` issues a request every 1/IOPS s on each queue (open loop) instead
+//! of as soon as the last completed, as a VM with a steady load does; a request that is due while
+//! the previous one is still in flight is issued when it completes and its latency counts from
+//! when it was due (no coordinated omission: a device slower than the rate shows as latency).
+//! Named `randread4k_qd1_rateIOPS`.
 //!
 //! `memcpy`: a single-thread copy of 1 MiB pieces, sequentially through a `[lo, hi)`-sized
 //! source into eight 1 MiB destination slots (as a 1 MiB QD8 read test uses them): the memory
@@ -71,6 +77,7 @@ struct Args {
     verify: Option<PathBuf>,
     check: Check,
     daemon_pid: Option<u32>,
+    rate: Option<f64>,
     tests: Vec<String>,
 }
 
@@ -87,6 +94,7 @@ fn parse_args() -> Result<Args, String> {
         verify: None,
         check: Check::Sample,
         daemon_pid: None,
+        rate: None,
         tests: Vec::new(),
     };
     let mut it = std::env::args().skip(1);
@@ -115,6 +123,13 @@ fn parse_args() -> Result<Args, String> {
             "--daemon-pid" => {
                 a.daemon_pid = Some(value("--daemon-pid")?.parse().map_err(|e| format!("--daemon-pid: {e}"))?)
             }
+            "--rate" => {
+                let r: f64 = value("--rate")?.parse().map_err(|e| format!("--rate: {e}"))?;
+                if !(r.is_finite() && r > 0.0) {
+                    return Err("--rate: a positive number of requests per second".into());
+                }
+                a.rate = Some(r);
+            }
             t if !t.starts_with('-') => a.tests.push(t.to_owned()),
             other => return Err(format!("unknown option {other}")),
         }
@@ -129,6 +144,9 @@ fn parse_args() -> Result<Args, String> {
     }
     if !(1..=16).contains(&a.queues) {
         return Err("--queues: 1 to 16".into());
+    }
+    if a.rate.is_some() && a.tests.iter().any(|t| !t.starts_with("randread:1") && t != "warm") {
+        return Err("--rate paces randread:1 only".into());
     }
     Ok(a)
 }
@@ -368,29 +386,53 @@ struct Verify<'a> {
     check: Check,
 }
 
+/// How long a read test runs and how it issues.
+#[derive(Clone, Copy)]
+struct Limits {
+    secs: f64,
+    max_ops: u64,
+    /// QD1 only: the k-th request is due `k × pace` after the start.
+    pace: Option<Duration>,
+}
+
 /// Keep `qd` reads of `len` bytes in flight on one queue for `secs` (or until `max_ops` were
-/// issued), at offsets chosen by `next`; check every completed read.
+/// issued), at offsets chosen by `next`; check every completed read. With `pace`, a request is
+/// issued when due, or at once if late, its latency counted from when it was due.
 fn reads(
     lane: &mut Lane,
     qd: usize,
     len: usize,
-    secs: f64,
-    max_ops: u64,
+    Limits { secs, max_ops, pace }: Limits,
     verify: &Verify,
     mut next: impl FnMut() -> u64,
 ) -> Figures {
     assert!(qd <= MAX_QD && qd * len <= lane.len, "QD {qd} × {len} bytes do not fit the queue's buffers");
+    assert!(pace.is_none() || qd == 1, "a paced test runs at QD1");
     let mut f = Figures::default();
     let mut scratch = Vec::new();
     let mut started = vec![Instant::now(); qd];
     let mut offsets = vec![0u64; qd];
+    let start = Instant::now();
+    // When request `k` is issued: due at its time in the schedule (paced), else now.
+    let issue_time = |k: u64| -> Instant {
+        let Some(p) = pace else { return Instant::now() };
+        let due = start + p.mul_f64(k as f64);
+        let now = Instant::now();
+        if due > now {
+            std::thread::sleep(due - now);
+            // From the actual issue: the sleep's overshoot is the client's, not the device's.
+            Instant::now()
+        } else {
+            due
+        }
+    };
     for slot in 0..qd {
         let ptr = lane.ptr(slot * len);
         offsets[slot] = next();
-        started[slot] = Instant::now();
+        started[slot] = issue_time(slot as u64);
         lane.q.read(offsets[slot], ptr, len, slot, ReqFlags::empty());
     }
-    let t0 = Instant::now();
+    let t0 = if pace.is_some() { start } else { Instant::now() };
     let deadline = t0 + Duration::from_secs_f64(secs);
     let mut done = Vec::new();
     let mut in_flight = qd;
@@ -406,11 +448,12 @@ fn reads(
             f.ops += 1;
             f.bytes += len as u64;
             f.lat_ns.push(now.duration_since(started[slot]).as_nanos() as u64);
-            if now < deadline && issued < max_ops {
-                issued += 1;
+            let due_by_deadline = pace.is_none_or(|p| start + p.mul_f64(issued as f64) < deadline);
+            if now < deadline && issued < max_ops && due_by_deadline {
                 let ptr = lane.ptr(slot * len);
                 offsets[slot] = next();
-                started[slot] = Instant::now();
+                started[slot] = issue_time(issued);
+                issued += 1;
                 lane.q.read(offsets[slot], ptr, len, slot, ReqFlags::empty());
             } else {
                 in_flight -= 1;
@@ -427,8 +470,7 @@ fn all_queues<N: FnMut() -> u64 + Send>(
     c: &mut Client,
     qd: usize,
     len: usize,
-    secs: f64,
-    max_ops: u64,
+    limits: Limits,
     verify: &Verify,
     mut next: impl FnMut(usize) -> N,
 ) -> Figures {
@@ -450,7 +492,7 @@ fn all_queues<N: FnMut() -> u64 + Send>(
                         len: share,
                         completions: (0..MAX_QD).map(|_| MaybeUninit::uninit()).collect(),
                     };
-                    reads(&mut lane, qd, len, secs, max_ops, verify, gen)
+                    reads(&mut lane, qd, len, limits, verify, gen)
                 })
             })
             .collect();
@@ -532,7 +574,8 @@ fn main() {
             // the first queue, every byte checked with --verify.
             "warm" => {
                 let sweep = (hi - lo).div_ceil(1 << 20);
-                let mut f = all_queues(&mut c, 4, 1 << 20, 600.0, sweep / nq as u64 + 1, &verify, |q| {
+                let limits = Limits { secs: 600.0, max_ops: sweep / nq as u64 + 1, pace: None };
+                let mut f = all_queues(&mut c, 4, 1 << 20, limits, &verify, |q| {
                     let mut pos = lo + q as u64 * (1 << 20);
                     move || {
                         let at = pos.min(hi - (1 << 20));
@@ -545,17 +588,21 @@ fn main() {
             }
             "randread" => {
                 let blocks = (hi - lo) / 4096;
-                let mut f = all_queues(&mut c, qd, 4096, args.secs, u64::MAX, &verify, |q| {
+                let pace = args.rate.map(|r| Duration::from_secs_f64(1.0 / r));
+                let limits = Limits { secs: args.secs, max_ops: u64::MAX, pace };
+                let mut f = all_queues(&mut c, qd, 4096, limits, &verify, |q| {
                     let mut rng = rand::rngs::StdRng::seed_from_u64(1 + q as u64);
                     move || lo + rng.gen_range(0..blocks) * 4096
                 });
                 let used = cpu();
-                f.print(&format!("randread4k_qd{qd}{qsuffix}{fsuffix}"), used);
+                let rate = args.rate.map_or(String::new(), |r| format!("_rate{r:.0}"));
+                f.print(&format!("randread4k_qd{qd}{qsuffix}{fsuffix}{rate}"), used);
             }
             "seqread" => {
                 // Each queue starts at its own place in the span and walks it sequentially.
                 let span = (hi - lo) / (1 << 20);
-                let mut f = all_queues(&mut c, qd, 1 << 20, args.secs, u64::MAX, &verify, |q| {
+                let limits = Limits { secs: args.secs, max_ops: u64::MAX, pace: None };
+                let mut f = all_queues(&mut c, qd, 1 << 20, limits, &verify, |q| {
                     let mut mib = q as u64 * span / nq as u64;
                     move || {
                         let at = lo + mib * (1 << 20);
