@@ -52,6 +52,11 @@ pub struct ColdBench {
     /// the last finishes and the origin bytes of all of them (the first arm's arguments).
     #[arg(long, value_delimiter = ',')]
     pub(crate) daemons: Vec<usize>,
+    /// With `--daemons`: run every count a second time with the daemons sharing one host disk
+    /// cache (`--cache-dir`, empty at the start of each round), as the daemons of one host do:
+    /// each chunk should cross the link once, however many daemons need it.
+    #[arg(long)]
+    pub(crate) shared_cache: bool,
 }
 
 struct Arm {
@@ -76,6 +81,8 @@ fn parse_arm(spec: &str, default_bin: &Path) -> Result<Arm> {
 /// origin bytes of all of them.
 pub(crate) struct Concurrent {
     pub(crate) daemons: usize,
+    /// The daemons shared one disk cache.
+    pub(crate) shared_cache: bool,
     pub(crate) wall: Vec<f64>,
     pub(crate) origin_bytes: Vec<u64>,
 }
@@ -116,8 +123,9 @@ pub fn run(opts: &ColdBench) -> Result<()> {
     }
     for c in &r.concurrent {
         println!(
-            "{} daemons at once: last done after {:.1} ms, origin {:.2} MiB in all ({:.2}x one floor's bytes)",
+            "{} daemons at once{}: last done after {:.1} ms, origin {:.2} MiB in all ({:.2}x one floor's bytes)",
             c.daemons,
+            if c.shared_cache { ", one shared disk cache" } else { "" },
             median(c.wall.clone()) * 1e3,
             median(c.origin_bytes.iter().map(|&b| b as f64).collect()) / f64::from(1u32 << 20),
             median(c.origin_bytes.iter().map(|&b| b as f64 / floor.bytes().max(1) as f64).collect()),
@@ -170,10 +178,22 @@ pub(crate) fn measure(opts: &ColdBench) -> Result<ColdResult> {
         }
     }
     let mut concurrent: Vec<Concurrent> = Vec::new();
-    for &n in opts.daemons.iter().filter(|&&n| n > 1) {
+    let counts = opts.daemons.iter().copied().filter(|&n| n > 1);
+    let variants: Vec<(usize, bool)> = counts
+        .flat_map(|n| [(n, false), (n, true)])
+        .filter(|&(_, shared)| !shared || opts.shared_cache)
+        .collect();
+    for (n, shared) in variants {
         let arm = &arms[0];
-        let mut c = Concurrent { daemons: n, wall: Vec::new(), origin_bytes: Vec::new() };
+        let mut c =
+            Concurrent { daemons: n, shared_cache: shared, wall: Vec::new(), origin_bytes: Vec::new() };
+        let cache = work.join("shared-cache");
         for round in 0..opts.rounds {
+            let mut serve_args = arm.args.clone();
+            if shared {
+                let _ = std::fs::remove_dir_all(&cache);
+                serve_args.extend(["--cache-dir".to_owned(), cache.display().to_string()]);
+            }
             let before = proxy.stats().body_bytes;
             let t = std::time::Instant::now();
             let runs: Vec<Result<tessera_e2e::cold::ColdResult>> = std::thread::scope(|s| {
@@ -183,7 +203,7 @@ pub(crate) fn measure(opts: &ColdBench) -> Result<ColdResult> {
                             bin: &arm.bin,
                             store_url: proxy.url(&format!("s/{name}")),
                             image: &opts.image,
-                            serve_args: &arm.args,
+                            serve_args: &serve_args,
                             socket: work.join(format!("cold-{k}.sock")),
                             raw: opts.raw.clone(),
                         };
@@ -204,7 +224,11 @@ pub(crate) fn measure(opts: &ColdBench) -> Result<ColdResult> {
                 }
             }
             let bytes = proxy.stats().body_bytes - before;
-            println!("== round {round}: {n} daemons at once: {:.1} ms, origin {bytes} bytes", wall * 1e3);
+            let how = if shared { " (one shared disk cache)" } else { "" };
+            println!(
+                "== round {round}: {n} daemons at once{how}: {:.1} ms, origin {bytes} bytes",
+                wall * 1e3
+            );
             c.wall.push(wall);
             c.origin_bytes.push(bytes);
         }

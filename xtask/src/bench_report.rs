@@ -711,12 +711,14 @@ impl Ctx<'_> {
             arm: vec![],
             bin: Some(self.bin.clone()),
             daemons: if quick { vec![4] } else { vec![2, 4, 8] },
+            shared_cache: true,
         };
         let r = bench_cold::measure(&opts)?;
         let floor = r.floor;
         p.inputs.push(format!(
             "the lazy bench's image (store {}) and its workload trace {}: floor {} chunks, {:.1} MiB, {:.0} ms at \
-             {} ms RTT and {} Mbit/s; {} rounds; every daemon fresh (no cache), `--read-only`",
+             {} ms RTT and {} Mbit/s; {} rounds; every daemon fresh (no cache), `--read-only`; the N-daemon rows \
+             again with the N daemons sharing one host disk cache (`--cache-dir`, empty at each round's start)",
             opts.store.display(),
             opts.trace.display(),
             floor.chunks,
@@ -757,22 +759,43 @@ impl Ctx<'_> {
             ));
         }
         let mut pts = vec![(1.0, median(&single))];
+        let mut shared_pts = vec![(1.0, median(&single))];
         for c in &r.concurrent {
+            let (who, cache) = if c.shared_cache {
+                (format!("{} daemons, one cache", c.daemons), ", one shared disk cache")
+            } else {
+                (format!("{} daemons", c.daemons), "")
+            };
             p.comparisons.push(cmp(
-                format!("{} daemons at once: until the last is done vs one daemon", c.daemons),
+                format!("{} daemons at once{cache}: until the last is done vs one daemon", c.daemons),
                 "s",
                 Better::Lower,
-                (&format!("{} daemons", c.daemons), c.wall.clone()),
+                (&who, c.wall.clone()),
                 ("one daemon", single.clone()),
             ));
+            // Without a shared cache each daemon fetches what it needs; with one, each chunk
+            // should cross the link once for all of them.
+            let (peer, floor_bytes) = if c.shared_cache {
+                ("floor (once)", mib(floor.bytes()))
+            } else {
+                ("floor × N", mib(floor.bytes()) * c.daemons as f64)
+            };
             p.comparisons.push(cmp(
-                format!("{} daemons at once: origin bytes vs {} × the floor's bytes", c.daemons, c.daemons),
+                format!(
+                    "{} daemons at once{cache}: origin bytes vs the floor's bytes{}",
+                    c.daemons,
+                    if c.shared_cache { "" } else { " × N" }
+                ),
                 "MiB",
                 Better::Lower,
-                (&format!("{} daemons", c.daemons), c.origin_bytes.iter().map(|&b| mib(b)).collect()),
-                ("floor × N", vec![mib(floor.bytes()) * c.daemons as f64]),
+                (&who, c.origin_bytes.iter().map(|&b| mib(b)).collect()),
+                (peer, vec![floor_bytes]),
             ));
-            pts.push((c.daemons as f64, median(&c.wall)));
+            if c.shared_cache {
+                shared_pts.push((c.daemons as f64, median(&c.wall)));
+            } else {
+                pts.push((c.daemons as f64, median(&c.wall)));
+            }
         }
         p.plots.push(plot_of(
             Plotted {
@@ -784,7 +807,10 @@ impl Ctx<'_> {
                 y_log: false,
                 categories: vec![],
             },
-            vec![series("tessera serve, cold", pts, true)],
+            vec![
+                series("tessera serve, cold", pts, true),
+                series("sharing one disk cache", shared_pts, true),
+            ],
         ));
         Ok(())
     }
@@ -793,7 +819,7 @@ impl Ctx<'_> {
         let quick = self.quick();
         let opts = bench_scale::ScaleBench {
             million: false,
-            entries: if quick { vec![1_000, 10_000] } else { vec![1_000, 10_000, 100_000] },
+            entries: if quick { vec![1_000, 10_000] } else { vec![1_000, 10_000, 100_000, 1_000_000] },
             bin: Some(self.bin.clone()),
             no_large: quick,
             no_daemon: false,
@@ -831,6 +857,15 @@ impl Ctx<'_> {
             ));
             time.push((e as f64, b.seconds));
             hwm.push((e as f64, mib(b.peak)));
+        }
+        // The target beyond 100 k entries is a slope: what each entry past 100 k adds to the peak.
+        let at = |n: u64| r.runs.iter().find(|b| b.tree.entries == n);
+        if let (Some(a), Some(b)) = (at(100_000), at(1_000_000)) {
+            p.figures.push(fig(
+                "build VmHWM per entry beyond 100 k: (peak at 1 M − peak at 100 k) / 900 k (target ≤ 512)",
+                "B",
+                vec![(b.peak as f64 - a.peak as f64) / 900_000.0],
+            ));
         }
         let (mut started, mut after) = (Vec::new(), Vec::new());
         for (n, d) in &r.daemons {
