@@ -49,6 +49,10 @@ pub struct ScaleBench {
     /// Measure the daemon on the image of every size (default: only the largest ≤ 100 k).
     #[arg(long)]
     pub(crate) daemon_every_size: bool,
+    /// Also, after the entry counts, a tree of `--entries`' first count whose file data is
+    /// brought up to this many GiB by incompressible 256 MiB files (the data-size axis).
+    #[arg(long, value_name = "GIB")]
+    pub(crate) data_gib: Option<u64>,
 }
 
 /// One measured build.
@@ -56,6 +60,8 @@ pub(crate) struct BuildRun {
     pub(crate) tree: ScaleTree,
     pub(crate) seconds: f64,
     pub(crate) peak: u64,
+    /// The data-size point (`--data-gib`): not on the entries axis.
+    pub(crate) bulk: bool,
 }
 
 /// What `measure` found: a build per size, the daemon's RSS per measured size (entries).
@@ -113,16 +119,30 @@ pub(crate) fn measure(o: &ScaleBench) -> Result<ScaleResult> {
     if o.million {
         sizes.push(1_000_000);
     }
+    // (entries, GiB of data to reach): the entry counts as generated, then the data-size point.
+    let mut plan: Vec<(u64, Option<u64>)> = sizes.iter().map(|&n| (n, None)).collect();
+    if let Some(gib) = o.data_gib {
+        plan.push((sizes.first().copied().unwrap_or(1_000), Some(gib)));
+    }
     let scratch = Scratch(PathBuf::from(format!("/tmp/tessera-bench-scale-{}", std::process::id())));
     std::fs::create_dir_all(&scratch.0)?;
     let daemon_size = sizes.iter().copied().filter(|&n| n <= 100_000).max();
     let mut runs = Vec::new();
     let mut daemons = Vec::new();
-    for &n in &sizes {
+    for (n, gib) in plan {
         let tree_dir = scratch.0.join("tree");
         let store = scratch.0.join(format!("store-{n}"));
         let t = Instant::now();
-        let tree = generate_scale_tree(&tree_dir, n, !o.no_large)?;
+        let mut tree = generate_scale_tree(&tree_dir, n, !o.no_large)?;
+        if let Some(gib) = gib {
+            const BULK_MIB: u64 = 256;
+            let files = ((gib << 30).saturating_sub(tree.bytes)).div_ceil(BULK_MIB << 20);
+            super::bench_lazy::write_incompressible(&tree_dir.join("bulk"), files, BULK_MIB, "scale-bulk")?;
+            tree.files += files;
+            tree.dirs += 1;
+            tree.entries += files + 1;
+            tree.bytes += files * (BULK_MIB << 20);
+        }
         eprintln!("==> {n} entries generated in {:.1}s: {tree:?}", t.elapsed().as_secs_f64());
         let t = Instant::now();
         let (stdout, peak) = tessera::run_peak_rss(&[
@@ -135,8 +155,8 @@ pub(crate) fn measure(o: &ScaleBench) -> Result<ScaleResult> {
         let id = String::from_utf8_lossy(&stdout).trim().to_owned();
         eprintln!("    build {seconds:.2}s, VmHWM {:.1} MiB, {id}", mib(peak));
         std::fs::remove_dir_all(&tree_dir)?;
-        runs.push(BuildRun { tree, seconds, peak });
-        if (o.daemon_every_size || Some(n) == daemon_size) && !o.no_daemon {
+        runs.push(BuildRun { tree, seconds, peak, bulk: gib.is_some() });
+        if (o.daemon_every_size || Some(n) == daemon_size) && !o.no_daemon && gib.is_none() {
             daemons.push((n, measure_daemon(&bin, &id, &store, &scratch.0)?));
         }
         std::fs::remove_dir_all(&store)?;
@@ -172,7 +192,7 @@ fn print_result(
     for r in runs {
         let per = r.peak as f64 / r.tree.entries as f64;
         let marginal = base
-            .filter(|&(e, _)| r.tree.entries > e)
+            .filter(|&(e, _)| r.tree.entries > e && !r.bulk)
             .map(|(e, p)| (r.peak as f64 - p as f64) / (r.tree.entries - e) as f64);
         table.push_str(&format!(
             "{:>9} {:>8} {:>7} {:>9.1} {:>9.2} {:>11.1} {:>9.0} {:>15}\n",
