@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
 use tessera_e2e::daemon::{BlkClient, Daemon};
+use tessera_e2e::metrics::scrape;
 use tessera_e2e::nginx::Nginx;
 use tessera_e2e::prng::Prng;
 use tessera_e2e::tessera;
@@ -46,7 +47,10 @@ fn origin_gone_cached_reads_work_uncached_fail_fast_then_recover() -> Result<()>
     let socket = t.path().join("vm.sock");
     let cache = t.path().join("cache");
     let cache = cache.to_str().context("non-UTF-8 path")?;
-    let d = Daemon::start("demo", origin.url(), &socket, &["--read-only", "--cache-dir", cache])?;
+    // The metrics endpoint on a port picked now (bound and released), to see the fetch queue.
+    let metrics = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.to_string();
+    let args = ["--read-only", "--cache-dir", cache, "--metrics", metrics.as_str()];
+    let d = Daemon::start("demo", origin.url(), &socket, &args)?;
     let mut c = BlkClient::connect(d.socket(), 1, true)?;
     let cap = c.capacity() as usize;
     ensure!(cap == raw.len(), "capacity {cap} vs export {}", raw.len());
@@ -54,6 +58,15 @@ fn origin_gone_cached_reads_work_uncached_fail_fast_then_recover() -> Result<()>
     // Warm the first MiB (superblock, group descriptors, inode tables).
     let head = c.read(0, MIB)?.map_err(|e| anyhow::anyhow!("warm read: errno {e}"))?;
     ensure!(head == raw[..MIB], "first MiB differs");
+    // The warm read's readahead may still be fetching. A request in flight when nginx stops is
+    // answered during its shutdown, and an answer resets the transport's count of requests that
+    // failed in a row (the origin would not count as failing when the test expects it to): stop
+    // the origin only once no fetch is queued or running.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while scrape(&metrics)?.value("tessera_fetch_queue_depth", &[])? > 0.0 {
+        ensure!(Instant::now() < deadline, "the warm read's fetches did not end within 20 s");
+        std::thread::sleep(Duration::from_millis(10)); // polling interval, not a fixed wait
+    }
 
     origin.stop();
     // Cached: still served, right bytes.
