@@ -18,6 +18,7 @@ use std::time::Instant;
 use anyhow::{bail, ensure, Context, Result};
 use clap::Args;
 use serde_json::json;
+use tessera_e2e::cold::median;
 use tessera_e2e::daemon::Daemon;
 use tessera_e2e::fixtures;
 
@@ -69,16 +70,12 @@ pub(crate) struct Step {
 }
 
 impl Step {
-    fn median(mut v: Vec<f64>) -> f64 {
-        v.sort_by(f64::total_cmp);
-        v.get(v.len() / 2).copied().unwrap_or(0.0)
-    }
     pub(crate) fn p50(&self) -> f64 {
-        Self::median(self.clients.iter().map(|c| c.p50_us).collect())
+        median(self.clients.iter().map(|c| c.p50_us).collect())
     }
     /// The median over the clients of each client's p99.
     pub(crate) fn p99(&self) -> f64 {
-        Self::median(self.clients.iter().map(|c| c.p99_us).collect())
+        median(self.clients.iter().map(|c| c.p99_us).collect())
     }
     pub(crate) fn worst_p99(&self) -> f64 {
         self.clients.iter().map(|c| c.p99_us).fold(0.0, f64::max)
@@ -100,7 +97,7 @@ pub(crate) struct DevicesResult {
 pub(crate) fn doubling_point(o: &DevicesBench, r: &DevicesResult) -> Option<usize> {
     let p99 = |n: usize| {
         let v: Vec<f64> = r.rounds.iter().flatten().filter(|s| s.devices == n).map(Step::p99).collect();
-        Step::median(v)
+        median(v)
     };
     let base = p99(*o.devices.iter().min()?);
     o.devices.iter().copied().filter(|&n| p99(n) >= 2.0 * base).min()
