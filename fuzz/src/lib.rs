@@ -20,6 +20,7 @@ pub mod pack_index;
 pub mod profile;
 pub mod request_trace;
 pub mod seeds;
+pub mod source_index;
 pub mod vhost_request;
 
 /// A tolerant reader over fuzz input: reads past the end give zeros, never an error, so every

@@ -24,7 +24,7 @@ use crate::Output;
 pub type Seeds = Vec<(String, Vec<u8>)>;
 
 /// Seeds of the named target (`vhost_request`, `image_record`, `overlay_replay`, `oci_layers`,
-/// `content_manifest`, `gzip_index`, `pack_index`, `cache_index`, `profile`, `boot_trace`,
+/// `content_manifest`, `source_index`, `gzip_index`, `pack_index`, `cache_index`, `profile`, `boot_trace`,
 /// `request_trace`, `ext4_roundtrip`).
 pub fn for_target(target: &str) -> Seeds {
     match target {
@@ -33,6 +33,7 @@ pub fn for_target(target: &str) -> Seeds {
         "overlay_replay" => overlay_replay(),
         "oci_layers" => oci_layers(),
         "content_manifest" => crate::content_manifest::seeds(),
+        "source_index" => crate::source_index::seeds(),
         "gzip_index" => crate::gzip_index::seeds(),
         "pack_index" => crate::pack_index::seeds(),
         "cache_index" => crate::cache_index::seeds(),
@@ -44,12 +45,13 @@ pub fn for_target(target: &str) -> Seeds {
     }
 }
 
-pub const TARGETS: [&str; 12] = [
+pub const TARGETS: [&str; 13] = [
     "vhost_request",
     "image_record",
     "overlay_replay",
     "oci_layers",
     "content_manifest",
+    "source_index",
     "gzip_index",
     "pack_index",
     "cache_index",

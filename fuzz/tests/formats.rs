@@ -266,6 +266,26 @@ fn content_manifest() {
 }
 
 #[test]
+fn source_index() {
+    use tessera_builder::source_index::{SourceIndex, SourceIndexError};
+    let bytes = fixture("source-index.v1.bin", SourceIndex::example);
+    assert_eq!(SourceIndex::example(), bytes, "the example encodes as it did");
+    let index = SourceIndex::decode(bytes.clone()).unwrap();
+    assert_eq!(index.files(), 3);
+    let entries = |i: &SourceIndex| i.entries().collect::<Vec<_>>();
+    corruptions(
+        "source index",
+        &bytes,
+        &|b| SourceIndex::decode(b.to_vec()).map_err(|e| e.to_string()),
+        &|i| SourceIndex::encode(i.chunk_size(), &entries(i)),
+        false,
+    );
+    let mut next = bytes.clone();
+    next[8..12].copy_from_slice(&2u32.to_le_bytes());
+    assert_eq!(SourceIndex::decode(next).unwrap_err(), SourceIndexError::UnsupportedVersion(2));
+}
+
+#[test]
 fn image_entry_json() {
     let bytes = fixture("entry.v1.json", || ImageEntry::example().to_json());
     assert_eq!(ImageEntry::from_json(&bytes).unwrap(), ImageEntry::example());

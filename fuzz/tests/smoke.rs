@@ -12,6 +12,7 @@ fn run(target: &str, data: &[u8]) {
         "overlay_replay" => tessera_fuzz::overlay_replay::run(data),
         "oci_layers" => tessera_fuzz::oci_layers::run(data),
         "content_manifest" => tessera_fuzz::content_manifest::run(data),
+        "source_index" => tessera_fuzz::source_index::run(data),
         "gzip_index" => tessera_fuzz::gzip_index::run(data),
         "pack_index" => tessera_fuzz::pack_index::run(data),
         "cache_index" => tessera_fuzz::cache_index::run(data),
@@ -93,6 +94,11 @@ fn mutated_seeds() {
             }
         }
     }
+}
+
+#[test]
+fn source_index_seeds() {
+    seeds("source_index");
 }
 
 #[test]

@@ -16,6 +16,7 @@ use tessera_store::{BlobWriter, LocalStore};
 
 use crate::error::BuildError;
 use crate::seed::FileChunks;
+use crate::source_index::SourceIndex;
 use crate::walk::{open_noatime, SourceTree};
 use crate::Progress;
 
@@ -143,6 +144,17 @@ pub struct ChunkOutput {
     existing_pack_no: HashMap<Sha256Digest, u32>,
     pub new_chunks: u64,
     pub new_stored_bytes: u64,
+    /// Files taken from the previous build's source index instead of read.
+    pub reused: Reuse,
+}
+
+/// What a directory build took from its previous build's source index.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Reuse {
+    /// Regular files not read.
+    pub files: u64,
+    /// Their content bytes.
+    pub bytes: u64,
 }
 
 impl ChunkOutput {
@@ -186,6 +198,9 @@ pub(crate) enum JobData {
     Path(PathBuf),
     /// Already read from a stream (layer sources).
     Bytes(Vec<u8>),
+    /// Not read: the previous build's source index says the file is unchanged and this chunk of
+    /// it is in the store.
+    Known(ChunkId),
 }
 
 /// One chunk to cut: `len` bytes at `offset` of node `node`'s content.
@@ -206,23 +221,47 @@ struct Processed {
     stored: Option<(Vec<u8>, Compression)>,
 }
 
+/// The chunks of node `node`'s content (none unless it is a regular file with a source path):
+/// (offset, length), in file order.
+fn node_pieces(src: &SourceTree, node: usize, chunk_size: u64) -> impl Iterator<Item = (u64, u32)> + '_ {
+    let (size, data) = match src.tree.nodes.get(node).map(|n| &n.kind) {
+        Some(tessera_ext4::NodeKind::Regular { size, data }) if src.has_path(node) => (*size, &data[..]),
+        _ => (0, &[][..]),
+    };
+    data.iter().flat_map(move |range| {
+        let start = range.start_block * BlockSize::U64;
+        let end = ((range.start_block + range.blocks) * BlockSize::U64).min(size);
+        // chunk_size ≤ 16 MiB, so a length always fits.
+        (start..end).step_by(chunk_size as usize).map(move |off| (off, (end - off).min(chunk_size) as u32))
+    })
+}
+
 /// Every chunk of `src`'s regular files, in tree order: (node, offset, length). Jobs are made from
 /// this lazily, one batch at a time, so a tree of a million files never holds a million of them.
 fn chunk_pieces(src: &SourceTree, chunk_size: u64) -> impl Iterator<Item = (usize, u64, u32)> + '_ {
-    src.tree.nodes.iter().enumerate().flat_map(move |(node, n)| {
-        let (size, data) = match &n.kind {
-            tessera_ext4::NodeKind::Regular { size, data } if src.has_path(node) => (*size, &data[..]),
-            _ => (0, &[][..]),
-        };
-        data.iter().flat_map(move |range| {
-            let start = range.start_block * BlockSize::U64;
-            let end = ((range.start_block + range.blocks) * BlockSize::U64).min(size);
-            // chunk_size ≤ 16 MiB, so a length always fits.
-            (start..end)
-                .step_by(chunk_size as usize)
-                .map(move |off| (node, off, (end - off).min(chunk_size) as u32))
-        })
-    })
+    (0..src.tree.nodes.len())
+        .flat_map(move |node| node_pieces(src, node, chunk_size).map(move |(off, len)| (node, off, len)))
+}
+
+/// The chunk ids of node `node` from the previous build's `index`, if its fingerprint is there,
+/// the chunks it lists are the ones this walk cuts the file into, and every one is in the store.
+fn indexed_chunks(
+    src: &SourceTree,
+    node: usize,
+    chunk_size: u64,
+    index: &SourceIndex,
+    existing: &HashMap<ChunkId, (Sha256Digest, PackLocation)>,
+) -> Option<Vec<ChunkId>> {
+    let mut listed = index.lookup(src.stamp(node))?;
+    let mut ids = Vec::new();
+    for (off, len) in node_pieces(src, node, chunk_size) {
+        let (o, id, l) = listed.next()?;
+        if (o, l) != (off, len) || !existing.contains_key(&id) {
+            return None;
+        }
+        ids.push(id);
+    }
+    listed.next().is_none().then_some(ids)
 }
 
 fn read_chunk(path: &Path, offset: u64, len: u32) -> Result<Vec<u8>, BuildError> {
@@ -270,6 +309,9 @@ fn process(job: Job, known: impl Fn(&ChunkId) -> bool) -> Result<Processed, Buil
     let raw = match job.data {
         JobData::Path(path) => read_chunk(&path, job.offset, job.len)?,
         JobData::Bytes(bytes) => bytes,
+        JobData::Known(id) => {
+            return Ok(Processed { node: job.node, offset: job.offset, id, len: job.len, stored: None })
+        }
     };
     let id = ChunkId::of(&raw);
     let (node, offset, len) = (job.node, job.offset, job.len);
@@ -335,25 +377,56 @@ fn pack_writer(store: &LocalStore, rx: mpsc::Receiver<Vec<PackOp>>) -> Result<Ve
 }
 
 /// Chunk every regular file of `src`, deduplicating against `existing` (chunks the store holds)
-/// and within the build, and write new chunks to packs in `store`.
+/// and within the build, and write new chunks to packs in `store`. Files the previous build's
+/// `index` lists unchanged (and whose chunks are all in `existing`) are not read.
 pub fn chunk_tree(
     src: &SourceTree,
     store: &LocalStore,
     existing: HashMap<ChunkId, (Sha256Digest, PackLocation)>,
     chunk_size: u64,
+    index: Option<&SourceIndex>,
     progress: &dyn Progress,
 ) -> Result<ChunkOutput, BuildError> {
-    let total: u64 = chunk_pieces(src, chunk_size).map(|(_, _, len)| u64::from(len)).sum();
-    chunk_with(src.tree.nodes.len(), total, store, existing, progress, |sink| {
+    let mut known: Vec<Option<Vec<ChunkId>>> = Vec::new();
+    let mut reused = Reuse::default();
+    if let Some(index) = index.filter(|i| u64::from(i.chunk_size()) == chunk_size) {
+        known.resize(src.tree.nodes.len(), None);
+        for (node, slot) in known.iter_mut().enumerate() {
+            if src.has_path(node) && !src.stamp(node).is_none() {
+                *slot = indexed_chunks(src, node, chunk_size, index, &existing);
+            }
+        }
+    }
+    let mut total = 0u64;
+    for (node, _, len) in chunk_pieces(src, chunk_size) {
+        if known.get(node).is_some_and(Option::is_some) {
+            reused.bytes += u64::from(len);
+        } else {
+            total += u64::from(len);
+        }
+    }
+    reused.files = known.iter().filter(|k| k.is_some()).count() as u64;
+    let mut out = chunk_with(src.tree.nodes.len(), total, store, existing, progress, |sink| {
         let mut batch = Batcher::default();
+        let mut node_known: (usize, std::slice::Iter<'_, ChunkId>) = (usize::MAX, [].iter());
         for (node, offset, len) in chunk_pieces(src, chunk_size) {
-            let path = src
-                .file_path(node)
-                .ok_or(BuildError::Internal { what: "a regular file without a source path", chunk: None })?;
-            batch.push(Job { node, offset, len, data: JobData::Path(path) }, sink)?;
+            if node != node_known.0 {
+                let list = known.get(node).and_then(Option::as_deref).unwrap_or(&[]);
+                node_known = (node, list.iter());
+            }
+            let data = match node_known.1.next() {
+                Some(id) => JobData::Known(*id),
+                None => JobData::Path(src.file_path(node).ok_or(BuildError::Internal {
+                    what: "a regular file without a source path",
+                    chunk: None,
+                })?),
+            };
+            batch.push(Job { node, offset, len, data }, sink)?;
         }
         batch.flush(sink)
-    })
+    })?;
+    out.reused = reused;
+    Ok(out)
 }
 
 /// Groups jobs into batches of at most [`BATCH_BYTES`] (or one job, if larger) and at most
@@ -367,14 +440,23 @@ pub(crate) struct Batcher {
 /// Receives one batch of jobs at a time.
 pub(crate) type Sink<'a> = dyn FnMut(Vec<Job>, u64) -> Result<(), BuildError> + 'a;
 
+impl Job {
+    /// Bytes this job reads and hashes: what batches are sized by and progress counts.
+    fn work_bytes(&self) -> u64 {
+        match self.data {
+            JobData::Known(_) => 0,
+            _ => u64::from(self.len),
+        }
+    }
+}
+
 impl Batcher {
     pub(crate) fn push(&mut self, job: Job, sink: &mut Sink<'_>) -> Result<(), BuildError> {
-        if !self.jobs.is_empty()
-            && (self.bytes + u64::from(job.len) > BATCH_BYTES || self.jobs.len() >= BATCH_JOBS)
-        {
+        let bytes = job.work_bytes();
+        if !self.jobs.is_empty() && (self.bytes + bytes > BATCH_BYTES || self.jobs.len() >= BATCH_JOBS) {
             self.flush(sink)?;
         }
-        self.bytes += u64::from(job.len);
+        self.bytes += bytes;
         self.jobs.push(job);
         Ok(())
     }

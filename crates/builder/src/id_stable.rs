@@ -117,7 +117,8 @@ fn image_id_of_a_fixed_tree_is_unchanged() {
     }
     let config = BuildConfig::default();
     let mut chunks =
-        chunk_tree(&source, &store, Default::default(), u64::from(config.chunk_size), &NoProgress).unwrap();
+        chunk_tree(&source, &store, Default::default(), u64::from(config.chunk_size), None, &NoProgress)
+            .unwrap();
     let out =
         finish_image(&source.tree, &mut chunks, &store, &config, Default::default(), serde_json::Value::Null)
             .unwrap();

@@ -20,16 +20,18 @@ mod pipeline;
 mod reference;
 mod seed;
 pub mod source;
+pub mod source_index;
 #[cfg(any(test, feature = "test-support"))]
 pub mod test_support;
 mod walk;
 
-pub use chunk::{BATCH_BYTES, PACK_TARGET_BYTES};
+pub use chunk::{Reuse, BATCH_BYTES, PACK_TARGET_BYTES};
 pub use error::BuildError;
 pub use image::{build_image, LAYER_READER_VERSION};
 pub use manifest_text::{build_manifest, TEXT_VERSION};
 pub use pipeline::{
     build_dir, build_source, fs_time, BuildConfig, BuildOutput, DEFAULT_CHUNK_SIZE, DEFAULT_FS_TIME,
+    SOURCE_READER_VERSION,
 };
 pub use walk::{walk_dir, SourceTree};
 

@@ -12,10 +12,11 @@ use tessera_image::{
 use tessera_store::{BlobWriter, LocalStore};
 use tracing::{debug, info};
 
-use crate::chunk::{chunk_tree, ChunkOutput};
+use crate::chunk::{chunk_tree, ChunkOutput, Reuse};
 use crate::error::BuildError;
 use crate::seed::tree_seed;
 use crate::source::{open_docker_archive, open_oci_layout, open_registry, Platform, SourceSpec};
+use crate::source_index::{SourceIndex, SourceIndexEncoder};
 use crate::walk::walk_dir;
 use crate::Progress;
 
@@ -55,6 +56,9 @@ pub struct BuildConfig {
     /// Keep file data in the source image's gzip layers (`--reference-layers`; OCI layouts only):
     /// the store gets the layer blobs as they are and a reference pack index.
     pub reference_layers: bool,
+    /// Read every file of a directory source, even those the store's record of the previous build
+    /// of the same directory lists as unchanged (`--reread`).
+    pub reread: bool,
     /// Called once the content is chunked and what only chunking needed is freed, before ext4
     /// is synthesized (where a build peaks): the binary returns the freed memory to the system
     /// (glibc keeps it otherwise: tens of MiB at a million entries). The library allocates no
@@ -72,6 +76,7 @@ impl Default for BuildConfig {
             source_ref: String::new(),
             max_size: None,
             reference_layers: false,
+            reread: false,
             release_memory: None,
         }
     }
@@ -86,6 +91,8 @@ pub struct BuildOutput {
     /// Chunks written by this build (not already in the store).
     pub new_chunks: u64,
     pub new_stored_bytes: u64,
+    /// Directory sources: the files taken unread from the previous build's source index.
+    pub reused: Reuse,
 }
 
 pub(crate) fn check_chunk_size(size: u32) -> Result<(), BuildError> {
@@ -95,8 +102,16 @@ pub(crate) fn check_chunk_size(size: u32) -> Result<(), BuildError> {
     Ok(())
 }
 
+/// The version of the directory walk's rules (what a file's chunks are, how its fingerprint is
+/// made) behind a source index; an index made with another is not used.
+pub const SOURCE_READER_VERSION: u32 = 1;
+
 /// Build the directory `src` into `store`. Writes blobs, then the image entry; tagging is the
 /// caller's (after this returns, so a ref never points at a missing entry).
+///
+/// A build leaves a source index in the store (`sources/`, `docs/formats/source-index.md`): the
+/// next build of the same directory with the same chunk size reads only the files whose inode,
+/// size, mtime or ctime changed, unless `config.reread`.
 pub fn build_dir(
     src: &Path,
     store: &LocalStore,
@@ -106,15 +121,28 @@ pub fn build_dir(
     check_chunk_size(config.chunk_size)?;
     let source = walk_dir(src)?;
     info!(nodes = source.tree.nodes.len(), "walked source tree");
+    // Keyed by the directory's canonical path: another directory never uses this index.
+    let canonical = std::fs::canonicalize(src).map_err(BuildError::io(src, "resolve the source path"))?;
+    let key = blake3::hash(canonical.as_os_str().as_encoded_bytes()).to_hex()[..32].to_owned();
+    let previous = if config.reread { None } else { previous_index(store, &key, config.chunk_size) };
     let existing = store.known_chunks()?;
     debug!(chunks = existing.len(), "chunks already in the store");
-    let mut chunks = chunk_tree(&source, store, existing, u64::from(config.chunk_size), progress)?;
-    info!(new_chunks = chunks.new_chunks, new_bytes = chunks.new_stored_bytes, "chunked file content");
+    let mut chunks =
+        chunk_tree(&source, store, existing, u64::from(config.chunk_size), previous.as_ref(), progress)?;
+    drop(previous);
+    info!(
+        new_chunks = chunks.new_chunks,
+        new_bytes = chunks.new_stored_bytes,
+        unchanged_files = chunks.reused.files,
+        unchanged_bytes = chunks.reused.bytes,
+        "chunked file content"
+    );
     let pack_index = image_pack_index(&mut chunks, store)?;
+    let index = write_source_index(&source, &chunks.files, config.chunk_size, store)?;
     // Where each chunk is stored (~60 bytes a chunk) and the source paths (~20 bytes an entry)
     // are written or used: gone before ext4 is synthesized, where the build peaks.
     // (Dropped by name: fields a destructuring leaves unbound would live to the end of the scope.)
-    let ChunkOutput { files, homes, new_chunks, new_stored_bytes, .. } = chunks;
+    let ChunkOutput { files, homes, new_chunks, new_stored_bytes, reused, .. } = chunks;
     drop(homes);
     let tree = source.into_tree();
     let runtime = RuntimeConfig::default();
@@ -124,7 +152,67 @@ pub fn build_dir(
         })?;
     out.new_chunks = new_chunks;
     out.new_stored_bytes = new_stored_bytes;
+    out.reused = reused;
+    // Only a cache for the next build: the image is complete without it.
+    let record = tessera_store::SourceRecord {
+        reader: SOURCE_READER_VERSION,
+        path: canonical.to_string_lossy().into_owned(),
+        index,
+        image: out.id.0,
+    };
+    if let Err(e) = store.put_source_record(&key, config.chunk_size, &record) {
+        tracing::warn!(error = %e, "could not record the source index: the next build reads every file");
+    }
     Ok(out)
+}
+
+/// The source index of the previous build of the directory keyed `key`, if the store has a
+/// usable one (any problem with it only means every file is read).
+fn previous_index(store: &LocalStore, key: &str, chunk_size: u32) -> Option<SourceIndex> {
+    let record = match store.source_record(key, chunk_size) {
+        Ok(Some(r)) if r.reader == SOURCE_READER_VERSION => r,
+        Ok(_) => return None,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot read the source record: reading every file");
+            return None;
+        }
+    };
+    let index = store
+        .read_blob(&record.index)
+        .map_err(|e| e.to_string())
+        .and_then(|bytes| SourceIndex::decode(bytes).map_err(|e| e.to_string()));
+    match index {
+        Ok(index) if index.chunk_size() == chunk_size => {
+            debug!(files = index.files(), index = %record.index, "using the previous build's source index");
+            Some(index)
+        }
+        Ok(_) => None,
+        Err(error) => {
+            tracing::warn!(%error, index = %record.index, "ignoring the previous build's source index");
+            None
+        }
+    }
+}
+
+/// Write the source index of this build: each regular file's fingerprint and chunks.
+fn write_source_index(
+    source: &crate::walk::SourceTree,
+    files: &[crate::seed::FileChunks],
+    chunk_size: u32,
+    store: &LocalStore,
+) -> Result<Sha256Digest, BuildError> {
+    let mut encoder = SourceIndexEncoder::new(chunk_size);
+    for (node, chunks) in files.iter().enumerate() {
+        if source.has_path(node) && !chunks.is_empty() {
+            encoder.add(source.stamp(node), node as u32);
+        }
+    }
+    let mut blob = store.blob_writer()?;
+    encoder.finish(
+        |node| files.get(node as usize).map_or(&[][..], |c| &c[..]),
+        |piece| blob.append(piece).map(|_| ()),
+    )?;
+    Ok(blob.commit()?)
 }
 
 /// Seal `chunks`' homes and write the image's pack index: every chunk of its files, packs numbered
@@ -199,7 +287,7 @@ pub(crate) fn finish_image_with(
     let id = ImageId(Sha256Digest::of(&record.encode()));
     let pack_index = pack_index(&record, id)?;
     let (id, entry) = write_image(store, config, &record, prefix.stored, pack_index, source_provenance)?;
-    Ok(BuildOutput { id, record, entry, new_chunks: 0, new_stored_bytes: 0 })
+    Ok(BuildOutput { id, record, entry, new_chunks: 0, new_stored_bytes: 0, reused: Reuse::default() })
 }
 
 /// The metadata prefix: every non-zero metadata block, concatenated in device order.

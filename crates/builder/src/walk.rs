@@ -14,6 +14,11 @@ use tessera_ext4::{
 use tessera_image::BlockSize;
 
 use crate::error::BuildError;
+use crate::source_index::{Fingerprint, StatKey};
+
+/// How long before the walk a file's mtime and ctime must be for its fingerprint to be trusted
+/// (a generous bound on the filesystem clock's tick and on clock steps).
+const RACY_WINDOW_NS: i128 = 1_000_000_000;
 
 /// A walked source: the tree plus, for each regular-file node, where to read its content.
 #[derive(Debug, Default)]
@@ -25,6 +30,9 @@ pub struct SourceTree {
     files: Vec<(u32, u32)>,
     /// Every walked directory: its node and its path.
     dirs: Vec<(NodeId, PathBuf)>,
+    /// Indexed by `NodeId`: a regular file's stat fingerprint (the source index's key),
+    /// [`Fingerprint::NONE`] for other nodes and for files changed within a second of the walk.
+    stamps: Vec<Fingerprint>,
 }
 
 const NO_PATH: (u32, u32) = (u32::MAX, u32::MAX);
@@ -33,6 +41,11 @@ impl SourceTree {
     /// The tree alone, the source paths dropped.
     pub fn into_tree(self) -> Tree {
         self.tree
+    }
+
+    /// The stat fingerprint of node `node` (see [`crate::source_index`]).
+    pub fn stamp(&self, node: usize) -> Fingerprint {
+        self.stamps.get(node).copied().unwrap_or(Fingerprint::NONE)
     }
 
     /// The source path of regular-file node `node` (its first link), `None` for other nodes.
@@ -71,7 +84,12 @@ pub fn walk_dir(root: &Path) -> Result<SourceTree, BuildError> {
     if !root_md.is_dir() {
         return Err(BuildError::NotADirectory { path: root.to_owned() });
     }
+    let started = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as i128);
+    let trusted_before = started - RACY_WINDOW_NS;
     let mut out = SourceTree::default();
+    out.stamps.push(Fingerprint::NONE);
     out.tree.nodes.push(Node {
         meta: meta_of(&root_md),
         kind: NodeKind::Directory { entries: Vec::new() },
@@ -111,6 +129,11 @@ pub fn walk_dir(root: &Path) -> Result<SourceTree, BuildError> {
                     out.tree.nodes.push(node);
                     // `entries.len()` < the node count, which fits in u32.
                     out.files.push(if is_file { (dir_index, entries.len() as u32) } else { NO_PATH });
+                    out.stamps.push(if is_file {
+                        stat_key(&md).fingerprint(trusted_before)
+                    } else {
+                        Fingerprint::NONE
+                    });
                     if !md.is_dir() && md.nlink() > 1 {
                         hard_links.insert(link_key, id);
                     }
@@ -135,7 +158,19 @@ pub fn walk_dir(root: &Path) -> Result<SourceTree, BuildError> {
     out.tree.nodes.shrink_to_fit();
     out.files.shrink_to_fit();
     out.dirs.shrink_to_fit();
+    out.stamps.shrink_to_fit();
     Ok(out)
+}
+
+fn stat_key(md: &Metadata) -> StatKey {
+    StatKey {
+        dev: md.dev(),
+        ino: md.ino(),
+        size: md.len(),
+        blocks: md.blocks(),
+        mtime: (md.mtime(), md.mtime_nsec()),
+        ctime: (md.ctime(), md.ctime_nsec()),
+    }
 }
 
 fn meta_of(md: &Metadata) -> Meta {

@@ -96,6 +96,7 @@ pub fn build(args: BuildArgs) -> Result<()> {
         source_ref,
         max_size: args.max_size,
         reference_layers: args.reference_layers,
+        reread: args.reread,
         fs_time: tessera_builder::fs_time(source_date_epoch),
         release_memory: Some(crate::malloc::release_free_memory),
     };
@@ -107,6 +108,8 @@ pub fn build(args: BuildArgs) -> Result<()> {
     tracing::info!(
         new_chunks = out.new_chunks,
         new_bytes = out.new_stored_bytes,
+        unchanged_files = out.reused.files,
+        unchanged_bytes = out.reused.bytes,
         blocks = out.record.geometry.blocks,
         "built {}",
         out.id

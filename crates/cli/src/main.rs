@@ -93,6 +93,11 @@ space, rounded up to whole 128 MiB block groups; it has the used inodes plus at 
 Times: the superblock and journal use SOURCE_DATE_EPOCH (Unix seconds, clamped to now; \
 anything but a non-negative integer is a usage error) if set, else 2024-01-01T00:00:00Z; files keep their mtime with nanoseconds; atime and ctime are set to mtime.\n\
 \n\
+Rebuilds: a directory build leaves a source index in the store; the next build of the same \
+directory into that store reads only files whose inode, size, mtime or ctime changed (files changed \
+within a second before a build are always read again), unless --reread. `RUST_LOG=info` shows \
+how many files were left unread.\n\
+\n\
 Examples:\n  tessera build ./rootfs --store ./store\n  tessera build ./rootfs --store ./store --tag web --free 1G\n  \
 tessera build ./rootfs --store file:///var/lib/tessera --size 4G --inodes 200000 --chunk-size 1M\n  \
 tessera build oci:./layout:v1 --store ./store --tag app\n  \
@@ -152,6 +157,12 @@ pub struct BuildArgs {
     /// a converted build gives.
     #[arg(long)]
     reference_layers: bool,
+    /// Read every file of a directory source. Without it, a build into a store that holds the
+    /// previous build of the same directory (same chunk size) reads only the files whose inode,
+    /// size, mtime or ctime changed, and takes the others' chunks from that build's source index
+    /// (docs/formats/source-index.md); the image is the same either way.
+    #[arg(long)]
+    reread: bool,
     /// For a docker:// source.
     #[command(flatten)]
     origin: origin_args::OriginArgs,

@@ -2,7 +2,8 @@
 //! references and is older than the grace period.
 //!
 //! A store is seen as keys under its root, the same on a local disk and in an S3 bucket:
-//! `refs/<tag>`, `images/<id hex>.json`, `layers/<name>.json`, `blobs/sha256/<hex>`
+//! `refs/<tag>`, `images/<id hex>.json`, `layers/<name>.json`, `sources/<name>.json`,
+//! `blobs/sha256/<hex>`
 //! (`docs/formats/store.md`). A [`GcBackend`] lists, reads and deletes them.
 //!
 //! **Roots**: every tag whose image entry exists, every pinned image (a running `serve` of a local
@@ -10,11 +11,12 @@
 //! (a build writes its entry before its tag), and with `keep_untagged` every image entry. **Live**:
 //! the roots' blobs (record, prefix, pack index, profile, provenance), the packs or layer blobs
 //! their pack index names, and the layer records whose layer manifest a live image's provenance
-//! names (or that are younger than the grace) with their manifest, pack index and packs.
+//! names (or that are younger than the grace) with their manifest, pack index and packs, and the
+//! source records (a directory build's index for its next build) of kept images, with their index.
 //!
 //! **Sweep**, in the reverse of the write order so an interrupted gc never leaves something that
-//! looks valid and is not: tags whose image is gone, then image entries, then layer records, then
-//! blobs; only what is not live *and* older than the grace. A live image whose entry or pack
+//! looks valid and is not: tags whose image is gone, then image entries, then layer and source
+//! records, then blobs; only what is not live *and* older than the grace. A live image whose entry or pack
 //! index cannot be read stops the collection before anything is removed (what it references is
 //! unknown).
 //!
@@ -34,7 +36,7 @@ use tessera_image::{AnyPackIndex, ImageEntry, ImageId, Sha256Digest};
 use tracing::{debug, info, warn};
 
 use crate::error::StoreError;
-use crate::local::{LayerRecord, LocalStore};
+use crate::local::{LayerRecord, LocalStore, SourceRecord};
 
 /// The default grace period: objects younger than this are never removed.
 pub const DEFAULT_GRACE: Duration = Duration::from_secs(3600);
@@ -221,6 +223,7 @@ pub fn collect_garbage<B: GcBackend>(
     let refs = backend.list("refs/")?;
     let entries = backend.list("images/")?;
     let layers = backend.list("layers/")?;
+    let sources = backend.list("sources/")?;
 
     let mut images: HashMap<ImageId, &StoreObject> = HashMap::new();
     for o in &entries {
@@ -256,6 +259,7 @@ pub fn collect_garbage<B: GcBackend>(
 
     let mut c = Collector { backend, live: HashSet::new(), roles: HashMap::new() };
     let mut dead_images = Vec::new();
+    let mut kept_images: HashSet<ImageId> = HashSet::new();
     let mut live_manifests: HashSet<Sha256Digest> = HashSet::new();
     let mut ids: Vec<_> = images.keys().copied().collect();
     ids.sort();
@@ -289,6 +293,7 @@ pub fn collect_garbage<B: GcBackend>(
             Some(Err(source)) => return Err(StoreError::BadEntry { path: o.key.clone().into(), source }),
         };
         report.images_kept += 1;
+        kept_images.insert(id);
         if pinned.contains(&id) {
             report.images_pinned += 1;
         }
@@ -335,6 +340,29 @@ pub fn collect_garbage<B: GcBackend>(
         }
     }
 
+    // A source record (a directory build's index for the next build) lives as long as its image.
+    let mut dead_sources = Vec::new();
+    for o in &sources {
+        if !o.key.ends_with(".json") {
+            continue;
+        }
+        let record = backend.read(&o.key)?.and_then(|b| serde_json::from_slice::<SourceRecord>(&b).ok());
+        let live = record.as_ref().is_some_and(|r| kept_images.contains(&ImageId(r.image)));
+        if !live && !young(o) {
+            if let Some(r) = &record {
+                c.roles.entry(r.index).or_insert("source-index");
+            }
+            dead_sources.push(o);
+            continue;
+        }
+        if !live {
+            report.young.add(o.len);
+        }
+        if let Some(r) = record {
+            c.mark(r.index, "source-index");
+        }
+    }
+
     let mut dead_blobs = Vec::new();
     for o in &blobs {
         let Some(d) = o.key.strip_prefix("blobs/sha256/").and_then(|h| Sha256Digest::from_hex(h).ok()) else {
@@ -367,6 +395,9 @@ pub fn collect_garbage<B: GcBackend>(
     }
     for o in dead_layers {
         sweep(o, "layer-record")?;
+    }
+    for o in dead_sources {
+        sweep(o, "source-record")?;
     }
     for (o, kind) in dead_blobs {
         sweep(o, kind)?;

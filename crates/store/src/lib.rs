@@ -58,7 +58,7 @@ pub use cache::{
 pub use copy::{copy_image, CopyDest, CopyReport};
 pub use error::StoreError;
 pub use gc::{collect_garbage, GcBackend, GcOptions, ImagePin, LocalGc, StoreGcReport};
-pub use local::{BlobWriter, KnownChunks, LayerRecord, LocalStore};
+pub use local::{BlobWriter, KnownChunks, LayerRecord, LocalStore, SourceRecord};
 pub use location::{OpenedStore, OriginOptions, StoreLocation};
 pub use metered::Metered;
 pub use origin::http::{

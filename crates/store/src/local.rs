@@ -33,6 +33,7 @@ const IMAGES: &str = "images";
 const REFS: &str = "refs";
 const TMP: &str = "tmp";
 const LAYERS: &str = "layers";
+const SOURCES: &str = "sources";
 
 /// Temp files older than this are removed by [`LocalStore::create_or_open`].
 const STALE_TEMP_AGE: Duration = Duration::from_secs(3600);
@@ -62,6 +63,25 @@ pub struct LayerRecord {
     pub pack_index: Sha256Digest,
     /// Uncompressed bytes of the layer's tar stream (counted against `--max-size` on reuse).
     pub tar_bytes: u64,
+}
+
+/// What the store knows about the last build of one source directory
+/// (`sources/<key>-<chunk size>.json`, the key a hash of the directory's path): the source index
+/// that lets the next build of that directory skip files that did not change. Written by the
+/// builder after the image; see `docs/formats/source-index.md`.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SourceRecord {
+    /// The builder's version of the directory walk that produced the index; a builder with
+    /// another ignores the record (and replaces it).
+    pub reader: u32,
+    /// The directory, as built (canonical path).
+    pub path: String,
+    /// The source index blob.
+    pub index: Sha256Digest,
+    /// The ID of the image that build produced (its record's digest): the record lives as long
+    /// as the image does (`store gc`).
+    pub image: Sha256Digest,
 }
 
 /// A store in a local directory. Cheap to clone; safe to share between threads.
@@ -384,10 +404,47 @@ impl LocalStore {
         Ok(blob)
     }
 
-    // ---- layer records --------------------------------------------------------------------------
+    // ---- build records (layers/, sources/) ------------------------------------------------------
 
-    fn layer_path(&self, diff_id: &Sha256Digest, chunk_size: u32) -> PathBuf {
-        self.root.join(LAYERS).join(format!("{}-{chunk_size}.json", diff_id.hex()))
+    /// A build record (a cache: `None` if absent or unreadable as one, with a warning).
+    fn read_record<T: serde::de::DeserializeOwned>(&self, path: &Path) -> Result<Option<T>, StoreError> {
+        let bytes = match fs::read(path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(StoreError::read("read build record", path, e)),
+        };
+        match serde_json::from_slice::<T>(&bytes) {
+            Ok(r) => Ok(Some(r)),
+            Err(e) => {
+                warn!(path = %path.display(), error = %e, "ignoring an unreadable build record");
+                Ok(None)
+            }
+        }
+    }
+
+    /// Write (or atomically replace) the build record at `dir/name` once the blobs it names are
+    /// present.
+    fn write_record<T: serde::Serialize>(
+        &self,
+        dir: &str,
+        name: &str,
+        blobs: &[Sha256Digest],
+        record: &T,
+    ) -> Result<(), StoreError> {
+        for digest in blobs {
+            if !self.has_blob(digest)? {
+                return Err(StoreError::BlobNotFound { digest: *digest, path: self.blob_path(digest) });
+            }
+        }
+        let dir = self.root.join(dir);
+        match fs::create_dir(&dir) {
+            Ok(()) => sync_parent(&dir, "create a build record directory")?,
+            Err(e) if e.kind() == ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(StoreError::write("create a build record directory", &dir, e)),
+        }
+        let mut json = serde_json::to_vec_pretty(record).unwrap_or_default();
+        json.push(b'\n');
+        self.write_atomic(&dir.join(name), &json, "write build record")
     }
 
     /// The record of the layer whose uncompressed tar has sha256 `diff_id`, as built with
@@ -398,19 +455,7 @@ impl LocalStore {
         diff_id: &Sha256Digest,
         chunk_size: u32,
     ) -> Result<Option<LayerRecord>, StoreError> {
-        let path = self.layer_path(diff_id, chunk_size);
-        let bytes = match fs::read(&path) {
-            Ok(b) => b,
-            Err(e) if e.kind() == ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(StoreError::read("read layer record", &path, e)),
-        };
-        match serde_json::from_slice::<LayerRecord>(&bytes) {
-            Ok(r) => Ok(Some(r)),
-            Err(e) => {
-                warn!(path = %path.display(), error = %e, "ignoring an unreadable layer record");
-                Ok(None)
-            }
-        }
+        self.read_record(&self.root.join(LAYERS).join(format!("{}-{chunk_size}.json", diff_id.hex())))
     }
 
     /// Write (or atomically replace) a layer record. The blobs it names must already be present.
@@ -420,21 +465,42 @@ impl LocalStore {
         chunk_size: u32,
         record: &LayerRecord,
     ) -> Result<(), StoreError> {
-        for digest in [record.manifest, record.pack_index] {
-            if !self.has_blob(&digest)? {
-                return Err(StoreError::BlobNotFound { digest, path: self.blob_path(&digest) });
-            }
-        }
-        let dir = self.root.join(LAYERS);
-        match fs::create_dir(&dir) {
-            Ok(()) => sync_parent(&dir, "create layers directory")?,
-            Err(e) if e.kind() == ErrorKind::AlreadyExists => {}
-            Err(e) => return Err(StoreError::write("create layers directory", &dir, e)),
-        }
-        let mut json = serde_json::to_vec_pretty(record).unwrap_or_default();
-        json.push(b'\n');
-        self.write_atomic(&self.layer_path(diff_id, chunk_size), &json, "write layer record")?;
+        let name = format!("{}-{chunk_size}.json", diff_id.hex());
+        self.write_record(LAYERS, &name, &[record.manifest, record.pack_index], record)?;
         debug!(%diff_id, chunk_size, manifest = %record.manifest, "stored layer record");
+        Ok(())
+    }
+
+    fn source_name(key: &str, chunk_size: u32) -> Result<String, StoreError> {
+        if key.is_empty() || key.len() > 64 || !key.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(StoreError::BadSetting {
+                name: "source record key".into(),
+                value: key.into(),
+                expected: "1 to 64 hex digits",
+            });
+        }
+        Ok(format!("{key}-{chunk_size}.json"))
+    }
+
+    /// The record of the last build of the source directory keyed `key` with `chunk_size`; `None`
+    /// if there is none or it cannot be read as one (a record is only a cache).
+    pub fn source_record(&self, key: &str, chunk_size: u32) -> Result<Option<SourceRecord>, StoreError> {
+        self.read_record(&self.root.join(SOURCES).join(Self::source_name(key, chunk_size)?))
+    }
+
+    /// Write (or atomically replace) a source record. Its index blob and image must be present.
+    pub fn put_source_record(
+        &self,
+        key: &str,
+        chunk_size: u32,
+        record: &SourceRecord,
+    ) -> Result<(), StoreError> {
+        let name = Self::source_name(key, chunk_size)?;
+        if !self.has_image(&ImageId(record.image))? {
+            return Err(StoreError::UnknownImage { reference: ImageId(record.image).to_string() });
+        }
+        self.write_record(SOURCES, &name, &[record.index], record)?;
+        debug!(key, chunk_size, index = %record.index, "stored source record");
         Ok(())
     }
 
