@@ -263,6 +263,19 @@ impl Ctx<'_> {
         ));
         p.comparisons.push(target(
             cmp(
+                format!(
+                    "rebuild after one new top layer ({:.1} MB compressed) into the store holding the base",
+                    r.top_layer_compressed as f64 / 1e6
+                ),
+                "s",
+                Better::Lower,
+                ("tessera build", r.top_layer.clone()),
+                ("umoci unpack + mkfs.ext4 -d of that image", r.top_layer_peer.clone()),
+            ),
+            "≤ 0.05×",
+        ));
+        p.comparisons.push(target(
+            cmp(
                 "--reference-layers build",
                 "s",
                 Better::Lower,
