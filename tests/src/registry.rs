@@ -21,6 +21,16 @@ use crate::judge::run;
 /// The registry binary of the Debian package.
 pub const REGISTRY_BIN: &str = "/usr/bin/docker-registry";
 
+/// A registry with the OCI 1.1 referrers API (`GET /v2/<repo>/referrers/<digest>`), which
+/// distribution 2.8 lacks: go-containerregistry's in-memory `pkg/registry` with
+/// `WithReferrersSupport(true)`, built from Debian's `golang-github-google-go-containerregistry-dev`
+/// source (bookworm-backports, 0.14.0) by `cargo xtask test` (`install_referrers_registry`), kept
+/// outside the clone. `$TESSERA_REFERRERS_REGISTRY` overrides the path.
+pub fn referrers_registry_bin() -> PathBuf {
+    std::env::var_os("TESSERA_REFERRERS_REGISTRY")
+        .map_or_else(|| crate::debian::cache_root().join("ggcr-registry-0.14.0/registry"), PathBuf::from)
+}
+
 /// Fail clearly when the registry (or `htpasswd`, for auth tests) is missing.
 pub fn require_registry() -> Result<()> {
     ensure!(
@@ -95,6 +105,51 @@ impl Registry {
         Self::launch(false, Some(auth), None)
     }
 
+    /// An anonymous registry with the referrers API ([`referrers_registry_bin`]), in memory. It
+    /// logs each request as `METHOD URL` on stderr.
+    pub fn start_with_referrers() -> Result<Self> {
+        let bin = referrers_registry_bin();
+        ensure!(
+            bin.is_file(),
+            "{} not found: `cargo xtask test` builds it (go-containerregistry's pkg/registry)",
+            bin.display()
+        );
+        let dir = crate::testutil::tmp("registry")?;
+        let addr =
+            SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), free_port(IpAddr::V4(Ipv4Addr::LOCALHOST))?);
+        let log = dir.path().join("registry.log");
+        let child = Command::new(&bin)
+            .arg(addr.to_string())
+            .stdin(Stdio::null())
+            .stdout(std::fs::File::create(&log)?)
+            .stderr(std::fs::File::create(dir.path().join("registry.err"))?)
+            .spawn()
+            .with_context(|| format!("spawn {}", bin.display()))?;
+        let mut me = Self { child, addr, _dir: dir, log };
+        me.wait_ready(false)?;
+        Ok(me)
+    }
+
+    fn wait_ready(&mut self, tls: bool) -> Result<()> {
+        let addr = self.addr;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(status) = ping(addr) {
+                // Plain HTTP to a TLS port: Go answers 400 ("an HTTP request to an HTTPS server").
+                let ready = if tls { status == 400 } else { status == 200 || status == 401 };
+                ensure!(ready, "registry at {addr}: GET /v2/ → {status}");
+                return Ok(());
+            }
+            if let Some(status) = self.child.try_wait()? {
+                bail!("the registry exited with {status}: {}", self.logs());
+            }
+            if Instant::now() > deadline {
+                bail!("the registry is not ready on {addr} after 30 s: {}", self.logs());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     fn launch(htpasswd: bool, auth_config: Option<String>, tls: Option<RegistryTls>) -> Result<Self> {
         require_registry()?;
         let dir = crate::testutil::tmp("registry")?;
@@ -133,22 +188,8 @@ impl Registry {
             .spawn()
             .with_context(|| format!("spawn {REGISTRY_BIN}"))?;
         let mut me = Self { child, addr, _dir: dir, log };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            if let Some(status) = ping(addr) {
-                // Plain HTTP to a TLS port: Go answers 400 ("an HTTP request to an HTTPS server").
-                let ready = if tls.is_some() { status == 400 } else { status == 200 || status == 401 };
-                ensure!(ready, "registry at {addr}: GET /v2/ → {status}");
-                return Ok(me);
-            }
-            if let Some(status) = me.child.try_wait()? {
-                bail!("docker-registry exited with {status}: {}", me.logs());
-            }
-            if Instant::now() > deadline {
-                bail!("docker-registry not ready on {addr} after 30 s: {}", me.logs());
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        me.wait_ready(tls.is_some())?;
+        Ok(me)
     }
 
     /// `127.0.0.1:PORT`.

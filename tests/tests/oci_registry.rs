@@ -4,9 +4,12 @@
 //! behind htpasswd basic auth (with `--creds` and with `REGISTRY_AUTH_FILE`), and through a proxy
 //! that answers 503 and cuts blob bodies mid-way (retries and Range resumption), and behind bearer
 //! tokens from a real token flow (the registry's `auth: token`, the harness's token server; a
-//! token expiring mid-pull is refreshed). Unknown tags and bad references fail cleanly.
+//! token expiring mid-pull is refreshed). Unknown tags and bad references fail cleanly. A
+//! `--reference-layers` image pushed beside its source is found by the source's digest through the
+//! tag fallback (distribution 2.8) and through the referrers API (go-containerregistry's registry).
 //!
-//! Needs root, umoci, skopeo, docker-registry, htpasswd and openssl (`cargo xtask test` provides them);
+//! Needs root, umoci, skopeo, docker-registry, the referrers registry, htpasswd and openssl
+//! (`cargo xtask test` provides them);
 //! run with `--test-threads=1`.
 
 use std::fs;
@@ -432,5 +435,68 @@ fn reference_layers_pushed_to_their_source_are_found_by_its_digest() -> Result<(
         "local inspect @{digest}: {:?} {err}",
         o.status
     );
+    Ok(())
+}
+
+/// `METHOD /v2/<path>` over a raw socket → the status code.
+fn status_of(addr: std::net::SocketAddr, method: &str, path: &str) -> Result<u16> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(10)))?;
+    write!(s, "{method} /v2/{path} HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
+    let mut head = [0u8; 12];
+    s.read_exact(&mut head)?;
+    Ok(std::str::from_utf8(&head[9..12])?.parse()?)
+}
+
+/// On a registry with the referrers API (go-containerregistry's, which names a referrer by its
+/// config's media type, as the OCI 1.1 release candidates did): a `--reference-layers` image
+/// pushed beside its source is found from the source's digest through `GET /referrers/`, and no
+/// tag fallback is written (issue 12, point 4).
+#[test]
+fn reference_layers_are_found_through_the_referrers_api() -> Result<()> {
+    setup()?;
+    let t = tmp("reg-referrers")?;
+    let img = make_image(t.path())?;
+    let reg = Registry::start_with_referrers()?;
+    reg.load(&format!("oci:{}", img.image_ref()), "team/app:v1", &[])?;
+    let digest = reg.manifest_digest("team/app:v1", &[])?;
+    let proxy = tessera_e2e::proxy::Proxy::start(reg.addr(), tessera_e2e::proxy::ProxyConfig::default())?;
+    let addr = proxy.addr();
+    let store = t.path().join("store");
+    let id = build_ok(&format!("docker://{addr}/team/app:v1"), &store, &["--reference-layers"])?;
+    let dest = format!("docker://{addr}/team/app:tessera");
+    let o = tessera::run([
+        "push",
+        id.as_str(),
+        "--store",
+        store.to_str().context("utf-8 path")?,
+        &dest,
+        "--json",
+    ])?;
+    ensure!(o.status.success(), "push: {}", String::from_utf8_lossy(&o.stderr));
+    let report: serde_json::Value = serde_json::from_slice(&o.stdout)?;
+    ensure!(report["subject"] == serde_json::json!(digest), "subject: {report}");
+    // This registry sends no OCI-Subject header; push saw its referrers API index the subject
+    // and wrote no fallback tag.
+    ensure!(report["subject_indexed"] == true, "{report}");
+    let fallback = digest.replace(':', "-");
+    let status = status_of(reg.addr(), "HEAD", &format!("team/app/manifests/{fallback}"))?;
+    ensure!(status == 404, "HEAD the fallback tag {fallback}: {status}");
+    let remote = format!("docker://{addr}/team/app");
+    let before = proxy.log().len();
+    let found = tessera::inspect_json(&format!("@{digest}"), Path::new(&remote))?;
+    ensure!(found["id"] == serde_json::json!(id.as_str()), "@{digest} found {}", found["id"]);
+    let asked: Vec<String> =
+        proxy.log()[before..].iter().map(|r| format!("{} {}", r.method, r.path)).collect();
+    ensure!(
+        asked.iter().any(|r| r.starts_with(&format!("GET /v2/team/app/referrers/{digest}"))),
+        "the lookup did not use the referrers API: {asked:?}"
+    );
+    ensure!(!asked.iter().any(|r| r.contains(&fallback)), "the lookup asked for the fallback tag: {asked:?}");
+    let (a, b) = (t.path().join("local.img"), t.path().join("remote.img"));
+    tessera::export(id.as_str(), &store, &a)?;
+    tessera::export(&format!("@{digest}"), Path::new(&remote), &b)?;
+    ensure!(fs::read(&a)? == fs::read(&b)?, "the export by source digest differs from the local one");
     Ok(())
 }

