@@ -359,17 +359,11 @@ fn registry_bearer_token_auth() -> Result<()> {
 fn reference_layers_pushed_to_their_source_are_found_by_its_digest() -> Result<()> {
     setup()?;
     let t = tmp("reg-subject")?;
-    let img = make_image(t.path())?;
-    let reg = Registry::start()?;
-    reg.load(&format!("oci:{}", img.image_ref()), "team/app:v1", &[])?;
-    let digest = reg.manifest_digest("team/app:v1", &[])?;
-    // Everything goes through a logging proxy: the build reads each layer blob once (inflating,
+    let Sourced { img, reg, digest, proxy, store, id } = reference_build(t.path(), Registry::start()?)?;
+    let addr = proxy.addr();
+    // Everything went through a logging proxy: the build reads each layer blob once (inflating,
     // indexing and copying it into the store in the same read; it used to download every layer
     // twice).
-    let proxy = tessera_e2e::proxy::Proxy::start(reg.addr(), tessera_e2e::proxy::ProxyConfig::default())?;
-    let addr = proxy.addr();
-    let store = t.path().join("store");
-    let id = build_ok(&format!("docker://{addr}/team/app:v1"), &store, &["--reference-layers"])?;
     let log = proxy.log();
     for i in 0..3 {
         let layer = img.layer_digest(i)?;
@@ -438,6 +432,30 @@ fn reference_layers_pushed_to_their_source_are_found_by_its_digest() -> Result<(
     Ok(())
 }
 
+/// A source image in a registry and its `--reference-layers` build from it.
+struct Sourced {
+    img: UmociImage,
+    reg: Registry,
+    /// The source manifest's digest.
+    digest: String,
+    /// A logging proxy in front of `reg`, which the build went through.
+    proxy: tessera_e2e::proxy::Proxy,
+    store: std::path::PathBuf,
+    id: tessera::ImageId,
+}
+
+/// [`make_image`] loaded into `reg` as `team/app:v1`, built with `--reference-layers` through a
+/// logging proxy into `work/store`.
+fn reference_build(work: &Path, reg: Registry) -> Result<Sourced> {
+    let img = make_image(work)?;
+    reg.load(&format!("oci:{}", img.image_ref()), "team/app:v1", &[])?;
+    let digest = reg.manifest_digest("team/app:v1", &[])?;
+    let proxy = tessera_e2e::proxy::Proxy::start(reg.addr(), tessera_e2e::proxy::ProxyConfig::default())?;
+    let store = work.join("store");
+    let id = build_ok(&format!("docker://{}/team/app:v1", proxy.addr()), &store, &["--reference-layers"])?;
+    Ok(Sourced { img, reg, digest, proxy, store, id })
+}
+
 /// `METHOD /v2/<path>` over a raw socket → the status code.
 fn status_of(addr: std::net::SocketAddr, method: &str, path: &str) -> Result<u16> {
     use std::io::{Read, Write};
@@ -457,14 +475,9 @@ fn status_of(addr: std::net::SocketAddr, method: &str, path: &str) -> Result<u16
 fn reference_layers_are_found_through_the_referrers_api() -> Result<()> {
     setup()?;
     let t = tmp("reg-referrers")?;
-    let img = make_image(t.path())?;
-    let reg = Registry::start_with_referrers()?;
-    reg.load(&format!("oci:{}", img.image_ref()), "team/app:v1", &[])?;
-    let digest = reg.manifest_digest("team/app:v1", &[])?;
-    let proxy = tessera_e2e::proxy::Proxy::start(reg.addr(), tessera_e2e::proxy::ProxyConfig::default())?;
+    let Sourced { reg, digest, proxy, store, id, .. } =
+        reference_build(t.path(), Registry::start_with_referrers()?)?;
     let addr = proxy.addr();
-    let store = t.path().join("store");
-    let id = build_ok(&format!("docker://{addr}/team/app:v1"), &store, &["--reference-layers"])?;
     let dest = format!("docker://{addr}/team/app:tessera");
     let o = tessera::run([
         "push",
