@@ -84,6 +84,8 @@ pub struct LazyBench {
 pub(crate) struct Row {
     pub(crate) floor: Option<Floor>,
     pub(crate) cold: Vec<Breakdown>,
+    /// Cold, the image built with `--reference-layers` (file data read from the gzip layers).
+    pub(crate) reference: Vec<Breakdown>,
     pub(crate) profile: Vec<Breakdown>,
     pub(crate) warm: Vec<f64>,
     pub(crate) local: Vec<f64>,
@@ -153,7 +155,7 @@ fn prepare_store(bin: &Path, dir: &Path, set: &workloads::PackageSet) -> Result<
     let m = fs::metadata(bin)?;
     let mtime = m.modified()?.duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
     let recipe = format!(
-        "bench-lazy store v2\n{}binary {} ({} bytes, mtime {}.{:09})\nlayout {}\n",
+        "bench-lazy store v3 (+ store-ref)\n{}binary {} ({} bytes, mtime {}.{:09})\nlayout {}\n",
         workloads::recipe()?,
         bin.display(),
         m.len(),
@@ -178,6 +180,22 @@ fn prepare_store(bin: &Path, dir: &Path, set: &workloads::PackageSet) -> Result<
         .output()?;
     ensure!(out.status.success(), "tessera build: {}", String::from_utf8_lossy(&out.stderr));
     println!("==> tessera build {} in {:.1} s", set.source(), t.elapsed().as_secs_f64());
+    // The same image keeping its file data in the layout's gzip layers (issue 12, point 4).
+    let t = Instant::now();
+    let out_ref = Command::new(bin)
+        .arg("build")
+        .arg(set.source())
+        .arg("--store")
+        .arg(served.join("store-ref"))
+        .args(["--tag", "bench", "--reference-layers"])
+        .output()?;
+    ensure!(
+        out_ref.status.success(),
+        "tessera build --reference-layers: {}",
+        String::from_utf8_lossy(&out_ref.stderr)
+    );
+    ensure!(out_ref.stdout == out.stdout, "--reference-layers gave another image than the converted build");
+    println!("==> tessera build --reference-layers in {:.1} s", t.elapsed().as_secs_f64());
     let _ = fs::remove_file(&raw);
     status(Command::new(bin).args(["export", "bench", "--store"]).arg(&store).arg("-o").arg(&raw))?;
     // What a user of the eager peer (b) downloads: the raw export, zstd at its default level.
@@ -541,6 +559,12 @@ pub(crate) fn measure(opts: &LazyBench) -> Result<LazyResult> {
                 use_entry(&store, &image, &plain)?;
                 let cold = arm(url.clone(), &[])?;
                 println!("== {mbit} Mbit/s round {round} {} cold: {}", w.name, cold.summary().trim_end());
+                let reference = arm(proxy.url("s/store-ref"), &[])?;
+                println!(
+                    "== {mbit} Mbit/s round {round} {} cold, --reference-layers image: {}",
+                    w.name,
+                    reference.summary().trim_end()
+                );
                 use_entry(&store, &image, entry)?;
                 let prof = arm(url.clone(), &[])?;
                 println!("== {mbit} Mbit/s round {round} {} profile: {}", w.name, prof.summary().trim_end());
@@ -555,6 +579,7 @@ pub(crate) fn measure(opts: &LazyBench) -> Result<LazyResult> {
                 );
                 row.floor = Some(cold.floor);
                 row.cold.push(cold);
+                row.reference.push(reference);
                 row.profile.push(prof);
                 row.warm.push(secs(warm.total()));
                 row.local.push(secs(local.total()));
@@ -621,13 +646,14 @@ fn table(
     let tot = |v: &[Breakdown]| med(&v.iter().map(|b| secs(b.total())).collect::<Vec<_>>());
     let mut s = format!(
         "\n### {rtt_ms} ms RTT, {mbit} Mbit/s — medians of {rounds} round(s), seconds from nothing local to the last request\n\n\
-         | workload | floor | cold | cold / floor | profile | profile / floor | warmed cache | local store | peer (a) OCI | peer (b) zstd raw | cold / faster peer | profile / faster peer | cold origin bytes / floor bytes |\n\
-         |---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+         | workload | floor | cold | cold / floor | profile | profile / floor | warmed cache | local store | peer (a) OCI | peer (b) zstd raw | cold / faster peer | profile / faster peer | cold origin bytes / floor bytes | cold, --reference-layers | its / cold |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
     );
     for (w, row) in recorded.iter().zip(rows) {
         let Some(floor) = row.floor else { continue };
         let f = secs(floor.time());
         let (cold, prof) = (tot(&row.cold), tot(&row.profile));
+        let reference = tot(&row.reference);
         let peers: Vec<f64> =
             [&row.peer_a, &row.peer_b].iter().filter(|v| !v.is_empty()).map(|v| med(v)).collect();
         let faster = peers.iter().copied().fold(f64::INFINITY, f64::min);
@@ -639,7 +665,7 @@ fn table(
             .map(|b| b.origin_bytes as f64 / floor.bytes().max(1) as f64)
             .collect::<Vec<_>>());
         s.push_str(&format!(
-            "| {} | {f:.3} | {cold:.3} | {:.2}× | {prof:.3} | {:.2}× | {:.3} | {:.3} | {} | {} | {} | {} | {bytes:.2} |\n",
+            "| {} | {f:.3} | {cold:.3} | {:.2}× | {prof:.3} | {:.2}× | {:.3} | {:.3} | {} | {} | {} | {} | {bytes:.2} | {reference:.3} | {:.2}× |\n",
             w.name,
             cold / f,
             prof / f,
@@ -649,6 +675,7 @@ fn table(
             opt(&row.peer_b),
             ratio(cold),
             ratio(prof),
+            reference / cold,
         ));
     }
     for (name, preps) in [("peer (a)", preps_a), ("peer (b)", preps_b)] {

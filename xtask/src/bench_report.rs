@@ -608,6 +608,19 @@ impl Ctx<'_> {
                         _ => c,
                     });
                 }
+                if rate.mbit == 200 && !row.reference.is_empty() {
+                    // Issue 12: an image served from its original gzip layers.
+                    p.comparisons.push(target(
+                        cmp(
+                            format!("time to ready, {at}: cold, the --reference-layers image vs the converted one"),
+                            "s",
+                            Better::Lower,
+                            ("tessera cold, --reference-layers", secs(&row.reference)),
+                            ("tessera cold, converted", secs(&row.cold)),
+                        ),
+                        "≤ 1.3×",
+                    ));
+                }
                 if let Some(f) = row.floor {
                     // Cold against the floor; with a profile too, except for the whole files.
                     let mut floor_rows =
