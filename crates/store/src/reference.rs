@@ -6,7 +6,8 @@
 //! span's blake3, then inflated from the checkpoint ([`tessera_gzip::inflate_span`]). A chunk is
 //! cut from the decoded spans covering it and checked against its ChunkId like any chunk.
 
-use std::sync::{Arc, Mutex};
+use std::collections::HashMap;
+use std::sync::{Arc, Condvar, Mutex};
 
 use tessera_image::{ChunkRef, ImageId, RefIndex, RefLayer, RefLocation};
 use tracing::warn;
@@ -15,8 +16,9 @@ use crate::error::StoreError;
 use crate::reader::MAX_CHUNK_LEN;
 use crate::source::ChunkSource;
 
-/// Decoded spans kept by an [`crate::ImageReader`] of a reference image (about 1 MiB each).
-pub const DEFAULT_SPAN_CACHE: usize = 6;
+/// Bytes of decoded spans kept by an [`crate::ImageReader`] of a reference image (a span is about
+/// 1 MiB: the builder's checkpoint spacing).
+pub const DEFAULT_SPAN_CACHE: usize = 32 << 20;
 
 /// A reference image's index, with each BlockMap chunk's place resolved.
 #[derive(Debug)]
@@ -101,23 +103,105 @@ pub fn decode_span(layer: &RefLayer, k: usize, stored: &[u8]) -> Result<Vec<u8>,
     tessera_gzip::inflate_span(stored, cp.bits, &window, e - s).map_err(|e| corrupt(e.to_string()))
 }
 
-/// Decoded spans, most recently used last, keyed by (layer, span).
-type Spans = Vec<((u32, usize), Arc<[u8]>)>;
+/// (layer number, span number).
+type SpanKey = (u32, usize);
 
-/// A tiny LRU of decoded spans, keyed by (layer, span).
+/// Decoded spans, most recently used last, and the spans being fetched.
+#[derive(Debug, Default)]
+struct Spans {
+    lru: Vec<(SpanKey, Arc<[u8]>)>,
+    bytes: usize,
+    inflight: HashMap<SpanKey, Arc<Flight>>,
+}
+
+/// One span being fetched and decoded: waiters sleep until it is done.
+#[derive(Debug, Default)]
+struct Flight {
+    done: Mutex<bool>,
+    cv: Condvar,
+}
+
+/// Decoded spans kept by bytes (least recently used out first), fetched **once** however many
+/// readers want one at the same time: the first reader of a span fetches and decodes it, later
+/// ones wait for it and take it from the cache. A span holds the bytes of several chunks, which
+/// readahead asks for in parallel; each fetched and inflated the whole span before.
 #[derive(Debug)]
 pub(crate) struct SpanCache {
-    capacity: usize,
-    entries: Mutex<Spans>,
+    capacity_bytes: usize,
+    state: Mutex<Spans>,
+}
+
+/// Removes a flight and wakes its waiters however its leader leaves (a panic included).
+struct Landing<'a> {
+    cache: &'a SpanCache,
+    key: SpanKey,
+}
+
+impl Drop for Landing<'_> {
+    fn drop(&mut self) {
+        let flight = self.cache.lock().inflight.remove(&self.key);
+        if let Some(f) = flight {
+            *f.done.lock().unwrap_or_else(|p| p.into_inner()) = true;
+            f.cv.notify_all();
+        }
+    }
 }
 
 impl SpanCache {
-    pub(crate) fn new(capacity: usize) -> Self {
-        Self { capacity, entries: Mutex::new(Vec::new()) }
+    pub(crate) fn new(capacity_bytes: usize) -> Self {
+        Self { capacity_bytes, state: Mutex::new(Spans::default()) }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Spans> {
-        self.entries.lock().unwrap_or_else(|p| p.into_inner())
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Span `key` from the cache, else from `load` — called by one reader at a time per span;
+    /// the others wait for it. A failed load is not shared: its reader gets the error, and one of
+    /// the waiters loads again (the others wait for that).
+    pub(crate) fn get_or_load(
+        &self,
+        key: SpanKey,
+        load: impl FnOnce() -> Result<Vec<u8>, StoreError>,
+    ) -> Result<Arc<[u8]>, StoreError> {
+        loop {
+            let flight = {
+                let mut s = self.lock();
+                if let Some(i) = s.lru.iter().position(|x| x.0 == key) {
+                    let hit = s.lru.remove(i);
+                    let data = Arc::clone(&hit.1);
+                    s.lru.push(hit);
+                    return Ok(data);
+                }
+                match s.inflight.get(&key) {
+                    Some(f) => Some(Arc::clone(f)),
+                    None => {
+                        s.inflight.insert(key, Arc::default());
+                        None
+                    }
+                }
+            };
+            let Some(flight) = flight else { break };
+            let mut done = flight.done.lock().unwrap_or_else(|p| p.into_inner());
+            while !*done {
+                done = flight.cv.wait(done).unwrap_or_else(|p| p.into_inner());
+            }
+        }
+        let landing = Landing { cache: self, key };
+        let data: Arc<[u8]> = load()?.into();
+        {
+            let mut s = self.lock();
+            if data.len() <= self.capacity_bytes {
+                while s.bytes + data.len() > self.capacity_bytes && !s.lru.is_empty() {
+                    let (_, old) = s.lru.remove(0);
+                    s.bytes -= old.len();
+                }
+                s.bytes += data.len();
+                s.lru.push((key, Arc::clone(&data)));
+            }
+        }
+        drop(landing);
+        Ok(data)
     }
 
     /// Span `k` of layer number `layer`, decoded (from the cache, else fetched from `source`).
@@ -128,32 +212,16 @@ impl SpanCache {
         layer: &RefLayer,
         k: usize,
     ) -> Result<Arc<[u8]>, StoreError> {
-        let key = (layer_no, k);
-        {
-            let mut e = self.lock();
-            if let Some(i) = e.iter().position(|x| x.0 == key) {
-                let hit = e.remove(i);
-                let data = Arc::clone(&hit.1);
-                e.push(hit);
-                return Ok(data);
-            }
-        }
-        let cp = layer.checkpoints.get(k).ok_or_else(|| StoreError::CorruptSpan {
-            layer: layer.digest,
-            offset: 0,
-            reason: format!("no checkpoint {k}"),
-        })?;
-        let len = u32::try_from(cp.span_end - cp.start()).unwrap_or(u32::MAX);
-        let stored = source.read_stored(&layer.digest, cp.start(), len)?;
-        let data: Arc<[u8]> = decode_span(layer, k, &stored)?.into();
-        if self.capacity > 0 {
-            let mut e = self.lock();
-            if e.len() >= self.capacity {
-                e.remove(0);
-            }
-            e.push((key, Arc::clone(&data)));
-        }
-        Ok(data)
+        self.get_or_load((layer_no, k), || {
+            let cp = layer.checkpoints.get(k).ok_or_else(|| StoreError::CorruptSpan {
+                layer: layer.digest,
+                offset: 0,
+                reason: format!("no checkpoint {k}"),
+            })?;
+            let len = u32::try_from(cp.span_end - cp.start()).unwrap_or(u32::MAX);
+            let stored = source.read_stored(&layer.digest, cp.start(), len)?;
+            decode_span(layer, k, &stored)
+        })
     }
 }
 
@@ -193,4 +261,76 @@ pub(crate) fn fetch_reference_chunk(
         return Err(corrupt("its blake3 does not match the chunk id"));
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Duration;
+
+    #[test]
+    fn one_load_per_span_however_many_readers_wait() {
+        let cache = SpanCache::new(1 << 20);
+        let loads = AtomicUsize::new(0);
+        let got: Vec<Arc<[u8]>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..8)
+                .map(|_| {
+                    s.spawn(|| {
+                        cache
+                            .get_or_load((0, 7), || {
+                                loads.fetch_add(1, Ordering::SeqCst);
+                                std::thread::sleep(Duration::from_millis(100));
+                                Ok(vec![7u8; 1000])
+                            })
+                            .unwrap()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(loads.load(Ordering::SeqCst), 1, "concurrent readers of one span load it once");
+        assert!(got.iter().all(|d| d[..] == [7u8; 1000][..]));
+        // Another span loads; the first stays cached.
+        cache.get_or_load((0, 8), || Ok(vec![8u8; 1000])).unwrap();
+        cache.get_or_load((0, 7), || panic!("cached")).unwrap();
+    }
+
+    #[test]
+    fn a_failed_load_is_retried_by_a_waiter_and_the_cache_keeps_to_its_bytes() {
+        let cache = SpanCache::new(2500);
+        let loads = AtomicUsize::new(0);
+        let results: Vec<bool> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..4)
+                .map(|_| {
+                    s.spawn(|| {
+                        cache
+                            .get_or_load((1, 1), || {
+                                let n = loads.fetch_add(1, Ordering::SeqCst);
+                                std::thread::sleep(Duration::from_millis(50));
+                                if n == 0 {
+                                    Err(StoreError::CorruptSpan {
+                                        layer: tessera_image::Sha256Digest([0; 32]),
+                                        offset: 0,
+                                        reason: "injected".into(),
+                                    })
+                                } else {
+                                    Ok(vec![1u8; 1000])
+                                }
+                            })
+                            .is_ok()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(results.iter().filter(|ok| !**ok).count(), 1, "only the failed load's reader fails");
+        assert_eq!(loads.load(Ordering::SeqCst), 2, "one waiter loads again, the rest share it");
+        for k in 2..5 {
+            cache.get_or_load((1, k), || Ok(vec![0u8; 1000])).unwrap();
+        }
+        let s = cache.lock();
+        assert!(s.bytes <= 2500 && s.lru.len() == 2, "{} bytes in {} spans", s.bytes, s.lru.len());
+        assert!(s.inflight.is_empty());
+    }
 }
