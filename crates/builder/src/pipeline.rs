@@ -138,7 +138,7 @@ pub fn build_dir(
         "chunked file content"
     );
     let pack_index = image_pack_index(&mut chunks, store)?;
-    let index = write_source_index(&source, &chunks.files, config.chunk_size, store)?;
+    let index = write_source_index(&source, &chunks.files, &key, config.chunk_size, store)?;
     // Where each chunk is stored (~60 bytes a chunk) and the source paths (~20 bytes an entry)
     // are written or used: gone before ext4 is synthesized, where the build peaks.
     // (Dropped by name: fields a destructuring leaves unbound would live to the end of the scope.)
@@ -177,10 +177,11 @@ fn previous_index(store: &LocalStore, key: &str, chunk_size: u32) -> Option<Sour
             return None;
         }
     };
-    let index = store
-        .read_blob(&record.index)
-        .map_err(|e| e.to_string())
-        .and_then(|bytes| SourceIndex::decode(bytes).map_err(|e| e.to_string()));
+    let index = match store.read_source_index(key, chunk_size, &record) {
+        Ok(Some(bytes)) => SourceIndex::decode(bytes).map_err(|e| e.to_string()),
+        Ok(None) => return None,
+        Err(e) => Err(e.to_string()),
+    };
     match index {
         Ok(index) if index.chunk_size() == chunk_size => {
             debug!(files = index.files(), index = %record.index, "using the previous build's source index");
@@ -194,10 +195,12 @@ fn previous_index(store: &LocalStore, key: &str, chunk_size: u32) -> Option<Sour
     }
 }
 
-/// Write the source index of this build: each regular file's fingerprint and chunks.
+/// Write the source index of this build (each regular file's fingerprint and chunks) for the
+/// directory keyed `key`.
 fn write_source_index(
     source: &crate::walk::SourceTree,
     files: &[crate::seed::FileChunks],
+    key: &str,
     chunk_size: u32,
     store: &LocalStore,
 ) -> Result<Sha256Digest, BuildError> {
@@ -207,12 +210,12 @@ fn write_source_index(
             encoder.add(source.stamp(node), node as u32);
         }
     }
-    let mut blob = store.blob_writer()?;
+    let mut writer = store.source_index_writer()?;
     encoder.finish(
         |node| files.get(node as usize).map_or(&[][..], |c| &c[..]),
-        |piece| blob.append(piece).map(|_| ()),
+        |piece| writer.append(piece).map(|_| ()),
     )?;
-    Ok(blob.commit()?)
+    Ok(store.commit_source_index(key, chunk_size, writer)?)
 }
 
 /// Seal `chunks`' homes and write the image's pack index: every chunk of its files, packs numbered

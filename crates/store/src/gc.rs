@@ -12,7 +12,8 @@
 //! the roots' blobs (record, prefix, pack index, profile, provenance), the packs or layer blobs
 //! their pack index names, and the layer records whose layer manifest a live image's provenance
 //! names (or that are younger than the grace) with their manifest, pack index and packs, and the
-//! source records (a directory build's index for its next build) of kept images, with their index.
+//! source records and indexes (`sources/`: a directory build's index for its next build) of kept
+//! images.
 //!
 //! **Sweep**, in the reverse of the write order so an interrupted gc never leaves something that
 //! looks valid and is not: tags whose image is gone, then image entries, then layer and source
@@ -340,26 +341,29 @@ pub fn collect_garbage<B: GcBackend>(
         }
     }
 
-    // A source record (a directory build's index for the next build) lives as long as its image.
+    // A source record (a directory build's index for its next build, `.json`) and its index
+    // (`.idx`, not a blob) live as long as the record's image.
     let mut dead_sources = Vec::new();
-    for o in &sources {
-        if !o.key.ends_with(".json") {
-            continue;
-        }
+    let mut live_source_names: HashSet<&str> = HashSet::new();
+    for o in sources.iter().filter(|o| o.key.ends_with(".json")) {
         let record = backend.read(&o.key)?.and_then(|b| serde_json::from_slice::<SourceRecord>(&b).ok());
         let live = record.as_ref().is_some_and(|r| kept_images.contains(&ImageId(r.image)));
-        if !live && !young(o) {
-            if let Some(r) = &record {
-                c.roles.entry(r.index).or_insert("source-index");
+        if live || young(o) {
+            if !live {
+                report.young.add(o.len);
             }
-            dead_sources.push(o);
-            continue;
+            live_source_names.insert(o.key.trim_end_matches(".json"));
+        } else {
+            dead_sources.push((o, "source-record"));
         }
-        if !live {
+    }
+    for o in sources.iter().filter(|o| o.key.ends_with(".idx")) {
+        if live_source_names.contains(o.key.trim_end_matches(".idx")) {
+            report.live.add(o.len);
+        } else if young(o) {
             report.young.add(o.len);
-        }
-        if let Some(r) = record {
-            c.mark(r.index, "source-index");
+        } else {
+            dead_sources.push((o, "source-index"));
         }
     }
 
@@ -396,8 +400,8 @@ pub fn collect_garbage<B: GcBackend>(
     for o in dead_layers {
         sweep(o, "layer-record")?;
     }
-    for o in dead_sources {
-        sweep(o, "source-record")?;
+    for (o, kind) in dead_sources {
+        sweep(o, kind)?;
     }
     for (o, kind) in dead_blobs {
         sweep(o, kind)?;

@@ -67,8 +67,8 @@ pub struct LayerRecord {
 
 /// What the store knows about the last build of one source directory
 /// (`sources/<key>-<chunk size>.json`, the key a hash of the directory's path): the source index
-/// that lets the next build of that directory skip files that did not change. Written by the
-/// builder after the image; see `docs/formats/source-index.md`.
+/// (`sources/<key>-<chunk size>.idx`) that lets the next build of that directory skip files that
+/// did not change. Written by the builder after the image; see `docs/formats/source-index.md`.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SourceRecord {
@@ -77,7 +77,7 @@ pub struct SourceRecord {
     pub reader: u32,
     /// The directory, as built (canonical path).
     pub path: String,
-    /// The source index blob.
+    /// sha256 of the source index, `sources/<same name>.idx` (not a blob of the store).
     pub index: Sha256Digest,
     /// The ID of the image that build produced (its record's digest): the record lives as long
     /// as the image does (`store gc`).
@@ -488,7 +488,54 @@ impl LocalStore {
         self.read_record(&self.root.join(SOURCES).join(Self::source_name(key, chunk_size)?))
     }
 
-    /// Write (or atomically replace) a source record. Its index blob and image must be present.
+    /// A writer for the source index of directory `key` (`sources/<key>-<chunk size>.idx`, beside
+    /// its record): [`Self::commit_source_index`] puts it in place. Not a blob: a build's cache,
+    /// which `copy` and `push` never carry.
+    pub fn source_index_writer(&self) -> Result<BlobWriter, StoreError> {
+        self.blob_writer()
+    }
+
+    /// Put the source index written by `writer` in place for directory `key`; its sha256, for the
+    /// record to name.
+    pub fn commit_source_index(
+        &self,
+        key: &str,
+        chunk_size: u32,
+        writer: BlobWriter,
+    ) -> Result<Sha256Digest, StoreError> {
+        let name = Self::source_name(key, chunk_size)?.replace(".json", ".idx");
+        let dir = self.root.join(SOURCES);
+        match fs::create_dir(&dir) {
+            Ok(()) => sync_parent(&dir, "create a build record directory")?,
+            Err(e) if e.kind() == ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(StoreError::write("create a build record directory", &dir, e)),
+        }
+        writer.commit_as(&dir.join(name))
+    }
+
+    /// The source index `record` names, checked against its sha256; `None` (with a warning) if it
+    /// is missing or does not match.
+    pub fn read_source_index(
+        &self,
+        key: &str,
+        chunk_size: u32,
+        record: &SourceRecord,
+    ) -> Result<Option<Vec<u8>>, StoreError> {
+        let path = self.root.join(SOURCES).join(Self::source_name(key, chunk_size)?.replace(".json", ".idx"));
+        let bytes = match fs::read(&path) {
+            Ok(b) => b,
+            Err(e) if e.kind() == ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(StoreError::read("read source index", &path, e)),
+        };
+        if Sha256Digest::of(&bytes) != record.index {
+            warn!(path = %path.display(), "ignoring a source index that does not match its record");
+            return Ok(None);
+        }
+        Ok(Some(bytes))
+    }
+
+    /// Write (or atomically replace) a source record, after its index
+    /// ([`Self::commit_source_index`]) and its image.
     pub fn put_source_record(
         &self,
         key: &str,
@@ -499,7 +546,7 @@ impl LocalStore {
         if !self.has_image(&ImageId(record.image))? {
             return Err(StoreError::UnknownImage { reference: ImageId(record.image).to_string() });
         }
-        self.write_record(SOURCES, &name, &[record.index], record)?;
+        self.write_record(SOURCES, &name, &[], record)?;
         debug!(key, chunk_size, index = %record.index, "stored source record");
         Ok(())
     }
@@ -788,6 +835,30 @@ impl BlobWriter {
 
     /// Fsync, rename into `blobs/sha256/<hex>`, fsync the directory; return the digest. If the
     /// blob already exists the temp file is discarded.
+    /// Finish and move the bytes to `dest` instead of the blob directory (a build record's file,
+    /// which is not a blob: `sources/`); its sha256 is returned for the record to name.
+    pub(crate) fn commit_as(mut self, dest: &Path) -> Result<Sha256Digest, StoreError> {
+        if let Some(e) = self.failed.take() {
+            return Err(e);
+        }
+        let tmp = self.guard.path().to_owned();
+        let Some(buffered) = self.file.take() else {
+            return Err(StoreError::Io {
+                op: "commit file",
+                path: tmp,
+                source: io::Error::other("writer already finished"),
+            });
+        };
+        let file =
+            buffered.into_inner().map_err(|e| StoreError::write("write file", &tmp, e.into_error()))?;
+        file.sync_all().map_err(|e| StoreError::write("fsync file", &tmp, e))?;
+        drop(file);
+        let digest = Sha256Digest(std::mem::take(&mut self.hasher).finalize().into());
+        let guard = std::mem::replace(&mut self.guard, TempGuard { path: None });
+        rename_into_place(guard, dest, "commit file")?;
+        Ok(digest)
+    }
+
     pub fn commit(mut self) -> Result<Sha256Digest, StoreError> {
         if let Some(e) = self.failed.take() {
             return Err(e);
