@@ -172,6 +172,13 @@ pub fn image_record() -> Seeds {
         "ref-index".into(),
         with_mode(crate::image_record::MODE_REF_INDEX, &tessera_image::RefIndex::example().encode()),
     ));
+    out.push((
+        "ref-index-v2".into(),
+        with_mode(
+            crate::image_record::MODE_REF_INDEX,
+            &tessera_image::RefIndex::example().split_windows().0.encode(),
+        ),
+    ));
     let r = ImageRecord::example();
     out.push(("record".into(), with_mode(MODE_RECORD, &r.encode())));
     let mut empty = r.clone();

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 
 use rayon::prelude::*;
 use sha2::{Digest as _, Sha256};
-use tessera_image::{ChunkId, RefCheckpoint, RefIndex, RefLayer, RefLocation, Sha256Digest};
+use tessera_image::{ChunkId, RefCheckpoint, RefIndex, RefLayer, RefLocation, Sha256Digest, Window};
 use tessera_store::{BlobWriter, LocalStore};
 use tracing::{debug, info};
 
@@ -109,6 +109,12 @@ pub(crate) fn build_referenced(
                         chunk: Some(c.id),
                     });
                 }
+            }
+            // The windows in a blob of their own (version 2): a reader opening the image fetches
+            // the index without them, and each window with its span.
+            let (index, windows) = index.split_windows();
+            if let Some(w) = &windows {
+                store.put_blob(w)?;
             }
             info!(
                 layers = index.layers.len(),
@@ -267,7 +273,7 @@ fn hash_spans(
             out_offset: c.out_offset,
             span_end,
             span_digest: *h.finalize().as_bytes(),
-            window: c.window.clone(),
+            window: Window::Inline(c.window.clone()),
         })
         .collect();
     Ok(RefLayer {
@@ -385,8 +391,25 @@ mod tests {
         for (l, gz) in index.layers.iter().zip([&gz_base, &gz_top]) {
             assert_eq!(referenced.read_blob(&l.digest).unwrap(), **gz);
         }
+        // Version 2: the windows are in a blob of their own, read with their spans.
+        let windows = index.windows.expect("a version-2 index");
+        assert_eq!(windows.len, index.window_bytes());
+        assert!(windows.len > 0);
+        let windows_path = referenced.blob_path(&windows.digest);
+        assert_eq!(std::fs::metadata(&windows_path).unwrap().len(), windows.len);
         let want = device(&converted, &a.id).unwrap();
         assert_eq!(device(&referenced, &b.id).unwrap(), want, "the devices differ");
+
+        // A windows blob whose bytes changed: the reads that need a changed window fail.
+        let good_windows = std::fs::read(&windows_path).unwrap();
+        let mut bad = good_windows.clone();
+        bad[good_windows.len() / 2] ^= 0x40;
+        std::fs::write(&windows_path, &bad).unwrap();
+        match device(&referenced, &b.id) {
+            Err(StoreError::CorruptSpan { reason, .. }) => assert!(reason.contains("window"), "{reason}"),
+            other => panic!("expected a corrupt window, got {:?}", other.map(|_| "bytes")),
+        }
+        std::fs::write(&windows_path, &good_windows).unwrap();
 
         // A layer blob whose bytes changed: reads of its data fail, never give other bytes.
         let path = referenced.blob_path(&index.layers[0].digest);

@@ -316,7 +316,7 @@ impl Inspect {
             stored_bytes: stored_chunk_bytes + prefix_stored_bytes,
             stored_chunk_bytes,
             chunks: record.block_map.chunks().len() as u64,
-            packs: index.data_blobs().len() as u64,
+            packs: index.chunk_blobs() as u64,
             dedup_ratio: ratio(s.data_bytes, unique_chunk_bytes),
             compression_ratio: ratio(unique_chunk_bytes, stored_chunk_bytes),
             prefix_bytes: record.prefix.blocks * tessera_image::BlockSize::U64,

@@ -13,7 +13,7 @@ use std::collections::HashSet;
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tessera_image::{ChunkId, ChunkRef, ImageId, PackLocation, Sha256Digest};
+use tessera_image::{ChunkId, ChunkRef, ImageId, PackLocation, Sha256Digest, Window};
 use tessera_store::{
     decode_stored_chunk, read_profile, refetch_if_corrupt, CachedStore, Origin, ReadStore, StoreError,
 };
@@ -142,8 +142,16 @@ pub fn warm<O: Origin + 'static>(
                 continue;
             }
             let stored_len = u32::try_from(cp.span_end - cp.start()).unwrap_or(u32::MAX);
-            let loc = PackLocation { offset: cp.start(), stored_len, ..loc };
-            targets.push(Target { chunk, pack, loc, span: Some(cp.span_digest) });
+            let at = PackLocation { offset: cp.start(), stored_len, ..loc };
+            targets.push(Target { chunk, pack, loc: at, span: Some(cp.span_digest) });
+            // A version-2 index's window of the span, a range of the windows blob.
+            if let (Some(w), Window::Stored { offset, len, digest }) = (&reference.index.windows, &cp.window)
+            {
+                if *len > 0 && seen_spans.insert(*digest) {
+                    let at = PackLocation { offset: *offset, stored_len: *len, ..loc };
+                    targets.push(Target { chunk, pack: w.digest, loc: at, span: Some(*digest) });
+                }
+            }
         }
     }
     let bytes: u64 = targets.iter().map(|t| u64::from(t.loc.stored_len)).sum();

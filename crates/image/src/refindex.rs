@@ -8,8 +8,9 @@ use crate::error::DecodeError;
 
 /// The first 8 bytes of a reference pack index (a plain pack index starts `TESSPIX\0`).
 pub const REF_INDEX_MAGIC: &[u8; 8] = b"TESSRIX\0";
-/// The version this code writes and reads.
-pub const REF_INDEX_VERSION: u32 = 1;
+/// The newest version, which this code writes (it reads 1 and 2): version 2 keeps the windows in
+/// a blob of their own, read a window at a time, so opening an image reads no window.
+pub const REF_INDEX_VERSION: u32 = 2;
 /// Largest stored (zstd) window accepted: a 32 KiB window that did not compress, plus zstd's
 /// frame overhead.
 pub const MAX_STORED_WINDOW: u32 = (32 << 10) + 1024;
@@ -29,7 +30,38 @@ pub struct RefCheckpoint {
     pub span_digest: [u8; 32],
     /// The preceding up to 32 KiB of uncompressed bytes of its member, zstd-compressed (empty at
     /// a member start).
-    pub window: Vec<u8>,
+    pub window: Window,
+}
+
+/// Where a checkpoint's stored (zstd) window is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Window {
+    /// In the index itself (version 1; what the builder makes before [`RefIndex::split_windows`]).
+    Inline(Vec<u8>),
+    /// `len` bytes at `offset` of the index's windows blob ([`RefIndex::windows`]), whose blake3 is
+    /// `digest` (version 2; all zeros when `len` is 0).
+    Stored { offset: u64, len: u32, digest: [u8; 32] },
+}
+
+impl Window {
+    /// Stored bytes of the window.
+    pub fn len(&self) -> u64 {
+        match self {
+            Window::Inline(w) => w.len() as u64,
+            Window::Stored { len, .. } => u64::from(*len),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// The blob holding a version-2 index's windows, back to back in checkpoint order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WindowsBlob {
+    pub digest: Sha256Digest,
+    pub len: u64,
 }
 
 impl RefCheckpoint {
@@ -85,6 +117,8 @@ pub struct RefLocation {
 pub struct RefIndex {
     /// The image this index belongs to (its record's sha256).
     pub image: ImageId,
+    /// Version 2: the blob every [`Window::Stored`] is in. `None`: version 1, windows inline.
+    pub windows: Option<WindowsBlob>,
     pub layers: Vec<RefLayer>,
     entries: Vec<(ChunkId, RefLocation)>,
 }
@@ -94,7 +128,25 @@ impl RefIndex {
     pub fn new(image: ImageId, layers: Vec<RefLayer>, mut entries: Vec<(ChunkId, RefLocation)>) -> Self {
         entries.sort_by_key(|e| e.0);
         entries.dedup_by(|b, a| a.0 == b.0);
-        Self { image, layers, entries }
+        Self { image, windows: None, layers, entries }
+    }
+
+    /// Move inline windows into a blob of their own (version 2): the index, and the blob's bytes
+    /// (`None`, and the index unchanged, when it has no window bytes or is version 2 already).
+    pub fn split_windows(mut self) -> (Self, Option<Vec<u8>>) {
+        if self.windows.is_some() || self.window_bytes() == 0 {
+            return (self, None);
+        }
+        let mut blob = Vec::with_capacity(self.window_bytes() as usize);
+        for c in self.layers.iter_mut().flat_map(|l| l.checkpoints.iter_mut()) {
+            let Window::Inline(w) = &c.window else { continue };
+            let digest = if w.is_empty() { [0; 32] } else { *blake3::hash(w).as_bytes() };
+            let stored = Window::Stored { offset: blob.len() as u64, len: w.len() as u32, digest };
+            blob.extend_from_slice(w);
+            c.window = stored;
+        }
+        self.windows = Some(WindowsBlob { digest: Sha256Digest::of(&blob), len: blob.len() as u64 });
+        (self, Some(blob))
     }
 
     /// Whether `bytes` start like a reference pack index (of any version).
@@ -115,14 +167,20 @@ impl RefIndex {
 
     /// Bytes of stored windows (what the index adds to the layers).
     pub fn window_bytes(&self) -> u64 {
-        self.layers.iter().flat_map(|l| &l.checkpoints).map(|c| c.window.len() as u64).sum()
+        self.layers.iter().flat_map(|l| &l.checkpoints).map(|c| c.window.len()).sum()
     }
 
+    /// Version 1 if the windows are inline, else 2 (a [`Window::Inline`] in a version-2 index is
+    /// written as an empty stored window, which decoding refuses unless the window is empty).
     pub fn encode(&self) -> Vec<u8> {
         let mut w = Writer::default();
         w.bytes(REF_INDEX_MAGIC);
-        w.u32(REF_INDEX_VERSION);
+        w.u32(if self.windows.is_some() { 2 } else { 1 });
         w.bytes(&self.image.digest().0);
+        if let Some(b) = &self.windows {
+            w.bytes(&b.digest.0);
+            w.u64(b.len);
+        }
         w.len(self.layers.len());
         for l in &self.layers {
             w.bytes(&l.digest.0);
@@ -135,7 +193,20 @@ impl RefIndex {
                 w.u64(c.out_offset);
                 w.u64(c.span_end);
                 w.bytes(&c.span_digest);
-                w.blob(&c.window);
+                match (&c.window, self.windows.is_some()) {
+                    (Window::Inline(win), false) => w.blob(win),
+                    (Window::Stored { offset, len, digest }, true) => {
+                        w.u64(*offset);
+                        w.u32(*len);
+                        w.bytes(digest);
+                    }
+                    (Window::Inline(_), true) => {
+                        w.u64(0);
+                        w.u32(0);
+                        w.bytes(&[0; 32]);
+                    }
+                    (Window::Stored { .. }, false) => w.blob(&[]),
+                }
             }
         }
         w.len(self.entries.len());
@@ -151,15 +222,26 @@ impl RefIndex {
     /// Decode strictly: anything a reader would have to guess about is an error.
     pub fn decode(bytes: &[u8]) -> Result<Self, DecodeError> {
         let mut r = Reader::new(bytes, "reference pack index");
-        r.header(REF_INDEX_MAGIC, REF_INDEX_VERSION)?;
+        let version = match r.header(REF_INDEX_MAGIC, 1) {
+            Ok(()) => 1,
+            Err(DecodeError::UnsupportedVersion { version: 2, .. }) => 2,
+            Err(e) => return Err(e),
+        };
         let image = ImageId(Sha256Digest(r.array()?));
+        let windows = if version == 2 {
+            Some(WindowsBlob { digest: Sha256Digest(r.array()?), len: r.u64()? })
+        } else {
+            None
+        };
+        // Version 2: windows back to back in checkpoint order, from offset 0.
+        let mut window_end = 0u64;
         let n = r.count(56)?;
         let mut layers = Vec::with_capacity(n);
         for _ in 0..n {
             let digest = Sha256Digest(r.array()?);
             let compressed_len = r.u64()?;
             let uncompressed_len = r.u64()?;
-            let n = r.count(61)?;
+            let n = r.count(if version == 2 { 101 } else { 61 })?;
             let mut checkpoints: Vec<RefCheckpoint> = Vec::with_capacity(n);
             for _ in 0..n {
                 let in_offset = r.u64()?;
@@ -167,7 +249,19 @@ impl RefIndex {
                 let out_offset = r.u64()?;
                 let span_end = r.u64()?;
                 let span_digest = r.array()?;
-                let window = r.blob()?;
+                let window = if version == 2 {
+                    let (offset, len, digest) = (r.u64()?, r.u32()?, r.array::<32>()?);
+                    if offset != window_end || (len == 0 && digest != [0; 32]) {
+                        return Err(r.not_canonical(
+                            "window",
+                            "windows not back to back, or an empty one with a digest",
+                        ));
+                    }
+                    window_end += u64::from(len);
+                    Window::Stored { offset, len, digest }
+                } else {
+                    Window::Inline(r.blob()?.to_vec())
+                };
                 if bits > 7 || (bits > 0 && in_offset == 0) {
                     return Err(r.not_canonical("bits", "bit count not 0..=7 or before the stream"));
                 }
@@ -178,7 +272,7 @@ impl RefIndex {
                 if out_offset >= uncompressed_len {
                     return Err(r.not_canonical("out_offset", "checkpoint past the layer's end"));
                 }
-                if window.len() > MAX_STORED_WINDOW as usize {
+                if window.len() > u64::from(MAX_STORED_WINDOW) {
                     return Err(r.not_canonical("window", "stored window too large"));
                 }
                 match checkpoints.last() {
@@ -196,7 +290,7 @@ impl RefIndex {
                     out_offset,
                     span_end,
                     span_digest,
-                    window: window.to_vec(),
+                    window,
                 });
             }
             if checkpoints.is_empty() && uncompressed_len != 0 {
@@ -222,8 +316,11 @@ impl RefIndex {
             }
             entries.push((id, RefLocation { layer, offset, len }));
         }
+        if windows.is_some_and(|w| w.len != window_end) {
+            return Err(r.not_canonical("windows", "the windows blob's length is not the sum of the windows"));
+        }
         r.finish()?;
-        Ok(Self { image, layers, entries })
+        Ok(Self { image, windows, layers, entries })
     }
 
     /// An index with two layers and three chunks, for tests and fuzz seeds (feature
@@ -236,7 +333,7 @@ impl RefIndex {
             out_offset,
             span_end,
             span_digest: *blake3::hash(&in_offset.to_le_bytes()).as_bytes(),
-            window: window.to_vec(),
+            window: Window::Inline(window.to_vec()),
         };
         let layers = vec![
             RefLayer {
@@ -283,11 +380,22 @@ impl AnyPackIndex {
         }
     }
 
-    /// The blobs holding the chunks: the packs, or the referenced layer blobs.
+    /// The blobs holding the chunks: the packs, or the referenced layer blobs (and the windows
+    /// blob of a version-2 reference index).
     pub fn data_blobs(&self) -> Vec<Sha256Digest> {
         match self {
             Self::Packs(p) => p.packs().to_vec(),
-            Self::Reference(r) => r.layers.iter().map(|l| l.digest).collect(),
+            Self::Reference(r) => {
+                r.layers.iter().map(|l| l.digest).chain(r.windows.map(|w| w.digest)).collect()
+            }
+        }
+    }
+
+    /// The blobs chunks are cut from: the packs, or the referenced layer blobs (not the windows).
+    pub fn chunk_blobs(&self) -> usize {
+        match self {
+            Self::Packs(p) => p.packs().len(),
+            Self::Reference(r) => r.layers.len(),
         }
     }
 
@@ -326,6 +434,45 @@ mod tests {
     }
 
     #[test]
+    fn version_2_keeps_windows_in_their_own_blob() {
+        let v1 = RefIndex::example();
+        let (v2, blob) = v1.clone().split_windows();
+        let blob = blob.expect("the example has window bytes");
+        assert_eq!(blob, b"window");
+        assert_eq!(v2.windows, Some(WindowsBlob { digest: Sha256Digest::of(b"window"), len: 6 }));
+        assert_eq!(
+            v2.layers[0].checkpoints[1].window,
+            Window::Stored { offset: 0, len: 6, digest: *blake3::hash(b"window").as_bytes() }
+        );
+        assert_eq!(v2.layers[0].checkpoints[0].window, Window::Stored { offset: 0, len: 0, digest: [0; 32] });
+        let bytes = v2.encode();
+        assert_eq!(u32::from_le_bytes(bytes[8..12].try_into().unwrap()), 2);
+        assert_eq!(RefIndex::decode(&bytes).unwrap(), v2);
+        assert_eq!(v2.window_bytes(), v1.window_bytes());
+        assert!(AnyPackIndex::Reference(v2.clone()).data_blobs().contains(&Sha256Digest::of(b"window")));
+        assert_eq!(v2.clone().split_windows().1, None, "already split");
+        // Windows must be back to back and the blob's length their sum.
+        let refuse = |f: &dyn Fn(&mut RefIndex)| {
+            let mut i = v2.clone();
+            f(&mut i);
+            RefIndex::decode(&i.encode()).unwrap_err().to_string()
+        };
+        assert!(refuse(&|i| i.windows = Some(WindowsBlob { digest: Sha256Digest::of(b"x"), len: 7 }))
+            .contains("windows"));
+        assert!(refuse(
+            &|i| i.layers[0].checkpoints[1].window = Window::Stored { offset: 1, len: 6, digest: [1; 32] }
+        )
+        .contains("back to back"));
+        assert!(refuse(
+            &|i| i.layers[1].checkpoints[0].window = Window::Stored { offset: 6, len: 0, digest: [1; 32] }
+        )
+        .contains("empty"));
+        let mut next = bytes.clone();
+        next[8] = 3;
+        assert!(matches!(RefIndex::decode(&next), Err(DecodeError::UnsupportedVersion { version: 3, .. })));
+    }
+
+    #[test]
     fn strict_decoding() {
         let good = RefIndex::example();
         let refuse = |f: &dyn Fn(&mut RefIndex)| {
@@ -342,10 +489,10 @@ mod tests {
         assert!(refuse(&|i| i.entries[0].1.offset = 19_000).contains("past"));
         assert!(refuse(&|i| i.entries.swap(0, 1)).contains("ascending"));
         let mut bytes = good.encode();
-        bytes[8] = 2;
+        bytes[8] = 3;
         let e = RefIndex::decode(&bytes).unwrap_err();
-        assert!(matches!(e, DecodeError::UnsupportedVersion { version: 2, .. }), "{e}");
-        assert!(e.to_string().contains("unsupported reference pack index version 2"), "{e}");
+        assert!(matches!(e, DecodeError::UnsupportedVersion { version: 3, .. }), "{e}");
+        assert!(e.to_string().contains("unsupported reference pack index version 3"), "{e}");
         bytes[8] = 1;
         bytes.push(0);
         assert!(matches!(RefIndex::decode(&bytes), Err(DecodeError::TrailingBytes { .. })));

@@ -111,15 +111,15 @@ impl OpenImage {
         let pack_index = store.read_blob_as(&entry.pack_index, "pack index")?;
         let image = Self::assemble(*id, entry, &record, &prefix, &pack_index)?;
         if let Some(r) = &image.reference {
-            for l in &r.index.layers {
-                let len = store.blob_len(&l.digest)?;
-                if len != l.compressed_len {
+            let layers = r.index.layers.iter().map(|l| ("layer", l.digest, l.compressed_len));
+            for (what, digest, expected) in
+                layers.chain(r.index.windows.map(|w| ("windows", w.digest, w.len)))
+            {
+                let len = store.blob_len(&digest)?;
+                if len != expected {
                     return Err(inconsistent(
                         id,
-                        format!(
-                            "layer blob {} has {len} bytes, its reference index says {}",
-                            l.digest, l.compressed_len
-                        ),
+                        format!("{what} blob {digest} has {len} bytes, its reference index says {expected}"),
                     ));
                 }
             }

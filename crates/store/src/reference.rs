@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex};
 
-use tessera_image::{ChunkRef, ImageId, RefIndex, RefLayer, RefLocation};
+use tessera_image::{ChunkRef, ImageId, RefIndex, RefLayer, RefLocation, Sha256Digest, Window};
 use tracing::warn;
 
 use crate::error::StoreError;
@@ -67,8 +67,9 @@ impl RefImage {
     }
 }
 
-/// Check and inflate span `k` of `layer` from its compressed bytes `stored`.
-pub fn decode_span(layer: &RefLayer, k: usize, stored: &[u8]) -> Result<Vec<u8>, StoreError> {
+/// Check and inflate span `k` of `layer` from its compressed bytes `stored` and its checkpoint's
+/// stored window `window` (the inline one, or the bytes read from the windows blob).
+pub fn decode_span(layer: &RefLayer, k: usize, stored: &[u8], window: &[u8]) -> Result<Vec<u8>, StoreError> {
     let cp = layer.checkpoints.get(k).ok_or_else(|| StoreError::CorruptSpan {
         layer: layer.digest,
         offset: 0,
@@ -94,13 +95,49 @@ pub fn decode_span(layer: &RefLayer, k: usize, stored: &[u8]) -> Result<Vec<u8>,
         return Err(corrupt("its blake3 does not match the checkpoint index".into()));
     }
     let (s, e) = layer.span_range(k).unwrap_or((0, 0));
-    let window = if cp.window.is_empty() {
+    let window = if window.is_empty() {
         Vec::new()
     } else {
-        zstd::bulk::decompress(&cp.window, tessera_gzip::WINDOW)
+        zstd::bulk::decompress(window, tessera_gzip::WINDOW)
             .map_err(|e| corrupt(format!("its checkpoint window does not decode: {e}")))?
     };
     tessera_gzip::inflate_span(stored, cp.bits, &window, e - s).map_err(|e| corrupt(e.to_string()))
+}
+
+/// The compressed bytes of span `k` of `layer` and its stored window, read from `source`: a
+/// version-2 index's window (in the blob `windows`) is read at the same time as the span, on a
+/// second thread, so it costs no round trip of its own; it is checked against its blake3.
+pub fn read_span(
+    source: &dyn ChunkSource,
+    layer: &RefLayer,
+    k: usize,
+    windows: Option<&Sha256Digest>,
+) -> Result<(Vec<u8>, Vec<u8>), StoreError> {
+    let bad = |offset: u64, reason: String| StoreError::CorruptSpan { layer: layer.digest, offset, reason };
+    let cp = layer.checkpoints.get(k).ok_or_else(|| bad(0, format!("no checkpoint {k}")))?;
+    let len = u32::try_from(cp.span_end - cp.start()).unwrap_or(u32::MAX);
+    let (offset, wlen, digest) = match &cp.window {
+        Window::Inline(w) => return Ok((source.read_stored(&layer.digest, cp.start(), len)?, w.clone())),
+        Window::Stored { len: 0, .. } => {
+            return Ok((source.read_stored(&layer.digest, cp.start(), len)?, Vec::new()))
+        }
+        Window::Stored { offset, len, digest } => (*offset, *len, digest),
+    };
+    let blob = windows.ok_or_else(|| bad(cp.start(), "a stored window but no windows blob".into()))?;
+    let (stored, window) = std::thread::scope(|scope| {
+        let window = scope.spawn(|| source.read_stored(blob, offset, wlen));
+        let stored = source.read_stored(&layer.digest, cp.start(), len);
+        (stored, window.join())
+    });
+    let window = window.map_err(|_| bad(cp.start(), "the window reader panicked".into()))??;
+    if blake3::hash(&window).as_bytes() != digest {
+        warn!(windows = %blob, offset, "a checkpoint window does not match its blake3; failing the read");
+        return Err(bad(
+            cp.start(),
+            format!("its window at {offset} of windows blob {blob} does not match its blake3"),
+        ));
+    }
+    Ok((stored?, window))
 }
 
 /// (layer number, span number).
@@ -211,16 +248,11 @@ impl SpanCache {
         layer_no: u32,
         layer: &RefLayer,
         k: usize,
+        windows: Option<&Sha256Digest>,
     ) -> Result<Arc<[u8]>, StoreError> {
         self.get_or_load((layer_no, k), || {
-            let cp = layer.checkpoints.get(k).ok_or_else(|| StoreError::CorruptSpan {
-                layer: layer.digest,
-                offset: 0,
-                reason: format!("no checkpoint {k}"),
-            })?;
-            let len = u32::try_from(cp.span_end - cp.start()).unwrap_or(u32::MAX);
-            let stored = source.read_stored(&layer.digest, cp.start(), len)?;
-            decode_span(layer, k, &stored)
+            let (stored, window) = read_span(source, layer, k, windows)?;
+            decode_span(layer, k, &stored, &window)
         })
     }
 }
@@ -246,7 +278,8 @@ pub(crate) fn fetch_reference_chunk(
         .ok_or_else(|| corrupt("it lies outside its layer"))?;
     let mut out = Vec::with_capacity(loc.len as usize);
     for k in first..=last {
-        let data = spans.span(source, loc.layer, layer, k)?;
+        let data =
+            spans.span(source, loc.layer, layer, k, image.index.windows.as_ref().map(|w| &w.digest))?;
         let (s, e) = layer.span_range(k).ok_or_else(|| corrupt("a span is missing"))?;
         let from = loc.offset.max(s) - s;
         let to = (loc.offset + u64::from(loc.len)).min(e) - s;

@@ -955,7 +955,7 @@ pub struct CachedSource<S> {
     origin: S,
     chunks: HashMap<(Sha256Digest, u64), (ChunkRef, PackLocation)>,
     /// For a `--reference-layers` image: its checkpoint spans, (layer blob, start) → (length,
-    /// blake3); the unit it caches.
+    /// blake3), the unit it caches; and its stored windows, (windows blob, offset) → the same.
     spans: HashMap<(Sha256Digest, u64), (u32, [u8; 32])>,
 }
 
@@ -981,6 +981,16 @@ impl<S: ChunkSource> CachedSource<S> {
                     let len = u32::try_from(c.span_end - c.start()).ok()?;
                     Some(((layer, c.start()), (len, c.span_digest)))
                 })
+                // A version-2 index's windows are cached the same way: ranges of the windows
+                // blob, keyed by their blake3.
+                .chain(r.index.windows.iter().flat_map(|w| {
+                    r.index.layers.iter().flat_map(|l| &l.checkpoints).filter_map(move |c| match c.window {
+                        tessera_image::Window::Stored { offset, len, digest } if len > 0 => {
+                            Some(((w.digest, offset), (len, digest)))
+                        }
+                        _ => None,
+                    })
+                }))
                 .collect();
             return Self { cache, origin, chunks: HashMap::new(), spans };
         }
