@@ -138,5 +138,32 @@ fn reference_layers_match_the_converted_image_and_umoci_unpack() -> Result<()> {
         stderr.contains(&digest["sha256:".len()..]) || stderr.contains(&digest),
         "stderr does not name the blob: {stderr}"
     );
+    bytes[at] ^= 0x20;
+    fs::write(&path, &bytes)?;
+
+    // The same image recompressed by skopeo as zstd:chunked (many zstd frames and a skippable
+    // table of contents per layer): referenced at frame boundaries, the same image and bytes.
+    let zlayout = t.path().join("zstd-layout");
+    tessera_e2e::oci::skopeo_copy(
+        &format!("oci:{}", img.image_ref()),
+        &format!("oci:{}:t", zlayout.display()),
+        &["--dest-compress-format", "zstd:chunked"],
+    )?;
+    let zstore = t.path().join("zstd-store");
+    let zid =
+        build_ok(&format!("oci:{}:t", zlayout.display()), &zstore, &["--reference-layers", "--tag", "t"])?;
+    ensure!(zid == id, "zstd:chunked --reference-layers gave {zid}, the converted build {id}");
+    let zraw = t.path().join("zstd.raw");
+    tessera::export("t", &zstore, &zraw)?;
+    ensure!(same_bytes(&zraw, &raw_converted)?, "the zstd:chunked reference export differs");
+    // Served from its frames by the daemon too.
+    let socket = t.path().join("zstd.sock");
+    let d = tessera_e2e::daemon::Daemon::start("t", zstore.display().to_string(), &socket, &["--read-only"])?;
+    let mut c = tessera_e2e::daemon::BlkClient::connect(d.socket(), 1, true)?;
+    let (device, failed) = c.read_device(1 << 20, 8)?;
+    ensure!(failed.is_empty(), "daemon reads failed: {failed:?}");
+    ensure!(device == fs::read(&raw_converted)?, "the daemon served other bytes from the zstd layers");
+    drop(c);
+    d.stop()?;
     Ok(())
 }

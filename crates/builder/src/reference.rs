@@ -15,7 +15,9 @@ use std::sync::{Arc, Mutex};
 
 use rayon::prelude::*;
 use sha2::{Digest as _, Sha256};
-use tessera_image::{ChunkId, RefCheckpoint, RefIndex, RefLayer, RefLocation, Sha256Digest, Window};
+use tessera_image::{
+    ChunkId, RefCheckpoint, RefCodec, RefIndex, RefLayer, RefLocation, Sha256Digest, Window,
+};
 use tessera_store::{BlobWriter, LocalStore};
 use tracing::{debug, info};
 
@@ -26,6 +28,10 @@ use crate::pipeline::{check_chunk_size, finish_image_with, BuildConfig, BuildOut
 use crate::seed::FileChunks;
 use crate::source::{read_layer, EntryKind, ImageSource, LayerBlob, LayerStream, SourceError};
 use crate::Progress;
+
+/// The largest span of a zstd layer (its spans are whole frames; the spacing is 1 MiB): a layer
+/// with a larger frame is refused, with the way to recompress it.
+const MAX_ZSTD_SPAN: u64 = 8 << 20;
 
 /// One layer read for reference: its manifest, where its chunks are, and its checkpoints.
 struct ReadLayer {
@@ -187,6 +193,23 @@ fn read_for_reference(
         layer: blob.name.clone(),
         source: std::io::Error::other("the gzip stream was not read to its end"),
     })?;
+    // zstd: spans are whole frames; a frame far larger than the spacing (a layer compressed as
+    // one frame) would make every read fetch and decode all of it.
+    if index.codec == tessera_gzip::Codec::Zstd {
+        let largest = (0..index.checkpoints.len())
+            .filter_map(|k| index.span(k))
+            .map(|s| s.uncompressed.1 - s.uncompressed.0)
+            .max()
+            .unwrap_or(0);
+        if largest > MAX_ZSTD_SPAN {
+            return Err(SourceError::ZstdFrameTooLarge {
+                layer: blob.name.clone(),
+                frame_mib: largest.div_ceil(1 << 20),
+                max_mib: MAX_ZSTD_SPAN >> 20,
+            }
+            .into());
+        }
+    }
     let count = entries.iter().filter(|e| matches!(e.kind, EntryKind::File { .. })).count();
     if count != files.len() || index.uncompressed_len != tar_bytes {
         return Err(BuildError::Internal { what: "a layer's files and chunks disagree", chunk: None });
@@ -278,6 +301,10 @@ fn hash_spans(
         .collect();
     Ok(RefLayer {
         digest: *digest,
+        codec: match r.index.codec {
+            tessera_gzip::Codec::Gzip => RefCodec::Gzip,
+            tessera_gzip::Codec::Zstd => RefCodec::Zstd,
+        },
         compressed_len: at,
         uncompressed_len: r.index.uncompressed_len,
         checkpoints,
@@ -471,7 +498,50 @@ mod tests {
         bad[n / 3] ^= 0xff;
         let e = build(bad);
         assert!(e.contains("layer 0 (sha256:x)"), "{e}");
-        let e = build(zstd::bulk::compress(&base, 3).unwrap());
-        assert!(e.contains("is zstd") && e.contains("without --reference-layers"), "{e}");
+        // One zstd frame of the whole layer, larger than a span may be: refused, with the way out.
+        let mut big = tar::Builder::new(Vec::new());
+        let text = content(5, 9 << 20);
+        big.append(&header("opt/big", tar::EntryType::Regular, text.len() as u64, 0o644), &text[..]).unwrap();
+        let big = big.into_inner().unwrap();
+        let one_frame = zstd::bulk::compress(&big, 3).unwrap();
+        let e = crate::build_image(
+            &source(vec![blob("layer 0 (sha256:x)", one_frame, &big)]),
+            &store,
+            &config,
+            &NoProgress,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("is zstd with a frame of 10 MiB") && e.contains("zstd:chunked"), "{e}");
+        assert!(e.contains("without --reference-layers"), "{e}");
+        let e = build(base.clone());
+        assert!(e.contains("is uncompressed") && e.contains("without --reference-layers"), "{e}");
+    }
+
+    /// zstd in frames of 64 KiB (as zstd:chunked writes a layer: many frames).
+    fn zstd_frames(data: &[u8]) -> Vec<u8> {
+        data.chunks(64 << 10).flat_map(|p| zstd::bulk::compress(p, 3).unwrap()).collect()
+    }
+
+    #[test]
+    fn zstd_layers_of_many_frames_are_referenced() {
+        let (base, top) = tars();
+        let layers = |z: bool| {
+            let c = |t: &[u8]| if z { zstd_frames(t) } else { gzip(t) };
+            vec![blob("layer 0", c(&base), &base), blob("layer 1", c(&top), &top)]
+        };
+        let config = BuildConfig { fs_time: 1000, chunk_size: 64 << 10, ..BuildConfig::default() };
+        let dir = tempfile::tempdir().unwrap();
+        let converted = LocalStore::create_or_open(dir.path().join("converted")).unwrap();
+        let a = crate::build_image(&source(layers(false)), &converted, &config, &NoProgress).unwrap();
+        let referenced = LocalStore::create_or_open(dir.path().join("ref")).unwrap();
+        let rconfig = BuildConfig { reference_layers: true, ..config.clone() };
+        let b = crate::build_image(&source(layers(true)), &referenced, &rconfig, &NoProgress).unwrap();
+        assert_eq!(b.id, a.id, "the same image as the converted gzip build");
+        let index = RefIndex::decode(&referenced.read_blob(&b.entry.pack_index).unwrap()).unwrap();
+        assert!(index.layers.iter().all(|l| l.codec == RefCodec::Zstd));
+        assert!(index.layers[0].checkpoints.len() >= 3, "{} checkpoints", index.layers[0].checkpoints.len());
+        assert_eq!(index.window_bytes(), 0, "zstd frames need no windows");
+        assert_eq!(device(&referenced, &b.id).unwrap(), device(&converted, &a.id).unwrap());
     }
 }

@@ -151,10 +151,11 @@ pub struct BuildArgs {
     /// limit).
     #[arg(long, value_parser = parse_size_arg)]
     max_size: Option<u64>,
-    /// Keep file data in the source image's gzip layers instead of converting it (oci: sources):
+    /// Keep file data in the source image's layers (gzip, or zstd of many frames as zstd:chunked
+    /// writes them) instead of converting it (oci: and docker:// sources):
     /// the store gets the layer blobs as they are, the metadata prefix, the record and a reference
-    /// pack index with gzip checkpoints (docs/formats/reference-index.md). The image ID is the one
-    /// a converted build gives.
+    /// pack index with checkpoints (docs/formats/reference-index.md). The image ID is the one a
+    /// converted build gives.
     #[arg(long)]
     reference_layers: bool,
     /// Read every file of a directory source. Without it, a build into a store that holds the

@@ -99,9 +99,21 @@ pub struct Span {
     pub uncompressed: (u64, u64),
 }
 
-/// The checkpoints of one gzip stream, and the spans between them.
+/// How a layer's spans are compressed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Codec {
+    /// gzip: a span resumes inflation at a deflate block boundary with its window.
+    #[default]
+    Gzip,
+    /// zstd frames: a span is whole frames, each decoded alone ([`ZstdIndexer`]).
+    Zstd,
+}
+
+/// The checkpoints of one gzip stream (or zstd frames, by `codec`), and the spans between them.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct GzipIndex {
+    /// How the spans are compressed.
+    pub codec: Codec,
     /// Ascending by both offsets; the first at uncompressed offset 0.
     pub checkpoints: Vec<Checkpoint>,
     /// Where span `k` ends in the compressed stream (`span_ends[k]`), one per checkpoint.
@@ -118,6 +130,21 @@ impl GzipIndex {
         let cp = self.checkpoints.get(k)?;
         let uend = self.checkpoints.get(k + 1).map_or(self.uncompressed_len, |n| n.out_offset);
         Some(Span { compressed: (cp.start(), *self.span_ends.get(k)?), uncompressed: (cp.out_offset, uend) })
+    }
+
+    /// Remove the checkpoints whose span holds no uncompressed byte (the last one's ends at
+    /// `uncompressed_len`, which must be set).
+    pub(crate) fn drop_empty_spans(&mut self) {
+        let mut k = 0;
+        while k < self.checkpoints.len() {
+            let end = self.checkpoints.get(k + 1).map_or(self.uncompressed_len, |c| c.out_offset);
+            if end == self.checkpoints[k].out_offset {
+                self.checkpoints.remove(k);
+                self.span_ends.remove(k);
+            } else {
+                k += 1;
+            }
+        }
     }
 
     /// The spans covering the uncompressed range `[a, b)` (`a < b`), as indexes `first..=last`.
@@ -139,7 +166,11 @@ impl GzipIndex {
             .zip(usize::try_from(span.compressed.1).ok())
             .and_then(|(s, e)| blob.get(s..e))
             .ok_or_else(|| GzipError::Range(format!("span {k} lies outside the blob")))?;
-        inflate_span(bytes, cp.bits, &cp.window()?, span.uncompressed.1 - span.uncompressed.0)
+        let len = span.uncompressed.1 - span.uncompressed.0;
+        match self.codec {
+            Codec::Gzip => inflate_span(bytes, cp.bits, &cp.window()?, len),
+            Codec::Zstd => decode_zstd_span(bytes, len),
+        }
     }
 
     /// The uncompressed bytes `[a, b)` of `blob`, decoded from the covering spans only.
@@ -454,17 +485,8 @@ impl Indexer {
         }
         self.index.compressed_len = self.total_in;
         self.index.uncompressed_len = self.total_out;
-        // A member with no output has a checkpoint at its end too; drop empty spans.
-        let mut k = 0;
-        while k < self.index.checkpoints.len() {
-            let end = self.index.checkpoints.get(k + 1).map_or(self.total_out, |c| c.out_offset);
-            if end == self.index.checkpoints[k].out_offset {
-                self.index.checkpoints.remove(k);
-                self.index.span_ends.remove(k);
-            } else {
-                k += 1;
-            }
-        }
+        // A member with no output has a checkpoint at its end too.
+        self.index.drop_empty_spans();
         Ok(self.index)
     }
 }
@@ -493,3 +515,6 @@ pub fn index_all(blob: &[u8], spacing: u64) -> Result<(Vec<u8>, GzipIndex), Gzip
 
 #[cfg(test)]
 mod tests;
+
+mod zstd_frames;
+pub use zstd_frames::{decode_zstd_span, AnyIndexer, ZstdIndexer};

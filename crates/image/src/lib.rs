@@ -50,8 +50,8 @@ pub use record::{
     BuildOptions, Geometry, ImageRecord, ImageStats, PrefixInfo, RuntimeConfig, RECORD_VERSION,
 };
 pub use refindex::{
-    AnyPackIndex, RefCheckpoint, RefIndex, RefLayer, RefLocation, Window, WindowsBlob, MAX_STORED_WINDOW,
-    REF_INDEX_MAGIC, REF_INDEX_VERSION,
+    AnyPackIndex, RefCheckpoint, RefCodec, RefIndex, RefLayer, RefLocation, Window, WindowsBlob,
+    MAX_STORED_WINDOW, REF_INDEX_MAGIC, REF_INDEX_VERSION,
 };
 pub use requests::{
     RequestOp, RequestRecord, RequestStatus, RequestTrace, RequestTraceHeader, REQUEST_HEADER_LEN,

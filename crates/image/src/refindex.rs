@@ -71,11 +71,23 @@ impl RefCheckpoint {
     }
 }
 
+/// How a referenced layer is compressed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum RefCodec {
+    /// gzip: spans resume inflation at a deflate block boundary, with a window.
+    #[default]
+    Gzip,
+    /// zstd made of many frames: a span is whole frames (no window, no bits; version 2 only).
+    Zstd,
+}
+
 /// One source layer blob.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RefLayer {
     /// sha256 of the blob as stored (the OCI layer digest).
     pub digest: Sha256Digest,
+    /// How the blob is compressed (version 1: always gzip).
+    pub codec: RefCodec,
     /// Size of the blob.
     pub compressed_len: u64,
     /// Size of the uncompressed tar stream.
@@ -133,8 +145,12 @@ impl RefIndex {
 
     /// Move inline windows into a blob of their own (version 2): the index, and the blob's bytes
     /// (`None`, and the index unchanged, when it has no window bytes or is version 2 already).
+    ///
+    /// An index with a zstd layer is always made version 2 (version 1 has no codec field); with
+    /// no window bytes its windows blob is empty, and then not a data blob nor written anywhere.
     pub fn split_windows(mut self) -> (Self, Option<Vec<u8>>) {
-        if self.windows.is_some() || self.window_bytes() == 0 {
+        let zstd = self.layers.iter().any(|l| l.codec == RefCodec::Zstd);
+        if self.windows.is_some() || (self.window_bytes() == 0 && !zstd) {
             return (self, None);
         }
         let mut blob = Vec::with_capacity(self.window_bytes() as usize);
@@ -146,7 +162,7 @@ impl RefIndex {
             c.window = stored;
         }
         self.windows = Some(WindowsBlob { digest: Sha256Digest::of(&blob), len: blob.len() as u64 });
-        (self, Some(blob))
+        (self, (!blob.is_empty()).then_some(blob))
     }
 
     /// Whether `bytes` start like a reference pack index (of any version).
@@ -186,6 +202,12 @@ impl RefIndex {
             w.bytes(&l.digest.0);
             w.u64(l.compressed_len);
             w.u64(l.uncompressed_len);
+            if self.windows.is_some() {
+                w.u8(match l.codec {
+                    RefCodec::Gzip => 0,
+                    RefCodec::Zstd => 1,
+                });
+            }
             w.len(l.checkpoints.len());
             for c in &l.checkpoints {
                 w.u64(c.in_offset);
@@ -241,6 +263,11 @@ impl RefIndex {
             let digest = Sha256Digest(r.array()?);
             let compressed_len = r.u64()?;
             let uncompressed_len = r.u64()?;
+            let codec = match (version, if version == 2 { r.u8()? } else { 0 }) {
+                (_, 0) => RefCodec::Gzip,
+                (2, 1) => RefCodec::Zstd,
+                _ => return Err(r.not_canonical("codec", "not 0 (gzip) or 1 (zstd)")),
+            };
             let n = r.count(if version == 2 { 101 } else { 61 })?;
             let mut checkpoints: Vec<RefCheckpoint> = Vec::with_capacity(n);
             for _ in 0..n {
@@ -262,6 +289,9 @@ impl RefIndex {
                 } else {
                     Window::Inline(r.blob()?.to_vec())
                 };
+                if codec == RefCodec::Zstd && (bits != 0 || !window.is_empty()) {
+                    return Err(r.not_canonical("window", "a zstd checkpoint with bits or a window"));
+                }
                 if bits > 7 || (bits > 0 && in_offset == 0) {
                     return Err(r.not_canonical("bits", "bit count not 0..=7 or before the stream"));
                 }
@@ -296,7 +326,7 @@ impl RefIndex {
             if checkpoints.is_empty() && uncompressed_len != 0 {
                 return Err(r.not_canonical("checkpoints", "a non-empty layer without checkpoints"));
             }
-            layers.push(RefLayer { digest, compressed_len, uncompressed_len, checkpoints });
+            layers.push(RefLayer { digest, codec, compressed_len, uncompressed_len, checkpoints });
         }
         let n = r.count(48)?;
         let mut entries: Vec<(ChunkId, RefLocation)> = Vec::with_capacity(n);
@@ -338,12 +368,14 @@ impl RefIndex {
         let layers = vec![
             RefLayer {
                 digest: Sha256Digest::of(b"layer 0"),
+                codec: RefCodec::Gzip,
                 compressed_len: 5000,
                 uncompressed_len: 20_000,
                 checkpoints: vec![cp(10, 0, 0, 3000, b""), cp(3000, 5, 9000, 4990, b"window")],
             },
             RefLayer {
                 digest: Sha256Digest::of(b"layer 1"),
+                codec: RefCodec::Gzip,
                 compressed_len: 300,
                 uncompressed_len: 2048,
                 checkpoints: vec![cp(20, 3, 0, 300, b"")],
@@ -385,9 +417,12 @@ impl AnyPackIndex {
     pub fn data_blobs(&self) -> Vec<Sha256Digest> {
         match self {
             Self::Packs(p) => p.packs().to_vec(),
-            Self::Reference(r) => {
-                r.layers.iter().map(|l| l.digest).chain(r.windows.map(|w| w.digest)).collect()
-            }
+            Self::Reference(r) => r
+                .layers
+                .iter()
+                .map(|l| l.digest)
+                .chain(r.windows.filter(|w| w.len > 0).map(|w| w.digest))
+                .collect(),
         }
     }
 
@@ -467,6 +502,19 @@ mod tests {
             &|i| i.layers[1].checkpoints[0].window = Window::Stored { offset: 6, len: 0, digest: [1; 32] }
         )
         .contains("empty"));
+        // A zstd layer: version 2 even without windows; its checkpoints have neither.
+        let mut z = RefIndex::example();
+        z.layers[1].codec = RefCodec::Zstd;
+        z.layers[1].checkpoints[0].bits = 0;
+        z.layers[0].checkpoints[1].window = Window::Inline(Vec::new());
+        let (z2, blob) = z.clone().split_windows();
+        assert_eq!(blob, None, "no window bytes: no windows blob");
+        assert_eq!(z2.windows.map(|w| w.len), Some(0));
+        assert_eq!(RefIndex::decode(&z2.encode()).unwrap(), z2);
+        assert!(!AnyPackIndex::Reference(z2.clone()).data_blobs().contains(&z2.windows.unwrap().digest));
+        let mut bad = z2.clone();
+        bad.layers[1].checkpoints[0].bits = 3;
+        assert!(RefIndex::decode(&bad.encode()).unwrap_err().to_string().contains("zstd checkpoint"));
         let mut next = bytes.clone();
         next[8] = 3;
         assert!(matches!(RefIndex::decode(&next), Err(DecodeError::UnsupportedVersion { version: 3, .. })));

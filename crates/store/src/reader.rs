@@ -112,9 +112,8 @@ impl OpenImage {
         let image = Self::assemble(*id, entry, &record, &prefix, &pack_index)?;
         if let Some(r) = &image.reference {
             let layers = r.index.layers.iter().map(|l| ("layer", l.digest, l.compressed_len));
-            for (what, digest, expected) in
-                layers.chain(r.index.windows.map(|w| ("windows", w.digest, w.len)))
-            {
+            let windows = r.index.windows.filter(|w| w.len > 0).map(|w| ("windows", w.digest, w.len));
+            for (what, digest, expected) in layers.chain(windows) {
                 let len = store.blob_len(&digest)?;
                 if len != expected {
                     return Err(inconsistent(

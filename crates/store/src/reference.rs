@@ -9,7 +9,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex};
 
-use tessera_image::{ChunkRef, ImageId, RefIndex, RefLayer, RefLocation, Sha256Digest, Window};
+use tessera_image::{ChunkRef, ImageId, RefCodec, RefIndex, RefLayer, RefLocation, Sha256Digest, Window};
 use tracing::warn;
 
 use crate::error::StoreError;
@@ -95,6 +95,9 @@ pub fn decode_span(layer: &RefLayer, k: usize, stored: &[u8], window: &[u8]) -> 
         return Err(corrupt("its blake3 does not match the checkpoint index".into()));
     }
     let (s, e) = layer.span_range(k).unwrap_or((0, 0));
+    if layer.codec == RefCodec::Zstd {
+        return tessera_gzip::decode_zstd_span(stored, e - s).map_err(|e| corrupt(e.to_string()));
+    }
     let window = if window.is_empty() {
         Vec::new()
     } else {

@@ -31,10 +31,16 @@ pub enum SourceError {
     #[error("{layer}: entry {path:?}: bad header field {field}: {reason}")]
     BadHeader { layer: String, path: String, field: &'static str, reason: String },
     #[error(
-        "{layer} is {format}: --reference-layers serves data from gzip layers only (zstd frames are not \
-         indexed yet); build without --reference-layers to convert the image"
+        "{layer} is {format}: --reference-layers serves data from gzip layers and zstd layers of many \
+         frames only; build without --reference-layers to convert the image"
     )]
     NotGzip { layer: String, format: &'static str },
+    #[error(
+        "{layer} is zstd with a frame of {frame_mib} MiB: --reference-layers needs frames it can read \
+         alone (at most {max_mib} MiB each, as zstd:chunked writes them: `skopeo copy \
+         --dest-compress-format zstd:chunked`); build without --reference-layers to convert the image"
+    )]
+    ZstdFrameTooLarge { layer: String, frame_mib: u64, max_mib: u64 },
     #[error("{layer}: corrupt or truncated stream")]
     Corrupt { layer: String, source: io::Error },
     #[error("{what}: digest mismatch: expected {expected}, got {actual}")]

@@ -204,10 +204,10 @@ impl GzipIndexHandle {
     }
 }
 
-/// Inflates a gzip stream through a [`tessera_gzip::Indexer`].
+/// Decodes a gzip or zstd stream through a [`tessera_gzip::AnyIndexer`].
 pub(crate) struct IndexingReader<R> {
     inner: R,
-    indexer: Option<tessera_gzip::Indexer>,
+    indexer: Option<tessera_gzip::AnyIndexer>,
     /// Inflated bytes not yet read, from `pos`.
     pending: Vec<u8>,
     pos: usize,
@@ -231,7 +231,7 @@ impl<R: Read> Read for IndexingReader<R> {
             let bad = |e: tessera_gzip::GzipError| io::Error::new(io::ErrorKind::InvalidData, e);
             if n == 0 {
                 let index =
-                    self.indexer.take().map(tessera_gzip::Indexer::finish).transpose().map_err(bad)?;
+                    self.indexer.take().map(tessera_gzip::AnyIndexer::finish).transpose().map_err(bad)?;
                 *self.handle.0.lock().unwrap_or_else(|p| p.into_inner()) = index;
                 return Ok(0);
             }
@@ -279,10 +279,10 @@ impl LayerStream {
         Self::open_checked(blob, None, blob.digest.is_none())
     }
 
-    /// Open a gzip `blob` for `--reference-layers`: as [`Self::open`], inflated by a
-    /// [`tessera_gzip::Indexer`] recording a checkpoint every `spacing` bytes. Once the stream has
-    /// been read to its end, the index is in the returned handle. A layer that is not gzip is
-    /// [`SourceError::NotGzip`]. With `tee`, every raw (compressed) byte read from the blob is
+    /// Open a gzip or zstd `blob` for `--reference-layers`: as [`Self::open`], decoded by a
+    /// [`tessera_gzip::AnyIndexer`] recording a checkpoint every `spacing` bytes (zstd: at frame
+    /// boundaries). Once the stream has been read to its end, the index is in the returned handle.
+    /// An uncompressed layer is [`SourceError::NotGzip`]. With `tee`, every raw (compressed) byte read from the blob is
     /// also written there, in order — a copy of the blob made by the same read (one download).
     pub fn open_indexed(
         blob: &LayerBlob,
@@ -319,14 +319,16 @@ impl LayerStream {
             BufReader::with_capacity(256 << 10, Verify::new(raw, blob.digest.clone(), blob.size, None));
         let head = raw.fill_buf().map_err(err)?;
         let gzip = head.starts_with(&[0x1f, 0x8b]);
+        let zstd = head.starts_with(&[0x28, 0xb5, 0x2f, 0xfd]);
         let decoded = if let Some((spacing, handle)) = index {
-            if !gzip {
-                let format =
-                    if head.starts_with(&[0x28, 0xb5, 0x2f, 0xfd]) { "zstd" } else { "uncompressed" };
-                return Err(SourceError::NotGzip { layer: blob.name.clone(), format });
-            }
-            let indexer = tessera_gzip::Indexer::new(spacing)
-                .map_err(|e| err(io::Error::new(io::ErrorKind::InvalidData, e)))?;
+            let bad = |e| err(io::Error::new(io::ErrorKind::InvalidData, e));
+            let indexer = if gzip {
+                tessera_gzip::AnyIndexer::Gzip(tessera_gzip::Indexer::new(spacing).map_err(bad)?)
+            } else if zstd {
+                tessera_gzip::AnyIndexer::Zstd(tessera_gzip::ZstdIndexer::new(spacing).map_err(bad)?)
+            } else {
+                return Err(SourceError::NotGzip { layer: blob.name.clone(), format: "uncompressed" });
+            };
             Decoded::Indexed(Box::new(IndexingReader {
                 inner: raw,
                 indexer: Some(indexer),
@@ -337,7 +339,7 @@ impl LayerStream {
             }))
         } else if gzip {
             Decoded::Gzip(Box::new(flate2::bufread::MultiGzDecoder::new(raw)))
-        } else if head.starts_with(&[0x28, 0xb5, 0x2f, 0xfd]) {
+        } else if zstd {
             Decoded::Zstd(Box::new(zstd::stream::read::Decoder::with_buffer(raw).map_err(err)?))
         } else {
             Decoded::Plain(Box::new(raw))
