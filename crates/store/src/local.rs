@@ -833,33 +833,8 @@ impl BlobWriter {
         Ok(offset)
     }
 
-    /// Fsync, rename into `blobs/sha256/<hex>`, fsync the directory; return the digest. If the
-    /// blob already exists the temp file is discarded.
-    /// Finish and move the bytes to `dest` instead of the blob directory (a build record's file,
-    /// which is not a blob: `sources/`); its sha256 is returned for the record to name.
-    pub(crate) fn commit_as(mut self, dest: &Path) -> Result<Sha256Digest, StoreError> {
-        if let Some(e) = self.failed.take() {
-            return Err(e);
-        }
-        let tmp = self.guard.path().to_owned();
-        let Some(buffered) = self.file.take() else {
-            return Err(StoreError::Io {
-                op: "commit file",
-                path: tmp,
-                source: io::Error::other("writer already finished"),
-            });
-        };
-        let file =
-            buffered.into_inner().map_err(|e| StoreError::write("write file", &tmp, e.into_error()))?;
-        file.sync_all().map_err(|e| StoreError::write("fsync file", &tmp, e))?;
-        drop(file);
-        let digest = Sha256Digest(std::mem::take(&mut self.hasher).finalize().into());
-        let guard = std::mem::replace(&mut self.guard, TempGuard { path: None });
-        rename_into_place(guard, dest, "commit file")?;
-        Ok(digest)
-    }
-
-    pub fn commit(mut self) -> Result<Sha256Digest, StoreError> {
+    /// Flush and fsync the temp file; its sha256.
+    fn finish(&mut self) -> Result<Sha256Digest, StoreError> {
         if let Some(e) = self.failed.take() {
             return Err(e);
         }
@@ -875,7 +850,22 @@ impl BlobWriter {
             buffered.into_inner().map_err(|e| StoreError::write("write blob", &tmp, e.into_error()))?;
         file.sync_all().map_err(|e| StoreError::write("fsync blob", &tmp, e))?;
         drop(file);
-        let digest = Sha256Digest(std::mem::take(&mut self.hasher).finalize().into());
+        Ok(Sha256Digest(std::mem::take(&mut self.hasher).finalize().into()))
+    }
+
+    /// Finish and move the bytes to `dest` instead of the blob directory (a build record's file,
+    /// which is not a blob: `sources/`); its sha256 is returned for the record to name.
+    pub(crate) fn commit_as(mut self, dest: &Path) -> Result<Sha256Digest, StoreError> {
+        let digest = self.finish()?;
+        let guard = std::mem::replace(&mut self.guard, TempGuard { path: None });
+        rename_into_place(guard, dest, "commit file")?;
+        Ok(digest)
+    }
+
+    /// Fsync, rename into `blobs/sha256/<hex>`, fsync the directory; return the digest. If the
+    /// blob already exists the temp file is discarded.
+    pub fn commit(mut self) -> Result<Sha256Digest, StoreError> {
+        let digest = self.finish()?;
         let dest = self.blobs_dir.join(digest.hex());
         if fs::metadata(&dest).is_ok_and(|m| m.is_file() && m.len() == self.len) {
             trace!(%digest, "streamed blob already present");
