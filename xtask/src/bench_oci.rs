@@ -175,6 +175,39 @@ fn manifest_of(layout: &Path, tag: &str) -> Result<serde_json::Value> {
     blob(desc["digest"].as_str().context("descriptor without digest")?)
 }
 
+/// The reference pipeline on `image_ref`: `umoci unpack` into `bundle`, then `mkfs.ext4 -d` of
+/// its rootfs into `raw` with tessera's geometry `(bytes, inodes)`, one sync at the end: (unpack,
+/// mkfs, both on one clock) and the two command lines.
+fn peer(
+    image_ref: &str,
+    bundle: &Path,
+    raw: &Path,
+    (size, inodes): (u64, u64),
+) -> Result<(std::time::Duration, std::time::Duration, std::time::Duration, Vec<String>)> {
+    let t0 = Instant::now();
+    let out = Command::new("umoci")
+        .args(["unpack", "--image"])
+        .arg(image_ref)
+        .arg(bundle)
+        .output()
+        .context("spawn umoci unpack")?;
+    if !out.status.success() {
+        bail!("umoci unpack {image_ref} failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let du = t0.elapsed();
+    let mut mkfs = Command::new("mkfs.ext4");
+    mkfs.args(["-q", "-F", "-b", "4096", "-I", "256", "-N"])
+        .arg(inodes.to_string())
+        .arg("-d")
+        .arg(bundle.join("rootfs"))
+        .arg(raw)
+        .arg(format!("{}k", size / 1024));
+    let commands =
+        vec![format!("umoci unpack --image {image_ref} {}", bundle.display()), crate::command_line(&mkfs)];
+    let (dm, _) = timed(&mut mkfs)?;
+    Ok((du, dm, t0.elapsed(), commands))
+}
+
 const TAG: &str = "bookworm";
 /// The image with one more layer (see [`add_app_layer`]).
 const APP_TAG: &str = "bookworm-app";
@@ -347,30 +380,8 @@ pub(crate) fn measure(opts: &OciBench) -> Result<OciResult> {
             drop_caches()?;
         }
         // The reference: umoci unpack, then mkfs.ext4 -d of its rootfs, one sync at the end.
-        let t0 = Instant::now();
-        let out = Command::new("umoci")
-            .args(["unpack", "--image"])
-            .arg(&image_ref)
-            .arg(&bundle)
-            .output()
-            .context("spawn umoci unpack")?;
-        if !out.status.success() {
-            bail!("umoci unpack failed: {}", String::from_utf8_lossy(&out.stderr));
-        }
-        let du = t0.elapsed();
-        let mut mkfs = Command::new("mkfs.ext4");
-        mkfs.args(["-q", "-F", "-b", "4096", "-I", "256", "-N"])
-            .arg(inodes.to_string())
-            .arg("-d")
-            .arg(bundle.join("rootfs"))
-            .arg(&raw)
-            .arg(format!("{}k", size / 1024));
-        peer_commands = vec![
-            format!("umoci unpack --image {image_ref} {}", bundle.display()),
-            crate::command_line(&mkfs),
-        ];
-        let (dm, _) = timed(&mut mkfs)?;
-        let dr = t0.elapsed();
+        let (du, dm, dr, commands) = peer(&image_ref, &bundle, &raw, (size, inodes))?;
+        peer_commands = commands;
         println!(
             "run {run}: tessera build {:.2}s (+ export {:.2}s; --reference-layers {:.2}s)   umoci unpack {:.2}s + mkfs.ext4 -d {:.2}s = {:.2}s   ratio {:.3}",
             d.as_secs_f64(),
@@ -410,20 +421,7 @@ pub(crate) fn measure(opts: &OciBench) -> Result<OciResult> {
         if opts.cold {
             drop_caches()?;
         }
-        let t1 = Instant::now();
-        let out = Command::new("umoci").args(["unpack", "--image"]).arg(&app_ref).arg(&bundle).output()?;
-        if !out.status.success() {
-            bail!("umoci unpack {app_ref} failed: {}", String::from_utf8_lossy(&out.stderr));
-        }
-        let mut mkfs = Command::new("mkfs.ext4");
-        mkfs.args(["-q", "-F", "-b", "4096", "-I", "256", "-N"])
-            .arg(app_inodes.to_string())
-            .arg("-d")
-            .arg(bundle.join("rootfs"))
-            .arg(&raw)
-            .arg(format!("{}k", app_size / 1024));
-        timed(&mut mkfs)?;
-        let dp = t1.elapsed();
+        let (_, _, dp, _) = peer(&app_ref, &bundle, &raw, (app_size, app_inodes))?;
         println!(
             "run {run}: top-layer rebuild {:.3}s   umoci unpack + mkfs.ext4 -d of that image {:.2}s   ratio {:.3}",
             dt.as_secs_f64(),
