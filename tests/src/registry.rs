@@ -76,21 +76,43 @@ fn ping(addr: SocketAddr) -> Option<u16> {
     std::str::from_utf8(&head[9..12]).ok()?.parse().ok()
 }
 
+/// The tags of `repo` on the plain-HTTP registry at `addr` (`GET /v2/REPO/tags/list`, one
+/// page), read over a raw socket so that a test checks the registry, not Tessera's client.
+pub fn tags(addr: SocketAddr, repo: &str) -> Result<Vec<String>> {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    write!(s, "GET /v2/{repo}/tags/list?n=10000 HTTP/1.0\r\nHost: registry\r\n\r\n")?;
+    let mut response = Vec::new();
+    s.read_to_end(&mut response)?;
+    let text = String::from_utf8_lossy(&response);
+    let (head, body) = text.split_once("\r\n\r\n").context("no HTTP body")?;
+    ensure!(head.starts_with("HTTP/1.1 200") || head.starts_with("HTTP/1.0 200"), "tags/list: {head}");
+    let v: serde_json::Value = serde_json::from_str(body).with_context(|| format!("tags/list: {body}"))?;
+    Ok(v["tags"]
+        .as_array()
+        .map_or_else(Vec::new, |t| t.iter().filter_map(|t| t.as_str().map(str::to_owned)).collect()))
+}
+
 impl Registry {
     /// An anonymous registry.
     pub fn start() -> Result<Self> {
-        Self::launch(false, None, None)
+        Self::launch(false, None, None, true)
+    }
+
+    /// An anonymous registry that refuses to delete manifests (distribution's default).
+    pub fn start_without_delete() -> Result<Self> {
+        Self::launch(false, None, None, false)
     }
 
     /// An anonymous registry serving HTTPS on `tls.ip` (a registry on loopback is always
     /// reached without verification, so a test of verification needs another address).
     pub fn start_tls(tls: RegistryTls) -> Result<Self> {
-        Self::launch(false, None, Some(tls))
+        Self::launch(false, None, Some(tls), true)
     }
 
     /// A registry that wants basic auth ([`USER`]:[`PASSWORD`], bcrypt htpasswd).
     pub fn start_with_htpasswd() -> Result<Self> {
-        Self::launch(true, None, None)
+        Self::launch(true, None, None, true)
     }
 
     /// A registry that wants bearer tokens from `tokens` (`auth: token`).
@@ -102,7 +124,7 @@ impl Registry {
             crate::token_server::ISSUER,
             tokens.cert().display()
         );
-        Self::launch(false, Some(auth), None)
+        Self::launch(false, Some(auth), None, true)
     }
 
     /// An anonymous registry with the referrers API ([`referrers_registry_bin`]), in memory. It
@@ -150,7 +172,12 @@ impl Registry {
         }
     }
 
-    fn launch(htpasswd: bool, auth_config: Option<String>, tls: Option<RegistryTls>) -> Result<Self> {
+    fn launch(
+        htpasswd: bool,
+        auth_config: Option<String>,
+        tls: Option<RegistryTls>,
+        delete: bool,
+    ) -> Result<Self> {
         require_registry()?;
         let dir = crate::testutil::tmp("registry")?;
         let storage = dir.path().join("storage");
@@ -174,7 +201,7 @@ impl Registry {
         std::fs::write(
             &config,
             format!(
-                "version: 0.1\nlog:\n  level: info\n  accesslog:\n    disabled: false\nstorage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\nhttp:\n  addr: {addr}\n{tls_config}{auth}",
+                "version: 0.1\nlog:\n  level: info\n  accesslog:\n    disabled: false\nstorage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: {delete}\nhttp:\n  addr: {addr}\n{tls_config}{auth}",
                 storage.display()
             ),
         )?;

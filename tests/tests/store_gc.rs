@@ -15,6 +15,7 @@ use std::time::{Duration, Instant, SystemTime};
 use anyhow::{ensure, Context, Result};
 use tessera_e2e::judge::e2fsck;
 use tessera_e2e::prng::Prng;
+use tessera_e2e::registry::Registry;
 use tessera_e2e::s3::{S3Server, ACCESS_KEY_ID, SECRET_ACCESS_KEY};
 use tessera_e2e::tessera::{self, check_store};
 use tessera_e2e::testutil::tmp;
@@ -267,5 +268,99 @@ fn s3_gc_removes_an_untagged_image_once_older_than_the_grace() -> Result<()> {
     ensure!(fs::read(&out)? == local_raw, "demo differs after gc");
     let r = json(&ok(s3(&server, &["store", "gc", "--store", dest, "--json"]).output()?, "gc again")?)?;
     ensure!(r["removed_total"]["count"] == 0, "{r}");
+    Ok(())
+}
+
+/// `tessera push IMAGE --store STORE DEST`.
+fn push(image: &str, store: &Path, dest: &str) -> Result<()> {
+    ok(tessera::run(["push", image, "--store", s(store)?, dest])?, &format!("push {image} to {dest}"))?;
+    Ok(())
+}
+
+#[test]
+fn registry_gc_deletes_an_image_whose_tag_moved_once_found_dead_a_grace_apart() -> Result<()> {
+    tessera_e2e::registry::require_registry()?;
+    let t = tmp("store-gc-registry")?;
+    let store = t.path().join("store");
+    let (a, b, c) = (t.path().join("a"), t.path().join("b"), t.path().join("c"));
+    tree(&a, "rgc-a", 10, 200_000)?;
+    tree(&b, "rgc-b", 10, 200_000)?;
+    tree(&c, "rgc-c", 5, 100_000)?;
+    let old = tessera::build(&a, &store, &["--chunk-size", "64K"])?;
+    let app = tessera::build(&b, &store, &["--chunk-size", "64K"])?;
+    let other = tessera::build(&c, &store, &["--chunk-size", "64K"])?;
+    let registry = Registry::start()?;
+    let repo = format!("docker://{}/gc/app", registry.addr());
+    // `app` is pushed twice: the second push moves the tag, and the first image is left with
+    // its ID tag only — dead.
+    push(&old.to_string(), &store, &format!("{repo}:app"))?;
+    push(&app.to_string(), &store, &format!("{repo}:app"))?;
+    push(&other.to_string(), &store, &format!("{repo}:other"))?;
+    let local_app = export(&app.to_string(), &store, &t.path().join("app.raw"))?;
+    let local_other = export(&other.to_string(), &store, &t.path().join("other.raw"))?;
+    let remote_export = |image: &str, out: &str| {
+        tessera::run(["export", image, "--store", &repo, "-o", s(&t.path().join(out))?])
+    };
+
+    // The first run finds the old image dead and marks it; nothing goes before the grace.
+    let r = json(&ok(gc(&repo, &["--grace", "2s", "--json"])?, "gc")?)?;
+    ensure!(r["images_removed"] == 0 && r["images_kept"] == 3 && r["young"]["count"] == 1, "{r}");
+    ensure!(r["released"]["count"] == 0, "nothing released yet: {r}");
+    let r = json(&ok(gc(&repo, &["--grace", "2s", "--json"])?, "gc again")?)?;
+    ensure!(r["images_removed"] == 0 && r["young"]["count"] == 1, "{r}");
+    // The record lives in the repository, under its own tag.
+    ensure!(tessera_e2e::registry::tags(registry.addr(), "gc/app")?.contains(&"tessera-gc-marks".to_owned()));
+    std::thread::sleep(Duration::from_millis(2200));
+
+    // A dry run says what would go and deletes nothing.
+    let dry = json(&ok(gc(&repo, &["--grace", "2s", "--dry-run", "--json"])?, "gc --dry-run")?)?;
+    ensure!(dry["dry_run"] == true && dry["images_removed"] == 1 && dry["tags_removed"] == 1, "{dry}");
+    ensure!(
+        dry["objects"].to_string().contains(&format!("sha256-{}", old.hex())),
+        "the old image's ID tag is listed: {dry}"
+    );
+    ensure!(dry["released"]["count"].as_u64() >= Some(3), "its record, prefix, pack…: {dry}");
+    ok(remote_export(&old.to_string(), "old-dry.raw")?, "the old image after a dry run")?;
+
+    // Found dead by runs at least the grace apart: deleted, its ID tag with it.
+    let r = json(&ok(gc(&repo, &["--grace", "2s", "--json"])?, "gc after the grace")?)?;
+    ensure!(r["images_removed"] == 1 && r["images_kept"] == 2 && r["tags_removed"] == 1, "{r}");
+    ensure!(r["young"]["count"] == 0, "{r}");
+    let gone = remote_export(&old.to_string(), "old.raw")?;
+    ensure!(!gone.status.success(), "the deleted image still exports");
+    let tags = tessera_e2e::registry::tags(registry.addr(), "gc/app")?;
+    ensure!(!tags.iter().any(|t| t.contains(old.hex())), "the ID tag is left: {tags:?}");
+    // The live images are whole, by tag and by ID.
+    for (image, local, out) in [
+        ("app", &local_app, "app.raw"),
+        ("other", &local_other, "other.raw"),
+        (&*app.to_string(), &local_app, "id.raw"),
+    ] {
+        ok(remote_export(image, out)?, &format!("export {image}"))?;
+        ensure!(fs::read(t.path().join(out))? == *local, "{image}: bytes differ after gc");
+    }
+    // Nothing is left to do.
+    let r = json(&ok(gc(&repo, &["--grace", "0", "--json"])?, "gc once more")?)?;
+    ensure!(r["images_removed"] == 0 && r["young"]["count"] == 0 && r["images_kept"] == 2, "{r}");
+    let text = ok(gc(&repo, &["--grace", "0"])?, "gc, text")?;
+    let text = String::from_utf8_lossy(&text.stdout);
+    ensure!(text.contains("Removed 0 images") && text.contains("Kept 2 images"), "{text}");
+
+    // A registry that does not allow deletes: a clear error, exit 1, nothing changed.
+    let strict = Registry::start_without_delete()?;
+    let repo = format!("docker://{}/gc/app", strict.addr());
+    push(&old.to_string(), &store, &format!("{repo}:app"))?;
+    push(&app.to_string(), &store, &format!("{repo}:app"))?;
+    let o = gc(&repo, &["--grace", "0"])?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    ensure!(o.status.code() == Some(1), "exit {:?}: {err}", o.status.code());
+    ensure!(
+        err.contains("does not allow deleting") && err.contains("REGISTRY_STORAGE_DELETE_ENABLED"),
+        "{err}"
+    );
+    ok(
+        tessera::run(["export", &old.to_string(), "--store", &repo, "-o", s(&t.path().join("kept.raw"))?])?,
+        "kept",
+    )?;
     Ok(())
 }

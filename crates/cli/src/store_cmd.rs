@@ -36,8 +36,15 @@ interrupted gc leaves a valid store.\n\
 Concurrent writers: on a local store, builds, copies and profiles wait while gc runs and gc waits \
 for them, so any grace (even 0) is safe on one host; the grace protects writers that do not take \
 the store's lock (another host on a shared filesystem). An s3:// store has no lock: the grace \
-must be at least 10m there. http(s):// stores are read-only (exit 2); docker:// stores are \
-collected by the registry itself (docs/store.md).\n\
+must be at least 10m there. http(s):// stores are read-only (exit 2).\n\
+\n\
+docker://HOST/REPO stores: gc deletes the manifests (and so the tags) of dead Tessera images — \
+those only their ID tag names, that no live referrers list finds — and prunes the referrers \
+fallback indexes; the registry's own garbage collection then frees the blobs. Registries keep no \
+times, so gc records in the repository (tag tessera-gc-marks) when it first found each image \
+dead, and deletes it on a later run at least the grace after that (--grace 0: at once). Other \
+manifests are never touched. The registry must allow deletes (distribution: \
+REGISTRY_STORAGE_DELETE_ENABLED=true).\n\
 \n\
 DURATION: 0, or numbers with units s, m, h, d (90s, 10m, 1h30m, 7d).\n\
 stdout: what was removed and kept (human-readable sizes), or with --json one object (keys in \
@@ -46,9 +53,10 @@ removed when a live image's entry or pack index cannot be read), 2 usage error.\
 \n\
 Examples:\n  tessera store gc --store ./store --dry-run\n  tessera store gc --store ./store --grace 0\n  \
 tessera store gc --store /var/lib/tessera --grace 7d --json | jq .removed_total.bytes\n  \
-tessera store gc --store s3://images/tessera --s3-endpoint http://127.0.0.1:9000 --grace 1h")]
+tessera store gc --store s3://images/tessera --s3-endpoint http://127.0.0.1:9000 --grace 1h\n  \
+tessera store gc --store docker://registry.example:5000/app --grace 1d   # daily, from CI")]
 pub struct GcArgs {
-    /// The store: PATH, file://PATH or s3://BUCKET[/PREFIX].
+    /// The store: PATH, file://PATH, s3://BUCKET[/PREFIX] or docker://HOST[:PORT]/REPO.
     #[arg(long, value_parser = crate::parse_store)]
     store: StoreLocation,
     /// Never remove what is younger than this.
@@ -63,7 +71,7 @@ pub struct GcArgs {
     /// Print JSON instead of text.
     #[arg(long)]
     json: bool,
-    /// For an s3:// store.
+    /// For s3:// and docker:// stores.
     #[command(flatten)]
     origin: crate::origin_args::OriginArgs,
 }
@@ -139,10 +147,10 @@ fn gc(args: GcArgs) -> Result<()> {
         StoreLocation::Http(url) => {
             bail!(UsageError(format!("store {url} is read-only: http(s) stores cannot be collected")))
         }
-        StoreLocation::Registry(r) => bail!(UsageError(format!(
-            "store docker://{r}: a registry collects its own storage — delete the tags you no longer \
-             need and run the registry's garbage collection (docs/store.md, \"Garbage collection\")"
-        ))),
+        StoreLocation::Registry(repo) => {
+            let store = tessera_store::RegistryStore::new(repo, args.origin.registry())?;
+            tessera_store::collect_registry(&store, &options)
+        }
     }
     .with_context(|| format!("collecting store {}", args.store))?;
     if args.json {
@@ -183,7 +191,20 @@ fn print_report(r: &StoreGcReport, grace: Duration) {
         HumanBytes(r.live.bytes),
         r.live.count
     );
-    if r.young.count > 0 {
+    if let Some(released) = r.released.filter(|t| t.count > 0) {
+        println!(
+            "  {} only the removed images named: {} (the registry's own garbage collection frees them)",
+            plural(released.count, "blob", "blobs"),
+            HumanBytes(released.bytes)
+        );
+    }
+    if r.released.is_some() && r.young.count > 0 {
+        println!(
+            "  {} found dead and kept for the grace ({}): a run after that removes them",
+            plural(r.young.count, "image", "images"),
+            human_duration(grace)
+        );
+    } else if r.young.count > 0 {
         println!(
             "  and {} younger than the grace ({}): {}",
             plural(r.young.count, "unreferenced object", "unreferenced objects"),

@@ -23,6 +23,10 @@ use crate::reference::{is_loopback_host, Digest, Reference, Target};
 
 /// Largest manifest or index read (distribution itself refuses more than 4 MiB).
 pub const MAX_MANIFEST: u64 = 8 << 20;
+/// Tags asked for per page of a tag list.
+const TAG_PAGE: usize = 1000;
+/// Pages of a tag list followed at most (ten million tags).
+const MAX_TAG_PAGES: usize = 10_000;
 /// Largest registry error body read for a message.
 const MAX_ERROR_BODY: u64 = 64 << 10;
 
@@ -105,6 +109,8 @@ pub(crate) enum Access<'a> {
     Pull,
     /// `repository:REPO:pull,push`, plus `repository:FROM:pull` to mount a blob from `FROM`.
     Push { mount_from: Option<&'a str> },
+    /// `repository:REPO:delete` (deleting manifests and tags).
+    Delete,
 }
 
 impl Access<'_> {
@@ -116,6 +122,7 @@ impl Access<'_> {
             Access::Push { mount_from: Some(from) } => {
                 format!("{} {}", repository_scope(repo, "pull,push"), repository_scope(from, "pull"))
             }
+            Access::Delete => repository_scope(repo, "delete"),
         }
     }
 }
@@ -175,7 +182,7 @@ fn query_escape(s: &str) -> String {
 }
 
 /// The distribution error body's `errors[].code: message`, for messages.
-fn error_detail(resp: Response) -> String {
+pub(crate) fn error_detail(resp: Response) -> String {
     let mut body = Vec::new();
     let _ = resp.into_reader().take(MAX_ERROR_BODY).read_to_end(&mut body);
     #[derive(serde::Deserialize)]
@@ -225,6 +232,25 @@ pub(crate) fn status_error(url: &str, resp: Response, has_creds: bool) -> Regist
         },
         _ => RegistryError::Status { url, status, detail },
     }
+}
+
+/// The path (after the registry's base URL) of a `Link` header's `rel="next"` target, e.g.
+/// `</v2/r/tags/list?last=b&n=2>; rel="next"` → `/v2/r/tags/list?last=b&n=2`. Only paths on the
+/// registry are followed (an absolute URL is cut to its path).
+fn next_link(header: &str) -> Option<String> {
+    header.split(',').find_map(|part| {
+        let (target, params) = part.trim().split_once(';')?;
+        let is_next = params.split(';').any(|p| {
+            let p = p.trim().replace(' ', "");
+            p == "rel=\"next\"" || p == "rel=next"
+        });
+        let target = target.trim().strip_prefix('<')?.strip_suffix('>')?;
+        let path = match target.find("://") {
+            Some(i) => &target[i + 3..][target[i + 3..].find('/')?..],
+            None => target,
+        };
+        (is_next && path.starts_with("/v2/")).then(|| path.to_owned())
+    })
 }
 
 pub(crate) fn read_limited(
@@ -635,6 +661,41 @@ impl Client {
         Ok(Manifest { media_type, kind, digest, bytes, url })
     }
 
+    /// Every tag of `repo` (`GET /v2/REPO/tags/list`, page by page through the `Link` header's
+    /// `rel="next"`, as the distribution spec pages it), in the registry's order.
+    pub fn list_tags(&self, repo: &str) -> Result<Vec<String>, RegistryError> {
+        #[derive(serde::Deserialize)]
+        struct TagList {
+            #[serde(default)]
+            tags: Option<Vec<String>>,
+        }
+        let mut tags = Vec::new();
+        let mut path = format!("/v2/{repo}/tags/list?n={TAG_PAGE}");
+        // A registry that pages back to a page it sent before would loop forever: bound it.
+        for _ in 0..MAX_TAG_PAGES {
+            let (url, resp) = self.send(Method::Get, repo, &path, &[])?;
+            if resp.status() != 200 {
+                return Err(status_error(&url, resp, self.has_credentials(repo)));
+            }
+            let next = resp.header("link").and_then(next_link);
+            let body = read_limited(&url, resp, "tag list", MAX_MANIFEST)?;
+            let page: TagList = serde_json::from_slice(&body).map_err(|e| RegistryError::Read {
+                url: url.clone(),
+                source: std::io::Error::new(std::io::ErrorKind::InvalidData, format!("bad tag list: {e}")),
+            })?;
+            tags.extend(page.tags.unwrap_or_default());
+            match next {
+                Some(n) => path = n,
+                None => return Ok(tags),
+            }
+        }
+        Err(RegistryError::Status {
+            url: format!("{}/v2/{repo}/tags/list", self.base()?),
+            status: 200,
+            detail: format!(" (more than {MAX_TAG_PAGES} pages of tags: the registry's paging does not end)"),
+        })
+    }
+
     /// Stream a blob. The reader verifies the size (when given) and the digest at the end, and
     /// resumes with a Range request when the connection breaks mid-body (bounded by the retry
     /// policy's attempts).
@@ -716,5 +777,26 @@ mod tests {
             .unwrap();
         assert!(c.inner.insecure);
         assert!(Client::new("bad host", ClientOptions::default()).is_err());
+    }
+
+    #[test]
+    fn follows_next_links() {
+        assert_eq!(
+            next_link(r#"</v2/a/b/tags/list?last=x&n=2>; rel="next""#).as_deref(),
+            Some("/v2/a/b/tags/list?last=x&n=2")
+        );
+        assert_eq!(
+            next_link(r#"<https://reg.example/v2/a/tags/list?n=2&last=y>; rel=next"#).as_deref(),
+            Some("/v2/a/tags/list?n=2&last=y"),
+            "an absolute URL is cut to its path"
+        );
+        assert_eq!(
+            next_link(r#"</v2/a/tags/list?last=p>; rel="prev", </v2/a/tags/list?last=z>; rel="next""#)
+                .as_deref(),
+            Some("/v2/a/tags/list?last=z")
+        );
+        for none in ["", r#"</v2/a/tags/list?last=p>; rel="prev""#, r#"</elsewhere>; rel="next""#, "junk"] {
+            assert_eq!(next_link(none), None, "{none}");
+        }
     }
 }

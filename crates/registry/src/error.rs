@@ -24,6 +24,8 @@ pub enum RegistryError {
     Unauthorized { url: String, status: u16, detail: String, hint: &'static str },
     #[error("{url}: HTTP {status}{detail}")]
     Status { url: String, status: u16, detail: String },
+    #[error("{url}: the registry does not allow deleting manifests (HTTP {status}){detail}; distribution allows it with `storage: delete: enabled: true` (REGISTRY_STORAGE_DELETE_ENABLED=true)")]
+    DeleteRefused { url: String, status: u16, detail: String },
     #[error("{url}: bad WWW-Authenticate challenge {header:?}")]
     BadChallenge { url: String, header: String },
     #[error("{url}: token request failed: {reason}")]

@@ -1,7 +1,8 @@
 //! Pushing to a registry: blob existence checks (`HEAD`), cross-repository mounts
 //! (`POST …/blobs/uploads/?mount=&from=`), uploads — monolithic (`POST` then one `PUT` with the
 //! digest) for blobs up to one piece, chunked (`PATCH` pieces with `Content-Range`, then an empty
-//! `PUT` with the digest) for bigger ones — and manifests (`PUT` with their media type, by tag).
+//! `PUT` with the digest) for bigger ones — manifests (`PUT` with their media type, by tag), and
+//! manifest deletion (`DELETE`, for `tessera store gc`).
 //!
 //! Every request carries `repository:REPO:pull,push` access (plus `repository:FROM:pull` for a
 //! mount) and goes through the client's retries. Memory is bounded by one piece: the source is
@@ -19,7 +20,7 @@ use tracing::debug;
 
 use tessera_transport::{Method, Response};
 
-use crate::client::{read_limited, status_error, Access, Client, MAX_MANIFEST};
+use crate::client::{error_detail, read_limited, status_error, Access, Client, MAX_MANIFEST};
 use crate::error::RegistryError;
 use crate::media::{accept_header, ACCEPT_ALL};
 use crate::reference::Digest;
@@ -393,6 +394,29 @@ impl Client {
             }
         }
         Ok((digest, header(&resp, "oci-subject").is_some()))
+    }
+
+    /// Delete manifest `reference` (a digest, or a tag where the registry allows deleting tags)
+    /// from `repo` (`DELETE /v2/REPO/manifests/REFERENCE`): `true` when deleted, `false` when it
+    /// was not there. A registry that does not allow deletes answers 405 (distribution without
+    /// `storage.delete.enabled`), or 400/`UNSUPPORTED` for tags: [`RegistryError::DeleteRefused`].
+    pub fn delete_manifest(&self, repo: &str, reference: &str) -> Result<bool, RegistryError> {
+        let url = format!("{}/v2/{repo}/manifests/{reference}", self.base_url()?);
+        let (url, resp) = self.send_then(Method::Delete, repo, &url, &[], &[], Access::Delete, Ok)?;
+        match resp.status() {
+            200 | 202 | 204 => Ok(true),
+            404 => Ok(false),
+            405 => Err(RegistryError::DeleteRefused { url, status: 405, detail: error_detail(resp) }),
+            400 => {
+                let detail = error_detail(resp);
+                if detail.contains("UNSUPPORTED") {
+                    Err(RegistryError::DeleteRefused { url, status: 400, detail })
+                } else {
+                    Err(RegistryError::Status { url, status: 400, detail })
+                }
+            }
+            _ => Err(status_error(&url, resp, self.has_credentials(repo))),
+        }
     }
 
     /// The referrers of manifest `subject` in `repo` whose `artifactType` is `artifact_type`

@@ -198,6 +198,84 @@ pub fn merged_referrers(
     serde_json::to_vec_pretty(&index).map_err(|e| ArtifactError::Json(e.to_string()))
 }
 
+/// `index` (a fallback referrers index) without the entries whose manifest is in `drop`:
+/// `None` when none of them is there, else the new index and how many entries it keeps. Other
+/// entries, and fields Tessera does not know, are kept as they were.
+pub fn pruned_referrers(
+    index: &[u8],
+    drop: &std::collections::HashSet<Sha256Digest>,
+) -> Result<Option<(Vec<u8>, usize)>, ArtifactError> {
+    let mut value: serde_json::Value =
+        serde_json::from_slice(index).map_err(|e| ArtifactError::Json(e.to_string()))?;
+    let Some(list) = value.get_mut("manifests").and_then(|m| m.as_array_mut()) else {
+        return Ok(None);
+    };
+    let before = list.len();
+    list.retain(|m| {
+        let digest = m.get("digest").and_then(|d| d.as_str()).and_then(|d| d.parse::<Sha256Digest>().ok());
+        !digest.is_some_and(|d| drop.contains(&d))
+    });
+    let after = list.len();
+    if after == before {
+        return Ok(None);
+    }
+    let bytes = serde_json::to_vec_pretty(&value).map_err(|e| ArtifactError::Json(e.to_string()))?;
+    Ok(Some((bytes, after)))
+}
+
+/// The blobs an image manifest of any kind names (its config and layers) with their sizes;
+/// descriptors of other digest algorithms, and anything that is not a manifest, give none.
+pub fn manifest_blobs(bytes: &[u8]) -> Vec<(Sha256Digest, u64)> {
+    #[derive(Deserialize)]
+    struct Any {
+        digest: String,
+        #[serde(default)]
+        size: u64,
+    }
+    #[derive(Deserialize)]
+    struct AnyManifest {
+        #[serde(default)]
+        config: Option<Any>,
+        #[serde(default)]
+        layers: Vec<Any>,
+    }
+    let Ok(m) = serde_json::from_slice::<AnyManifest>(bytes) else { return Vec::new() };
+    m.config.into_iter().chain(m.layers).filter_map(|d| Some((d.digest.parse().ok()?, d.size))).collect()
+}
+
+/// The tag under which `tessera store gc` keeps, in a registry store, when it first found each
+/// image dead (`docs/formats/registry.md`, "Garbage collection").
+pub const GC_MARKS_TAG: &str = "tessera-gc-marks";
+/// `artifactType` of the marks manifest.
+pub const GC_MARKS_ARTIFACT_TYPE: &str = "application/vnd.tessera.gc-marks.v1";
+/// Media type of its config, the marks JSON.
+pub const GC_MARKS_MEDIA_TYPE: &str = "application/vnd.tessera.gc-marks.v1+json";
+
+/// The marks manifest whose config is the marks JSON (`digest`, `size` bytes); no layers.
+pub fn build_marks_manifest(digest: Sha256Digest, size: u64) -> Vec<u8> {
+    let manifest = serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": MANIFEST_MEDIA_TYPE,
+        "artifactType": GC_MARKS_ARTIFACT_TYPE,
+        "config": { "mediaType": GC_MARKS_MEDIA_TYPE, "digest": digest.to_string(), "size": size },
+        "layers": [],
+    });
+    serde_json::to_vec_pretty(&manifest).unwrap_or_default()
+}
+
+/// The config digest of a marks manifest; `None` for any other manifest.
+pub fn marks_config(bytes: &[u8]) -> Option<(Sha256Digest, u64)> {
+    let v: serde_json::Value = serde_json::from_slice(bytes).ok()?;
+    if v.get("artifactType")?.as_str()? != GC_MARKS_ARTIFACT_TYPE {
+        return None;
+    }
+    let config = v.get("config")?;
+    if config.get("mediaType")?.as_str()? != GC_MARKS_MEDIA_TYPE {
+        return None;
+    }
+    Some((config.get("digest")?.as_str()?.parse().ok()?, config.get("size")?.as_u64()?))
+}
+
 /// Why a manifest is not a Tessera image.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[non_exhaustive]

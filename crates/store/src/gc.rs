@@ -104,7 +104,7 @@ pub struct Tally {
 }
 
 impl Tally {
-    fn add(&mut self, bytes: u64) {
+    pub(crate) fn add(&mut self, bytes: u64) {
         self.count += 1;
         self.bytes += bytes;
     }
@@ -146,6 +146,19 @@ pub struct StoreGcReport {
     pub removed_total: Tally,
     /// Each removed object.
     pub objects: Vec<Removed>,
+    /// Registry stores: the blobs only the removed images named, which the registry's own
+    /// garbage collection frees (gc deletes manifests, not blobs, there).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub released: Option<Tally>,
+}
+
+impl StoreGcReport {
+    /// Count `removed` (an object removed, or removable in a dry run).
+    pub(crate) fn note(&mut self, removed: Removed) {
+        self.removed.entry(removed.kind).or_default().add(removed.bytes);
+        self.removed_total.add(removed.bytes);
+        self.objects.push(removed);
+    }
 }
 
 fn parse_ref(bytes: &[u8]) -> Option<ImageId> {
@@ -386,9 +399,7 @@ pub fn collect_garbage<B: GcBackend>(
         if !options.dry_run {
             backend.delete(&o.key)?;
         }
-        report.removed.entry(kind).or_default().add(o.len);
-        report.removed_total.add(o.len);
-        report.objects.push(Removed { key: o.key.clone(), kind, bytes: o.len });
+        report.note(Removed { key: o.key.clone(), kind, bytes: o.len });
         Ok(())
     };
     for o in dead_refs {

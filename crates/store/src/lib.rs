@@ -45,6 +45,7 @@ mod profile;
 mod read_store;
 mod reader;
 mod reference;
+pub mod registry_gc;
 mod source;
 
 /// The disk cache's index, pure: entry keys, journal lines ([`cache_index::Record::parse`]) and
@@ -79,6 +80,7 @@ pub use reader::{
     DEFAULT_CHUNK_CACHE, MAX_CHUNK_LEN, VERIFY_ATTEMPTS,
 };
 pub use reference::{decode_span, RefImage, DEFAULT_SPAN_CACHE};
+pub use registry_gc::collect_registry;
 pub use source::ChunkSource;
 pub use tessera_registry::PushOptions;
 /// An origin's request counters (the same meaning for HTTP and registry stores).
