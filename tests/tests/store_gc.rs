@@ -364,3 +364,33 @@ fn registry_gc_deletes_an_image_whose_tag_moved_once_found_dead_a_grace_apart() 
     )?;
     Ok(())
 }
+
+#[test]
+fn registry_gc_also_deletes_the_tags_a_registry_keeps_after_deleting_a_manifest() -> Result<()> {
+    // go-containerregistry's registry (the one with the referrers API) deletes a manifest by
+    // digest but keeps the tags that named it: gc deletes each of them too.
+    let t = tmp("store-gc-ggcr")?;
+    let store = t.path().join("store");
+    let (a, b) = (t.path().join("a"), t.path().join("b"));
+    tree(&a, "rgc-ggcr-a", 5, 100_000)?;
+    tree(&b, "rgc-ggcr-b", 5, 100_000)?;
+    let old = tessera::build(&a, &store, &["--chunk-size", "64K"])?;
+    let app = tessera::build(&b, &store, &["--chunk-size", "64K"])?;
+    let registry = Registry::start_with_referrers()?;
+    let repo = format!("docker://{}/gc/app", registry.addr());
+    push(&old.to_string(), &store, &format!("{repo}:app"))?;
+    push(&app.to_string(), &store, &format!("{repo}:app"))?;
+    let r = json(&ok(gc(&repo, &["--grace", "0", "--json"])?, "gc")?)?;
+    ensure!(r["images_removed"] == 1 && r["tags_removed"] == 1 && r["images_kept"] == 1, "{r}");
+    let tags = tessera_e2e::registry::tags(registry.addr(), "gc/app")?;
+    ensure!(!tags.iter().any(|t| t.contains(old.hex())), "the ID tag is left: {tags:?}");
+    ensure!(tags.contains(&"app".to_owned()) && tags.contains(&format!("sha256-{}", app.hex())), "{tags:?}");
+    let out = t.path().join("old.raw");
+    ensure!(!tessera::run(["export", &old.to_string(), "--store", &repo, "-o", s(&out)?])?.status.success());
+    let local = export("app", &store, &t.path().join("local.raw"))
+        .or_else(|_| export(&app.to_string(), &store, &out))?;
+    let remote = t.path().join("remote.raw");
+    ok(tessera::run(["export", "app", "--store", &repo, "-o", s(&remote)?])?, "export app")?;
+    ensure!(fs::read(&remote)? == local, "app: bytes differ after gc");
+    Ok(())
+}
