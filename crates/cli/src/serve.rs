@@ -135,6 +135,12 @@ pub struct ServeArgs {
     /// a remote one (enough to hide the origin's round trip for a queue full of cold reads).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=1024))]
     fetch_jobs: Option<u16>,
+    /// Connections to open to an http(s):// or s3:// origin at its first request, alongside it
+    /// (one HEAD of the store's URL each, at once), so the start's parallel fetches and the
+    /// first misses find them open instead of paying a connect round trip (and TLS handshake)
+    /// each. 0 opens none.
+    #[arg(long, value_name = "N", default_value_t = 0, value_parser = clap::value_parser!(u16).range(0..=64))]
+    preconnect: u16,
     /// Sequential reads within a file fetch up to this many bytes of the file's next chunks
     /// ahead, in the background (0 turns readahead off).
     #[arg(long, value_name = "SIZE", default_value = "2M", value_parser = crate::parse_size_arg)]
@@ -322,6 +328,8 @@ pub struct ServeConfig {
     pub overlay_lose_unsynced: bool,
     /// Concurrent chunk fetches.
     pub fetch_jobs: usize,
+    /// `--preconnect`.
+    pub preconnect: usize,
     /// Bandwidth cap of background fetches, stored bytes per second (`None`: no cap).
     pub prefetch_rate: Option<u64>,
     /// Readahead within a file, bytes (0: off).
@@ -382,6 +390,7 @@ impl ServeConfig {
             overlay_compact_after: args.overlay_compact_after,
             overlay_lose_unsynced: args.overlay_lose_unsynced,
             fetch_jobs: args.fetch_jobs.map_or(default_jobs, usize::from),
+            preconnect: usize::from(args.preconnect),
             prefetch_rate: args.prefetch_rate.filter(|&r| r > 0),
             readahead: args.readahead,
             pack_readahead: args.pack_readahead,
@@ -418,7 +427,11 @@ pub fn run_on(config: ServeConfig, listener: Option<std::os::unix::net::UnixList
         pin_this_thread(cpus, "fetch")?;
     }
     let location = &config.store;
-    let opened = location.open_read_store(&config.origin, config.cache.as_ref())?;
+    // `--preconnect`: an HTTP origin's connections are opened at its first request (the tag),
+    // alongside it (docs/daemon.md, "Lifecycle").
+    let mut origin = config.origin.clone();
+    origin.http.preconnect = config.preconnect;
+    let opened = location.open_read_store(&origin, config.cache.as_ref())?;
     let store = Arc::clone(&opened.store);
     let id = store.resolve(&config.image).with_context(|| format!("store {}", store.describe()))?;
     // `tessera store gc` keeps a served image of a local store (docs/store.md, "Pins"); the image

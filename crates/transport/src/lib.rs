@@ -536,6 +536,28 @@ impl Transport {
         self.shared.failing()
     }
 
+    /// Open up to `connections` connections to the host of `url` ahead of need: that many
+    /// `HEAD url` at once, as probes (one attempt each; answers and errors are ignored and
+    /// counted nowhere), each leaving its connection idle in the pool (at most the pool's
+    /// size, [`TransportConfig::max_concurrency`]). Returns when they are done. A daemon calls it
+    /// on a thread of its own as it starts, so the reads of its start and its first misses do
+    /// not each wait for a connect round trip (and a TLS handshake).
+    pub fn preconnect(&self, url: &str, connections: usize) {
+        let n = connections.min(self.shared.config.max_concurrency.max(1));
+        std::thread::scope(|s| {
+            for _ in 0..n {
+                s.spawn(|| {
+                    let req = Request { probe: true, ..Request::new(Method::Head, url) };
+                    if let Ok(mut resp) = self.send(&req) {
+                        // Read to the end (nothing, for a HEAD) so the connection goes back to
+                        // the pool.
+                        let _ = resp.read_to_vec(1 << 16);
+                    }
+                });
+            }
+        });
+    }
+
     /// [`Self::fetch`] returning the answer as it is: retries on transport failures and
     /// retryable statuses only; the caller reads the body (a stream: the attempt lasts until the
     /// response or its reader is dropped).
@@ -913,5 +935,68 @@ mod tests {
         drop(body);
         assert_eq!((s.as_str(), t.in_flight(), t.stats().bytes), ("hello", 0, 5));
         assert_eq!(t.latency_histogram().get_sample_count(), 1);
+    }
+
+    /// A keep-alive server answering every request `200` with a 5-byte body (a HEAD after
+    /// 100 ms, without it); counts the connections it accepts.
+    fn keep_alive_server() -> (String, Arc<std::sync::atomic::AtomicUsize>) {
+        use std::io::BufRead;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let count = Arc::clone(&accepted);
+        std::thread::spawn(move || {
+            for conn in l.incoming() {
+                let Ok(conn) = conn else { return };
+                count.fetch_add(1, Ordering::SeqCst);
+                std::thread::spawn(move || {
+                    let mut r = std::io::BufReader::new(conn.try_clone().unwrap());
+                    let mut w = conn;
+                    loop {
+                        let mut first = String::new();
+                        if r.read_line(&mut first).unwrap_or(0) == 0 {
+                            return;
+                        }
+                        let mut line = String::new();
+                        while r.read_line(&mut line).unwrap_or(0) > 2 {
+                            line.clear();
+                        }
+                        let head = first.starts_with("HEAD");
+                        if head {
+                            // A round trip long enough for the probes to overlap, as they do
+                            // over a real link.
+                            std::thread::sleep(Duration::from_millis(100));
+                        }
+                        let body = if head { "" } else { "hello" };
+                        let answer = format!("HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n{body}");
+                        if w.write_all(answer.as_bytes()).is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        (format!("http://{addr}/x"), accepted)
+    }
+
+    #[test]
+    fn preconnect_leaves_connections_in_the_pool_for_the_next_requests() {
+        use std::sync::atomic::Ordering;
+        let (url, accepted) = keep_alive_server();
+        let t = Transport::new(TransportConfig { max_concurrency: 4, ..quick() });
+        t.preconnect(&url, 8);
+        assert_eq!(accepted.load(Ordering::SeqCst), 4, "at most the pool's size");
+        assert_eq!(t.stats().requests, 0, "probes are counted nowhere");
+        // Four requests at once find the four connections open.
+        std::thread::scope(|s| {
+            for _ in 0..4 {
+                s.spawn(|| {
+                    let mut resp = t.send(&Request::get(&url)).unwrap();
+                    assert_eq!(resp.read_to_vec(100).unwrap().unwrap(), b"hello");
+                });
+            }
+        });
+        assert_eq!(accepted.load(Ordering::SeqCst), 4, "no new connection");
     }
 }

@@ -170,6 +170,12 @@ pub struct HttpConfig {
     /// one request, when requests to the origin are already in flight (default 2 ms; zero
     /// turns joining off). A read with nothing else in flight goes at once.
     pub coalesce_wait: Duration,
+    /// Connections opened at the store's first request, alongside it (default 0: none; `tessera
+    /// serve` opens 4): that many `HEAD` requests of the base URL at once, answers ignored
+    /// ([`Transport::preconnect`]), so the requests that follow — a daemon's parallel start
+    /// fetches and first misses — find connections open instead of paying a connect round trip
+    /// (and a TLS handshake) each. A store that is never asked anything opens none.
+    pub preconnect: usize,
 }
 
 impl Default for HttpConfig {
@@ -185,6 +191,7 @@ impl Default for HttpConfig {
             coalesce_gap: 0,
             coalesce_max: 16 << 20,
             coalesce_wait: Duration::from_millis(2),
+            preconnect: 0,
         }
     }
 }
@@ -438,6 +445,8 @@ struct Inner {
     whole_blobs: Option<DiskCache>,
     /// Signs every request and explains refusals (an `s3://` store).
     auth: Option<Arc<S3Auth>>,
+    /// Connections still to open at the first request ([`HttpConfig::preconnect`]; 0 once done).
+    preconnect: std::sync::atomic::AtomicUsize,
 }
 
 impl std::fmt::Debug for HttpStore {
@@ -473,7 +482,6 @@ impl HttpStore {
             inner: Arc::new(Inner {
                 base: normalize_base(base),
                 transport: Transport::new(config.transport()),
-                config,
                 batches: Mutex::new(Default::default()),
                 seen_refs: Mutex::new(Vec::new()),
                 entries: Mutex::new(Default::default()),
@@ -481,6 +489,8 @@ impl HttpStore {
                 range_probe: Mutex::new(()),
                 whole_blobs: cache,
                 auth,
+                preconnect: std::sync::atomic::AtomicUsize::new(config.preconnect),
+                config,
             }),
         }
     }
@@ -538,6 +548,7 @@ impl HttpStore {
         range: Option<&str>,
         mut on_response: impl FnMut(Response) -> Result<T, Failure<StoreError>>,
     ) -> Result<T, StoreError> {
+        self.preconnect();
         let plain: Vec<(&str, &str)> = range.map(|r| ("Range", r)).into_iter().collect();
         let mut refreshed = false;
         loop {
@@ -562,6 +573,22 @@ impl HttpStore {
                 }
             }
             return out;
+        }
+    }
+
+    /// At the first request, open [`HttpConfig::preconnect`] connections on a thread of their
+    /// own.
+    fn preconnect(&self) {
+        let n = self.inner.preconnect.swap(0, Ordering::Relaxed);
+        if n == 0 {
+            return;
+        }
+        let (transport, url) = (self.inner.transport.clone(), format!("{}/", self.inner.base));
+        let spawned = std::thread::Builder::new()
+            .name("preconnect".into())
+            .spawn(move || transport.preconnect(&url, n));
+        if let Err(e) = spawned {
+            debug!(error = %e, "no preconnect thread");
         }
     }
 
