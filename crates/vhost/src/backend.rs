@@ -11,7 +11,7 @@ use tracing::{debug, debug_span, info, trace, warn};
 use vhost::vhost_user::message::{VhostUserInflight, VhostUserProtocolFeatures};
 use vhost_user_backend::{VhostUserBackend, VringRwLock, VringState, VringT};
 use virtio_queue::QueueT;
-use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
+use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryLoadGuard, GuestMemoryMmap};
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
@@ -283,45 +283,64 @@ impl BlkBackend {
                 state.get_queue_mut().disable_notification(&*atomic.memory())?;
                 loop {
                     let mut served = self.take_completions(qs, &mut state, &atomic, track.as_ref())?;
+                    // The avail index is read once per batch, and a memory snapshot loaded after
+                    // it serves every chain up to that index. The index first, then the snapshot
+                    // (an atomic load): the GuestMemoryAtomic changes on every ADD_MEM_REG, and a
+                    // driver may map a buffer right before the request that uses it (libblkio
+                    // does, before its first). A snapshot loaded before the index that shows the
+                    // chain — this worker preempted in between — may miss that region and refuse
+                    // the buffer as outside guest memory; one loaded after it holds every region
+                    // mapped before the chains up to that index were made available.
+                    let mut batch: Option<(u16, GuestMemoryLoadGuard<GuestMemoryMmap<()>>)> = None;
+                    // When the last inline request finished: the next one's start (one clock
+                    // read per request instead of two).
+                    let mut finished: Option<Instant> = None;
                     loop {
-                        // The avail index first, then a fresh memory snapshot (an atomic load):
-                        // the GuestMemoryAtomic changes on every ADD_MEM_REG, and a driver may
-                        // map a buffer right before the request that uses it (libblkio does,
-                        // before its first). A snapshot loaded before the index that shows the
-                        // chain — this worker preempted in between — may miss that region and
-                        // refuse the buffer as outside guest memory; one loaded after it holds
-                        // every region mapped before the chain was made available.
-                        if resubmit.as_slice().is_empty() {
+                        let resubmitting;
+                        let mem = if resubmit.as_slice().is_empty() {
                             let q = state.get_queue_mut();
-                            let avail = q.avail_idx(&*atomic.memory(), Ordering::Acquire)?.0;
-                            if avail == q.next_avail() {
-                                break;
+                            if batch.as_ref().is_none_or(|(end, _)| *end == q.next_avail()) {
+                                let avail = q.avail_idx(&*atomic.memory(), Ordering::Acquire)?.0;
+                                if avail == q.next_avail() {
+                                    break;
+                                }
+                                // More new entries than the ring holds: a guest-corrupted index.
+                                // Refused until the ring is set up again; never spun on.
+                                if avail.wrapping_sub(q.next_avail()) > q.size() {
+                                    return Err(virtio_queue::Error::InvalidAvailRingIndex);
+                                }
+                                batch = Some((avail, atomic.memory()));
                             }
-                            // More new entries than the ring holds: a guest-corrupted index.
-                            // Refused until the ring is set up again; never spun on.
-                            if avail.wrapping_sub(q.next_avail()) > q.size() {
-                                return Err(virtio_queue::Error::InvalidAvailRingIndex);
+                            match &batch {
+                                Some((_, mem)) => mem,
+                                None => break,
                             }
-                        }
-                        let mem = atomic.memory();
-                        let Some((head, chain)) =
-                            inflight::next_chain(state.get_queue_mut(), &*mem, track.as_ref(), &mut resubmit)
-                        else {
+                        } else {
+                            resubmitting = atomic.memory();
+                            &resubmitting
+                        };
+                        let Some((head, chain)) = inflight::next_chain(
+                            state.get_queue_mut(),
+                            &**mem,
+                            track.as_ref(),
+                            &mut resubmit,
+                        ) else {
                             // The index shows work but the ring gives no chain: it is broken
                             // (the queue says why in its own log). Stop here, or the poll
                             // below would find the same "work" again and spin.
                             return Err(virtio_queue::Error::QueueNotReady);
                         };
-                        let taken = Instant::now();
+                        let taken = finished.take().unwrap_or_else(Instant::now);
                         requests.in_flight.inc();
-                        match start_chain(chain, &*mem, &self.inner.disk, &self.inner.device, bounce, inline)
+                        match start_chain(chain, &**mem, &self.inner.disk, &self.inner.device, bounce, inline)
                         {
                             Started::Done(done) => {
                                 requests.in_flight.dec();
+                                let now = Instant::now();
                                 requests.of(done.kind).record(
                                     done.metric_status(),
                                     done.bytes,
-                                    taken.elapsed(),
+                                    now.saturating_duration_since(taken),
                                 );
                                 if let Some(r) = &self.inner.recorder {
                                     r.record(queue, &done, taken);
@@ -329,19 +348,22 @@ impl BlkBackend {
                                 inflight::add_used(
                                     track.as_ref(),
                                     state.get_queue_mut(),
-                                    &*mem,
+                                    &**mem,
                                     head,
                                     done.used_len,
                                 )?;
                                 served += 1;
+                                finished = Some(now);
                             }
-                            Started::Deferred(d) => self.defer(queue, head, d, mem.into_inner(), taken),
+                            Started::Deferred(d) => {
+                                self.defer(queue, head, d, mem.clone().into_inner(), taken);
+                            }
                             Started::Flush(f) => {
                                 // Nothing queued behind it: commit on this thread (a lone FLUSH
                                 // then costs no hand-off); else let the ring go on meanwhile.
                                 let q = state.get_queue_mut();
-                                let idle = q.avail_idx(&*mem, Ordering::Acquire)?.0 == q.next_avail();
-                                self.commit(queue, head, f, mem.into_inner(), taken, idle)
+                                let idle = q.avail_idx(&**mem, Ordering::Acquire)?.0 == q.next_avail();
+                                self.commit(queue, head, f, mem.clone().into_inner(), taken, idle)
                             }
                         }
                     }
