@@ -136,7 +136,7 @@ fn log_with_lines(origin: &Nginx, n: usize) -> String {
 }
 
 #[test]
-fn corrupt_chunks_are_refetched_and_bad_origin_bytes_fail_with_eio() -> Result<()> {
+fn corrupt_chunks_are_refetched_and_bad_origin_bytes_fail_with_eio_remembered_briefly() -> Result<()> {
     let f = fixture("serve-integrity")?;
     let origin = Nginx::serve(&f.store, "store")?;
     let url = origin.url();
@@ -215,10 +215,15 @@ fn corrupt_chunks_are_refetched_and_bad_origin_bytes_fail_with_eio() -> Result<(
             ensure!(whole[piece..end] == f.raw[piece..end], "read at {piece} succeeded with wrong bytes");
         }
     }
-    // Within the failed pieces, read 4 KiB at a time: a read touching the corrupt chunk fails
-    // with EIO after exactly COPIES GETs of its range (the fetch and the refetches of the one
-    // policy, `tessera_store::VERIFY_ATTEMPTS`); every other read returns the right bytes.
+    // Within the failed pieces, read 4 KiB at a time: the first read touching the corrupt chunk
+    // fails with EIO after exactly COPIES GETs of its range (the fetch and the refetches of the
+    // one policy, `tessera_store::VERIFY_ATTEMPTS`); the reads of it right after fail at once,
+    // with no GET (the failure is remembered for 2 s, `FetchLimits::failure_memory`); every
+    // other read returns the right bytes.
     let mut eio = 0;
+    let mut fetched_eio = None;
+    // The whole-device read above failed on the chunk just now: let that memory pass.
+    std::thread::sleep(Duration::from_millis(2100));
     for &(piece, _) in &failed {
         let end = (piece + MIB as u64).min(f.raw.len() as u64);
         for at in (piece..end).step_by(4096) {
@@ -232,6 +237,19 @@ fn corrupt_chunks_are_refetched_and_bad_origin_bytes_fail_with_eio() -> Result<(
                 Err(e) => {
                     ensure!(e == -libc::EIO, "read at {at}: errno {e}, expected EIO");
                     eio += 1;
+                    if fetched_eio.is_some() {
+                        // Remembered: give a GET time to show in the log, then expect none.
+                        std::thread::sleep(Duration::from_millis(50));
+                        let log = origin.access_log();
+                        let lines: Vec<&str> = log.lines().skip(mark).collect();
+                        ensure!(
+                            lines.is_empty(),
+                            "a read of the chunk that just failed fetched it again:\n{}",
+                            lines.join("\n")
+                        );
+                        continue;
+                    }
+                    fetched_eio = Some(at);
                     let log = log_with_lines(&origin, mark + COPIES);
                     let lines: Vec<&str> = log.lines().skip(mark).collect();
                     let ranges = ranges_of(&lines, &pack_uri);
@@ -251,7 +269,17 @@ fn corrupt_chunks_are_refetched_and_bad_origin_bytes_fail_with_eio() -> Result<(
             }
         }
     }
-    ensure!(eio > 0, "no 4 KiB read hit the corrupt chunk");
+    ensure!(eio > 1, "{eio} 4 KiB reads hit the corrupt chunk, expected several");
+    // Once the memory has passed, a read fetches the chunk again (COPIES GETs) and fails again.
+    let at = fetched_eio.context("no read fetched the corrupt chunk")?;
+    std::thread::sleep(Duration::from_millis(2100));
+    let mark = origin.access_log().lines().count();
+    ensure!(
+        client.read(at, 4096)?.err() == Some(-libc::EIO),
+        "the corrupt chunk read at {at} after the memory"
+    );
+    let log = log_with_lines(&origin, mark + COPIES);
+    ensure!(log.lines().skip(mark).count() == COPIES, "after the memory: {}", log);
     ensure!(!cached_chunks(&cache2)?.is_empty(), "the good chunks are cached");
     drop(client);
     d.stop()?;

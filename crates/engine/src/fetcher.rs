@@ -48,6 +48,12 @@ pub const DEFAULT_BATCH_BYTES: u64 = 4 << 20;
 /// [`FetchLimits::carry_bytes`] unless told otherwise.
 pub const DEFAULT_CARRY_BYTES: u64 = 256 << 10;
 
+/// Failed chunks remembered at most (a storm of failures costs bounded memory).
+const MAX_REMEMBERED_FAILURES: usize = 4096;
+
+/// [`FetchLimits::failure_memory`] unless told otherwise.
+pub const DEFAULT_FAILURE_MEMORY: Duration = Duration::from_secs(2);
+
 /// Default number of fetcher threads for a local store (a `pread` each).
 pub const DEFAULT_LOCAL_FETCH_JOBS: usize = 4;
 /// Default number of fetcher threads for a remote store: enough concurrent requests to hide the
@@ -92,6 +98,15 @@ pub struct FetchLimits {
     /// along in pack order ([`ChunkFetcher::start_in_order`]): enough for a readahead window,
     /// little enough that a read does not wait for a long run of prefetch behind it.
     pub carry_bytes: u64,
+    /// How long a chunk whose fetch failed for a reason of its own fails again at once, without
+    /// a new fetch (zero: never remembered). Its own reasons: its bytes failed verification in
+    /// every copy the refetch policy took ([`tessera_store::VERIFY_ATTEMPTS`]), or its pack or
+    /// range is not at the origin (404, 410, a range past the blob's end) — asking again at once
+    /// gets the same answer, at the cost of that many requests per guest read. A failure of the
+    /// origin itself (refused connections, timeouts, 5xx) is not remembered: the transport's
+    /// failing state makes those single attempts, and a read right after the origin is back
+    /// must succeed.
+    pub failure_memory: Duration,
 }
 
 impl FetchLimits {
@@ -105,6 +120,7 @@ impl FetchLimits {
             background_bytes_per_sec: None,
             batch_bytes: 0,
             carry_bytes: DEFAULT_CARRY_BYTES,
+            failure_memory: DEFAULT_FAILURE_MEMORY,
         }
     }
 
@@ -149,6 +165,9 @@ pub struct FetcherStats {
     /// Demand requests for a chunk a background fetch had already started (the read waits for
     /// readahead or prefetch instead of being first in line).
     pub behind_background: std::sync::atomic::AtomicU64,
+    /// Requests for a chunk that had failed moments before ([`FetchLimits::failure_memory`]),
+    /// failed at once without a fetch.
+    pub remembered_failures: std::sync::atomic::AtomicU64,
 }
 
 /// Where a chunk is stored: what batching and the background bandwidth cap look at.
@@ -212,6 +231,22 @@ struct State {
     tokens: f64,
     refilled: Instant,
     stopped: bool,
+    /// Chunks whose last fetch failed for a reason of their own, until when that is remembered
+    /// ([`FetchLimits::failure_memory`]).
+    failed: HashMap<u32, (Instant, Arc<StoreError>)>,
+}
+
+/// Whether fetching the chunk again at once would fail the same way (see
+/// [`FetchLimits::failure_memory`]).
+fn failure_of_the_chunk(e: &StoreError) -> bool {
+    use tessera_store::HttpError;
+    matches!(
+        e,
+        StoreError::CorruptChunk { .. }
+            | StoreError::CorruptSpan { .. }
+            | StoreError::RangeOutOfBounds { .. }
+            | StoreError::Http { source: HttpError::Status(404 | 410 | 416), .. }
+    )
 }
 
 struct Entry {
@@ -287,6 +322,7 @@ impl ChunkFetcher {
                 tokens: 0.0,
                 refilled: Instant::now(),
                 stopped: false,
+                failed: HashMap::new(),
             }),
             wake: Condvar::new(),
             stats: FetcherStats::default(),
@@ -350,22 +386,51 @@ impl ChunkFetcher {
                 done: Mutex::new(Some(d)),
             })
         });
-        {
+        let failed = {
             let mut st = lock(&self.shared.state);
-            self.register(&mut st, chunks, priority, waiter.as_ref());
+            let failed = self.register(&mut st, chunks, priority, waiter.as_ref());
             self.register(&mut st, ahead, Priority::Readahead, None);
-        }
+            failed
+        };
         self.shared.wake.notify_all();
+        for (w, e) in failed {
+            w.arrived(&Err(e));
+        }
         if let Some(w) = waiter {
             // Release the registration guard: done runs here if everything already arrived.
             w.arrived(&Ok(()));
         }
     }
 
-    fn register(&self, st: &mut State, chunks: &[u32], priority: Priority, waiter: Option<&Arc<Waiter>>) {
+    /// Queue `chunks` (joining fetches already queued or running); the waiters of those that
+    /// failed moments before, each with its error, to be told once the state is unlocked.
+    fn register(
+        &self,
+        st: &mut State,
+        chunks: &[u32],
+        priority: Priority,
+        waiter: Option<&Arc<Waiter>>,
+    ) -> Vec<(Arc<Waiter>, Arc<StoreError>)> {
+        let mut failed = Vec::new();
+        let now = (!st.failed.is_empty()).then(Instant::now);
         for &c in chunks {
             if let Some(w) = waiter {
                 w.remaining.fetch_add(1, Ordering::AcqRel);
+            }
+            if let Some(now) = now {
+                match st.failed.get(&c) {
+                    Some((until, e)) if now < *until => {
+                        self.shared.stats.remembered_failures.fetch_add(1, Ordering::Relaxed);
+                        if let Some(w) = waiter {
+                            failed.push((Arc::clone(w), Arc::clone(e)));
+                        }
+                        continue;
+                    }
+                    Some(_) => {
+                        st.failed.remove(&c);
+                    }
+                    None => {}
+                }
             }
             match st.entries.get_mut(&c) {
                 Some(e) => {
@@ -389,6 +454,7 @@ impl ChunkFetcher {
                 }
             }
         }
+        failed
     }
 }
 
@@ -605,6 +671,25 @@ impl Shared {
         st.running -= 1;
         if background {
             st.running_background -= 1;
+        }
+        let memory = self.limits.failure_memory;
+        if !memory.is_zero() {
+            let mut now = None;
+            for (&c, r) in batch.iter().zip(&results) {
+                if let Err(e) = r {
+                    if failure_of_the_chunk(e) {
+                        let now = *now.get_or_insert_with(Instant::now);
+                        if st.failed.len() >= MAX_REMEMBERED_FAILURES {
+                            st.failed.retain(|_, (until, _)| now < *until);
+                        }
+                        if let Some(until) = now.checked_add(memory) {
+                            if st.failed.len() < MAX_REMEMBERED_FAILURES {
+                                st.failed.insert(c, (until, Arc::clone(e)));
+                            }
+                        }
+                    }
+                }
+            }
         }
         let waiters: Vec<Vec<Arc<Waiter>>> =
             batch.iter().map(|c| st.entries.remove(c).map(|e| e.waiters).unwrap_or_default()).collect();
@@ -912,6 +997,89 @@ mod tests {
         );
         assert_eq!(f.stats().batched.load(Ordering::Relaxed), 6);
         assert_eq!(f.stats().demand.load(Ordering::Relaxed), 11);
+    }
+
+    #[test]
+    fn a_chunk_that_failed_for_its_own_reason_fails_again_at_once_for_a_while() {
+        let calls = Arc::new(Mutex::new(Vec::new()));
+        let log = Arc::clone(&calls);
+        // Chunk 1 is corrupt at the origin (every copy); chunk 2's origin is unreachable.
+        let f = ChunkFetcher::start(
+            FetchLimits { failure_memory: Duration::from_millis(300), ..FetchLimits::new(2) },
+            move |cs, _| {
+                log.lock().unwrap().extend_from_slice(cs);
+                cs.iter()
+                    .map(|&c| match c {
+                        1 => Err(Arc::new(StoreError::CorruptChunk {
+                            chunk: tessera_image::ChunkId([1; 32]),
+                            pack: tessera_image::Sha256Digest([2; 32]),
+                            offset: 0,
+                            reason: "blake3 mismatch",
+                        })),
+                        2 => Err(Arc::new(StoreError::Io {
+                            op: "connect",
+                            path: Default::default(),
+                            source: std::io::Error::from(std::io::ErrorKind::ConnectionRefused),
+                        })),
+                        _ => Ok(()),
+                    })
+                    .collect()
+            },
+            |_| None,
+        )
+        .unwrap();
+        let fetch = |chunks: &[u32]| {
+            let (done, rx) = done_channel();
+            f.fetch(chunks, Priority::Demand, Some(done));
+            rx.recv_timeout(Duration::from_secs(10)).unwrap()
+        };
+        let count = |c: u32| calls.lock().unwrap().iter().filter(|&&x| x == c).count();
+        let corrupt =
+            |r: FetchResult| matches!(r.as_ref().map_err(|e| &**e), Err(StoreError::CorruptChunk { .. }));
+        assert!(corrupt(fetch(&[1])));
+        assert_eq!(count(1), 1);
+        // Asked again at once, alone or with a good chunk: the same error, no new fetch of it.
+        assert!(corrupt(fetch(&[1])));
+        assert!(corrupt(fetch(&[3, 1])));
+        assert_eq!((count(1), count(3)), (1, 1));
+        assert_eq!(f.stats().remembered_failures.load(Ordering::Relaxed), 2);
+        // Background requests skip it too.
+        f.fetch(&[1], Priority::Readahead, None);
+        // An unreachable origin is not remembered: every read tries again.
+        assert!(fetch(&[2]).is_err());
+        assert!(fetch(&[2]).is_err());
+        assert_eq!(count(2), 2);
+        // Once the memory has passed, the chunk is fetched again.
+        std::thread::sleep(Duration::from_millis(350));
+        assert!(fetch(&[1]).is_err());
+        assert_eq!(count(1), 2);
+        // A memory of zero remembers nothing.
+        let again = Arc::new(Mutex::new(0));
+        let n = Arc::clone(&again);
+        let g = ChunkFetcher::start(
+            FetchLimits { failure_memory: Duration::ZERO, ..FetchLimits::new(1) },
+            move |cs, _| {
+                *n.lock().unwrap() += 1;
+                cs.iter()
+                    .map(|_| {
+                        Err(Arc::new(StoreError::RangeOutOfBounds {
+                            digest: tessera_image::Sha256Digest([3; 32]),
+                            offset: 10,
+                            len: 5,
+                            blob_len: 12,
+                        }))
+                    })
+                    .collect()
+            },
+            |_| None,
+        )
+        .unwrap();
+        for _ in 0..3 {
+            let (done, rx) = done_channel();
+            g.fetch(&[7], Priority::Demand, Some(done));
+            assert!(rx.recv_timeout(Duration::from_secs(10)).unwrap().is_err());
+        }
+        assert_eq!(*again.lock().unwrap(), 3);
     }
 
     #[test]

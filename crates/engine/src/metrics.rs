@@ -39,6 +39,7 @@ pub fn watch_mem_tier<S: ChunkSource + 'static>(metrics: &Arc<Metrics>, tier: &A
         mirror(&m.fetch.background_fetches, f.background.load(Ordering::Relaxed));
         mirror(&m.fetch.joined, f.joined.load(Ordering::Relaxed));
         mirror(&m.fetch.behind_background, f.behind_background.load(Ordering::Relaxed));
+        mirror(&m.fetch.remembered_failures, f.remembered_failures.load(Ordering::Relaxed));
     });
 }
 

@@ -170,6 +170,8 @@ pub struct FetchMetrics {
     pub joined: IntCounter,
     /// Demand requests for a chunk a background fetch had already started.
     pub behind_background: IntCounter,
+    /// Requests for a chunk that had just failed for a reason of its own, failed at once.
+    pub remembered_failures: IntCounter,
 }
 
 impl FetchMetrics {
@@ -194,6 +196,10 @@ impl FetchMetrics {
             behind_background: r.counter(
                 "tessera_fetch_behind_background_total",
                 "Demand requests for a chunk a readahead or prefetch fetch had already started",
+            ),
+            remembered_failures: r.counter(
+                "tessera_fetch_remembered_failures_total",
+                "Requests for a chunk whose fetch had just failed for a reason of its own (corrupt at the origin, missing), failed at once without a fetch",
             ),
         }
     }
