@@ -514,3 +514,64 @@ fn reference_layers_are_found_through_the_referrers_api() -> Result<()> {
     ensure!(fs::read(&a)? == fs::read(&b)?, "the export by source digest differs from the local one");
     Ok(())
 }
+
+/// `tessera store gc` on a registry store holding a `--reference-layers` image (issue 12, point
+/// 7), on distribution 2.8 (no referrers API: the tag fallback). Once its tag has moved to
+/// another image, the referrer is kept while `@sha256:<source>` finds it — its source exists;
+/// when the source manifest is deleted, gc deletes the referrer and the fallback index that
+/// listed it, and leaves the image its tag moved to whole.
+#[test]
+fn registry_gc_keeps_a_referrer_while_its_source_exists_then_prunes_it() -> Result<()> {
+    setup()?;
+    let t = tmp("reg-gc-referrer")?;
+    let Sourced { reg, digest, store, id, proxy, .. } = reference_build(t.path(), Registry::start()?)?;
+    // Through the proxy the build read from: the image refers to its source only when pushed to
+    // the repository it was built from.
+    let repo = format!("docker://{}/team/app", proxy.addr());
+    let st = store.to_str().context("utf-8 path")?;
+    let push = |image: &str| -> Result<()> {
+        let o = tessera::run(["push", image, "--store", st, &format!("{repo}:tessera")])?;
+        ensure!(o.status.success(), "push {image}: {}", String::from_utf8_lossy(&o.stderr));
+        Ok(())
+    };
+    let gc = || -> Result<serde_json::Value> {
+        let o = tessera::run(["store", "gc", "--store", &repo, "--grace", "0", "--json"])?;
+        ensure!(o.status.success(), "gc: {}", String::from_utf8_lossy(&o.stderr));
+        Ok(serde_json::from_slice(&o.stdout)?)
+    };
+    push(id.as_str())?;
+    // The tag moves to a converted image of another tree.
+    let tree = t.path().join("other");
+    fs::create_dir_all(&tree)?;
+    fs::write(tree.join("hello"), b"another image\n")?;
+    let other = tessera::build(&tree, &store, &[])?;
+    push(other.as_str())?;
+    let fallback = digest.replace(':', "-");
+    let id_tag = format!("sha256-{}", id.hex());
+
+    // Only its ID tag names the referrer now, but its source exists: `@digest` finds it, so gc
+    // keeps it.
+    let r = gc()?;
+    ensure!(r["images_removed"] == 0 && r["images_kept"] == 2, "{r}");
+    let remote = Path::new(&repo);
+    let found = tessera::inspect_json(&format!("@{digest}"), remote)?;
+    ensure!(found["id"] == serde_json::json!(id.as_str()), "@{digest} found {}", found["id"]);
+
+    // The source goes (distribution deletes its tag with it): the referrer is dead.
+    let status = status_of(reg.addr(), "DELETE", &format!("team/app/manifests/{digest}"))?;
+    ensure!(status == 202, "DELETE the source manifest: {status}");
+    let r = gc()?;
+    ensure!(r["images_removed"] == 1 && r["images_kept"] == 1 && r["tags_removed"] == 1, "{r}");
+    ensure!(r["removed"]["referrers-entry"]["count"] == 1, "{r}");
+    for tag in [&fallback, &id_tag] {
+        let status = status_of(reg.addr(), "HEAD", &format!("team/app/manifests/{tag}"))?;
+        ensure!(status == 404, "HEAD {tag} after gc: {status}");
+    }
+    // The image the tag moved to is whole.
+    let (a, b) = (t.path().join("local.img"), t.path().join("remote.img"));
+    tessera::export(other.as_str(), &store, &a)?;
+    tessera::export("tessera", remote, &b)?;
+    ensure!(fs::read(&a)? == fs::read(&b)?, "the tagged image differs after gc");
+    ensure!(gc()?["images_removed"] == 0, "a second gc found more to remove");
+    Ok(())
+}
