@@ -419,7 +419,7 @@ pub fn collect_registry(store: &RegistryStore, options: &GcOptions) -> Result<St
             report.note(Removed { key: format!("tags/{tag}"), kind: "referrers-entry", bytes: 0 });
         }
     }
-    if !options.dry_run && (plan.marks != marks || (marks_manifest.is_none() && !plan.marks.is_empty())) {
+    if !options.dry_run && plan.marks != marks {
         write_marks(client, repo, &plan.marks, marks_manifest)?;
     }
     info!(
