@@ -241,6 +241,12 @@ fn list(client: &Client, repo: &str) -> Result<Listing, StoreError> {
             Ok(m) => m,
             // Deleted since the list was made.
             Err(RegistryError::NotFound { .. }) => continue,
+            // A kind of manifest the client does not read (a Docker schema 1 manifest, some
+            // other artifact): not a Tessera image, so nothing gc may delete; left alone.
+            Err(e @ RegistryError::UnsupportedMediaType { .. }) => {
+                debug!(tag, error = %e, "gc: a manifest of another kind, left alone");
+                continue;
+            }
             Err(e) => return Err(e.into()),
         };
         let Some(digest) = sha(&m.digest) else { continue };
