@@ -1,9 +1,12 @@
-//! The network model of the tests: an HTTP/1.1 proxy on loopback in front of a real origin
-//! (nginx) that adds round-trip time, a shared bandwidth limit and injected faults, and counts
-//! what crosses it. This kernel has no netem, so this proxy *is* the WAN: it must charge what a
-//! real network charges, or concurrency results flatter the design (brief §6).
+//! The network model of the tests: a proxy on loopback in front of a real origin (nginx) that
+//! adds round-trip time and a shared bandwidth limit, and counts what crosses it. This kernel has
+//! no netem, so this proxy *is* the WAN: it must charge what a real network charges, or
+//! concurrency results flatter the design (brief §6). It has two modes.
 //!
-//! Costs charged, with `rtt` the configured round-trip time:
+//! # HTTP mode ([`Proxy::start`])
+//!
+//! Parses HTTP/1.1, so it can charge per request, log requests and inject faults; TLS and
+//! HTTP/2 cannot pass it. Costs charged, with `rtt` the configured round-trip time:
 //! - **a new connection**: nothing from the client is read for one `rtt` after `accept` (the TCP
 //!   handshake; the client's `connect` returns at once on loopback, so its first bytes wait);
 //! - **every request**: the response starts no earlier than one `rtt` after the request head
@@ -22,24 +25,65 @@
 //! [`Proxy::storm`] adds a standing rule instead: a share of the matching requests (drawn by a
 //! seeded generator) get one of several faults, until [`Proxy::clear_faults`].
 //!
+//! # TCP mode ([`Proxy::start_tcp`])
+//!
+//! A byte-level delay line: whatever runs over TCP passes unchanged (TLS, HTTP/2, …), and pays
+//! what a WAN path pays, round trip by round trip:
+//! - **a new connection**: client bytes are forwarded no earlier than one `rtt` after `accept`
+//!   (the handshake), and upstream bytes are delivered no earlier than 2·`rtt` after it (the
+//!   server's side of the handshake ends half a round trip later). The upstream connection is
+//!   opened at `accept`;
+//! - **every byte** takes half an `rtt` each way: read from one side at `t`, it is written to
+//!   the other at `t + rtt/2` — plus, server→client only, its time on the shared link when a
+//!   bandwidth is set. Each direction is a reader thread stamping chunks and a writer thread
+//!   sleeping until each stamp, joined by an unbounded queue, so order is kept and a slow
+//!   writer never holds up the stamping. A request/response exchange thus costs one `rtt`, a
+//!   TLS 1.3 handshake one more, and HTTP/2 streams multiplexed on one connection share their
+//!   round trips, as on a real path;
+//! - **slow start** ([`ProxyConfig::slow_start`], off by default): each connection's
+//!   server→client direction has a congestion window, initially 10 segments of 1448 bytes
+//!   (Linux's initial window on a 1500-byte MTU). Bytes leave in flights of at most one window;
+//!   a full flight is followed by the next one round trip after its first byte left, with the
+//!   window doubled (every acknowledged byte grows it by one; no cap but the shared link). A
+//!   flight that used more than half the window grows it by its size when its round trip is
+//!   over; a smaller one leaves it as it is (Linux grows the window only when it limits the
+//!   sender). After an idle time over one RTO — `rtt` + 200 ms, Linux's RTO on a steady path
+//!   — the window halves per RTO idle, down to the initial window (Linux's
+//!   `tcp_slow_start_after_idle=1`);
+//! - **half-close and close** propagate: one side's EOF becomes a `shutdown(Write)` of the
+//!   other, half an `rtt` later and after the bytes queued before it; a read or write error
+//!   closes both connections at once.
+//!
+//! Not modelled: loss and retransmission (so no congestion avoidance, `ssthresh` or HyStart:
+//! slow start never ends), ACK clocking within a flight (a flight leaves at the link's rate at
+//! once), delayed ACKs, receive windows (a client that reads slowly is not a network limit
+//! here), and slow start of client→server bytes (requests are small). Counted: connections and
+//! [`ProxyStats::wire_bytes`]; requests, faults and the log stay empty, and
+//! [`Proxy::inject`] and [`Proxy::storm`] have no effect.
+//!
 //! ```no_run
 //! # fn main() -> anyhow::Result<()> {
 //! use std::time::Duration;
 //! use tessera_e2e::proxy::{Fault, Proxy, ProxyConfig};
 //! let origin = tessera_e2e::nginx::Nginx::serve("/tmp/store".as_ref(), "store")?;
-//! let cfg = ProxyConfig { rtt: Duration::from_millis(20), bandwidth: Some(25_000_000) };
+//! let cfg =
+//!     ProxyConfig { rtt: Duration::from_millis(20), bandwidth: Some(25_000_000), ..Default::default() };
 //! let proxy = Proxy::start(origin.addr(), cfg)?;
 //! proxy.inject("/blobs/", Fault::Status(503), 3);
 //! let url = proxy.url("store"); // http://127.0.0.1:PORT/store
 //! // ... run tessera against `url`, then:
 //! assert!(proxy.stats().connections < 32);
+//! // TLS and HTTP/2 through the TCP mode, with slow start:
+//! let wan = Proxy::start_tcp(origin.addr(), ProxyConfig { slow_start: true, ..cfg })?;
+//! let url = wan.https_url("store"); // https://127.0.0.1:PORT/store (given a TLS origin)
 //! # Ok(()) }
 //! ```
 
 use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::mpsc::{Receiver, Sender};
+use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -51,20 +95,33 @@ const MAX_HEAD: usize = 64 << 10;
 const PIECE: usize = 16 << 10;
 /// Late wake-ups up to this long are not counted as idle link time.
 const LINK_TOLERANCE: Duration = Duration::from_millis(5);
+/// TCP mode: the most bytes one read of a delay line takes.
+const CHUNK: usize = 64 << 10;
+/// TCP mode: the initial congestion window, 10 segments (RFC 6928, Linux's default) of 1448
+/// bytes (a 1500-byte MTU less the IP and TCP headers and the timestamp option).
+const INITIAL_WINDOW: usize = 10 * 1448;
+/// TCP mode: what Linux adds to the smoothed RTT to get its retransmission timeout on a steady
+/// path (the RTT variance term never goes below `TCP_RTO_MIN`, 200 ms).
+const RTO_MIN: Duration = Duration::from_millis(200);
 
 /// The network the proxy models.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct ProxyConfig {
-    /// Round-trip time charged once per new connection and once per request.
+    /// Round-trip time: charged once per new connection and once per request (HTTP mode), or
+    /// for the handshake and half each way for every byte (TCP mode).
     pub rtt: Duration,
-    /// Bytes per second of the link shared by all connections (`None`: unlimited).
+    /// Bytes per second of the link shared by all connections, server→client (`None`:
+    /// unlimited).
     pub bandwidth: Option<u64>,
+    /// TCP mode only: a congestion window in slow start limits each connection's server→client
+    /// bytes (see the module doc). No effect in HTTP mode.
+    pub slow_start: bool,
 }
 
 impl ProxyConfig {
-    /// Only latency: `rtt` per connection and per request, unlimited bandwidth.
+    /// Only latency: `rtt` per connection and per request, unlimited bandwidth, no slow start.
     pub fn rtt(rtt: Duration) -> Self {
-        Self { rtt, bandwidth: None }
+        Self { rtt, ..Self::default() }
     }
 }
 
@@ -136,6 +193,9 @@ pub struct ProxyStats {
     pub body_bytes: u64,
     /// Faults applied.
     pub faults: u64,
+    /// Every byte handed to client connections: heads and bodies in HTTP mode, the whole
+    /// server→client stream (TLS records and all) in TCP mode.
+    pub wire_bytes: u64,
 }
 
 struct Rule {
@@ -152,7 +212,17 @@ struct Storm {
     rng: crate::prng::Prng,
 }
 
+/// What a proxy understands of the bytes it carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// HTTP/1.1, parsed: charges per request, faults, the log.
+    Http,
+    /// Bytes: a delay line per direction.
+    Tcp,
+}
+
 struct Shared {
+    mode: Mode,
     storm: Mutex<Option<Storm>>,
     upstream: SocketAddr,
     config: ProxyConfig,
@@ -160,6 +230,7 @@ struct Shared {
     connections: AtomicU64,
     requests: AtomicU64,
     body_bytes: AtomicU64,
+    wire_bytes: AtomicU64,
     faults: AtomicU64,
     rules: Mutex<Vec<Rule>>,
     log: Mutex<Vec<LoggedRequest>>,
@@ -216,9 +287,11 @@ impl Shared {
     }
 
     /// Send `bytes` to the client through the link.
-    fn send(&self, client: &mut TcpStream, bytes: &[u8]) -> std::io::Result<()> {
+    fn send(&self, mut client: &TcpStream, bytes: &[u8]) -> std::io::Result<()> {
         for piece in bytes.chunks(PIECE) {
             self.pace(piece.len());
+            // Counted before the write, so that a client that has read a byte sees it counted.
+            self.wire_bytes.fetch_add(piece.len() as u64, Ordering::SeqCst);
             client.write_all(piece)?;
         }
         Ok(())
@@ -233,7 +306,7 @@ fn sleep_until(t: Instant) {
 }
 
 /// A running proxy; stops accepting when dropped (connections in progress finish on their own,
-/// stalled ones are released).
+/// stalled ones are released; in TCP mode, a connection ends when its ends close it).
 pub struct Proxy {
     addr: SocketAddr,
     shared: Arc<Shared>,
@@ -244,6 +317,7 @@ impl std::fmt::Debug for Proxy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Proxy")
             .field("addr", &self.addr)
+            .field("mode", &self.shared.mode)
             .field("upstream", &self.shared.upstream)
             .field("config", &self.shared.config)
             .finish()
@@ -251,23 +325,43 @@ impl std::fmt::Debug for Proxy {
 }
 
 impl Proxy {
-    /// Start a proxy on a loopback port in front of `upstream`.
+    /// Start an HTTP-mode proxy on a loopback port in front of `upstream` (see the module doc).
     pub fn start(upstream: SocketAddr, config: ProxyConfig) -> Result<Self> {
+        Self::launch(upstream, config, Mode::Http)
+    }
+
+    /// Start a TCP-mode proxy on a loopback port in front of `upstream`: a delay line that any
+    /// protocol over TCP crosses, TLS and HTTP/2 included (see the module doc).
+    pub fn start_tcp(upstream: SocketAddr, config: ProxyConfig) -> Result<Self> {
+        Self::launch(upstream, config, Mode::Tcp)
+    }
+
+    fn launch(upstream: SocketAddr, config: ProxyConfig, mode: Mode) -> Result<Self> {
         let listener = TcpListener::bind("127.0.0.1:0").context("bind the proxy")?;
+        // The accept queue of a real server (nginx listens with 511; std's 128 would drop the
+        // SYNs of a burst of connections and charge them a 1 s retransmission): listen again
+        // with a deeper one, which Linux applies to the listening socket.
+        rustix::net::listen(&listener, 1024).context("deepen the proxy's accept queue")?;
         let addr = listener.local_addr()?;
         let shared = Arc::new(Shared {
+            mode,
             upstream,
             config,
             stop: AtomicBool::new(false),
             connections: AtomicU64::new(0),
             requests: AtomicU64::new(0),
             body_bytes: AtomicU64::new(0),
+            wire_bytes: AtomicU64::new(0),
             faults: AtomicU64::new(0),
             rules: Mutex::new(Vec::new()),
             storm: Mutex::new(None),
             log: Mutex::new(Vec::new()),
             link_free: Mutex::new(Instant::now()),
         });
+        let serve: fn(TcpStream, u64, &Shared) -> std::io::Result<()> = match mode {
+            Mode::Http => serve_connection,
+            Mode::Tcp => serve_tcp,
+        };
         let s = Arc::clone(&shared);
         let thread = std::thread::Builder::new().name("proxy-accept".into()).spawn(move || {
             for conn in listener.incoming() {
@@ -278,7 +372,7 @@ impl Proxy {
                 let id = s.connections.fetch_add(1, Ordering::SeqCst) + 1;
                 let s = Arc::clone(&s);
                 let _ = std::thread::Builder::new().name("proxy-conn".into()).spawn(move || {
-                    let _ = serve_connection(conn, id, &s);
+                    let _ = serve(conn, id, &s);
                 });
             }
         })?;
@@ -292,23 +386,35 @@ impl Proxy {
 
     /// `http://127.0.0.1:PORT/<prefix>` (prefix without slashes; may be empty).
     pub fn url(&self, prefix: &str) -> String {
+        self.url_with("http", prefix)
+    }
+
+    /// `https://127.0.0.1:PORT/<prefix>` (prefix without slashes; may be empty), for a TLS
+    /// origin behind a TCP-mode proxy.
+    pub fn https_url(&self, prefix: &str) -> String {
+        self.url_with("https", prefix)
+    }
+
+    fn url_with(&self, scheme: &str, prefix: &str) -> String {
         let prefix = prefix.trim_matches('/');
         if prefix.is_empty() {
-            format!("http://{}", self.addr)
+            format!("{scheme}://{}", self.addr)
         } else {
-            format!("http://{}/{prefix}", self.addr)
+            format!("{scheme}://{}/{prefix}", self.addr)
         }
     }
 
     /// The next `count` requests whose path contains `pattern` get `fault` (after the rules
-    /// added before this one are used up, for requests they match).
+    /// added before this one are used up, for requests they match). HTTP mode only: no effect
+    /// in TCP mode.
     pub fn inject(&self, pattern: &str, fault: Fault, count: usize) {
         lock(&self.shared.rules).push(Rule { pattern: pattern.to_owned(), fault, left: count });
     }
 
     /// From now on, `percent` % of the requests whose path contains `pattern` (and that no
     /// [`Self::inject`] rule takes) get one of `faults`, each drawn from a generator seeded with
-    /// `seed`; replaces an earlier storm. [`Self::clear_faults`] lifts it.
+    /// `seed`; replaces an earlier storm. [`Self::clear_faults`] lifts it. HTTP mode only: no
+    /// effect in TCP mode.
     pub fn storm(&self, pattern: &str, percent: u64, faults: &[Fault], seed: u64) {
         *lock(&self.shared.storm) = Some(Storm {
             pattern: pattern.to_owned(),
@@ -337,10 +443,11 @@ impl Proxy {
             requests: s.requests.load(Ordering::SeqCst),
             body_bytes: s.body_bytes.load(Ordering::SeqCst),
             faults: s.faults.load(Ordering::SeqCst),
+            wire_bytes: s.wire_bytes.load(Ordering::SeqCst),
         }
     }
 
-    /// Every request so far, in the order received.
+    /// Every request so far, in the order received (HTTP mode; empty in TCP mode).
     pub fn log(&self) -> Vec<LoggedRequest> {
         lock(&self.shared.log).clone()
     }
@@ -519,7 +626,7 @@ fn serve_connection(client: TcpStream, id: u64, s: &Shared) -> std::io::Result<(
             Some(Fault::Status(code)) => {
                 sleep_until(answer_at);
                 let head = format!("HTTP/1.1 {code} {}\r\nContent-Length: 0\r\n\r\n", status_text(code));
-                s.send(&mut client, head.as_bytes())?;
+                s.send(&client, head.as_bytes())?;
                 s.finished(logged, 0);
                 if req.wants_close() {
                     return Ok(());
@@ -533,8 +640,8 @@ fn serve_connection(client: TcpStream, id: u64, s: &Shared) -> std::io::Result<(
                     status_text(status),
                     body.len()
                 );
-                s.send(&mut client, head.as_bytes())?;
-                s.send(&mut client, body.as_bytes())?;
+                s.send(&client, head.as_bytes())?;
+                s.send(&client, body.as_bytes())?;
                 s.body_bytes.fetch_add(body.len() as u64, Ordering::SeqCst);
                 s.finished(logged, body.len() as u64);
                 if req.wants_close() {
@@ -556,7 +663,7 @@ fn serve_connection(client: TcpStream, id: u64, s: &Shared) -> std::io::Result<(
             resp.content_length()?
         };
         sleep_until(answer_at);
-        s.send(&mut client, &resp.raw)?;
+        s.send(&client, &resp.raw)?;
         let cut = match fault {
             Some(Fault::Reset { after }) | Some(Fault::Truncate { after }) => Some(after.min(body_len)),
             _ => None,
@@ -576,9 +683,9 @@ fn serve_connection(client: TcpStream, id: u64, s: &Shared) -> std::io::Result<(
                 // `at - pos < n ≤ PIECE`.
                 buf[(at - pos) as usize] ^= 0x01;
             }
-            // Counted before the write, so that a client that has read a byte sees it counted.
+            // Counted before the write, as `wire_bytes` is.
             s.body_bytes.fetch_add(n as u64, Ordering::SeqCst);
-            s.send(&mut client, &buf[..n])?;
+            s.send(&client, &buf[..n])?;
             pos += n as u64;
         }
         s.finished(logged, deliver);
@@ -611,6 +718,230 @@ fn stall(client: &mut TcpStream, s: &Shared) {
             Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
             Err(_) => return,
         }
+    }
+}
+
+/// TCP mode: what a delay line carries, each with the instant it reaches the other end.
+enum Segment {
+    Data(Instant, Vec<u8>),
+    /// The sender's EOF.
+    Fin(Instant),
+}
+
+/// TCP mode: the two sockets of one connection (client and upstream), closed together when
+/// either fails.
+#[derive(Clone, Copy)]
+struct Ends<'a> {
+    client: &'a TcpStream,
+    upstream: &'a TcpStream,
+}
+
+impl Ends<'_> {
+    /// A failure on either side ends the connection: every thread of it sees EOF or an error.
+    fn close(self) {
+        let _ = self.client.shutdown(Shutdown::Both);
+        let _ = self.upstream.shutdown(Shutdown::Both);
+    }
+}
+
+/// TCP mode: one direction of a connection.
+#[derive(Clone, Copy)]
+struct Line<'a> {
+    from: &'a TcpStream,
+    to: &'a TcpStream,
+    ends: Ends<'a>,
+    /// Bytes read before this instant count as read at it: until then the handshake is not over
+    /// on the sending side.
+    open_at: Instant,
+    /// Server→client: through the shared link, counted, under the congestion window.
+    downstream: bool,
+}
+
+/// Serve one TCP-mode connection: two delay lines, each a reader and a writer thread.
+fn serve_tcp(client: TcpStream, _id: u64, s: &Shared) -> std::io::Result<()> {
+    let accepted = Instant::now();
+    let upstream = match TcpStream::connect(s.upstream) {
+        Ok(u) => u,
+        Err(e) => {
+            // A refused connection is a reset, one round trip (SYN, RST) after the attempt.
+            sleep_until(accepted + s.config.rtt);
+            let _ = rustix::net::sockopt::set_socket_linger(&client, Some(Duration::ZERO));
+            return Err(e);
+        }
+    };
+    client.set_nodelay(true)?;
+    upstream.set_nodelay(true)?;
+    let ends = Ends { client: &client, upstream: &upstream };
+    let rtt = s.config.rtt;
+    // The SYN-ACK reaches the client one RTT after its SYN; the client's ACK reaches the server
+    // half an RTT later.
+    let up = Line { from: &client, to: &upstream, ends, open_at: accepted + rtt, downstream: false };
+    let down =
+        Line { from: &upstream, to: &client, ends, open_at: accepted + rtt + rtt / 2, downstream: true };
+    std::thread::scope(|scope| {
+        for line in [up, down] {
+            let (tx, rx) = mpsc::channel();
+            let reader = std::thread::Builder::new()
+                .name("proxy-tcp-read".into())
+                .spawn_scoped(scope, move || line.read(&tx, s));
+            let writer = std::thread::Builder::new()
+                .name("proxy-tcp-write".into())
+                .spawn_scoped(scope, move || line.write(&rx, s));
+            if let Err(e) = reader.and(writer) {
+                // The threads already started see the connection closed and end.
+                ends.close();
+                return Err(e);
+            }
+        }
+        Ok(())
+    })
+}
+
+impl Line<'_> {
+    /// Stamp every chunk read with its arrival time at the other end and queue it.
+    fn read(self, tx: &Sender<Segment>, s: &Shared) {
+        let half = s.config.rtt / 2;
+        let mut buf = vec![0u8; CHUNK];
+        let mut from = self.from;
+        loop {
+            let read = from.read(&mut buf);
+            let at = Instant::now().max(self.open_at) + half;
+            let segment = match read {
+                Ok(0) => Segment::Fin(at),
+                Ok(n) => Segment::Data(at, buf[..n].to_vec()),
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(_) => return self.ends.close(),
+            };
+            let fin = matches!(segment, Segment::Fin(_));
+            // A failed send: the writer has gone, after closing the connection.
+            if tx.send(segment).is_err() || fin {
+                return;
+            }
+        }
+    }
+
+    /// Deliver every queued chunk at its time, in order; the EOF last, as a half-close.
+    fn write(self, rx: &Receiver<Segment>, s: &Shared) {
+        let mut window = (self.downstream && s.config.slow_start).then(|| Window::new(s.config.rtt));
+        // The queue ends without a FIN only when the reader failed, and it closed the connection.
+        for segment in rx {
+            match segment {
+                Segment::Data(at, bytes) => {
+                    sleep_until(at);
+                    if self.deliver(at, &bytes, window.as_mut(), s).is_err() {
+                        return self.ends.close();
+                    }
+                }
+                Segment::Fin(at) => {
+                    sleep_until(at);
+                    let _ = self.to.shutdown(Shutdown::Write);
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Write `bytes`, due at `due`: server→client through the link and the window.
+    fn deliver(
+        self,
+        due: Instant,
+        mut bytes: &[u8],
+        mut window: Option<&mut Window>,
+        s: &Shared,
+    ) -> std::io::Result<()> {
+        if !self.downstream {
+            let mut to = self.to;
+            return to.write_all(bytes);
+        }
+        while !bytes.is_empty() {
+            let n = window.as_deref_mut().map_or(bytes.len(), |w| w.admit(due, bytes.len()));
+            s.send(self.to, &bytes[..n])?;
+            if let Some(w) = window.as_deref_mut() {
+                w.sent(n);
+            }
+            bytes = &bytes[n..];
+        }
+        Ok(())
+    }
+}
+
+/// TCP mode: the congestion window of one connection's server→client direction, in slow start
+/// (see the module doc). Flights are timed where bytes are delivered, not where the server
+/// wrote them: the two are half an RTT apart, which shifts every flight alike.
+struct Window {
+    rtt: Duration,
+    /// Idle time after which the window decays.
+    rto: Duration,
+    cwnd: usize,
+    /// Bytes sent in the current flight.
+    in_flight: usize,
+    /// When the current flight's first byte was sent.
+    flight_start: Instant,
+    /// When the last byte was sent (`None`: none yet).
+    last_sent: Option<Instant>,
+}
+
+impl Window {
+    fn new(rtt: Duration) -> Self {
+        let now = Instant::now();
+        Self {
+            rtt,
+            rto: rtt + RTO_MIN,
+            cwnd: INITIAL_WINDOW,
+            in_flight: 0,
+            flight_start: now,
+            last_sent: None,
+        }
+    }
+
+    /// How many of `want` bytes, due at `due`, may be sent now; when the window is used up,
+    /// first wait for the flight's round trip.
+    fn admit(&mut self, due: Instant, want: usize) -> usize {
+        self.decay_after_idle(due);
+        if self.in_flight >= self.cwnd {
+            // The flight's acknowledgements are back one RTT after its first byte left.
+            sleep_until(self.flight_start + self.rtt);
+            self.end_flight();
+        } else if self.in_flight > 0 && Instant::now() >= self.flight_start + self.rtt {
+            // A flight the sender did not fill is acknowledged too: a new one begins.
+            self.end_flight();
+        }
+        if self.in_flight == 0 {
+            self.flight_start = Instant::now();
+        }
+        want.min(self.cwnd - self.in_flight)
+    }
+
+    /// `n` bytes admitted were sent.
+    fn sent(&mut self, n: usize) {
+        self.in_flight += n;
+        self.last_sent = Some(Instant::now());
+    }
+
+    /// Slow start: each acknowledged byte grows the window by one — only if the flight used
+    /// more than half of it, as Linux's `tcp_is_cwnd_limited` decides in slow start (otherwise
+    /// the sender, not the window, was the limit).
+    fn end_flight(&mut self) {
+        if 2 * self.in_flight > self.cwnd {
+            self.cwnd = self.cwnd.saturating_add(self.in_flight);
+        }
+        self.in_flight = 0;
+    }
+
+    /// Linux's `tcp_cwnd_restart`: after more than one RTO with nothing sent, the window halves
+    /// for every RTO idle, down to the initial window.
+    fn decay_after_idle(&mut self, due: Instant) {
+        let Some(last) = self.last_sent else { return };
+        let mut idle = due.saturating_duration_since(last);
+        if idle <= self.rto {
+            return;
+        }
+        while idle > self.rto && self.cwnd > INITIAL_WINDOW {
+            idle -= self.rto;
+            self.cwnd /= 2;
+        }
+        self.cwnd = self.cwnd.max(INITIAL_WINDOW);
+        self.in_flight = 0;
     }
 }
 
@@ -683,7 +1014,12 @@ mod tests {
     }
 
     fn within(d: Duration, lo: Duration, what: &str) {
-        assert!(d >= lo && d <= lo + SLACK, "{what}: {d:?}, expected {lo:?} (+ up to {SLACK:?})");
+        within_by(d, lo, SLACK, what);
+    }
+
+    fn within_by(d: Duration, lo: Duration, slack: Duration, what: &str) {
+        eprintln!("{what}: {d:?} (expected {lo:?} + up to {slack:?})");
+        assert!(d >= lo && d <= lo + slack, "{what}: {d:?}, expected {lo:?} (+ up to {slack:?})");
     }
 
     #[test]
@@ -702,6 +1038,7 @@ mod tests {
         let st = p.stats();
         assert_eq!((st.connections, st.requests, st.faults), (1, 2, 0));
         assert_eq!(st.body_bytes, (1 << 20) + 1000);
+        assert!(st.wire_bytes > st.body_bytes && st.wire_bytes < st.body_bytes + 2048, "heads too: {st:?}");
         let log = p.log();
         assert_eq!(log.len(), 2);
         assert_eq!((log[1].method.as_str(), log[1].path.as_str()), ("GET", "/s/blob"));
@@ -735,16 +1072,15 @@ mod tests {
         assert_eq!(p.stats().connections, 16);
     }
 
-    #[test]
-    fn bandwidth_is_shared_by_all_connections() {
+    /// 1 MiB at 2 MiB/s takes 500 ms; two at once on two connections take 1 s.
+    fn bandwidth_is_shared(start: fn(SocketAddr, ProxyConfig) -> Result<Proxy>, mode: &str) {
         let o = origin();
-        // 2 MiB/s: 1 MiB takes 500 ms; two at once on two connections take 1 s.
-        let cfg = ProxyConfig { rtt: Duration::ZERO, bandwidth: Some(2 << 20) };
-        let p = Proxy::start(o.nginx.addr(), cfg).unwrap();
+        let cfg = ProxyConfig { rtt: Duration::ZERO, bandwidth: Some(2 << 20), ..Default::default() };
+        let p = start(o.nginx.addr(), cfg).unwrap();
         let t = Instant::now();
         let (_, body) = Client::connect(p.addr()).get("/s/blob", None);
         assert_eq!(body, o.blob);
-        within(t.elapsed(), Duration::from_millis(500), "1 MiB at 2 MiB/s");
+        within(t.elapsed(), Duration::from_millis(500), &format!("{mode}: 1 MiB at 2 MiB/s"));
         let addr = p.addr();
         // From an idle link: a start within LINK_TOLERANCE of the last transfer's end would be
         // credited the gap (as a late wake-up) and finish that much early.
@@ -754,7 +1090,17 @@ mod tests {
         let (_, b) = Client::connect(addr).get("/s/blob", None);
         let (_, a) = a.join().unwrap();
         assert!(a == o.blob && b == o.blob);
-        within(t.elapsed(), Duration::from_secs(1), "2 MiB at 2 MiB/s over two connections");
+        within(
+            t.elapsed(),
+            Duration::from_secs(1),
+            &format!("{mode}: 2 MiB at 2 MiB/s over two connections"),
+        );
+        assert_eq!(p.stats().connections, 3);
+    }
+
+    #[test]
+    fn bandwidth_is_shared_by_all_connections() {
+        bandwidth_is_shared(Proxy::start, "HTTP mode");
     }
 
     #[test]
@@ -848,5 +1194,74 @@ mod tests {
         assert_eq!(c.r.read_to_end(&mut rest).unwrap(), 0);
         let (status, _) = Client::connect(p.addr()).get("/s/blob", Some("bytes=0-9"));
         assert_eq!(status, 206);
+    }
+
+    /// TCP mode: shorter than RTT, so that the slow-start test stays short; its slack is in the
+    /// same proportion as [`SLACK`] to [`RTT`], less than one round trip.
+    const TCP_RTT: Duration = Duration::from_millis(100);
+    const TCP_SLACK: Duration = Duration::from_millis(75);
+
+    #[test]
+    fn tcp_mode_charges_the_handshake_and_half_a_round_trip_each_way() {
+        let o = origin();
+        let p = Proxy::start_tcp(o.nginx.addr(), ProxyConfig::rtt(TCP_RTT)).unwrap();
+        let t = Instant::now();
+        let mut c = Client::connect(p.addr());
+        let (status, body) = c.get("/s/blob", None);
+        within_by(t.elapsed(), 2 * TCP_RTT, TCP_SLACK, "first exchange on a new connection");
+        assert_eq!((status, body.as_slice()), (200, o.blob.as_slice()), "bytes pass unchanged");
+        let t = Instant::now();
+        let (status, body) = c.get("/s/blob", Some("bytes=1000-1999"));
+        within_by(t.elapsed(), TCP_RTT, TCP_SLACK, "second exchange on the same connection");
+        assert_eq!((status, body.as_slice()), (206, &o.blob[1000..2000]));
+        // The client's FIN reaches nginx half a round trip later; nginx's comes back in the other.
+        let t = Instant::now();
+        c.w.shutdown(Shutdown::Write).unwrap();
+        let mut rest = Vec::new();
+        assert_eq!(c.r.read_to_end(&mut rest).unwrap(), 0, "a clean close");
+        within_by(t.elapsed(), TCP_RTT, TCP_SLACK, "a half-close answered by a close");
+        let st = p.stats();
+        assert_eq!((st.connections, st.requests, st.body_bytes, st.faults), (1, 0, 0, 0), "{st:?}");
+        let bodies = (1 << 20) + 1000;
+        assert!(st.wire_bytes > bodies && st.wire_bytes < bodies + 2048, "bodies and heads: {st:?}");
+        assert!(p.log().is_empty());
+    }
+
+    #[test]
+    fn tcp_mode_bandwidth_is_shared_by_all_connections() {
+        bandwidth_is_shared(Proxy::start_tcp, "TCP mode");
+    }
+
+    #[test]
+    fn tcp_slow_start_charges_a_round_trip_per_window() {
+        const RANGE: &str = "bytes=0-199999";
+        let o = origin();
+        let fetch = |c: &mut Client| {
+            let t = Instant::now();
+            let (status, body) = c.get("/s/blob", Some(RANGE));
+            assert_eq!((status, body.as_slice()), (206, &o.blob[..200_000]));
+            t.elapsed()
+        };
+
+        // Without slow start: the handshake and one exchange.
+        let p = Proxy::start_tcp(o.nginx.addr(), ProxyConfig::rtt(TCP_RTT)).unwrap();
+        let t = Instant::now();
+        let mut c = Client::connect(p.addr());
+        fetch(&mut c);
+        within_by(t.elapsed(), 2 * TCP_RTT, TCP_SLACK, "200 KB on a new connection, no slow start");
+
+        // With it: 200 KB and a head need flights of 14480, 28960, 57920 and 115840 bytes,
+        // each one round trip after the one before: 3 more round trips.
+        let cfg = ProxyConfig { slow_start: true, ..ProxyConfig::rtt(TCP_RTT) };
+        let p = Proxy::start_tcp(o.nginx.addr(), cfg).unwrap();
+        let t = Instant::now();
+        let mut c = Client::connect(p.addr());
+        fetch(&mut c);
+        within_by(t.elapsed(), 5 * TCP_RTT, TCP_SLACK, "200 KB on a new connection, slow start");
+        // At once on the same connection: the window has grown past 200 KB.
+        within_by(fetch(&mut c), TCP_RTT, TCP_SLACK, "200 KB again, window open");
+        // After several RTOs (RTT + 200 ms) idle the window is back to 10 segments.
+        std::thread::sleep(5 * (TCP_RTT + RTO_MIN));
+        within_by(fetch(&mut c), 4 * TCP_RTT, TCP_SLACK, "200 KB after an idle time, window restarted");
     }
 }

@@ -116,6 +116,20 @@ fn registry_over_tls_is_verified_against_the_ca_file() -> Result<()> {
     ensure!(o.status.success(), "export --ca-file: {} — {}", o.status, String::from_utf8_lossy(&o.stderr));
     ensure!(fs::read(&out)? == f.local_raw, "export from the TLS registry differs from the local export");
 
+    // The same with HTTP/2 offered through ALPN (the registry picks what it speaks).
+    fs::remove_file(&out)?;
+    let o = export(&store, &out, &["--ca-file", ca, "--http-version", "auto"])?;
+    ensure!(
+        o.status.success(),
+        "export --http-version auto: {} — {}",
+        o.status,
+        String::from_utf8_lossy(&o.stderr)
+    );
+    ensure!(
+        fs::read(&out)? == f.local_raw,
+        "export over HTTP/2 from the TLS registry differs from the local export"
+    );
+
     let o = export(&store, &out, &[])?;
     verification_failed(&o, &format!("https://{addr}/v2/")).context("export without --ca-file")?;
 
@@ -123,5 +137,55 @@ fn registry_over_tls_is_verified_against_the_ca_file() -> Result<()> {
     let o = export(&store, &out, &["--insecure"])?;
     ensure!(o.status.success(), "export --insecure: {} — {}", o.status, String::from_utf8_lossy(&o.stderr));
     ensure!(fs::read(&out)? == f.local_raw, "export --insecure differs from the local export");
+    Ok(())
+}
+
+/// `--http-version auto` against nginx offering h2 through ALPN: the export is byte for byte
+/// the same over HTTP/2, a certificate is verified exactly as over HTTP/1.1 (the same one error
+/// line and hint), `--insecure` works, and an HTTPS origin without h2 is read over HTTP/1.1.
+#[test]
+fn https_store_over_http2_when_offered() -> Result<()> {
+    let BuiltStore { t, store, local_raw: expected, .. } = built_store("tls-h2", "demo", "64K", |src| {
+        fs::create_dir_all(src)?;
+        let mut rng = Prng::from_label("tls-h2");
+        for i in 0..6 {
+            fs::write(src.join(format!("random-{i}.bin")), rng.bytes(300_000))?;
+        }
+        Ok(fs::write(src.join("text.txt"), rng.text(200_000))?)
+    })?;
+    let pki = TestPki::generate(&t.path().join("pki"), "tessera h2 CA", &[])?;
+    let cert = ServerCert { cert: &pki.cert, key: &pki.key };
+    let h2 = Nginx::serve_tls_h2(&store, "store", cert)?;
+    let h1 = Nginx::serve_tls(&store, "store", cert)?;
+    let out = t.path().join("out.raw");
+    let auto_export = |url: &str, extra: &[&str]| -> Result<Output> {
+        let _ = fs::remove_file(&out);
+        let mut args = vec!["export", "demo", "--store", url, "-o", s(&out)?, "--http-version", "auto"];
+        args.extend(extra);
+        let mut c = tessera::command(&args);
+        c.env("RUST_LOG", "tessera_transport=debug");
+        Ok(c.output()?)
+    };
+    let ca = s(&pki.ca)?;
+    for (origin, version) in [(&h2, "version=Http2"), (&h1, "version=Http1")] {
+        let url = origin.url();
+        let o = auto_export(&url, &["--ca-file", ca])?;
+        let err = String::from_utf8_lossy(&o.stderr);
+        ensure!(o.status.success(), "export --http-version auto from {url}: {} — {err}", o.status);
+        ensure!(fs::read(&out)? == expected, "the export from {url} differs from the local export");
+        ensure!(err.contains(version), "{url} was not read with {version}: {err}");
+    }
+
+    let url = h2.url();
+    let before = h2.requests()?.len();
+    let o = auto_export(&url, &[])?;
+    verification_failed(&o, &url).with_context(|| {
+        format!("--http-version auto without --ca-file: {}", String::from_utf8_lossy(&o.stderr))
+    })?;
+    ensure!(h2.requests()?.len() == before, "a request got through: {}", h2.access_log());
+
+    let o = auto_export(&url, &["--insecure"])?;
+    ensure!(o.status.success(), "export --insecure: {} — {}", o.status, String::from_utf8_lossy(&o.stderr));
+    ensure!(fs::read(&out)? == expected, "export --insecure over HTTP/2 differs from the local export");
     Ok(())
 }

@@ -373,7 +373,8 @@ fn warm_resumes_after_kill_9_and_fails_on_bad_chunks() -> Result<()> {
     let origin = tessera_e2e::nginx::Nginx::serve(&f.store, "store")?;
     // A 1 MB/s link and one job: slow enough to kill mid-way. No RTT: the proxy then reads each
     // request head as it arrives, so the killed run's last request is logged before the kill.
-    let link = ProxyConfig { rtt: std::time::Duration::ZERO, bandwidth: Some(1_000_000) };
+    let link =
+        ProxyConfig { rtt: std::time::Duration::ZERO, bandwidth: Some(1_000_000), ..Default::default() };
     let proxy = Proxy::start(origin.addr(), link)?;
     let url = proxy.url("store");
     let cache = f.t.path().join("cache");

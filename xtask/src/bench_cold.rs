@@ -11,8 +11,9 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use tessera_e2e::cold::{median, ColdRun};
 use tessera_e2e::floor::{Link, StoreImage};
-use tessera_e2e::nginx::Nginx;
+use tessera_e2e::nginx::{Nginx, ServerCert};
 use tessera_e2e::proxy::{Proxy, ProxyConfig};
+use tessera_e2e::tls::TestPki;
 
 use super::{cargo, status, target_dir};
 
@@ -57,6 +58,12 @@ pub struct ColdBench {
     /// each chunk should cross the link once, however many daemons need it.
     #[arg(long)]
     pub(crate) shared_cache: bool,
+    /// Serve the store over TLS with HTTP/2 offered (nginx `ssl http2`, a throwaway CA given to
+    /// every arm as `--ca-file`) behind the TCP-level proxy (a connect RTT, half an RTT each way
+    /// for every byte, one shared link, TCP slow start): what TLS and HTTP/2 cost and save. The
+    /// proxy sees no requests then, so the breakdown has times and wire bytes only.
+    #[arg(long)]
+    pub(crate) tls: bool,
 }
 
 struct Arm {
@@ -145,7 +152,7 @@ pub(crate) fn measure(opts: &ColdBench) -> Result<ColdResult> {
         }
     };
     let specs = if opts.arm.is_empty() { vec!["tessera=".to_owned()] } else { opts.arm.clone() };
-    let arms: Vec<Arm> = specs.iter().map(|s| parse_arm(s, &bin)).collect::<Result<_>>()?;
+    let mut arms: Vec<Arm> = specs.iter().map(|s| parse_arm(s, &bin)).collect::<Result<_>>()?;
     let store = opts.store.canonicalize().with_context(|| format!("{}", opts.store.display()))?;
     let image = StoreImage::load(&store, &opts.image)?;
     let trace = tessera_e2e::replay::load(&opts.trace)?;
@@ -155,23 +162,42 @@ pub(crate) fn measure(opts: &ColdBench) -> Result<ColdResult> {
 
     let parent = store.parent().context("the store has no parent directory")?;
     let name = store.file_name().context("the store has no name")?.to_string_lossy().into_owned();
-    let nginx = Nginx::serve(parent, "s")?;
-    let proxy =
-        Proxy::start(nginx.addr(), ProxyConfig { rtt: link.rtt, bandwidth: Some(link.bytes_per_sec) })?;
     let work = target_dir()?.join("bench-cold");
     std::fs::create_dir_all(&work)?;
+    let net = ProxyConfig { rtt: link.rtt, bandwidth: Some(link.bytes_per_sec), ..ProxyConfig::default() };
+    let (nginx, proxy, store_url) = if opts.tls {
+        let pki = TestPki::generate(&work.join("pki"), "bench-cold", &[])?;
+        let nginx = Nginx::serve_tls_h2(parent, "s", ServerCert { cert: &pki.cert, key: &pki.key })?;
+        let proxy = Proxy::start_tcp(nginx.addr(), ProxyConfig { slow_start: true, ..net })?;
+        let url = proxy.https_url(&format!("s/{name}"));
+        for arm in &mut arms {
+            arm.args.splice(0..0, ["--ca-file".to_owned(), pki.ca.display().to_string()]);
+        }
+        (nginx, proxy, url)
+    } else {
+        let nginx = Nginx::serve(parent, "s")?;
+        let proxy = Proxy::start(nginx.addr(), net)?;
+        let url = proxy.url(&format!("s/{name}"));
+        (nginx, proxy, url)
+    };
+    let _origin = nginx;
     let mut results: Vec<Vec<tessera_e2e::floor::Breakdown>> = arms.iter().map(|_| Vec::new()).collect();
     for round in 0..opts.rounds {
         for (i, arm) in arms.iter().enumerate() {
             let run = ColdRun {
                 bin: &arm.bin,
-                store_url: proxy.url(&format!("s/{name}")),
+                store_url: store_url.clone(),
                 image: &opts.image,
                 serve_args: &arm.args,
                 socket: work.join("cold.sock"),
                 raw: opts.raw.clone(),
             };
-            let r = run.run(&trace, &proxy, &image, link)?;
+            let wire = proxy.stats().wire_bytes;
+            let mut r = run.run(&trace, &proxy, &image, link)?;
+            if opts.tls {
+                // No requests to add up: the bytes that crossed the link, TLS records included.
+                r.breakdown.origin_bytes = proxy.stats().wire_bytes - wire;
+            }
             println!("== round {round} {}: replay {}", arm.name, r.replay.summary().replace('\n', "; "));
             print!("{}", r.breakdown.summary());
             results[i].push(r.breakdown);
@@ -194,14 +220,15 @@ pub(crate) fn measure(opts: &ColdBench) -> Result<ColdResult> {
                 let _ = std::fs::remove_dir_all(&cache);
                 serve_args.extend(["--cache-dir".to_owned(), cache.display().to_string()]);
             }
-            let before = proxy.stats().body_bytes;
+            let bytes_so_far = |p: &Proxy| if opts.tls { p.stats().wire_bytes } else { p.stats().body_bytes };
+            let before = bytes_so_far(&proxy);
             let t = std::time::Instant::now();
             let runs: Vec<Result<tessera_e2e::cold::ColdResult>> = std::thread::scope(|s| {
                 let handles: Vec<_> = (0..n)
                     .map(|k| {
                         let run = ColdRun {
                             bin: &arm.bin,
-                            store_url: proxy.url(&format!("s/{name}")),
+                            store_url: store_url.clone(),
                             image: &opts.image,
                             serve_args: &serve_args,
                             socket: work.join(format!("cold-{k}.sock")),
@@ -223,7 +250,7 @@ pub(crate) fn measure(opts: &ColdBench) -> Result<ColdResult> {
                     bail!("{n} daemons: {} requests failed", r.replay.failed);
                 }
             }
-            let bytes = proxy.stats().body_bytes - before;
+            let bytes = bytes_so_far(&proxy) - before;
             let how = if shared { " (one shared disk cache)" } else { "" };
             println!(
                 "== round {round}: {n} daemons at once{how}: {:.1} ms, origin {bytes} bytes",

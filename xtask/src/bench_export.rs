@@ -90,7 +90,8 @@ pub fn run(opts: &ExportBench) -> Result<()> {
 
     let nginx = Nginx::serve(&served, "s")?;
     let link = opts.mbit * 1_000_000 / 8;
-    let cfg = ProxyConfig { rtt: Duration::from_millis(opts.rtt_ms), bandwidth: Some(link) };
+    let cfg =
+        ProxyConfig { rtt: Duration::from_millis(opts.rtt_ms), bandwidth: Some(link), ..Default::default() };
     let proxy = Proxy::start(nginx.addr(), cfg)?;
     let origin = proxy.url("s/store");
 

@@ -524,7 +524,7 @@ pub(crate) fn measure(opts: &LazyBench) -> Result<LazyResult> {
     let nginx = Nginx::serve(&served, "s")?;
     for &mbit in &rates {
         let link = Link { bytes_per_sec: mbit * 1_000_000 / 8, rtt: Duration::from_millis(opts.rtt_ms) };
-        let cfg = ProxyConfig { rtt: link.rtt, bandwidth: Some(link.bytes_per_sec) };
+        let cfg = ProxyConfig { rtt: link.rtt, bandwidth: Some(link.bytes_per_sec), ..Default::default() };
         let proxy = Proxy::start(nginx.addr(), cfg)?;
         let reg_proxy = registry.as_ref().map(|r| Proxy::start(r.addr(), cfg)).transpose()?;
         let url = proxy.url("s/store");

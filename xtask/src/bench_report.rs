@@ -738,6 +738,7 @@ impl Ctx<'_> {
             bin: Some(self.bin.clone()),
             daemons: if quick { vec![4] } else { vec![2, 4, 8] },
             shared_cache: true,
+            tls: false,
         };
         let r = bench_cold::measure(&opts)?;
         let floor = r.floor;

@@ -43,6 +43,7 @@ use tessera_e2e::{compare, fixtures, judge};
 mod bench_cold;
 mod bench_devices;
 mod bench_export;
+mod bench_http;
 mod bench_lazy;
 mod bench_mounts;
 mod bench_oci;
@@ -212,6 +213,9 @@ enum Bench {
     ///
     /// Example: cargo xtask bench cold --store ./store --image web --trace boot.requests --arm base= --arm ra=--readahead=0
     Cold(bench_cold::ColdBench),
+    /// The HTTP transport's versions compared: N concurrent range reads over HTTP/1.1 and over
+    /// HTTP/2, through nginx with TLS behind the TCP-level latency proxy (issue 15, point 5).
+    Http(bench_http::HttpBench),
     /// Guest start-up from an origin at 20 ms RTT: no profile vs profile vs warmed cache vs local.
     BootProfile(bench_warm::BootProfileBench),
     /// `tessera export` of a remote image (20 ms RTT, 200 Mbit/s) vs curl of its blobs.
@@ -267,6 +271,7 @@ fn main() -> ExitCode {
         Cmd::Bench { what: Some(Bench::BuildOci(opts)), .. } => bench_oci::run(&opts),
         Cmd::Bench { what: Some(Bench::Lazy(opts)), .. } => bench_lazy::run(&opts),
         Cmd::Bench { what: Some(Bench::Cold(opts)), .. } => bench_cold::run(&opts),
+        Cmd::Bench { what: Some(Bench::Http(opts)), .. } => bench_http::run(&opts),
         Cmd::Bench { what: Some(Bench::BootProfile(opts)), .. } => bench_warm::run(&opts),
         Cmd::Bench { what: Some(Bench::Export(opts)), .. } => bench_export::run(&opts),
         Cmd::Bench { what: Some(Bench::S3(opts)), .. } => bench_s3::run(&opts),
@@ -423,6 +428,8 @@ const PACKAGES: &[&str] = &[
     // The test token server's signing key and certificate.
     "openssl",
     "nginx",
+    // An independent HTTP/2 client: tcp_proxy.rs checks TLS and h2 through the TCP-mode proxy.
+    "curl",
     // The Prometheus project's exposition parser judges `tessera serve --metrics` (serve_metrics.rs).
     "python3-prometheus-client",
     "time",
@@ -834,7 +841,10 @@ fn demo_boot(bin: &Path, work: &Path) -> Result<()> {
 
     let nginx = tessera_e2e::nginx::Nginx::serve(&served, "s")?;
     let bytes_per_sec = DEMO_MBIT * 1_000_000 / 8;
-    let proxy = Proxy::start(nginx.addr(), ProxyConfig { rtt: DEMO_RTT, bandwidth: Some(bytes_per_sec) })?;
+    let proxy = Proxy::start(
+        nginx.addr(),
+        ProxyConfig { rtt: DEMO_RTT, bandwidth: Some(bytes_per_sec), ..Default::default() },
+    )?;
     let url = proxy.url("s/store");
     let cache = work.join("cache");
     let _ = std::fs::remove_dir_all(&cache);

@@ -271,10 +271,14 @@ fn leaks_wire_bytes(target: &str, level: tracing::Level) -> bool {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     {
+        use std::io::IsTerminal;
         use tracing_subscriber::prelude::*;
         tracing_subscriber::fmt()
             .with_env_filter(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn")))
             .with_writer(std::io::stderr)
+            // Colours for a person at a terminal only: a log file, journald or a pipe gets
+            // plain text (and NO_COLOR turns them off, https://no-color.org).
+            .with_ansi(std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none())
             .finish()
             .with(tracing_subscriber::filter::filter_fn(|m| !leaks_wire_bytes(m.target(), *m.level())))
             .init();

@@ -10,7 +10,7 @@ use tessera_registry::{
     auth_file_paths, ClientOptions, CredentialSource, Credentials, Reference, TlsOptions, TransportError,
     TransportErrorKind,
 };
-use tessera_store::{HttpConfig, OriginOptions, S3Config, StoreLocation};
+use tessera_store::{HttpConfig, HttpVersion, OriginOptions, S3Config, StoreLocation};
 
 /// `[--ca-file PEM] [--insecure] [--creds USER:PASS]`.
 #[derive(Debug, Clone, Default, Args)]
@@ -33,6 +33,31 @@ pub struct OriginArgs {
     /// (ENDPOINT/BUCKET/KEY); default AWS_ENDPOINT_URL_S3, then AWS_ENDPOINT_URL, else AWS S3.
     #[arg(long, value_name = "URL")]
     pub s3_endpoint: Option<String>,
+    /// HTTP versions for https:// and docker:// origins: 1.1 (a pool of connections, one per
+    /// request in flight) or auto (offer HTTP/2 through TLS ALPN and use what the server picks:
+    /// every request in flight shares one connection). Cleartext http:// is always HTTP/1.1.
+    #[arg(long, value_name = "VERSION", default_value = "1.1")]
+    pub http_version: HttpVersionArg,
+}
+
+/// `--http-version`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum HttpVersionArg {
+    /// HTTP/1.1 only.
+    #[default]
+    #[value(name = "1.1")]
+    Http1,
+    /// HTTP/2 where the server offers it, else HTTP/1.1.
+    Auto,
+}
+
+impl HttpVersionArg {
+    fn version(self) -> HttpVersion {
+        match self {
+            HttpVersionArg::Http1 => HttpVersion::Http1,
+            HttpVersionArg::Auto => HttpVersion::Negotiate,
+        }
+    }
 }
 
 /// The certificates of a `--ca-file`, read and checked when the arguments are parsed, so a
@@ -53,7 +78,11 @@ pub fn parse_creds(s: &str) -> Result<Credentials, String> {
 impl OriginArgs {
     /// Whether any of the flags was given (for commands where they cannot apply).
     pub fn any(&self) -> bool {
-        self.ca_file.is_some() || self.insecure || self.creds.is_some() || self.s3_endpoint.is_some()
+        self.ca_file.is_some()
+            || self.insecure
+            || self.creds.is_some()
+            || self.s3_endpoint.is_some()
+            || self.http_version != HttpVersionArg::default()
     }
 
     /// The flags for reading `source` while writing to the registry `dest_registry`: `--creds`
@@ -84,6 +113,7 @@ impl OriginArgs {
             insecure: self.insecure,
             credentials: CredentialSource::new(self.creds.clone(), auth_file_paths(env)),
             tls: self.tls(),
+            http: self.http_version.version(),
             ..ClientOptions::default()
         }
     }
@@ -91,7 +121,8 @@ impl OriginArgs {
     /// Every origin setting: the flags and the environment (`TESSERA_HTTP_*`, `AWS_*`; a
     /// malformed value is a usage error).
     pub fn options(&self) -> Result<OriginOptions> {
-        let http = HttpConfig { tls: self.tls(), ..HttpConfig::from_vars(env)? };
+        let http =
+            HttpConfig { tls: self.tls(), http: self.http_version.version(), ..HttpConfig::from_vars(env)? };
         let s3 = S3Config::from_vars(env, self.s3_endpoint.as_deref())?;
         Ok(OriginOptions { http, registry: self.registry(), s3, cached_entries: false })
     }

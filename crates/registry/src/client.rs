@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use tessera_transport::{
-    Failure, FetchError, Method, Request, Response, RetryPolicy, Stats, TlsOptions, Transport,
+    Failure, FetchError, HttpVersion, Method, Request, Response, RetryPolicy, Stats, TlsOptions, Transport,
     TransportConfig,
 };
 use tracing::debug;
@@ -72,6 +72,8 @@ pub struct ClientOptions {
     /// Trusted roots (`--ca-file`); verification is skipped for `insecure` and loopback
     /// registries whatever `tls.skip_verify` says.
     pub tls: TlsOptions,
+    /// The HTTP versions spoken (default HTTP/1.1 only; see [`HttpVersion`]).
+    pub http: HttpVersion,
 }
 
 /// Default [`ClientOptions::max_ranges`]: 32.
@@ -86,6 +88,7 @@ impl Default for ClientOptions {
             timeouts: Timeouts::default(),
             max_ranges: DEFAULT_MAX_RANGES,
             tls: TlsOptions::default(),
+            http: HttpVersion::Http1,
         }
     }
 }
@@ -277,6 +280,7 @@ fn transport_config(options: &ClientOptions) -> TransportConfig {
         retry: options.retry,
         max_concurrency: options.max_ranges.max(1),
         tls: options.tls.clone(),
+        http: options.http,
     }
 }
 

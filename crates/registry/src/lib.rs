@@ -45,5 +45,6 @@ pub use media::ManifestKind;
 pub use push::{BlobPush, PushOptions, UploadSession, DEFAULT_UPLOAD_PIECE};
 pub use reference::{is_loopback_host, valid_tag, Digest, Reference, Target};
 pub use tessera_transport::{
-    retryable_status, RetryPolicy, Stats as TransferStats, TlsOptions, TransportError, TransportErrorKind,
+    retryable_status, HttpVersion, RetryPolicy, Stats as TransferStats, TlsOptions, TransportError,
+    TransportErrorKind,
 };

@@ -83,6 +83,7 @@ pub use reference::{decode_span, RefImage, DEFAULT_SPAN_CACHE};
 pub use registry_gc::collect_registry;
 pub use source::ChunkSource;
 pub use tessera_registry::PushOptions;
+pub use tessera_transport::HttpVersion;
 /// An origin's request counters (the same meaning for HTTP and registry stores).
 pub use tessera_transport::{
     ErrorCounts as OriginErrorCounts, ErrorKind as OriginErrorKind, Stats as OriginStats,

@@ -54,6 +54,18 @@ impl TlsOptions {
     }
 }
 
+/// Which HTTP versions a [`crate::Transport`] speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum HttpVersion {
+    /// HTTP/1.1 only, a pool of connections (one per request in flight).
+    #[default]
+    Http1,
+    /// On `https://` origins, offer HTTP/2 and HTTP/1.1 through ALPN and use what the server
+    /// picks: over HTTP/2 every request in flight shares one connection. Cleartext `http://`
+    /// origins get HTTP/1.1 (nothing negotiates HTTP/2 there).
+    Negotiate,
+}
+
 /// Every setting of a [`crate::Transport`]. Defaults are chosen per origin kind by the stores
 /// and the registry client; [`Default`] is the HTTP store's.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -67,6 +79,8 @@ pub struct TransportConfig {
     pub max_concurrency: usize,
     /// TLS roots and verification.
     pub tls: TlsOptions,
+    /// The HTTP versions spoken (default: HTTP/1.1 only).
+    pub http: HttpVersion,
 }
 
 impl Default for TransportConfig {
@@ -81,6 +95,7 @@ impl Default for TransportConfig {
             retry: RetryPolicy::default(),
             max_concurrency: 32,
             tls: TlsOptions::default(),
+            http: HttpVersion::default(),
         }
     }
 }

@@ -103,6 +103,39 @@ impl TransportError {
         Self { kind, unreachable, source: Box::new(e) }
     }
 
+    /// A failure of `kind` caused by `source`.
+    pub(crate) fn new(
+        kind: TransportErrorKind,
+        source: impl std::error::Error + Send + Sync + 'static,
+    ) -> Self {
+        Self { kind, unreachable: false, source: Box::new(source) }
+    }
+
+    /// A request that failed in reqwest (the HTTP/2-capable client). A TLS failure keeps
+    /// rustls's own error as the source, as [`Self::from_ureq`] does; reqwest reports a failed
+    /// handshake as a connect error, so TLS is looked for first.
+    pub(crate) fn from_reqwest(e: reqwest::Error) -> Self {
+        if let Some(tls) = find_cause::<rustls::Error>(&e) {
+            return Self { kind: tls_kind(tls), unreachable: false, source: Box::new(tls.clone()) };
+        }
+        let refused =
+            find_cause::<io::Error>(&e).is_some_and(|io| io.kind() == io::ErrorKind::ConnectionRefused);
+        let (kind, unreachable) = if e.is_timeout() && e.is_connect() {
+            (TransportErrorKind::Timeout(TimeoutKind::Connect), true)
+        } else if e.is_timeout() {
+            (TransportErrorKind::Timeout(TimeoutKind::Whole), false)
+        } else if e.is_connect() {
+            (TransportErrorKind::Connection, true)
+        } else if e.is_builder() || e.is_redirect() || e.is_decode() {
+            (TransportErrorKind::Other, false)
+        } else {
+            // A broken exchange: the connection closed or was reset, an HTTP/2 stream or
+            // connection error.
+            (TransportErrorKind::Connection, refused)
+        };
+        Self { kind, unreachable, source: Box::new(e) }
+    }
+
     /// A request that failed in ureq. A TLS failure keeps rustls's own error as the source (what
     /// ureq wraps around it says nothing more).
     pub(crate) fn from_ureq(e: ureq::Error) -> Self {
@@ -111,6 +144,21 @@ impl TransportError {
         }
         Self { kind: ureq_kind(&e), unreachable: unreachable(&e), source: Box::new(e) }
     }
+}
+
+/// The first error of type `T` among `e` and its causes. An `io::Error`'s `source()` skips
+/// the error it wraps (its own source is that error's source), so wrapped errors are looked
+/// into explicitly: reqwest reports a failed handshake as rustls's error inside two of them.
+fn find_cause<'a, T: std::error::Error + 'static>(e: &'a (dyn std::error::Error + 'static)) -> Option<&'a T> {
+    if let Some(t) = e.downcast_ref::<T>() {
+        return Some(t);
+    }
+    if let Some(inner) = e.downcast_ref::<io::Error>().and_then(|io| io.get_ref()) {
+        if let Some(t) = find_cause::<T>(inner) {
+            return Some(t);
+        }
+    }
+    e.source().and_then(find_cause::<T>)
 }
 
 /// Whether `e` means no connection was made (refused, name lookup or connect failed or timed
@@ -175,6 +223,9 @@ fn io_kind(e: &io::Error) -> TransportErrorKind {
     }
     if let Some(tls) = e.get_ref().and_then(|r| r.downcast_ref::<rustls::Error>()) {
         return tls_kind(tls);
+    }
+    if let Some(inner) = e.get_ref().and_then(|r| r.downcast_ref::<TransportError>()) {
+        return inner.kind;
     }
     match e.kind() {
         io::ErrorKind::TimedOut => TransportErrorKind::Timeout(TimeoutKind::Stall),
@@ -268,6 +319,26 @@ impl<E> Failure<E> {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_tls_error_is_found_inside_nested_io_errors() {
+        // How reqwest reports a certificate that failed verification: rustls's error inside
+        // two io::Errors, whose `source()` chain skips it.
+        let tls = rustls::Error::InvalidCertificate(rustls::CertificateError::UnknownIssuer);
+        let inner = io::Error::new(io::ErrorKind::InvalidData, tls);
+        let outer = io::Error::other(inner);
+        let found = find_cause::<rustls::Error>(&outer).expect("found");
+        assert!(matches!(found, rustls::Error::InvalidCertificate(_)));
+        assert_eq!(tls_kind(found), TransportErrorKind::Certificate);
+        assert!(find_cause::<rustls::Error>(&io::Error::other("plain")).is_none());
+        // An io::Error is found as itself.
+        let refused = io::Error::from(io::ErrorKind::ConnectionRefused);
+        assert_eq!(
+            find_cause::<io::Error>(&refused).map(io::Error::kind),
+            Some(io::ErrorKind::ConnectionRefused)
+        );
+    }
+
     use super::*;
 
     #[test]

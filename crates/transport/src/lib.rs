@@ -21,6 +21,7 @@
 mod config;
 mod error;
 mod late;
+mod negotiated;
 mod retry;
 mod stats;
 
@@ -32,7 +33,7 @@ use std::time::{Duration, Instant};
 use tessera_metrics::Histogram;
 use tracing::{debug, info, warn};
 
-pub use config::{BadPem, Timeouts, TlsOptions, TransportConfig};
+pub use config::{BadPem, HttpVersion, Timeouts, TlsOptions, TransportConfig};
 pub use error::{ErrorKind, Failure, FetchError, TimeoutKind, TransportError, TransportErrorKind};
 pub use retry::{retryable_status, RetryBudget, RetryPolicy};
 pub use stats::{ErrorCounts, Stats};
@@ -106,6 +107,8 @@ struct Shared {
     config: TransportConfig,
     verified: ureq::Agent,
     unverified: ureq::Agent,
+    /// The HTTP/2-capable client for `https://` URLs ([`HttpVersion::Negotiate`]).
+    negotiated: Option<negotiated::Negotiated>,
     limiter: Limiter,
     counters: Counters,
     latency: Histogram,
@@ -186,7 +189,7 @@ impl Drop for Attempt {
 /// An HTTP answer whatever its status. Holds its attempt's limiter slot until dropped.
 pub struct Response {
     status: u16,
-    headers: ureq::http::HeaderMap,
+    headers: http::HeaderMap,
     body: BodyReader,
 }
 
@@ -228,8 +231,14 @@ impl Response {
 /// A response body; every byte read counts in [`Stats::bytes`]. The attempt ends (for the
 /// histogram and the limiter) when it is dropped.
 pub struct BodyReader {
-    inner: ureq::BodyReader<'static>,
+    inner: Body,
     attempt: Attempt,
+}
+
+/// The body of one HTTP implementation.
+enum Body {
+    Http1(ureq::BodyReader<'static>),
+    Negotiated(negotiated::Body),
 }
 
 impl std::fmt::Debug for BodyReader {
@@ -240,7 +249,10 @@ impl std::fmt::Debug for BodyReader {
 
 impl Read for BodyReader {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let n = self.inner.read(buf)?;
+        let n = match &mut self.inner {
+            Body::Http1(b) => b.read(buf)?,
+            Body::Negotiated(b) => b.read(buf)?,
+        };
         if self.attempt.counted {
             self.attempt.shared.counters.bytes(n);
         }
@@ -253,6 +265,11 @@ impl Read for BodyReader {
 /// alone. Two stalled answers in a row are not rare in a storm; a slow origin (every head late)
 /// costs at most seven deadlines before an answer teaches the estimate its new latency.
 const LATE_RESENDS: u32 = 3;
+
+/// Whether `url` is an `https://` URL.
+fn is_https(url: &str) -> bool {
+    url.get(..8).is_some_and(|s| s.eq_ignore_ascii_case("https://"))
+}
 
 /// Whether `req` teaches the head latency estimate: a counted GET.
 fn times_heads(req: &Request<'_>) -> bool {
@@ -290,11 +307,22 @@ impl Transport {
     pub fn new(config: TransportConfig) -> Self {
         let verified = config::agent(&config, !config.tls.skip_verify);
         let unverified = config::agent(&config, false);
+        let negotiated = match config.http {
+            HttpVersion::Http1 => None,
+            HttpVersion::Negotiate => match negotiated::Negotiated::new(&config) {
+                Ok(n) => Some(n),
+                Err(e) => {
+                    warn!(error = &e as &dyn std::error::Error, "no HTTP/2 client: using HTTP/1.1");
+                    None
+                }
+            },
+        };
         Self {
             shared: Arc::new(Shared {
                 limiter: Limiter::new(config.max_concurrency),
                 verified,
                 unverified,
+                negotiated,
                 config,
                 counters: Counters::default(),
                 latency: tessera_metrics::origin_latency_histogram(),
@@ -357,6 +385,36 @@ impl Transport {
         if !req.probe {
             shared.counters.request();
         }
+        let negotiated = shared.negotiated.as_ref().filter(|_| is_https(req.url));
+        let sent = match negotiated {
+            Some(n) => n.send(req, head_deadline).map(|a| (a.status, a.headers, Body::Negotiated(a.body))),
+            None => self.send_http1(req, head_deadline),
+        };
+        match sent {
+            Ok((status, headers, body)) => {
+                if times_heads(req) {
+                    shared.head.observe(attempt.started.elapsed());
+                }
+                Ok(Response { status, headers, body: BodyReader { inner: body, attempt } })
+            }
+            Err(e) => {
+                let abandoned = head_deadline.is_some()
+                    && e.kind() == TransportErrorKind::Timeout(TimeoutKind::FirstByte);
+                if !req.probe && !abandoned {
+                    shared.counters.error(e.error_kind());
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Send `req` over HTTP/1.1 (ureq).
+    fn send_http1(
+        &self,
+        req: &Request<'_>,
+        head_deadline: Option<Duration>,
+    ) -> Result<(u16, http::HeaderMap, Body), TransportError> {
+        let shared = &self.shared;
         let agent = if req.skip_tls_verify { &shared.unverified } else { &shared.verified };
         let h = req.headers;
         let sent = match req.method {
@@ -367,28 +425,8 @@ impl Transport {
             Method::Patch => with_headers(agent.patch(req.url), h).send(req.body),
             Method::Delete => with_headers(agent.delete(req.url), h).call(),
         };
-        match sent {
-            Ok(resp) => {
-                if times_heads(req) {
-                    shared.head.observe(attempt.started.elapsed());
-                }
-                let (parts, body) = resp.into_parts();
-                Ok(Response {
-                    status: parts.status.as_u16(),
-                    headers: parts.headers,
-                    body: BodyReader { inner: body.into_reader(), attempt },
-                })
-            }
-            Err(e) => {
-                let e = TransportError::from_ureq(e);
-                let abandoned = head_deadline.is_some()
-                    && e.kind() == TransportErrorKind::Timeout(TimeoutKind::FirstByte);
-                if !req.probe && !abandoned {
-                    shared.counters.error(e.error_kind());
-                }
-                Err(e)
-            }
-        }
+        let (parts, body) = sent.map_err(TransportError::from_ureq)?.into_parts();
+        Ok((parts.status.as_u16(), parts.headers, Body::Http1(body.into_reader())))
     }
 
     /// The retry loop. Send `req` and hand each answer to `on_response`, which reads what it

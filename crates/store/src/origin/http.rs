@@ -24,8 +24,8 @@ use tessera_image::{validate_tag, ImageEntry, ImageId, Sha256Digest};
 use tessera_metrics::Histogram;
 pub use tessera_transport::RetryPolicy;
 use tessera_transport::{
-    ErrorKind, Failure, FetchError, Method, Request, Response, Stats, Timeouts, TlsOptions, Transport,
-    TransportConfig, TransportError,
+    ErrorKind, Failure, FetchError, HttpVersion, Method, Request, Response, Stats, Timeouts, TlsOptions,
+    Transport, TransportConfig, TransportError,
 };
 use tracing::{debug, trace, warn};
 
@@ -176,6 +176,10 @@ pub struct HttpConfig {
     /// fetches and first misses — find connections open instead of paying a connect round trip
     /// (and a TLS handshake) each. A store that is never asked anything opens none.
     pub preconnect: usize,
+    /// The HTTP versions spoken (`--http-version`; default HTTP/1.1 only). With
+    /// [`HttpVersion::Negotiate`] an `https://` origin that offers HTTP/2 carries every request
+    /// in flight on one connection.
+    pub http: HttpVersion,
 }
 
 impl Default for HttpConfig {
@@ -192,6 +196,7 @@ impl Default for HttpConfig {
             coalesce_max: 16 << 20,
             coalesce_wait: Duration::from_millis(2),
             preconnect: 0,
+            http: HttpVersion::Http1,
         }
     }
 }
@@ -282,6 +287,7 @@ impl HttpConfig {
             retry: self.retry,
             max_concurrency: self.max_concurrency,
             tls: self.tls.clone(),
+            http: self.http,
         }
     }
 }
