@@ -42,7 +42,8 @@ pub struct ColdBench {
     #[arg(long, default_value_t = 3)]
     pub(crate) rounds: usize,
     /// An arm: `NAME=SERVE ARGS` (space-separated `tessera serve` arguments) or
-    /// `NAME@BINARY=SERVE ARGS` (another `tessera` binary); default one arm, `tessera=`.
+    /// `NAME@BINARY=SERVE ARGS` (another `tessera` binary); default one arm, `tessera=`. An arm
+    /// with its own `--store S` serves from S instead of the origin (e.g. the local store).
     #[arg(long)]
     pub(crate) arm: Vec<String>,
     /// The `tessera` binary of arms that name none (default: the release build, built now).
@@ -70,6 +71,8 @@ struct Arm {
     name: String,
     bin: PathBuf,
     args: Vec<String>,
+    /// The arm's own `--store`, taken out of its arguments.
+    store: Option<String>,
 }
 
 fn parse_arm(spec: &str, default_bin: &Path) -> Result<Arm> {
@@ -81,7 +84,17 @@ fn parse_arm(spec: &str, default_bin: &Path) -> Result<Arm> {
     if name.is_empty() {
         bail!("--arm {spec:?}: no name");
     }
-    Ok(Arm { name: name.to_owned(), bin, args: args.split_whitespace().map(str::to_owned).collect() })
+    let mut args: Vec<String> = args.split_whitespace().map(str::to_owned).collect();
+    let store = match args.iter().position(|a| a == "--store") {
+        Some(i) if i + 1 < args.len() => {
+            let s = args.remove(i + 1);
+            args.remove(i);
+            Some(s)
+        }
+        Some(_) => bail!("--arm {spec:?}: --store without a value"),
+        None => None,
+    };
+    Ok(Arm { name: name.to_owned(), bin, args, store })
 }
 
 /// N cold daemons at once, every round: seconds until the last one's replay ended, and the
@@ -186,7 +199,7 @@ pub(crate) fn measure(opts: &ColdBench) -> Result<ColdResult> {
         for (i, arm) in arms.iter().enumerate() {
             let run = ColdRun {
                 bin: &arm.bin,
-                store_url: store_url.clone(),
+                store_url: arm.store.clone().unwrap_or_else(|| store_url.clone()),
                 image: &opts.image,
                 serve_args: &arm.args,
                 socket: work.join("cold.sock"),
@@ -228,7 +241,7 @@ pub(crate) fn measure(opts: &ColdBench) -> Result<ColdResult> {
                     .map(|k| {
                         let run = ColdRun {
                             bin: &arm.bin,
-                            store_url: store_url.clone(),
+                            store_url: arm.store.clone().unwrap_or_else(|| store_url.clone()),
                             image: &opts.image,
                             serve_args: &serve_args,
                             socket: work.join(format!("cold-{k}.sock")),
