@@ -2,7 +2,7 @@
 
 use std::time::Instant;
 
-use tessera_image::Sha256Digest;
+use tessera_image::{ChunkRef, PackLocation, Sha256Digest};
 use tessera_metrics::{Tier, TierMetrics};
 use tracing::debug_span;
 
@@ -40,6 +40,14 @@ impl<S: ChunkSource> ChunkSource for Metered<S> {
             Err(_) => self.metrics.error(start.elapsed()),
         }
         result
+    }
+
+    /// A verified copy counts as one read, of its stored length.
+    fn read_verified(&self, chunk: &ChunkRef, pack: &Sha256Digest, loc: &PackLocation) -> Option<Vec<u8>> {
+        let start = Instant::now();
+        let data = self.inner.read_verified(chunk, pack, loc)?;
+        self.metrics.hit(u64::from(loc.stored_len), start.elapsed());
+        Some(data)
     }
 
     /// Forwarded whole (a remote source fetches near ranges in one request, far ones in

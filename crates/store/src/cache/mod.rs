@@ -340,6 +340,26 @@ impl DiskCache {
         self.read_checked(&chunk_key(chunk, loc), &|b| decode_stored_chunk(chunk, pack, loc, b).is_ok())
     }
 
+    /// A cached chunk in the stored form `loc` describes, decoded and checked: the bytes its
+    /// check decodes anyway ([`Self::get_chunk`] throws them away). A corrupt entry is removed:
+    /// `None`.
+    pub fn get_chunk_decoded(
+        &self,
+        chunk: &ChunkRef,
+        pack: &Sha256Digest,
+        loc: &PackLocation,
+    ) -> Option<Vec<u8>> {
+        let decoded = std::cell::RefCell::new(None);
+        self.read_checked(&chunk_key(chunk, loc), &|b| match decode_stored_chunk(chunk, pack, loc, b) {
+            Ok(d) => {
+                *decoded.borrow_mut() = Some(d);
+                true
+            }
+            Err(_) => false,
+        })?;
+        decoded.into_inner()
+    }
+
     /// Cache stored chunk bytes, only if they check out (bad bytes from the origin never enter).
     pub fn put_chunk(&self, chunk: &ChunkRef, pack: &Sha256Digest, loc: &PackLocation, stored: &[u8]) {
         if decode_stored_chunk(chunk, pack, loc, stored).is_ok() {
@@ -1017,6 +1037,15 @@ impl<S: ChunkSource> ChunkSource for CachedSource<S> {
         self.cache.fetch_chunk(chunk, pack, loc, || self.origin.read_stored(pack, offset, len))
     }
 
+    /// A chunk of the image the cache holds, decoded by its check.
+    fn read_verified(&self, chunk: &ChunkRef, pack: &Sha256Digest, loc: &PackLocation) -> Option<Vec<u8>> {
+        let (known, _) = self.chunks.get(&(*pack, loc.offset)).filter(|(_, l)| l == loc)?;
+        if known.id != chunk.id {
+            return None;
+        }
+        self.cache.get_chunk_decoded(chunk, pack, loc)
+    }
+
     /// The ranges of chunks the cache holds from it; the others from the origin in one call
     /// ([`ChunkSource::read_stored_many`]: near ranges in one request), each cached as it is
     /// checked, with the host-wide single flight of [`DiskCache::fetch_chunks`].
@@ -1117,6 +1146,26 @@ mod tests {
         // Another stored form of the same chunk is a different entry.
         let raw = PackLocation { stored_len: 9000, compression: Compression::None, ..loc };
         assert_ne!(cache.chunk_path(&c, &raw), cache.chunk_path(&c, &loc));
+    }
+
+    #[test]
+    fn a_decoded_read_returns_what_its_check_decoded_and_drops_a_corrupt_entry() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = DiskCache::open(&CacheConfig::new(dir.path())).unwrap();
+        let pack = Sha256Digest::of(b"pack");
+        let data: Vec<u8> = (0..20_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        let (c, loc, z) = chunk(&data);
+        assert!(cache.get_chunk_decoded(&c, &pack, &loc).is_none(), "a miss");
+        cache.put_chunk(&c, &pack, &loc, &z);
+        assert_eq!(cache.get_chunk_decoded(&c, &pack, &loc).unwrap(), data, "the uncompressed bytes");
+        let hits = cache.stats().hits;
+        let mut bad = z.clone();
+        let n = bad.len();
+        bad[n / 2] ^= 0x10;
+        fs::write(cache.chunk_path(&c, &loc), &bad).unwrap();
+        assert!(cache.get_chunk_decoded(&c, &pack, &loc).is_none(), "never bytes that fail");
+        assert!(!cache.chunk_path(&c, &loc).exists(), "the corrupt entry is removed");
+        assert_eq!(cache.stats().hits, hits, "a corrupt entry is no hit");
     }
 
     #[test]
