@@ -564,3 +564,46 @@ fn copy_to_a_registry_keeps_the_profile() -> Result<()> {
     ensure!(remote["profile"] == local["profile"] && !remote["profile"].is_null(), "{remote}\n{local}");
     Ok(())
 }
+
+/// A warmed start by tag asks the origin for the tag only, and opens the image the cache's
+/// lookup names while that answer is on its way; when the tag has moved, the daemon serves the
+/// image the origin names now, never the cached one. (This checks the guess is never trusted;
+/// what the overlap saves is measured by `cargo xtask bench cold`, docs/benchmarks.md.)
+#[test]
+fn a_warmed_tag_is_confirmed_by_the_origin_and_followed_when_it_moved() -> Result<()> {
+    let f = fixture("warm-tag-moved", "warm-tag-moved")?;
+    let origin = tessera_e2e::nginx::Nginx::serve(&f.store, "store")?;
+    let url = origin.url();
+    let cache = f.t.path().join("cache");
+    warm_json(warm("demo", &url, &cache, &[])?, "warm")?;
+
+    let serve = |sock: &str| -> Result<Vec<u8>> {
+        let socket = f.t.path().join(sock);
+        let d = Daemon::start("demo", &url, &socket, &["--read-only", "--cache-dir", s(&cache)?])?;
+        let mut c = BlkClient::connect(d.socket(), 1, true)?;
+        let (device, failed) = c.read_device(1 << 20, 8)?;
+        ensure!(failed.is_empty(), "reads failed: {failed:?}");
+        drop(c);
+        d.stop()?;
+        Ok(device)
+    };
+    let before = origin.access_log().lines().count();
+    ensure!(serve("warm.sock")? == f.raw, "a warmed start by tag served other bytes");
+    let log = origin.access_log();
+    let new: Vec<&str> = log.lines().skip(before).collect();
+    ensure!(
+        new.len() == 1 && new[0].contains("/refs/demo "),
+        "a warmed start by tag asks for the tag and nothing else: {new:?}"
+    );
+
+    // The tag moves to another image at the origin: the daemon serves that one.
+    let src = f.t.path().join("src2");
+    fs::create_dir_all(&src)?;
+    fs::write(src.join("other.bin"), Prng::from_label("warm-tag-moved-2").bytes(700_000))?;
+    let moved = tessera::build(&src, &f.store, &["--tag", "demo", "--chunk-size", "64K"])?;
+    ensure!(moved != f.id, "the second build is another image");
+    let raw2 = f.t.path().join("moved.raw");
+    tessera::export("demo", &f.store, &raw2)?;
+    ensure!(serve("moved.sock")? == fs::read(&raw2)?, "after the tag moved, the daemon served the old image");
+    Ok(())
+}

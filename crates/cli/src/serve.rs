@@ -18,8 +18,8 @@ use tessera_image::{ImageId, RequestTraceHeader, Sha256Digest, BLOCK_SIZE};
 use tessera_metrics::{Exporter, Metrics, Tier};
 use tessera_overlay::{FileAccess as OverlayFileAccess, Mode as OverlayMode, Overlay, OverlayParams};
 use tessera_store::{
-    CacheConfig, ChunkSource, ImageReader, LocalStore, Metered, OpenImage, OriginOptions, StoreError,
-    StoreLocation,
+    CacheConfig, ChunkSource, ImageReader, LocalStore, Metered, OpenImage, OriginOptions, ReadStore,
+    StoreError, StoreLocation,
 };
 use tessera_vhost::{DeviceConfig, Disk, RequestRecorder, Server, DEFAULT_SOCKET_MODE, MAX_QUEUES};
 
@@ -415,6 +415,22 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     run_on(ServeConfig::from_args(args)?, listener)
 }
 
+/// An opened image and, when prefetching, its profile's digest and bytes.
+type Opened = (Result<OpenImage, StoreError>, Option<(Sha256Digest, Result<Vec<u8>, StoreError>)>);
+
+/// Open image `id` of `store`, reading its prefetch profile (when `prefetch` and the entry names
+/// one) while the image opens — its record, prefix and pack index are in flight: one round trip
+/// fewer before the first read.
+fn open_with_profile(store: &dyn ReadStore, id: &ImageId, prefetch: bool) -> Opened {
+    let profile_digest = if prefetch { store.get_entry(id).ok().and_then(|e| e.profile) } else { None };
+    std::thread::scope(|s| {
+        let profile = profile_digest.map(|d| s.spawn(move || (d, store.read_blob(&d))));
+        let image = store.open_image(id);
+        let profile = profile.map(|h| h.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)));
+        (image, profile)
+    })
+}
+
 /// Serve `config` until SIGTERM / SIGINT, on `listener` (socket activation: the socket at `--socket` is the supervisor's,
 /// already listening, and stays when the daemon stops) or, without one, on a socket it binds.
 pub fn run_on(config: ServeConfig, listener: Option<std::os::unix::net::UnixListener>) -> Result<()> {
@@ -433,24 +449,32 @@ pub fn run_on(config: ServeConfig, listener: Option<std::os::unix::net::UnixList
     origin.http.preconnect = config.preconnect;
     let opened = location.open_read_store(&origin, config.cache.as_ref())?;
     let store = Arc::clone(&opened.store);
-    let id = store.resolve(&config.image).with_context(|| format!("store {}", store.describe()))?;
+    let describe = || format!("store {}", store.describe());
+    // A tag a warmed disk cache has looked up before is opened from the cache while the origin
+    // confirms it (its answer is the only request a warmed start makes): the lookup's round trip
+    // overlaps the image's opening instead of preceding it. A tag that moved is opened again.
+    // (Only cached stores guess; a local store's image is pinned before it is opened.)
+    let (id, early) = match store.guess_resolve(&config.image) {
+        Some(guess) => std::thread::scope(|s| {
+            let resolved = s.spawn(|| store.resolve(&config.image));
+            let early = open_with_profile(&*store, &guess, config.prefetch);
+            let id = resolved.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+            let id = id.with_context(describe)?;
+            if id == guess {
+                return anyhow::Ok((id, Some(early)));
+            }
+            tracing::info!(tag = %config.image, cached = %guess, now = %id, "the tag moved: opening the image it names now");
+            Ok((id, None))
+        })?,
+        None => (store.resolve(&config.image).with_context(describe)?, None),
+    };
     // `tessera store gc` keeps a served image of a local store (docs/store.md, "Pins"); the image
     // is opened after pinning, so a gc that removed it first fails the start clearly.
     let _pin = opened.local.as_ref().and_then(|local| {
         local.pin(&id).map_err(|e| tracing::info!(error = %crate::error_text(e), "image not pinned")).ok()
     });
-    // The profile is read while the image opens (its record, prefix and pack index are in
-    // flight): one round trip fewer before the first read.
-    let profile_digest =
-        if config.prefetch { store.get_entry(&id).ok().and_then(|e| e.profile) } else { None };
-    let (image, profile) = std::thread::scope(|s| {
-        let store = &store;
-        let profile = profile_digest.map(|d| s.spawn(move || (d, store.read_blob(&d))));
-        let image = store.open_image(&id);
-        let profile = profile.map(|h| h.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)));
-        (image, profile)
-    });
-    let image = Arc::new(image.with_context(|| format!("store {}", store.describe()))?);
+    let (image, profile) = early.unwrap_or_else(|| open_with_profile(&*store, &id, config.prefetch));
+    let image = Arc::new(image.with_context(describe)?);
     let metrics = Metrics::new();
     describe_image(&metrics, &image);
     let mut source: Arc<dyn ChunkSource> = store.chunk_source(&image);

@@ -22,6 +22,12 @@ pub trait ReadStore: Send + Sync + std::fmt::Debug {
     fn describe(&self) -> String;
     /// Resolve `sha256:<64 hex>` (the store must hold that image) or a tag.
     fn resolve(&self, reference: &str) -> Result<ImageId, StoreError>;
+    /// A likely answer of [`Self::resolve`] known without asking anyone (a tag lookup a disk
+    /// cache holds, with the image's entry), for opening the image while `resolve` confirms it;
+    /// `None` (the default): none. Never an answer on its own: a tag may have moved.
+    fn guess_resolve(&self, _reference: &str) -> Option<ImageId> {
+        None
+    }
     /// The entry of image `id` ([`StoreError::UnknownImage`] if the store lacks it).
     fn get_entry(&self, id: &ImageId) -> Result<ImageEntry, StoreError>;
     /// A whole blob, checked against its sha256.

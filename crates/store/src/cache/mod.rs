@@ -931,6 +931,18 @@ impl<O: Origin> ReadStore for CachedStore<O> {
         resolve_with(reference, |tag| self.read_ref(tag), |id| self.get_entry(id).map(|_| ()))
     }
 
+    /// The cached lookup of tag `reference`, when cached entries are used and the cache holds
+    /// that image's entry too.
+    fn guess_resolve(&self, reference: &str) -> Option<ImageId> {
+        if !self.cached_entries || !tessera_image::validate_tag(reference) || reference.starts_with("sha256:")
+        {
+            return None;
+        }
+        let base = &self.origin.cache_key();
+        let id = self.cache.get_ref(base, reference)?;
+        self.cache.get_entry(base, &id).map(|_| id)
+    }
+
     fn get_entry(&self, id: &ImageId) -> Result<ImageEntry, StoreError> {
         let base = &self.origin.cache_key();
         if self.cached_entries {
