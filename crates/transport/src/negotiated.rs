@@ -13,6 +13,7 @@
 //! [`crate::TlsOptions`]: the given CA certificates or the built-in public roots, or no
 //! verification at all.
 
+use std::collections::HashMap;
 use std::io::{self, Read};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
@@ -41,7 +42,9 @@ pub(crate) struct Negotiated {
     first_byte: Duration,
     whole: Option<Duration>,
     /// What the origin was found to speak; see [`Negotiated::gate`].
-    learned: Mutex<Learned>,
+    /// Per host (`scheme://authority`): a registry client's transport also reaches its token
+    /// realm and the blob store its redirects name.
+    learned: Mutex<HashMap<String, Learned>>,
     learned_cv: Condvar,
     // Dropped last: the clients' connections live on it.
     runtime: Runtime,
@@ -87,7 +90,7 @@ impl Negotiated {
             stall: config.timeouts.stall,
             first_byte: config.timeouts.first_byte,
             whole: config.timeouts.whole,
-            learned: Mutex::new(Learned { version: Version::Unknown, last_used: Instant::now() }),
+            learned: Mutex::new(HashMap::new()),
             learned_cv: Condvar::new(),
             runtime,
         })
@@ -109,7 +112,7 @@ impl Negotiated {
             Method::Patch => reqwest::Method::PATCH,
             Method::Delete => reqwest::Method::DELETE,
         };
-        let mut rb = client.request(method.clone(), req.url);
+        let mut rb = client.request(method, req.url);
         for (k, v) in req.headers {
             rb = rb.header(*k, *v);
         }
@@ -121,15 +124,16 @@ impl Negotiated {
         }
         let deadline = head_deadline.unwrap_or(self.first_byte);
         let handle = self.runtime.handle();
-        let probing = self.gate();
+        let host = host_of(req.url);
+        let probing = self.gate(host);
         let response = handle.block_on(async { tokio::time::timeout(deadline, rb.send()).await });
         let version = match &response {
             Ok(Ok(r)) => Some(r.version()),
             _ => None,
         };
         if probing {
-            self.learn(req.url, version);
-        } else if let Ok(mut l) = self.learned.lock() {
+            self.learn(host, req.url, version);
+        } else if let Some(l) = self.learned.lock().unwrap_or_else(|p| p.into_inner()).get_mut(host) {
             l.last_used = Instant::now();
         }
         let response = match response {
@@ -184,12 +188,15 @@ impl Negotiated {
     /// opened 250 connections. Browsers wait for a pending connection's ALPN the same way. The
     /// cost is one round trip for the waiters of the first burst, and none for an HTTP/1.1
     /// origin after its first answer.
-    fn gate(&self) -> bool {
-        let mut l = self.learned.lock().unwrap_or_else(|p| p.into_inner());
+    fn gate(&self, host: &str) -> bool {
+        let mut hosts = self.learned.lock().unwrap_or_else(|p| p.into_inner());
         loop {
+            let l = hosts
+                .entry(host.to_owned())
+                .or_insert(Learned { version: Version::Unknown, last_used: Instant::now() });
             match l.version {
                 Version::Probing => {
-                    l = self.learned_cv.wait(l).unwrap_or_else(|p| p.into_inner());
+                    hosts = self.learned_cv.wait(hosts).unwrap_or_else(|p| p.into_inner());
                 }
                 Version::Unknown => {
                     l.version = Version::Probing;
@@ -204,21 +211,29 @@ impl Negotiated {
         }
     }
 
-    /// The probing request of [`Self::gate`] got `version` (`None`: it failed, and the next
-    /// request finds out instead); wake the waiters.
-    fn learn(&self, url: &str, version: Option<reqwest::Version>) {
+    /// The probing request of [`Self::gate`] to `host` got `version` (`None`: it failed, and
+    /// the next request finds out instead); wake the waiters.
+    fn learn(&self, host: &str, url: &str, version: Option<reqwest::Version>) {
         let found = match version {
             None => Version::Unknown,
             Some(reqwest::Version::HTTP_2) => Version::Http2,
             Some(_) => Version::Http1,
         };
-        let mut l = self.learned.lock().unwrap_or_else(|p| p.into_inner());
         if found != Version::Unknown {
             debug!(url, version = ?found, "the origin's HTTP version");
         }
-        *l = Learned { version: found, last_used: Instant::now() };
-        drop(l);
+        let learned = Learned { version: found, last_used: Instant::now() };
+        self.learned.lock().unwrap_or_else(|p| p.into_inner()).insert(host.to_owned(), learned);
         self.learned_cv.notify_all();
+    }
+}
+
+/// `scheme://authority` of `url` (the whole URL when it has no path).
+fn host_of(url: &str) -> &str {
+    let after_scheme = url.find("://").map_or(0, |i| i + 3);
+    match url[after_scheme..].find(['/', '?', '#']) {
+        Some(end) => &url[..after_scheme + end],
+        None => url,
     }
 }
 
@@ -310,5 +325,18 @@ impl ServerCertVerifier for AnyCertificate {
 
     fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
         self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hosts_are_told_apart_by_scheme_and_authority() {
+        assert_eq!(host_of("https://reg.example:5000/v2/a/blobs/x"), "https://reg.example:5000");
+        assert_eq!(host_of("https://cdn.example?x=1"), "https://cdn.example");
+        assert_eq!(host_of("https://auth.example"), "https://auth.example");
+        assert_ne!(host_of("https://a.example/x"), host_of("https://b.example/x"));
     }
 }

@@ -171,7 +171,7 @@ pub struct HttpConfig {
     /// turns joining off). A read with nothing else in flight goes at once.
     pub coalesce_wait: Duration,
     /// Connections opened at the store's first request, alongside it (default 0: none; `tessera
-    /// serve` opens 4): that many `HEAD` requests of the base URL at once, answers ignored
+    /// serve --preconnect N` sets it): that many `HEAD` requests of the base URL at once, answers ignored
     /// ([`Transport::preconnect`]), so the requests that follow — a daemon's parallel start
     /// fetches and first misses — find connections open instead of paying a connect round trip
     /// (and a TLS handshake) each. A store that is never asked anything opens none.
