@@ -934,8 +934,8 @@ impl<O: Origin> ReadStore for CachedStore<O> {
     /// The cached lookup of tag `reference`, when cached entries are used and the cache holds
     /// that image's entry too.
     fn guess_resolve(&self, reference: &str) -> Option<ImageId> {
-        if !self.cached_entries || !tessera_image::validate_tag(reference) || reference.starts_with("sha256:")
-        {
+        // A tag (an ID or an `@` subject is not one: ':' and '@' are not tag characters).
+        if !self.cached_entries || !tessera_image::validate_tag(reference) {
             return None;
         }
         let base = &self.origin.cache_key();
@@ -1051,10 +1051,7 @@ impl<S: ChunkSource> ChunkSource for CachedSource<S> {
 
     /// A chunk of the image the cache holds, decoded by its check.
     fn read_verified(&self, chunk: &ChunkRef, pack: &Sha256Digest, loc: &PackLocation) -> Option<Vec<u8>> {
-        let (known, _) = self.chunks.get(&(*pack, loc.offset)).filter(|(_, l)| l == loc)?;
-        if known.id != chunk.id {
-            return None;
-        }
+        self.chunks.get(&(*pack, loc.offset)).filter(|(c, l)| l == loc && c.id == chunk.id)?;
         self.cache.get_chunk_decoded(chunk, pack, loc)
     }
 
