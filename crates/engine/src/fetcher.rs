@@ -110,13 +110,13 @@ pub struct FetchLimits {
 }
 
 impl FetchLimits {
-    /// `jobs` threads; a quarter of them (at least 1) for background fetches; no bandwidth cap;
-    /// one chunk per fetch (a local store: a `pread` each).
+    /// `jobs` threads; half of them (at least 1) for background fetches; no bandwidth cap; one
+    /// chunk per fetch (a local store: a `pread` each).
     pub fn new(jobs: usize) -> Self {
         let jobs = jobs.max(1);
         Self {
             jobs,
-            background_jobs: (jobs / 4).max(1),
+            background_jobs: (jobs / 2).max(1),
             background_bytes_per_sec: None,
             batch_bytes: 0,
             carry_bytes: DEFAULT_CARRY_BYTES,

@@ -557,11 +557,17 @@ impl<S: ChunkSource> MemTier<S> {
         Self { pack_ahead, ..self }
     }
 
-    /// The chunks pack-order readahead adds to the demand fetch of `missed`.
+    /// The chunks pack-order readahead adds to the demand fetch of `missed`: a window after each
+    /// chunk nobody had asked for yet. A chunk already queued or being fetched was foreseen (by
+    /// readahead, a profile, another read's window): the reader is following a prediction that
+    /// works, and its pack neighbours are no likelier to be read than the prediction's next.
     fn pack_ahead(&self, missed: &[u32]) -> Vec<u32> {
         let Some((order, window)) = &self.pack_ahead else { return Vec::new() };
         let mut out: Vec<u32> = Vec::new();
         for &c in missed {
+            if self.fetcher.is_pending(c) {
+                continue;
+            }
             let stored = |n: u32| self.core.place(n).map_or(0, |p| u64::from(p.stored_len));
             let skip = |n: u32| {
                 missed.contains(&n) || out.contains(&n) || self.contains(n) || self.fetcher.is_pending(n)

@@ -92,13 +92,8 @@ fn no_memory_holds_nothing() {
     assert!(source.reads.load(Ordering::Relaxed) > before, "with no memory every read goes to the source");
 }
 
-#[test]
-fn a_miss_also_fetches_what_follows_it_in_its_pack() {
-    use tessera_engine::BlockDevice;
-    use tessera_image::RunSource;
-    let (_dir, tier, _source, _data) = tier(1 << 20);
-    let tier = tier.with_pack_readahead(1 << 20);
-    let image = tier.reader().image();
+/// The image's chunks in pack order: (pack, offset, chunk index).
+fn pack_order(image: &OpenImage) -> Vec<(u32, u64, u32)> {
     let n = image.record().block_map.chunks().len() as u32;
     let mut order: Vec<(u32, u64, u32)> = (0..n)
         .map(|i| {
@@ -107,16 +102,21 @@ fn a_miss_also_fetches_what_follows_it_in_its_pack() {
         })
         .collect();
     order.sort();
-    let first = order[0].2;
+    order
+}
+
+/// Ask the tier for a one-byte read of chunk `chunk`'s first block (missing only that chunk);
+/// whether it succeeded within 10 s.
+fn read_first_byte_of(tier: &impl tessera_engine::BlockDevice, image: &OpenImage, chunk: u32) -> bool {
+    use tessera_image::RunSource;
     let run = image
         .record()
         .block_map
         .runs()
         .iter()
-        .find(|r| r.source == RunSource::Chunk { chunk: first, block: 0 })
+        .find(|r| r.source == RunSource::Chunk { chunk, block: 0 })
         .copied()
         .unwrap();
-    // A one-byte read of the pack's first chunk misses only that chunk.
     let (tx, rx) = std::sync::mpsc::channel();
     tier.fetch_ahead(
         run.start * 4096,
@@ -125,7 +125,18 @@ fn a_miss_also_fetches_what_follows_it_in_its_pack() {
             let _ = tx.send(r.is_ok());
         }),
     );
-    assert!(rx.recv_timeout(std::time::Duration::from_secs(10)).unwrap());
+    rx.recv_timeout(std::time::Duration::from_secs(10)).unwrap()
+}
+
+#[test]
+fn a_miss_also_fetches_what_follows_it_in_its_pack() {
+    let (_dir, tier, _source, _data) = tier(1 << 20);
+    let tier = tier.with_pack_readahead(1 << 20);
+    let image = tier.reader().image();
+    let n = image.record().block_map.chunks().len() as u32;
+    let order = pack_order(image);
+    // A one-byte read of the pack's first chunk misses only that chunk.
+    assert!(read_first_byte_of(&tier, image, order[0].2));
     // The chunks stored after it in the same pack arrive too, in the background.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     let same_pack: Vec<u32> = order.iter().filter(|o| o.0 == order[0].0).map(|o| o.2).collect();
@@ -139,4 +150,31 @@ fn a_miss_also_fetches_what_follows_it_in_its_pack() {
         std::thread::sleep(std::time::Duration::from_millis(5)); // polling interval
     }
     assert_eq!(tier.stats().readahead_chunks.load(Ordering::Relaxed), same_pack.len() as u64 - 1);
+}
+
+#[test]
+fn a_miss_on_a_chunk_already_queued_adds_no_pack_window() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = LocalStore::create_or_open(dir.path().join("store")).unwrap();
+    let img = build_image(&store, 64);
+    let image = Arc::new(OpenImage::open(&store, &img.id).unwrap());
+    // A background budget of one byte a second: the first prefetched chunk starts, the rest
+    // stay queued.
+    let limits = FetchLimits { background_bytes_per_sec: Some(1), ..FetchLimits::new(2) };
+    let tier = MemTier::new(ImageReader::new(Arc::clone(&image), store), 1 << 20, limits)
+        .unwrap()
+        .with_pack_readahead(1 << 20);
+    let order = pack_order(&image);
+    let (first, last) = (order[0].2, order[order.len() - 1].2);
+    assert_ne!(first, last);
+    let ids = [last, first].map(|i| image.record().block_map.chunks()[i as usize].id);
+    assert_eq!(tier.prefetch(ids), 2);
+    assert!(tier.fetcher().is_pending(first), "the second prefetched chunk waits for budget");
+    assert!(read_first_byte_of(&tier, &image, first), "the read is promoted and served");
+    assert!(tier.contains(first));
+    assert_eq!(
+        tier.stats().readahead_chunks.load(Ordering::Relaxed),
+        0,
+        "a chunk the profile had queued carries no pack-order window"
+    );
 }
