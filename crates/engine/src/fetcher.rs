@@ -14,9 +14,11 @@
 //!   one request to the origin brings the run (an export's pieces, a large guest read, a
 //!   readahead window), and the threads keep separate runs in flight in parallel. Given the
 //!   pack order ([`ChunkFetcher::start_in_order`]) the run follows it through every queued
-//!   chunk, whatever its queue or position: the chunks stored right before and after the one
-//!   taken, so a demand miss carries its pack-order readahead window in the same request, and
-//!   a profile's chunks queued in first-touch order still go out as runs.
+//!   chunk of its kind (demand, or background), whatever its queue or position: the chunks
+//!   stored right before and after the one taken, so a profile's chunks queued in first-touch
+//!   order still go out as runs. A demand batch carries no background chunk: a miss's
+//!   pack-order window goes out as a request of its own beside the miss, so the read waits for
+//!   its own bytes only (measured: `docs/benchmarks.md`, "Demand batches without the window").
 //!
 //! The fetcher knows chunks only by BlockMap index and where they are stored ([`ChunkPlace`]);
 //! what "fetch" means (the memory tier's verified fetch through the disk cache to the origin) is
@@ -44,9 +46,6 @@ pub type Job = Box<dyn FnOnce() + Send>;
 /// [`FetchLimits::batch_bytes`] for a remote store: stored bytes one fetch (one request) may
 /// bring.
 pub const DEFAULT_BATCH_BYTES: u64 = 4 << 20;
-
-/// [`FetchLimits::carry_bytes`] unless told otherwise.
-pub const DEFAULT_CARRY_BYTES: u64 = 256 << 10;
 
 /// Failed chunks remembered at most (a storm of failures costs bounded memory).
 const MAX_REMEMBERED_FAILURES: usize = 4096;
@@ -94,10 +93,6 @@ pub struct FetchLimits {
     /// Most stored bytes of adjacent chunks one fetch takes together (a chunk larger than it
     /// is fetched alone; 0: one chunk per fetch).
     pub batch_bytes: u64,
-    /// Most stored bytes of queued background (readahead, prefetch) chunks a demand batch takes
-    /// along in pack order ([`ChunkFetcher::start_in_order`]): enough for a readahead window,
-    /// little enough that a read does not wait for a long run of prefetch behind it.
-    pub carry_bytes: u64,
     /// How long a chunk whose fetch failed for a reason of its own fails again at once, without
     /// a new fetch (zero: never remembered). Its own reasons: its bytes failed verification in
     /// every copy the refetch policy took ([`tessera_store::VERIFY_ATTEMPTS`]), or its pack or
@@ -119,7 +114,6 @@ impl FetchLimits {
             background_jobs: (jobs / 2).max(1),
             background_bytes_per_sec: None,
             batch_bytes: 0,
-            carry_bytes: DEFAULT_CARRY_BYTES,
             failure_memory: DEFAULT_FAILURE_MEMORY,
         }
     }
@@ -370,8 +364,8 @@ impl ChunkFetcher {
     }
 
     /// [`Self::fetch`], and `ahead` queued for readahead in the same step (before any thread can
-    /// take one of `chunks`), so that a batch started by one of `chunks` takes those of `ahead`
-    /// stored right after it ([`Self::start_in_order`]): one request for a miss and its window.
+    /// take one of `chunks`): a miss and its window go out at once, as requests of their own
+    /// ([`Self::start_in_order`]), so the read waits for its own bytes only.
     pub fn fetch_with_ahead(
         &self,
         chunks: &[u32],
@@ -553,8 +547,9 @@ impl Shared {
 
     /// The batch started by `first` (claimed off queue `queue`): `first` and the chunks queued
     /// right behind it (same priority, not started) that are stored right behind it in the same
-    /// pack — or, given the pack order, every queued chunk not started that is stored right
-    /// before or after the run, in any queue — while the batch stays within
+    /// pack — or, given the pack order, every queued chunk of the same kind (demand, or
+    /// background in either background queue) not started that is stored right before or after
+    /// the run — while the batch stays within
     /// [`FetchLimits::batch_bytes`]. Claims them; returns them in pack order.
     fn gather(&self, st: &mut State, queue: usize, first: u32) -> Vec<u32> {
         let mut batch = vec![first];
@@ -565,20 +560,17 @@ impl Shared {
         let Some(start) = (self.place)(first) else { return batch };
         let mut bytes = u64::from(start.stored_len);
         if let Some(order) = &self.order {
-            let (mut ahead, mut before, mut carried) = (Vec::new(), Vec::new(), 0u64);
+            let (mut ahead, mut before) = (Vec::new(), Vec::new());
             for (forward, out) in [(true, &mut ahead), (false, &mut before)] {
                 let (mut at, mut at_place) = (first, start);
                 loop {
                     let next = if forward { order.next(at) } else { order.prev(at) };
                     let Some(n) = next else { break };
                     let Some(e) = st.entries.get(&n).filter(|e| !e.started) else { break };
-                    let quiet = e.priority != Priority::Demand;
                     // A background batch leaves demand chunks to the demand threads; a demand
-                    // batch carries background chunks only within `carry_bytes`.
-                    let len = (self.place)(n).map_or(0, |p| u64::from(p.stored_len));
-                    if (queue != 0 && !quiet)
-                        || (queue == 0 && quiet && carried + len > self.limits.carry_bytes)
-                    {
+                    // batch leaves background chunks to a request of their own (the read waits
+                    // for its own bytes only).
+                    if (e.priority == Priority::Demand) != (queue == 0) {
                         break;
                     }
                     let Some(place) = (self.place)(n) else { break };
@@ -590,9 +582,6 @@ impl Shared {
                     claim(st, n);
                     out.push(n);
                     bytes += u64::from(place.stored_len);
-                    if quiet {
-                        carried += u64::from(place.stored_len);
-                    }
                     (at, at_place) = (n, place);
                 }
             }
@@ -632,7 +621,7 @@ impl Shared {
 
     /// Fetch the claimed chunks `batch` without the lock, then tell their waiters.
     /// `background`: the batch runs in a background slot; each chunk is background or not by
-    /// its own priority (a demand batch may carry readahead chunks stored after it).
+    /// its own priority.
     fn fetch_batch<'a>(
         &'a self,
         mut st: MutexGuard<'a, State>,
@@ -1104,7 +1093,7 @@ mod tests {
     }
 
     #[test]
-    fn in_pack_order_a_batch_takes_queued_neighbours_of_any_queue_within_the_carry() {
+    fn in_pack_order_a_batch_takes_queued_neighbours_of_its_own_kind() {
         let log = Arc::new(Mutex::new(Vec::new()));
         let gates = Gates::new();
         // Chunks 0..=20 back to back, 1000 bytes each; chunk 100 elsewhere (it holds the thread).
@@ -1113,7 +1102,7 @@ mod tests {
         };
         let order = Arc::new(PackOrder::new(101, place));
         let (g, rec) = (Arc::clone(&gates), recording(&log));
-        let limits = FetchLimits { jobs: 1, batch_bytes: 10_000, carry_bytes: 3000, ..FetchLimits::new(1) };
+        let limits = FetchLimits { jobs: 1, batch_bytes: 10_000, ..FetchLimits::new(1) };
         let f = ChunkFetcher::start_in_order(
             limits,
             move |cs, bg| if cs == [100] { vec![g.fetch(100)] } else { rec(cs, bg) },
@@ -1123,12 +1112,11 @@ mod tests {
         .unwrap();
         f.fetch(&[100], Priority::Demand, None);
         gates.wait_started(1);
-        // Queued in no useful order: a profile (prefetch) 12, 3, 4; then a miss of 5 with its
-        // readahead window 6, 7. Demand 5 takes the queued background chunks after it (6, 7:
-        // 8 is not queued), then before it within the 3000-byte carry (4; 3 would pass it).
+        // Queued in no useful order: a profile (prefetch) 12, 3, 4; then a read missing 4 (the
+        // profile's, promoted) and 5, with its readahead window 6, 7.
         f.fetch(&[12, 3, 4], Priority::Prefetch, None);
         let (done, rx) = done_channel();
-        f.fetch_with_ahead(&[5], Priority::Demand, Some(done), &[6, 7]);
+        f.fetch_with_ahead(&[4, 5], Priority::Demand, Some(done), &[6, 7]);
         gates.release(100);
         assert!(rx.recv_timeout(Duration::from_secs(10)).unwrap().is_ok());
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -1137,12 +1125,12 @@ mod tests {
             std::thread::sleep(Duration::from_millis(5));
         }
         let log = log.lock().unwrap().clone();
-        assert_eq!(log[0], vec![4, 5, 6, 7], "the miss carries its neighbours, in pack order: {log:?}");
-        let mut rest = log[1..].to_vec();
-        rest.sort();
-        assert_eq!(rest, vec![vec![3], vec![12]], "{log:?}");
-        assert_eq!(f.stats().demand.load(Ordering::Relaxed), 2, "5 and 100");
-        assert_eq!(f.stats().background.load(Ordering::Relaxed), 5);
+        // The read's batch is its own two chunks, in pack order; the window (readahead before
+        // prefetch) and the profile's runs follow as batches of their own (3's neighbour 4 went
+        // with the read).
+        assert_eq!(log, vec![vec![4, 5], vec![6, 7], vec![12], vec![3]], "{log:?}");
+        assert_eq!(f.stats().demand.load(Ordering::Relaxed), 3, "100, 4 and 5");
+        assert_eq!(f.stats().background.load(Ordering::Relaxed), 4);
     }
 
     #[test]

@@ -759,7 +759,7 @@ impl<S: ChunkSource> BlockDevice for MemTier<S> {
             Ok(chunks) => {
                 let ahead = self.pack_ahead(&chunks);
                 self.core.stats.readahead_chunks.fetch_add(ahead.len() as u64, Ordering::Relaxed);
-                // In one step, so the batch of a missed chunk takes its window along.
+                // In one step: the miss and its window leave together, in requests of their own.
                 self.fetcher.fetch_with_ahead(&chunks, Priority::Demand, Some(done), &ahead);
             }
             Err(e) => done(Err(Arc::new(e))),
