@@ -9,6 +9,7 @@
 #![allow(clippy::unwrap_used)]
 
 pub mod boot_trace;
+pub mod byteranges;
 pub mod cache_index;
 pub mod content_manifest;
 pub mod ext4_roundtrip;

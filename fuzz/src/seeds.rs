@@ -25,7 +25,7 @@ pub type Seeds = Vec<(String, Vec<u8>)>;
 
 /// Seeds of the named target (`vhost_request`, `image_record`, `overlay_replay`, `oci_layers`,
 /// `content_manifest`, `source_index`, `gzip_index`, `pack_index`, `cache_index`, `profile`, `boot_trace`,
-/// `request_trace`, `ext4_roundtrip`).
+/// `request_trace`, `ext4_roundtrip`, `byteranges`).
 pub fn for_target(target: &str) -> Seeds {
     match target {
         "vhost_request" => vhost_request(),
@@ -41,11 +41,12 @@ pub fn for_target(target: &str) -> Seeds {
         "boot_trace" => crate::boot_trace::seeds(),
         "request_trace" => crate::request_trace::seeds(),
         "ext4_roundtrip" => crate::ext4_roundtrip::seeds(),
+        "byteranges" => crate::byteranges::seeds(),
         other => panic!("unknown fuzz target {other}"),
     }
 }
 
-pub const TARGETS: [&str; 13] = [
+pub const TARGETS: [&str; 14] = [
     "vhost_request",
     "image_record",
     "overlay_replay",
@@ -59,6 +60,7 @@ pub const TARGETS: [&str; 13] = [
     "boot_trace",
     "request_trace",
     "ext4_roundtrip",
+    "byteranges",
 ];
 
 const CAP: u64 = 4 << 20;

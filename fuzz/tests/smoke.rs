@@ -20,6 +20,7 @@ fn run(target: &str, data: &[u8]) {
         "boot_trace" => tessera_fuzz::boot_trace::run(data),
         "request_trace" => tessera_fuzz::request_trace::run(data),
         "ext4_roundtrip" => tessera_fuzz::ext4_roundtrip::run(data),
+        "byteranges" => tessera_fuzz::byteranges::run(data),
         _ => unreachable!(),
     }
 }
@@ -139,4 +140,19 @@ fn request_trace_seeds() {
 #[test]
 fn ext4_roundtrip_seeds() {
     seeds("ext4_roundtrip");
+}
+
+#[test]
+fn byteranges_seeds() {
+    seeds("byteranges");
+}
+
+#[test]
+fn byteranges_seeds_are_what_they_say() {
+    use tessera_store::byteranges::{boundary, parse};
+    for (name, bytes) in tessera_fuzz::seeds::for_target("byteranges") {
+        let nl = bytes.iter().position(|&b| b == b'\n').unwrap();
+        let b = boundary(std::str::from_utf8(&bytes[..nl]).unwrap()).unwrap();
+        assert_eq!(parse(&bytes[nl + 1..], b).is_ok(), name != "no end", "seed {name}");
+    }
 }

@@ -172,20 +172,39 @@ pub struct LoggedRequest {
     pub status: u16,
     /// Body bytes sent (`$body_bytes_sent`).
     pub body_bytes: u64,
-    /// The `Range` header as `(first, last)` (inclusive), if one was sent.
-    pub range: Option<(u64, u64)>,
+    /// The ranges of the `Range` header as `(first, last)` (inclusive), in the order sent; empty
+    /// if none was sent (several: a multi-range GET).
+    pub ranges: Vec<(u64, u64)>,
 }
 
 impl LoggedRequest {
-    /// The byte interval `[start, end)` of the resource whose body was sent: the range for a 206,
-    /// `[0, body_bytes)` for a 200; `None` for other statuses or an empty body.
-    pub fn sent_interval(&self) -> Option<(u64, u64)> {
-        match (self.status, self.range) {
-            (206, Some((first, _))) if self.body_bytes > 0 => Some((first, first + self.body_bytes)),
-            (200, _) if self.body_bytes > 0 => Some((0, self.body_bytes)),
-            _ => None,
+    /// The byte intervals `[start, end)` of the resource whose body was sent: the range for a
+    /// 206 of one range (as long as the body), each range asked for in a multi-range 206 (its
+    /// body also holds the parts' headers), `[0, body_bytes)` for a 200; none for other statuses
+    /// or an empty body.
+    pub fn sent_intervals(&self) -> Vec<(u64, u64)> {
+        match (self.status, self.ranges.as_slice()) {
+            (_, _) if self.body_bytes == 0 => Vec::new(),
+            (206, [(first, _)]) => vec![(*first, first + self.body_bytes)],
+            (206, ranges) => ranges.iter().map(|&(a, b)| (a, b + 1)).collect(),
+            (200, _) => vec![(0, self.body_bytes)],
+            _ => Vec::new(),
         }
     }
+}
+
+/// The ranges `(first, last)` (inclusive) of a `Range` header value (`bytes=A-B[,C-D…]`), in
+/// order; `None` if it is not one.
+pub fn parse_range_header(value: &str) -> Option<Vec<(u64, u64)>> {
+    value
+        .trim()
+        .strip_prefix("bytes=")?
+        .split(',')
+        .map(|r| {
+            let (a, b) = r.trim().split_once('-')?;
+            Some((a.parse().ok()?, b.parse().ok()?))
+        })
+        .collect()
 }
 
 /// Parse the access log the helper configures (`log_format ranges`).
@@ -200,14 +219,11 @@ pub fn parse_access_log(log: &str) -> Result<Vec<LoggedRequest>> {
             let status = f.next().ok_or_else(bad)?.parse().map_err(|_| bad())?;
             let body_bytes = f.next().ok_or_else(bad)?.parse().map_err(|_| bad())?;
             let range_field = f.next().ok_or_else(bad)?.trim_matches('"');
-            let range = match range_field.strip_prefix("bytes=") {
-                None => None,
-                Some(r) => {
-                    let (a, b) = r.split_once('-').ok_or_else(bad)?;
-                    Some((a.parse().map_err(|_| bad())?, b.parse().map_err(|_| bad())?))
-                }
+            let ranges = match range_field {
+                "-" | "" => Vec::new(),
+                r => parse_range_header(r).ok_or_else(bad)?,
             };
-            Ok(LoggedRequest { method, uri, status, body_bytes, range })
+            Ok(LoggedRequest { method, uri, status, body_bytes, ranges })
         })
         .collect()
 }
@@ -217,9 +233,7 @@ pub fn parse_access_log(log: &str) -> Result<Vec<LoggedRequest>> {
 pub fn bytes_sent_twice(requests: &[LoggedRequest], prefix: &str) -> Vec<(String, u64)> {
     let mut by_uri: std::collections::BTreeMap<&str, Vec<(u64, u64)>> = Default::default();
     for r in requests.iter().filter(|r| r.uri.starts_with(prefix)) {
-        if let Some(iv) = r.sent_interval() {
-            by_uri.entry(r.uri.as_str()).or_default().push(iv);
-        }
+        by_uri.entry(r.uri.as_str()).or_default().extend(r.sent_intervals());
     }
     let mut out = Vec::new();
     for (uri, mut ivs) in by_uri {
@@ -347,11 +361,13 @@ mod tests {
                    GET /s/blobs/sha256/bb 200 30 \"-\"\n\
                    GET /s/blobs/sha256/bb 206 5 \"bytes=20-24\"\n\
                    GET /s/images/x.json 200 99 \"-\"\n\
-                   GET /s/images/x.json 200 99 \"-\"\n";
+                   GET /s/images/x.json 200 99 \"-\"\n\
+                   GET /s/blobs/sha256/cc 206 400 \"bytes=0-9,100-109\"\n";
         let reqs = parse_access_log(log).unwrap();
-        assert_eq!(reqs.len(), 6);
-        assert_eq!(reqs[0].range, Some((0, 9)));
-        assert_eq!(reqs[2].range, None);
+        assert_eq!(reqs.len(), 7);
+        assert_eq!(reqs[0].ranges, vec![(0, 9)]);
+        assert_eq!(reqs[2].ranges, vec![]);
+        assert_eq!(reqs[6].sent_intervals(), vec![(0, 10), (100, 110)], "a multi-range GET's ranges");
         assert_eq!(bytes_sent_twice(&reqs, "/s/blobs/"), vec![("/s/blobs/sha256/bb".to_owned(), 5)]);
         assert_eq!(bytes_sent_twice(&reqs, "/s/images/").len(), 1);
         assert!(parse_access_log("GET / x 1 \"-\"").is_err());

@@ -61,7 +61,7 @@ fn each_blob_byte_sent_once(origin: &Nginx, store: &Path) -> Result<()> {
     let blob_bytes: u64 = requests
         .iter()
         .filter(|r| r.uri.contains("/blobs/"))
-        .filter_map(|r| r.sent_interval())
+        .flat_map(|r| r.sent_intervals())
         .map(|(a, b)| b - a)
         .sum();
     ensure!(blob_bytes > 1_000_000, "the fleet fetched only {blob_bytes} blob bytes: was it cold?");

@@ -103,10 +103,15 @@ fn connections_are_reused_and_near_chunks_share_a_request() -> Result<()> {
         st.connections,
         st.requests
     );
-    // About one chunk per request (coalescing capped at 64 KiB), two requests in flight at most:
+    // About one chunk per request (coalescing capped at 64 KiB, one span per request), two
+    // requests in flight at most:
     // many ranged requests, over two or three reused connections.
     let before = p.stats();
-    let env = [("TESSERA_HTTP_COALESCE_MAX", "65536"), ("TESSERA_HTTP_CONCURRENCY", "2")];
+    let env = [
+        ("TESSERA_HTTP_COALESCE_MAX", "65536"),
+        ("TESSERA_HTTP_MULTI_RANGE", "1"),
+        ("TESSERA_HTTP_CONCURRENCY", "2"),
+    ];
     export_ok(&s, &p.url("store"), &env, "export, one chunk per request")?;
     let st = p.stats();
     let (requests, conns) = (st.requests - before.requests, st.connections - before.connections);

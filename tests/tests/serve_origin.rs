@@ -112,10 +112,10 @@ fn ranges_of(lines: &[&str], uri: &str) -> Vec<(u64, u64)> {
         .iter()
         .filter(|l| l.starts_with("GET ") && l.split(' ').nth(1) == Some(uri))
         .filter_map(|l| {
-            let r = l.split("\"bytes=").nth(1)?.trim_end_matches('"');
-            let (a, b) = r.split_once('-')?;
-            Some((a.parse().ok()?, b.parse().ok()?))
+            let r = l.split('"').nth(1)?;
+            tessera_e2e::nginx::parse_range_header(r)
         })
+        .flatten()
         .collect()
 }
 
@@ -380,6 +380,53 @@ fn a_prefetch_profile_is_fetched_before_the_guest_reads() -> Result<()> {
     d.stop()?;
     let after = ranged_gets(&origin, before);
     ensure!(after.is_empty(), "reads after the prefetch still fetched {after:?}");
+    Ok(())
+}
+
+#[test]
+fn a_scattered_profile_goes_out_in_multi_range_gets() -> Result<()> {
+    use tessera_image::Trace;
+    let f = fixture("serve-multirange")?;
+    let socket = f.t.path().join("vm.sock");
+    // Every other chunk of a whole-device read: no two profile chunks stored back to back.
+    let trace = f.t.path().join("boot.trace");
+    let d = Daemon::start("demo", &f.store, &socket, &["--read-only", "--record-trace", path_str(&trace)?])?;
+    device_equals_export(&d, &f, "recording a trace")?;
+    d.stop()?;
+    let full = Trace::decode(&fs::read(&trace)?)?;
+    // (A whole-device read touches the chunks in device order, which is pack order here.)
+    let half = Trace::new(full.image(), full.entries().iter().step_by(2).cloned().collect())?;
+    let chunks = attach_profile(&f.store, &f.id, half.encode().as_bytes())?;
+    ensure!(chunks > 10, "the profile has only {chunks} chunks");
+
+    let origin = Nginx::serve(&f.store, "store")?;
+    let mark = origin.requests()?.len();
+    let cache = f.t.path().join("cache");
+    let d = Daemon::start("demo", origin.url(), &socket, &["--read-only", "--cache-dir", path_str(&cache)?])?;
+    // The prefetch runs before any client connects; then every byte of the device is read.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while cached_chunks(&cache)?.len() < chunks && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    device_equals_export(&d, &f, "after a scattered prefetch")?;
+    d.stop()?;
+    let requests = origin.requests()?;
+    let gets: Vec<_> =
+        requests[mark..].iter().filter(|r| r.uri.contains("/blobs/") && r.status == 206).collect();
+    let multi = gets.iter().filter(|r| r.ranges.len() > 1).count();
+    let ranges: usize = gets.iter().map(|r| r.ranges.len()).sum();
+    ensure!(multi > 0, "no multi-range GET: {:#?}", gets);
+    ensure!(
+        gets.len() < ranges,
+        "{} ranged GETs for {ranges} ranges: multi-range GETs saved no request",
+        gets.len()
+    );
+    let twice = tessera_e2e::nginx::bytes_sent_twice(&requests[mark..], "/store/blobs/");
+    ensure!(twice.is_empty(), "blob bytes sent twice: {twice:?}");
+    eprintln!(
+        "{} ranged GETs ({multi} multi-range) for {ranges} ranges; profile of {chunks} chunks",
+        gets.len()
+    );
     Ok(())
 }
 

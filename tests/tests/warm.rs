@@ -226,14 +226,11 @@ fn data_requests(log: &str) -> Vec<&str> {
     log.lines().filter(|l| l.contains("/blobs/")).collect()
 }
 
-/// The `bytes=A-B` range in a request (log line or header), as `[A, B]`.
-fn range_of(text: &str) -> Option<Result<(u64, u64)>> {
+/// The ranges `bytes=A-B[,C-D…]` in a request (log line or header), each as `[A, B]`.
+fn range_of(text: &str) -> Option<Result<Vec<(u64, u64)>>> {
     let spec = text.split("bytes=").nth(1)?;
-    let spec: String = spec.chars().take_while(|c| c.is_ascii_digit() || *c == '-').collect();
-    Some((|| {
-        let (a, b) = spec.split_once('-').context("range without '-'")?;
-        Ok((a.parse()?, b.parse()?))
-    })())
+    let spec: String = spec.chars().take_while(|c| c.is_ascii_digit() || *c == '-' || *c == ',').collect();
+    Some(tessera_e2e::nginx::parse_range_header(&format!("bytes={spec}")).context("not a byte range"))
 }
 
 /// No byte asked for twice, and exactly `total` bytes asked for (one pack in these fixtures).
@@ -287,7 +284,7 @@ fn record_profile_warm_round_trip_then_serve_with_the_origin_stopped() -> Result
     ensure!(cached_chunks(&cache)? as u64 == profiled, "cache holds {} chunks", cached_chunks(&cache)?);
     let log = origin.access_log();
     // Each chunk's bytes asked for exactly once (adjacent chunks may share one ranged GET).
-    let ranges = data_requests(&log).iter().filter_map(|l| range_of(l)).collect::<Result<Vec<_>>>()?;
+    let ranges = data_requests(&log).iter().filter_map(|l| range_of(l)).collect::<Result<Vec<_>>>()?.concat();
     ensure!(!ranges.is_empty() && ranges.len() as u64 <= profiled, "{log}");
     ensure_disjoint_totalling(&ranges, field(&v, "fetched_bytes")?)?;
 
@@ -312,8 +309,11 @@ fn record_profile_warm_round_trip_then_serve_with_the_origin_stopped() -> Result
     ensure!(field(&v, "fetched_chunks")? == f.chunks - profiled, "{v}");
     let log = origin.access_log();
     let new: Vec<&str> = log.lines().skip(before).collect();
-    let ranges =
-        data_requests(&new.join("\n")).iter().filter_map(|l| range_of(l)).collect::<Result<Vec<_>>>()?;
+    let ranges = data_requests(&new.join("\n"))
+        .iter()
+        .filter_map(|l| range_of(l))
+        .collect::<Result<Vec<_>>>()?
+        .concat();
     ensure!(
         !ranges.is_empty() && ranges.len() as u64 <= profiled + 1,
         "{} ranged GETs for {} chunks: {new:?}",
@@ -425,7 +425,8 @@ fn warm_resumes_after_kill_9_and_fails_on_bad_chunks() -> Result<()> {
         .iter()
         .filter(|r| r.at >= resumed_at && r.path.contains("/blobs/"))
         .filter_map(|r| r.range.as_deref().and_then(range_of))
-        .collect::<Result<Vec<_>>>()?;
+        .collect::<Result<Vec<_>>>()?
+        .concat();
     ensure_disjoint_totalling(&ranges, field(&v, "fetched_bytes")?).with_context(|| {
         format!("{:#?}", proxy.log().iter().filter(|r| r.at >= resumed_at).collect::<Vec<_>>())
     })?;

@@ -47,6 +47,15 @@ pub type Job = Box<dyn FnOnce() + Send>;
 /// bring.
 pub const DEFAULT_BATCH_BYTES: u64 = 4 << 20;
 
+/// Most stored bytes of a background batch that takes runs apart in its pack (a source that
+/// fetches several ranges in one request: [`ChunkFetcher::set_ranges_per_request`]): about one
+/// round trip's worth of a 200 Mbit/s link at 20 ms, so a guest read that catches up with the
+/// batch does not wait long for the rest of it.
+pub const SPARSE_BATCH_BYTES: u64 = 512 << 10;
+
+/// Queued background chunks a background batch looks through for runs apart in its pack.
+const SPARSE_SCAN: usize = 1024;
+
 /// Failed chunks remembered at most (a storm of failures costs bounded memory).
 const MAX_REMEMBERED_FAILURES: usize = 4096;
 
@@ -187,6 +196,7 @@ impl ChunkPlace {
 /// prefetch (no guest read asked for it).
 type FetchFn = dyn Fn(&[u32], &[bool]) -> Vec<FetchResult> + Send + Sync;
 type PlaceFn = dyn Fn(u32) -> Option<ChunkPlace> + Send + Sync;
+type RangesFn = dyn Fn() -> usize + Send + Sync;
 
 /// The fetcher threads and their queues. Dropping it stops the threads once the demand queue is
 /// empty (queued background fetches are dropped); it does not join them (a thread may be the one
@@ -207,6 +217,8 @@ struct Shared {
     place: Box<PlaceFn>,
     /// Pack order: batches follow it through queued chunks.
     order: Option<Arc<PackOrder>>,
+    /// Separate ranges of one pack the source fetches in one request (unset: 1).
+    ranges: std::sync::OnceLock<Box<RangesFn>>,
     state: Mutex<State>,
     wake: Condvar,
     stats: FetcherStats,
@@ -307,6 +319,7 @@ impl ChunkFetcher {
             fetch: Box::new(fetch),
             place: Box::new(place),
             order,
+            ranges: std::sync::OnceLock::new(),
             state: Mutex::new(State {
                 queues: Default::default(),
                 jobs: VecDeque::new(),
@@ -326,6 +339,16 @@ impl ChunkFetcher {
             std::thread::Builder::new().name(format!("tessera-chunk-{i}")).spawn(move || s.run())?;
         }
         Ok(Self { shared })
+    }
+
+    /// Let background batches (given the pack order) take runs of queued chunks apart in their
+    /// pack, up to `ranges()` runs and [`SPARSE_BATCH_BYTES`]: the source fetches that many
+    /// separate ranges of a pack in one request (an HTTP origin answering multi-range GETs). A
+    /// profile's chunks of files scattered over a pack then cost a few requests, not one per
+    /// file. Asked at every batch (the source may find out it cannot). Set once; later calls are
+    /// ignored.
+    pub fn set_ranges_per_request(&self, ranges: impl Fn() -> usize + Send + Sync + 'static) {
+        let _ = self.shared.ranges.set(Box::new(ranges));
     }
 
     /// The limits.
@@ -560,35 +583,11 @@ impl Shared {
         let Some(start) = (self.place)(first) else { return batch };
         let mut bytes = u64::from(start.stored_len);
         if let Some(order) = &self.order {
-            let (mut ahead, mut before) = (Vec::new(), Vec::new());
-            for (forward, out) in [(true, &mut ahead), (false, &mut before)] {
-                let (mut at, mut at_place) = (first, start);
-                loop {
-                    let next = if forward { order.next(at) } else { order.prev(at) };
-                    let Some(n) = next else { break };
-                    let Some(e) = st.entries.get(&n).filter(|e| !e.started) else { break };
-                    // A background batch leaves demand chunks to the demand threads; a demand
-                    // batch leaves background chunks to a request of their own (the read waits
-                    // for its own bytes only).
-                    if (e.priority == Priority::Demand) != (queue == 0) {
-                        break;
-                    }
-                    let Some(place) = (self.place)(n) else { break };
-                    let adjacent =
-                        if forward { at_place.followed_by(&place) } else { place.followed_by(&at_place) };
-                    if !adjacent || bytes + u64::from(place.stored_len) > self.limits.batch_bytes {
-                        break;
-                    }
-                    claim(st, n);
-                    out.push(n);
-                    bytes += u64::from(place.stored_len);
-                    (at, at_place) = (n, place);
-                }
+            batch = self.run_around(st, order, queue, first, start, &mut bytes, self.limits.batch_bytes);
+            let ranges = self.ranges.get().map_or(1, |f| f());
+            if queue != 0 && ranges > 1 {
+                self.add_runs_apart(st, order, queue, start.pack, ranges, &mut batch, &mut bytes);
             }
-            before.reverse();
-            batch = before;
-            batch.push(first);
-            batch.extend(ahead);
         } else {
             let mut last = start;
             while let Some(&next) = st.queues[queue].front() {
@@ -617,6 +616,97 @@ impl Shared {
             self.stats.batched.fetch_add(batch.len() as u64 - 1, Ordering::Relaxed);
         }
         batch
+    }
+
+    /// The run around `first` (claimed off queue `queue`, stored at `start`): the queued chunks
+    /// of its kind (demand; or background, in either queue) not started that are stored right
+    /// before or after it, while `bytes` stays within `cap`. Claims them; returns the run, `first`
+    /// included, in pack order.
+    #[allow(clippy::too_many_arguments)]
+    fn run_around(
+        &self,
+        st: &mut State,
+        order: &PackOrder,
+        queue: usize,
+        first: u32,
+        start: ChunkPlace,
+        bytes: &mut u64,
+        cap: u64,
+    ) -> Vec<u32> {
+        let (mut ahead, mut before) = (Vec::new(), Vec::new());
+        for (forward, out) in [(true, &mut ahead), (false, &mut before)] {
+            let (mut at, mut at_place) = (first, start);
+            loop {
+                let next = if forward { order.next(at) } else { order.prev(at) };
+                let Some(n) = next else { break };
+                let Some(e) = st.entries.get(&n).filter(|e| !e.started) else { break };
+                // A background batch leaves demand chunks to the demand threads; a demand batch
+                // leaves background chunks to a request of their own (the read waits for its own
+                // bytes only).
+                if (e.priority == Priority::Demand) != (queue == 0) {
+                    break;
+                }
+                let Some(place) = (self.place)(n) else { break };
+                let adjacent =
+                    if forward { at_place.followed_by(&place) } else { place.followed_by(&at_place) };
+                if !adjacent || *bytes + u64::from(place.stored_len) > cap {
+                    break;
+                }
+                claim(st, n);
+                out.push(n);
+                *bytes += u64::from(place.stored_len);
+                (at, at_place) = (n, place);
+            }
+        }
+        before.reverse();
+        before.push(first);
+        before.extend(ahead);
+        before
+    }
+
+    /// Add to the background `batch` (of pack `pack`) runs of queued background chunks stored
+    /// apart from it in the same pack, found among the first [`SPARSE_SCAN`] of each background
+    /// queue, up to `ranges` runs in all and [`SPARSE_BATCH_BYTES`]. Claims them; the batch ends
+    /// in pack order.
+    #[allow(clippy::too_many_arguments)]
+    fn add_runs_apart(
+        &self,
+        st: &mut State,
+        order: &PackOrder,
+        queue: usize,
+        pack: u32,
+        ranges: usize,
+        batch: &mut Vec<u32>,
+        bytes: &mut u64,
+    ) {
+        let cap = self.limits.batch_bytes.min(SPARSE_BATCH_BYTES);
+        let mut runs = 1;
+        let candidates: Vec<u32> = st.queues[1]
+            .iter()
+            .take(SPARSE_SCAN)
+            .chain(st.queues[2].iter().take(SPARSE_SCAN))
+            .copied()
+            .collect();
+        for c in candidates {
+            if runs >= ranges || *bytes >= cap {
+                break;
+            }
+            let Some(e) = st.entries.get(&c) else { continue };
+            if e.started || e.priority == Priority::Demand {
+                continue;
+            }
+            let Some(place) = (self.place)(c).filter(|p| p.pack == pack) else { continue };
+            if *bytes + u64::from(place.stored_len) > cap {
+                continue;
+            }
+            claim(st, c);
+            *bytes += u64::from(place.stored_len);
+            batch.extend(self.run_around(st, order, queue, c, place, bytes, cap));
+            runs += 1;
+        }
+        if runs > 1 {
+            batch.sort_by_key(|&c| (self.place)(c).map_or(0, |p| p.offset));
+        }
     }
 
     /// Fetch the claimed chunks `batch` without the lock, then tell their waiters.
@@ -1131,6 +1221,36 @@ mod tests {
         assert_eq!(log, vec![vec![4, 5], vec![6, 7], vec![12], vec![3]], "{log:?}");
         assert_eq!(f.stats().demand.load(Ordering::Relaxed), 3, "100, 4 and 5");
         assert_eq!(f.stats().background.load(Ordering::Relaxed), 4);
+    }
+
+    #[test]
+    fn a_background_batch_takes_runs_apart_in_its_pack_when_the_source_fetches_them_at_once() {
+        for ranges in [1, 3] {
+            let log = Arc::new(Mutex::new(Vec::new()));
+            // Chunks 0..=40 back to back in pack 0, 1000 bytes each; 50 in pack 1.
+            let place = |c: u32| {
+                Some(ChunkPlace { pack: u32::from(c == 50), offset: u64::from(c) * 1000, stored_len: 1000 })
+            };
+            let order = Arc::new(PackOrder::new(51, place));
+            let limits = FetchLimits { jobs: 1, batch_bytes: 10_000, ..FetchLimits::new(1) };
+            let f = ChunkFetcher::start_in_order(limits, recording(&log), place, Some(order)).unwrap();
+            f.set_ranges_per_request(move || ranges);
+            // A profile: files apart in pack 0 (20 and 21 one file), one in pack 1.
+            f.fetch(&[10, 50, 20, 21, 30, 40], Priority::Prefetch, None);
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while f.pending() > 0 {
+                assert!(Instant::now() < deadline);
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let log = log.lock().unwrap().clone();
+            let expected: Vec<Vec<u32>> = if ranges == 1 {
+                vec![vec![10], vec![50], vec![20, 21], vec![30], vec![40]]
+            } else {
+                // Three runs of pack 0 in the first request, in pack order; the rest after.
+                vec![vec![10, 20, 21, 30], vec![50], vec![40]]
+            };
+            assert_eq!(log, expected, "{ranges} ranges per request");
+        }
     }
 
     #[test]

@@ -514,6 +514,10 @@ impl<S: ChunkSource> MemTier<S> {
             order.clone(),
         )
         .map_err(StartError)?;
+        if batched {
+            let source_core = Arc::clone(&core);
+            fetcher.set_ranges_per_request(move || source_core.reader.source().ranges_per_request());
+        }
         Ok(Self {
             core,
             fetcher,

@@ -62,6 +62,9 @@ pub use gc::{collect_garbage, GcBackend, GcOptions, ImagePin, LocalGc, StoreGcRe
 pub use local::{BlobWriter, KnownChunks, LayerRecord, LocalStore, SourceRecord};
 pub use location::{OpenedStore, OriginOptions, StoreLocation};
 pub use metered::Metered;
+/// Several ranges of a blob in one GET: the `Range` header and the `multipart/byteranges`
+/// answer, pure. Public for the `byteranges` fuzz target (`docs/fuzzing.md`).
+pub use origin::byteranges;
 pub use origin::http::{
     coalesce, CoalescedSpan, HttpConfig, HttpError, HttpStore, RetryPolicy, S3Refusal, HTTP_ENV,
     MAX_HTTP_BLOB,

@@ -68,6 +68,10 @@ impl<S: ChunkSource> ChunkSource for Metered<S> {
         }
         result
     }
+
+    fn ranges_per_request(&self) -> usize {
+        self.inner.ranges_per_request()
+    }
 }
 
 #[cfg(test)]

@@ -34,6 +34,13 @@ pub trait ChunkSource: Send + Sync {
     fn read_verified(&self, _chunk: &ChunkRef, _pack: &Sha256Digest, _loc: &PackLocation) -> Option<Vec<u8>> {
         None
     }
+
+    /// How many separate ranges of one pack [`Self::read_stored_many`] fetches in one request
+    /// (an HTTP origin answering multi-range GETs); 1 (the default): ranges apart cost a request
+    /// each, so callers should group only ranges stored back to back.
+    fn ranges_per_request(&self) -> usize {
+        1
+    }
 }
 
 /// A reference or smart pointer to a source is that source.
@@ -54,6 +61,10 @@ macro_rules! forward_chunk_source {
 
             fn read_verified(&self, chunk: &ChunkRef, pack: &Sha256Digest, loc: &PackLocation) -> Option<Vec<u8>> {
                 (**self).read_verified(chunk, pack, loc)
+            }
+
+            fn ranges_per_request(&self) -> usize {
+                (**self).ranges_per_request()
             }
         }
     )*};

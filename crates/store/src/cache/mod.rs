@@ -1055,6 +1055,11 @@ impl<S: ChunkSource> ChunkSource for CachedSource<S> {
         self.cache.get_chunk_decoded(chunk, pack, loc)
     }
 
+    /// The origin's: the ranges the cache lacks go to it in one call.
+    fn ranges_per_request(&self) -> usize {
+        self.origin.ranges_per_request()
+    }
+
     /// The ranges of chunks the cache holds from it; the others from the origin in one call
     /// ([`ChunkSource::read_stored_many`]: near ranges in one request), each cached as it is
     /// checked, with the host-wide single flight of [`DiskCache::fetch_chunks`].

@@ -29,6 +29,7 @@ use tessera_transport::{
 };
 use tracing::{debug, trace, warn};
 
+use super::byteranges;
 use super::s3::S3Auth;
 use super::sigv4::EMPTY_SHA256;
 use crate::cache::{BlobFileError, DiskCache};
@@ -135,6 +136,21 @@ const RANGE_UNKNOWN: u8 = 0;
 const RANGE_HONORED: u8 = 1;
 const RANGE_IGNORED: u8 = 2;
 
+/// Whether the origin answers a GET of several ranges with them ([`Inner::multi_range`]): not
+/// tried yet, yes (`multipart/byteranges`, or one part holding them all), or no (anything else:
+/// separate requests from then on).
+const MULTI_UNKNOWN: u8 = 0;
+const MULTI_HONORED: u8 = 1;
+const MULTI_REFUSED: u8 = 2;
+
+/// Most ranges one multi-range GET asks for (its `Range` header stays within ~2 KB, below every
+/// server's header limit).
+pub const MAX_RANGES_PER_REQUEST: usize = 64;
+
+/// Bytes a `multipart/byteranges` answer may add to the ranges' own: its delimiters and part
+/// headers, per part.
+const MULTIPART_OVERHEAD_PER_PART: u64 = 512;
+
 /// Client settings of an [`HttpStore`]. Every field documents its default; [`Self::from_vars`]
 /// reads overrides from `TESSERA_HTTP_*` variables (`docs/store.md`; the binary passes its
 /// environment).
@@ -166,6 +182,9 @@ pub struct HttpConfig {
     pub coalesce_gap: u64,
     /// Largest span one coalesced request covers (default 16 MiB).
     pub coalesce_max: u64,
+    /// Most separate spans of one blob asked for in one multi-range GET (default
+    /// [`MAX_RANGES_PER_REQUEST`]; 1: never several, one request per span).
+    pub multi_range_max: usize,
     /// How long a single chunk read waits for concurrent reads of the same pack to join it in
     /// one request, when requests to the origin are already in flight (default 2 ms; zero
     /// turns joining off). A read with nothing else in flight goes at once.
@@ -194,6 +213,7 @@ impl Default for HttpConfig {
             max_concurrency: 32,
             coalesce_gap: 0,
             coalesce_max: 16 << 20,
+            multi_range_max: MAX_RANGES_PER_REQUEST,
             coalesce_wait: Duration::from_millis(2),
             preconnect: 0,
             http: HttpVersion::Http1,
@@ -202,7 +222,7 @@ impl Default for HttpConfig {
 }
 
 /// The environment variables [`HttpConfig::from_env`] reads, with the field each sets.
-pub const HTTP_ENV: [&str; 10] = [
+pub const HTTP_ENV: [&str; 11] = [
     "TESSERA_HTTP_CONNECT_TIMEOUT",
     "TESSERA_HTTP_FIRST_BYTE_TIMEOUT",
     "TESSERA_HTTP_STALL_TIMEOUT",
@@ -213,13 +233,15 @@ pub const HTTP_ENV: [&str; 10] = [
     "TESSERA_HTTP_COALESCE_MAX",
     "TESSERA_HTTP_COALESCE_WAIT",
     "TESSERA_HTTP_RESEND_LATE",
+    "TESSERA_HTTP_MULTI_RANGE",
 ];
 
 impl HttpConfig {
     /// The defaults, overridden by the `TESSERA_HTTP_*` variables ([`HTTP_ENV`]) that `get`
     /// finds: timeouts as `250ms` or `5s`; `TESSERA_HTTP_RETRIES` the attempts in all (≥ 1);
     /// `TESSERA_HTTP_CONCURRENCY` ≥ 1; the coalescing sizes in bytes; `TESSERA_HTTP_RESEND_LATE`
-    /// the floor of [`RetryPolicy::resend_late`] or `off`. A malformed value is an
+    /// the floor of [`RetryPolicy::resend_late`] or `off`; `TESSERA_HTTP_MULTI_RANGE` the most
+    /// spans per multi-range GET (1: none, ≤ [`MAX_RANGES_PER_REQUEST`]). A malformed value is an
     /// error naming the variable. Pure: the binary passes its environment.
     pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Self, StoreError> {
         let mut c = Self::default();
@@ -262,6 +284,9 @@ impl HttpConfig {
             c.coalesce_max = n;
         }
         duration(HTTP_ENV[8], &mut c.coalesce_wait)?;
+        if let Some(n) = number(HTTP_ENV[10])? {
+            c.multi_range_max = usize::try_from(n).unwrap_or(usize::MAX).min(MAX_RANGES_PER_REQUEST);
+        }
         if let Some(v) = get(HTTP_ENV[9]) {
             c.retry.resend_late = match v.trim() {
                 "off" => None,
@@ -392,29 +417,11 @@ pub fn check_range_answer(
         200 => Ok(RangeAnswer::Whole),
         206 => {
             let cr = content_range.ok_or(HttpError::BadRange("206 without Content-Range"))?;
-            let spec = cr
-                .trim()
-                .strip_prefix("bytes ")
-                .ok_or(HttpError::BadRange("Content-Range is not in bytes"))?;
-            let (range, total) =
-                spec.split_once('/').ok_or(HttpError::BadRange("Content-Range lacks a total"))?;
-            let (first, last) =
-                range.split_once('-').ok_or(HttpError::BadRange("Content-Range lacks a range"))?;
-            let first: u64 =
-                first.parse().map_err(|_| HttpError::BadRange("Content-Range start is not a number"))?;
-            let last: u64 =
-                last.parse().map_err(|_| HttpError::BadRange("Content-Range end is not a number"))?;
+            let (first, last) = byteranges::content_range(cr.trim())?;
             let want_last =
                 offset.checked_add(len.saturating_sub(1)).ok_or(HttpError::BadRange("range overflows"))?;
             if first != offset || last != want_last {
                 return Err(HttpError::BadRange("Content-Range is not the range asked for"));
-            }
-            if total != "*" {
-                let total: u64 =
-                    total.parse().map_err(|_| HttpError::BadRange("Content-Range total is not a number"))?;
-                if total <= last {
-                    return Err(HttpError::BadRange("Content-Range ends past the total"));
-                }
             }
             Ok(RangeAnswer::Partial)
         }
@@ -447,6 +454,8 @@ struct Inner {
     /// Held by ranged reads while the support is unknown: the first answer decides, before a
     /// burst of concurrent reads could each pull a whole pack from a server that ignores Range.
     range_probe: Mutex<()>,
+    /// [`MULTI_UNKNOWN`], [`MULTI_HONORED`] or [`MULTI_REFUSED`].
+    multi_range: AtomicU8,
     /// Where whole packs go when the server ignores Range (`--cache-dir`).
     whole_blobs: Option<DiskCache>,
     /// Signs every request and explains refusals (an `s3://` store).
@@ -493,6 +502,7 @@ impl HttpStore {
                 entries: Mutex::new(Default::default()),
                 range_support: AtomicU8::new(RANGE_UNKNOWN),
                 range_probe: Mutex::new(()),
+                multi_range: AtomicU8::new(MULTI_UNKNOWN),
                 whole_blobs: cache,
                 auth,
                 preconnect: std::sync::atomic::AtomicUsize::new(config.preconnect),
@@ -855,8 +865,10 @@ impl HttpStore {
     }
 
     /// Several ranges (`(offset, len)`) of blob `digest`, returned in the order asked. Ranges
-    /// closer than [`HttpConfig::coalesce_gap`] share one Range GET (see [`coalesce`]); the
-    /// requests of separate spans run in parallel (within the concurrency limit).
+    /// closer than [`HttpConfig::coalesce_gap`] share a span (see [`coalesce`]); separate spans
+    /// go in one multi-range GET each [`MAX_RANGES_PER_REQUEST`] (an origin that answers it
+    /// with anything but the ranges is asked span by span from then on, in parallel within the
+    /// concurrency limit).
     pub fn read_blob_ranges(
         &self,
         digest: &Sha256Digest,
@@ -864,20 +876,48 @@ impl HttpStore {
     ) -> Result<Vec<Vec<u8>>, StoreError> {
         let cfg = &self.inner.config;
         let spans = coalesce(ranges, cfg.coalesce_gap, cfg.coalesce_max.max(1));
-        let fetched: Vec<Result<Vec<u8>, StoreError>> = if spans.len() <= 1 {
-            spans.iter().map(|s| self.read_blob_range(digest, s.offset, s.len)).collect()
+        let mut fetched: Vec<Option<Result<Vec<u8>, StoreError>>> = spans.iter().map(|_| None).collect();
+        let mut requests = 0;
+        let per_request = cfg.multi_range_max.clamp(1, MAX_RANGES_PER_REQUEST);
+        if spans.len() > 1 && per_request > 1 {
+            for (group, out) in spans.chunks(per_request).zip(fetched.chunks_mut(per_request)) {
+                if group.len() < 2 {
+                    continue;
+                }
+                let wanted: Vec<(u64, u64)> = group.iter().map(|s| (s.offset, s.len)).collect();
+                match self.read_blob_multi(digest, &wanted) {
+                    Ok(Some(parts)) => {
+                        requests += 1;
+                        for (slot, bytes) in out.iter_mut().zip(parts) {
+                            *slot = Some(Ok(bytes));
+                        }
+                    }
+                    Ok(None) => break,
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        let rest: Vec<usize> = (0..spans.len()).filter(|&i| fetched[i].is_none()).collect();
+        requests += rest.len();
+        if rest.len() <= 1 {
+            for &i in &rest {
+                fetched[i] = Some(self.read_blob_range(digest, spans[i].offset, spans[i].len));
+            }
         } else {
             std::thread::scope(|scope| {
-                let handles: Vec<_> = spans
+                let handles: Vec<_> = rest
                     .iter()
-                    .map(|s| scope.spawn(move || self.read_blob_range(digest, s.offset, s.len)))
+                    .map(|&i| {
+                        let s = &spans[i];
+                        scope.spawn(move || self.read_blob_range(digest, s.offset, s.len))
+                    })
                     .collect();
-                handles
-                    .into_iter()
-                    .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-                    .collect()
-            })
-        };
+                for (&i, h) in rest.iter().zip(handles) {
+                    fetched[i] = Some(h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)));
+                }
+            });
+        }
+        let fetched = fetched.into_iter().map(|f| f.unwrap_or_else(|| Ok(Vec::new())));
         let mut out: Vec<Vec<u8>> = vec![Vec::new(); ranges.len()];
         for (span, bytes) in spans.iter().zip(fetched) {
             let bytes = bytes?;
@@ -897,13 +937,105 @@ impl HttpStore {
             }
         }
         if spans.len() > 1 || ranges.len() > 1 {
-            debug!(%digest, ranges = ranges.len(), requests = spans.len(), "coalesced ranged reads");
+            debug!(%digest, ranges = ranges.len(), spans = spans.len(), requests, "coalesced ranged reads");
         }
         Ok(out)
     }
 }
 
 impl HttpStore {
+    /// The spans `(offset, len)` of blob `digest` (at least two, sorted, apart) in one GET: the
+    /// bytes of each, in order; `None` when this origin is not asked for several ranges at once
+    /// (it answered an earlier one with anything else, it signs requests as S3 does, which
+    /// serves one range per GET, or it ignores Range), or when it answers this one with the whole blob or a part that lacks some span:
+    /// the caller then asks span by span.
+    fn read_blob_multi(
+        &self,
+        digest: &Sha256Digest,
+        spans: &[(u64, u64)],
+    ) -> Result<Option<Vec<Vec<u8>>>, StoreError> {
+        let inner = &self.inner;
+        if inner.multi_range.load(Ordering::Acquire) == MULTI_REFUSED
+            || inner.auth.is_some()
+            || inner.range_support.load(Ordering::Acquire) == RANGE_IGNORED
+        {
+            return Ok(None);
+        }
+        let url = self.blob_url(digest);
+        let Some(range) = byteranges::multi_range_header(spans) else { return Ok(None) };
+        let total: u64 = spans.iter().map(|s| s.1).sum();
+        let limit = total.saturating_add(MULTIPART_OVERHEAD_PER_PART * spans.len() as u64);
+        let refuse = || {
+            if inner.multi_range.swap(MULTI_REFUSED, Ordering::AcqRel) != MULTI_REFUSED {
+                debug!(url, "the origin does not answer several ranges in one GET: one request per span");
+            }
+            Ok(None)
+        };
+        let answer = self.fetch(&url, Some(&range), |mut resp| {
+            let status = resp.status();
+            if status == 200 && resp.header("content-range").is_none() {
+                // The whole blob: not read (the connection is dropped), asked span by span.
+                return refuse();
+            }
+            if !matches!(status, 200 | 206) {
+                let e = check_range_answer(status, None, 0, 1).err().unwrap_or(HttpError::Status(status));
+                let kind =
+                    if matches!(e, HttpError::Status(_)) { ErrorKind::Status } else { ErrorKind::Body };
+                return Err(Failure::fatal(kind, http_err(&url, e)));
+            }
+            let body_err = |e| Failure::fatal(ErrorKind::Body, http_err(&url, e));
+            let boundary = resp.header("content-type").and_then(byteranges::boundary).map(str::to_owned);
+            let single = match &boundary {
+                Some(_) => None,
+                None => {
+                    let cr = resp
+                        .header("content-range")
+                        .ok_or_else(|| body_err(HttpError::BadRange("206 without Content-Range")))?;
+                    Some(byteranges::content_range(cr.trim()).map_err(body_err)?)
+                }
+            };
+            if let Some((first, last)) = single {
+                // One part: the server joined the spans, or answered the first one only.
+                if spans.iter().any(|&(o, l)| o < first || o + l > last + 1) {
+                    return refuse();
+                }
+            }
+            let body = read_body(&url, &mut resp, limit)?;
+            // An answer that does not parse or lacks a span is not retried: the spans are asked
+            // for one by one, which loses nothing.
+            let parts = match (&boundary, single) {
+                (Some(b), _) => match byteranges::parse(&body, b) {
+                    Ok(parts) => parts,
+                    Err(e) => {
+                        warn!(url, error = %e, "a multi-range answer did not parse");
+                        return refuse();
+                    }
+                },
+                (None, Some((first, last))) if body.len() as u64 == last - first + 1 => {
+                    vec![byteranges::Part { offset: first, body: &body }]
+                }
+                (None, _) => {
+                    let e = http_err(&url, HttpError::BadLength("the body is not its Content-Range"));
+                    return Err(Failure::retry(ErrorKind::Body, e));
+                }
+            };
+            match byteranges::place(spans, &parts) {
+                Ok(bytes) => Ok(Some(bytes)),
+                Err(_) => refuse(),
+            }
+        })?;
+        if answer.is_some() {
+            let _ = inner.multi_range.compare_exchange(
+                MULTI_UNKNOWN,
+                MULTI_HONORED,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            );
+            trace!(%digest, spans = spans.len(), "fetched several ranges in one request");
+        }
+        Ok(answer)
+    }
+
     /// One chunk range of pack `pack`, joined with the concurrent reads of the same pack: when
     /// requests to the origin are in flight, the first read of a pack waits
     /// [`HttpConfig::coalesce_wait`] for others to join, then fetches them all with
@@ -981,6 +1113,19 @@ impl ChunkSource for HttpStore {
         ranges: &[(u64, u32)],
     ) -> Result<Vec<Vec<u8>>, StoreError> {
         self.read_blob_ranges(pack, ranges)
+    }
+
+    /// [`HttpConfig::multi_range_max`] until the origin is found not to answer multi-range GETs.
+    fn ranges_per_request(&self) -> usize {
+        let inner = &self.inner;
+        if inner.auth.is_some()
+            || inner.multi_range.load(Ordering::Relaxed) == MULTI_REFUSED
+            || inner.range_support.load(Ordering::Relaxed) == RANGE_IGNORED
+        {
+            1
+        } else {
+            inner.config.multi_range_max.clamp(1, MAX_RANGES_PER_REQUEST)
+        }
     }
 }
 
@@ -1206,9 +1351,11 @@ mod tests {
             ("TESSERA_HTTP_COALESCE_MAX", "1048576"),
             ("TESSERA_HTTP_COALESCE_WAIT", "0ms"),
             ("TESSERA_HTTP_RESEND_LATE", "off"),
+            ("TESSERA_HTTP_MULTI_RANGE", "1"),
         ]))
         .unwrap();
         assert_eq!(c.retry.resend_late, None);
+        assert_eq!(c.multi_range_max, 1);
         let late = HttpConfig::from_vars(vars(&[("TESSERA_HTTP_RESEND_LATE", "20ms")])).unwrap();
         assert_eq!(late.retry.resend_late, Some(Duration::from_millis(20)));
         assert_eq!(c.connect_timeout, Duration::from_secs(2));
@@ -1380,5 +1527,104 @@ mod range_ignoring_server {
         assert_eq!(again.read_blob_range(&d, 299_000, 1000).unwrap(), blobs[1][299_000..]);
         assert_eq!(gets[1].load(Ordering::Relaxed), 1);
         assert!(again.read_blob_range(&d, 299_500, 1000).is_err(), "past the end");
+    }
+}
+
+/// Against servers that honour one range per GET but not several (the answers real servers give
+/// that nginx, the e2e origin, never does: the whole blob, or the first range alone).
+#[cfg(test)]
+mod multi_range_refusing_server {
+    #![allow(clippy::unwrap_used)]
+    use std::io::{BufRead, BufReader, Write};
+    use std::net::TcpListener;
+
+    use super::*;
+
+    /// How the server answers a `Range` listing several ranges.
+    #[derive(Clone, Copy)]
+    enum Answer {
+        WholeBlob,
+        FirstRangeOnly,
+    }
+
+    /// Serves `blob` at `/blobs/sha256/<hex>`; logs each GET's `Range` header.
+    fn serve(blob: Vec<u8>, answer: Answer) -> (String, Arc<Mutex<Vec<String>>>) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let seen = Arc::clone(&log);
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(mut conn) = conn else { continue };
+                let (blob, log) = (blob.clone(), Arc::clone(&log));
+                std::thread::spawn(move || {
+                    let mut reader = BufReader::new(conn.try_clone().unwrap());
+                    loop {
+                        let mut range = String::new();
+                        let mut line = String::new();
+                        if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                            return;
+                        }
+                        loop {
+                            let mut h = String::new();
+                            if reader.read_line(&mut h).unwrap_or(0) == 0 || h == "\r\n" {
+                                break;
+                            }
+                            if let Some(v) = h.strip_prefix("Range: ").or_else(|| h.strip_prefix("range: ")) {
+                                range = v.trim().to_owned();
+                            }
+                        }
+                        log.lock().unwrap().push(range.clone());
+                        let ranges: Vec<(usize, usize)> = range
+                            .trim_start_matches("bytes=")
+                            .split(',')
+                            .map(|r| {
+                                let (a, b) = r.split_once('-').unwrap();
+                                (a.parse().unwrap(), b.parse().unwrap())
+                            })
+                            .collect();
+                        if ranges.len() > 1 && matches!(answer, Answer::WholeBlob) {
+                            let head = format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n", blob.len());
+                            let _ = conn.write_all(head.as_bytes());
+                            let _ = conn.write_all(&blob);
+                            return; // the client drops the connection unread
+                        }
+                        let (a, b) = ranges[0];
+                        let head = format!(
+                            "HTTP/1.1 206 Partial Content\r\nContent-Range: bytes {a}-{b}/{}\r\nContent-Length: {}\r\n\r\n",
+                            blob.len(),
+                            b + 1 - a
+                        );
+                        let _ = conn.write_all(head.as_bytes());
+                        let _ = conn.write_all(&blob[a..=b]);
+                    }
+                });
+            }
+        });
+        (base, seen)
+    }
+
+    #[test]
+    fn several_ranges_are_asked_one_by_one_once_the_origin_answers_otherwise() {
+        let blob: Vec<u8> = (0..200_000u32).map(|i| (i as u8).wrapping_mul(13)).collect();
+        let d = Sha256Digest::of(&blob);
+        let ranges = [(1000u64, 100u32), (50_000, 2000), (150_000, 10)];
+        for answer in [Answer::WholeBlob, Answer::FirstRangeOnly] {
+            let (base, log) = serve(blob.clone(), answer);
+            let store = HttpStore::new(&base, HttpConfig::default());
+            assert_eq!(store.ranges_per_request(), MAX_RANGES_PER_REQUEST, "tried until refused");
+            for round in 0..2 {
+                let got = store.read_blob_ranges(&d, &ranges).unwrap();
+                for (bytes, &(o, l)) in got.iter().zip(&ranges) {
+                    assert_eq!(bytes[..], blob[o as usize..(o + u64::from(l)) as usize], "round {round}");
+                }
+            }
+            let log = log.lock().unwrap().clone();
+            // One multi-range GET, refused; then each range alone, in both rounds.
+            assert_eq!(log.len(), 1 + 2 * ranges.len(), "{log:?}");
+            assert_eq!(log[0], "bytes=1000-1099,50000-51999,150000-150009");
+            assert!(log[1..].iter().all(|r| !r.contains(',')), "{log:?}");
+            assert_eq!(store.ranges_per_request(), 1, "the fetcher is told to group adjacent chunks only");
+        }
     }
 }

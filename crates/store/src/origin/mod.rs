@@ -2,6 +2,7 @@
 //! (`tessera_transport`): a static HTTP(S) server holding the store layout ([`http`]), an
 //! OCI registry ([`registry`]) and an S3 bucket ([`s3`], signed by [`sigv4`]).
 
+pub mod byteranges;
 pub(crate) mod http;
 pub(crate) mod registry;
 pub(crate) mod s3;
