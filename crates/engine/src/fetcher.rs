@@ -111,6 +111,11 @@ pub struct FetchLimits {
     /// failing state makes those single attempts, and a read right after the origin is back
     /// must succeed.
     pub failure_memory: Duration,
+    /// Whether demand batches, too, take runs apart in their pack (given a source that fetches
+    /// them in one request: [`ChunkFetcher::set_ranges_per_request`]). Off for a daemon, whose
+    /// guest reads each wait for their whole batch; on for `tessera warm`, where every chunk is
+    /// queued as demand and nobody waits for one in particular.
+    pub sparse_demand: bool,
 }
 
 impl FetchLimits {
@@ -124,6 +129,7 @@ impl FetchLimits {
             background_bytes_per_sec: None,
             batch_bytes: 0,
             failure_memory: DEFAULT_FAILURE_MEMORY,
+            sparse_demand: false,
         }
     }
 
@@ -585,7 +591,7 @@ impl Shared {
         if let Some(order) = &self.order {
             batch = self.run_around(st, order, queue, first, start, &mut bytes, self.limits.batch_bytes);
             let ranges = self.ranges.get().map_or(1, |f| f());
-            if queue != 0 && ranges > 1 {
+            if ranges > 1 && (queue != 0 || self.limits.sparse_demand) {
                 self.add_runs_apart(st, order, queue, start.pack, ranges, &mut batch, &mut bytes);
             }
         } else {
@@ -664,10 +670,10 @@ impl Shared {
         before
     }
 
-    /// Add to the background `batch` (of pack `pack`) runs of queued background chunks stored
-    /// apart from it in the same pack, found among the first [`SPARSE_SCAN`] of each background
-    /// queue, up to `ranges` runs in all and [`SPARSE_BATCH_BYTES`]. Claims them; the batch ends
-    /// in pack order.
+    /// Add to `batch` (of pack `pack`, taken off queue `queue`) runs of queued chunks of its kind
+    /// (demand, or background) stored apart from it in the same pack, found among the first
+    /// [`SPARSE_SCAN`] of each queue of that kind, up to `ranges` runs in all and
+    /// [`SPARSE_BATCH_BYTES`]. Claims them; the batch ends in pack order.
     #[allow(clippy::too_many_arguments)]
     fn add_runs_apart(
         &self,
@@ -681,18 +687,15 @@ impl Shared {
     ) {
         let cap = self.limits.batch_bytes.min(SPARSE_BATCH_BYTES);
         let mut runs = 1;
-        let candidates: Vec<u32> = st.queues[1]
-            .iter()
-            .take(SPARSE_SCAN)
-            .chain(st.queues[2].iter().take(SPARSE_SCAN))
-            .copied()
-            .collect();
+        let kinds: &[usize] = if queue == 0 { &[0] } else { &[1, 2] };
+        let candidates: Vec<u32> =
+            kinds.iter().flat_map(|&q| st.queues[q].iter().take(SPARSE_SCAN)).copied().collect();
         for c in candidates {
             if runs >= ranges || *bytes >= cap {
                 break;
             }
             let Some(e) = st.entries.get(&c) else { continue };
-            if e.started || e.priority == Priority::Demand {
+            if e.started || (e.priority == Priority::Demand) != (queue == 0) {
                 continue;
             }
             let Some(place) = (self.place)(c).filter(|p| p.pack == pack) else { continue };
@@ -1250,6 +1253,25 @@ mod tests {
                 vec![vec![10, 20, 21, 30], vec![50], vec![40]]
             };
             assert_eq!(log, expected, "{ranges} ranges per request");
+        }
+    }
+
+    #[test]
+    fn demand_batches_take_runs_apart_only_when_told() {
+        for sparse_demand in [false, true] {
+            let log = Arc::new(Mutex::new(Vec::new()));
+            let place = |c: u32| Some(ChunkPlace { pack: 0, offset: u64::from(c) * 1000, stored_len: 1000 });
+            let order = Arc::new(PackOrder::new(41, place));
+            let limits = FetchLimits { jobs: 1, batch_bytes: 10_000, sparse_demand, ..FetchLimits::new(1) };
+            let f = ChunkFetcher::start_in_order(limits, recording(&log), place, Some(order)).unwrap();
+            f.set_ranges_per_request(|| 64);
+            let (done, rx) = done_channel();
+            f.fetch(&[10, 20, 30], Priority::Demand, Some(done));
+            assert!(rx.recv_timeout(Duration::from_secs(10)).unwrap().is_ok());
+            let log = log.lock().unwrap().clone();
+            let expected: Vec<Vec<u32>> =
+                if sparse_demand { vec![vec![10, 20, 30]] } else { vec![vec![10], vec![20], vec![30]] };
+            assert_eq!(log, expected, "sparse demand: {sparse_demand}");
         }
     }
 

@@ -168,6 +168,7 @@ pub fn warm<O: Origin + 'static>(
         let (store, targets, results) = (Arc::clone(store), Arc::clone(&targets), Arc::clone(&results));
         let limits = FetchLimits {
             batch_bytes: WARM_RUN_BYTES,
+            sparse_demand: true,
             ..FetchLimits::new(options.jobs.clamp(1, targets.len().max(1)))
         };
         let place = {
@@ -196,6 +197,9 @@ pub fn warm<O: Origin + 'static>(
             source,
         })?
     };
+    // Targets apart in a pack go out together when the origin answers multi-range GETs.
+    let origin_store = Arc::clone(store);
+    fetcher.set_ranges_per_request(move || origin_store.origin().ranges_per_request());
     let all: Vec<u32> = (0..u32::try_from(targets.len()).unwrap_or(u32::MAX)).collect();
     fetcher.fetch(&all, Priority::Demand, None);
     // Every target reports once (single flight); progress is reported on this thread.
