@@ -499,7 +499,37 @@ fn sequential_reads_fetch_the_next_chunks_ahead() -> Result<()> {
             ranged_gets(&origin, before).into_iter().filter(|g| g.1 <= hi && g.2 >= lo).collect();
         ensure!(demand.is_empty(), "readahead {window}: chunks read ahead were fetched again: {demand:?}");
     }
+    // On a warm disk cache (the 256K daemon's) the file's next chunks are a local read away:
+    // the same sequential reads queue none of them for readahead, and are served right.
+    let _ = fs::remove_file(&socket);
+    let cache = f.t.path().join("cache-256K");
+    let mut cmd = tessera::command(["serve", "demo", "--read-only", "--store", url.as_str()]);
+    cmd.args(["--readahead", "256K", "--pack-readahead=0", "--cache-dir", path_str(&cache)?]);
+    let (child, addr) = tessera_e2e::metrics::spawn_with_metrics(cmd.arg("--socket").arg(&socket))?;
+    let child = Killed(child);
+    let mut c = BlkClient::connect(&socket, 1, true)?;
+    for k in 0..2u64 {
+        let at = start + k * (64 << 10);
+        let bytes = c.read(at, 64 << 10)?.map_err(|e| anyhow::anyhow!("read at {at}: errno {e}"))?;
+        let a = at as usize;
+        ensure!(bytes == f.raw[a..a + (64 << 10)], "warm cache, read at {at}: wrong bytes");
+    }
+    drop(c);
+    let queued = tessera_e2e::metrics::scrape(&addr)?
+        .value("tessera_prefetch_queued_chunks_total", &[("reason", "readahead")])?;
+    ensure!(queued == 0.0, "{queued} cached chunks queued for readahead");
+    drop(child);
     Ok(())
+}
+
+/// A child process killed (and reaped) when dropped.
+struct Killed(std::process::Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 /// A measurement, not a gate (the HTTP client's tests own the ≤ 3 RTT assertion): 32 cold

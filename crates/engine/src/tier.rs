@@ -380,6 +380,15 @@ impl<S: ChunkSource> Core<S> {
         })
     }
 
+    /// Whether chunk `index` is on this host below memory (the host disk cache): reading it costs
+    /// a local read, so there is nothing to fetch ahead of the guest ([`ChunkSource::holds`]).
+    fn held_below(&self, index: u32) -> bool {
+        self.reader
+            .image()
+            .chunk_location(index)
+            .is_some_and(|(chunk, pack, loc)| self.reader.source().holds(&chunk, &pack, &loc))
+    }
+
     /// Where chunk `index` is stored (what batching and the background bandwidth look at).
     fn place(&self, index: u32) -> Option<ChunkPlace> {
         self.reader.image().chunk_location(index).map(|(_, _, loc)| ChunkPlace {
@@ -569,12 +578,16 @@ impl<S: ChunkSource> MemTier<S> {
         let Some((order, window)) = &self.pack_ahead else { return Vec::new() };
         let mut out: Vec<u32> = Vec::new();
         for &c in missed {
-            if self.fetcher.is_pending(c) {
+            if self.fetcher.is_pending(c) || self.core.held_below(c) {
                 continue;
             }
             let stored = |n: u32| self.core.place(n).map_or(0, |p| u64::from(p.stored_len));
             let skip = |n: u32| {
-                missed.contains(&n) || out.contains(&n) || self.contains(n) || self.fetcher.is_pending(n)
+                missed.contains(&n)
+                    || out.contains(&n)
+                    || self.contains(n)
+                    || self.fetcher.is_pending(n)
+                    || self.core.held_below(n)
             };
             let more = order.after(c, *window, stored, skip);
             out.extend(more);
@@ -699,8 +712,14 @@ impl<S: ChunkSource> MemTier<S> {
         if !sequential {
             return;
         }
-        let ahead: Vec<u32> =
-            self.core.chunks_after(end, self.readahead).into_iter().filter(|&c| !self.contains(c)).collect();
+        // Ahead of the guest only what is not on this host already: a chunk the disk cache holds
+        // is a local read away, and decoding it ahead costs CPU for what the guest may not read.
+        let ahead: Vec<u32> = self
+            .core
+            .chunks_after(end, self.readahead)
+            .into_iter()
+            .filter(|&c| !self.contains(c) && !self.core.held_below(c))
+            .collect();
         if !ahead.is_empty() {
             self.core.stats.readahead_chunks.fetch_add(ahead.len() as u64, Ordering::Relaxed);
             self.fetcher.fetch(&ahead, Priority::Readahead, None);

@@ -72,6 +72,10 @@ impl<S: ChunkSource> ChunkSource for Metered<S> {
     fn ranges_per_request(&self) -> usize {
         self.inner.ranges_per_request()
     }
+
+    fn holds(&self, chunk: &ChunkRef, pack: &Sha256Digest, loc: &PackLocation) -> bool {
+        self.inner.holds(chunk, pack, loc)
+    }
 }
 
 #[cfg(test)]

@@ -41,6 +41,14 @@ pub trait ChunkSource: Send + Sync {
     fn ranges_per_request(&self) -> usize {
         1
     }
+
+    /// Whether chunk `chunk` (stored at `loc` in `pack`) is on this host already — in the host
+    /// disk cache — so that reading it costs a local read, not an origin round trip: nothing to
+    /// fetch ahead of the guest. A hint (a cheap check, no read); `false` (the default) when not
+    /// known.
+    fn holds(&self, _chunk: &ChunkRef, _pack: &Sha256Digest, _loc: &PackLocation) -> bool {
+        false
+    }
 }
 
 /// A reference or smart pointer to a source is that source.
@@ -65,6 +73,10 @@ macro_rules! forward_chunk_source {
 
             fn ranges_per_request(&self) -> usize {
                 (**self).ranges_per_request()
+            }
+
+            fn holds(&self, chunk: &ChunkRef, pack: &Sha256Digest, loc: &PackLocation) -> bool {
+                (**self).holds(chunk, pack, loc)
             }
         }
     )*};

@@ -1060,6 +1060,13 @@ impl<S: ChunkSource> ChunkSource for CachedSource<S> {
         self.origin.ranges_per_request()
     }
 
+    /// A chunk of the image whose cache file exists (one `stat`; its bytes are checked when
+    /// read).
+    fn holds(&self, chunk: &ChunkRef, pack: &Sha256Digest, loc: &PackLocation) -> bool {
+        self.chunks.get(&(*pack, loc.offset)).is_some_and(|(c, l)| l == loc && c.id == chunk.id)
+            && self.cache.chunk_path(chunk, loc).exists()
+    }
+
     /// The ranges of chunks the cache holds from it; the others from the origin in one call
     /// ([`ChunkSource::read_stored_many`]: near ranges in one request), each cached as it is
     /// checked, with the host-wide single flight of [`DiskCache::fetch_chunks`].
