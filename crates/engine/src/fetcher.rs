@@ -415,7 +415,12 @@ impl ChunkFetcher {
             self.register(&mut st, ahead, Priority::Readahead, None);
             failed
         };
-        self.shared.wake.notify_all();
+        // One thread per chunk queued at most, not all of them: with 64 threads on a few CPUs,
+        // waking every one for each guest read cost ~0.2 ms a miss (measured: a warmed daemon's
+        // serial reads 83.5 → 41.8 ms in all with 4 threads instead of 64).
+        for _ in 0..(chunks.len() + ahead.len()).min(self.shared.limits.jobs) {
+            self.shared.wake.notify_one();
+        }
         for (w, e) in failed {
             w.arrived(&Err(e));
         }
@@ -776,8 +781,9 @@ impl Shared {
         let waiters: Vec<Vec<Arc<Waiter>>> =
             batch.iter().map(|c| st.entries.remove(c).map(|e| e.waiters).unwrap_or_default()).collect();
         drop(st);
-        // A background slot or the end of a fetch may let another thread proceed.
-        self.wake.notify_all();
+        // This thread goes on with the queues itself; one more may now proceed (a background
+        // slot freed while this thread takes demand work).
+        self.wake.notify_one();
         for (waiters, result) in waiters.into_iter().zip(&results) {
             for w in waiters {
                 w.arrived(result);
