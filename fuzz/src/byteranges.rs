@@ -30,7 +30,7 @@ pub fn run(data: &[u8]) {
     }
     for &(offset, len) in &spans {
         let past = (offset, len + 1);
-        if !spans.iter().any(|&(o, l)| o <= offset && offset + len < o.saturating_add(l)) {
+        if !spans.iter().any(|&(o, l)| o <= offset && offset.saturating_add(len) < o.saturating_add(l)) {
             assert!(place(&[past], &parts).is_err(), "a span past every part was placed");
         }
     }

@@ -73,7 +73,10 @@ pub fn parse<'a>(body: &'a [u8], boundary: &str) -> Result<Vec<Part<'a>>, HttpEr
             })
             .ok_or(bad("multipart part without Content-Range"))?;
         let (first, last) = content_range(range)?;
-        let len = usize::try_from(last - first + 1).map_err(|_| bad("multipart part too large"))?;
+        let len = (last - first)
+            .checked_add(1)
+            .and_then(|n| usize::try_from(n).ok())
+            .ok_or(bad("multipart part too large"))?;
         let start = at + head_len + 4;
         let end = start
             .checked_add(len)
@@ -201,5 +204,7 @@ mod tests {
         assert!(parse(backwards, "b").is_err());
         let past_total = b"--b\r\nContent-Range: bytes 0-2/2\r\n\r\nabc\r\n--b--";
         assert!(parse(past_total, "b").is_err());
+        let whole_range = format!("--b\r\nContent-Range: bytes 0-{}/*\r\n\r\nabc\r\n--b--", u64::MAX);
+        assert!(parse(whole_range.as_bytes(), "b").is_err(), "a part of 2^64 bytes");
     }
 }

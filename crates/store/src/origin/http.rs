@@ -995,12 +995,19 @@ impl HttpStore {
                 }
             };
             if let Some((first, last)) = single {
-                // One part: the server joined the spans, or answered the first one only.
-                if spans.iter().any(|&(o, l)| o < first || o + l > last + 1) {
+                // One part: the server joined the spans, or answered the first one only (or
+                // sent a part far larger than the spans: their gaps are not worth reading).
+                let end = last.saturating_add(1);
+                if spans.iter().any(|&(o, l)| o < first || o.saturating_add(l) > end) || end - first > limit {
                     return refuse();
                 }
             }
-            let body = read_body(&url, &mut resp, limit)?;
+            // A body past the limit (a server that joined spans across wide gaps) is dropped too.
+            let body = match resp.read_to_vec(limit) {
+                Ok(Some(bytes)) => bytes,
+                Ok(None) => return refuse(),
+                Err(e) => return Err(broken_body(&url, e)),
+            };
             // An answer that does not parse or lacks a span is not retried: the spans are asked
             // for one by one, which loses nothing.
             let parts = match (&boundary, single) {
@@ -1011,7 +1018,7 @@ impl HttpStore {
                         return refuse();
                     }
                 },
-                (None, Some((first, last))) if body.len() as u64 == last - first + 1 => {
+                (None, Some((first, last))) if Some(body.len() as u64) == (last - first).checked_add(1) => {
                     vec![byteranges::Part { offset: first, body: &body }]
                 }
                 (None, _) => {
