@@ -714,11 +714,12 @@ impl<S: ChunkSource> MemTier<S> {
         }
         // Ahead of the guest only what is not on this host already: a chunk the disk cache holds
         // is a local read away, and decoding it ahead costs CPU for what the guest may not read.
+        // (Cheapest checks first: this runs on the queue thread, and `held_below` is a `stat`.)
         let ahead: Vec<u32> = self
             .core
             .chunks_after(end, self.readahead)
             .into_iter()
-            .filter(|&c| !self.contains(c) && !self.core.held_below(c))
+            .filter(|&c| !self.contains(c) && !self.fetcher.is_pending(c) && !self.core.held_below(c))
             .collect();
         if !ahead.is_empty() {
             self.core.stats.readahead_chunks.fetch_add(ahead.len() as u64, Ordering::Relaxed);
