@@ -123,7 +123,9 @@ fn cpus_pins_queue_workers_and_fetchers_apart() {
     assert!(t["tessera-vhost"].iter().all(|c| *c == q.to_string()), "protocol thread on CPU {q}: {t:?}");
     let fetchers: Vec<&String> =
         t.iter().filter(|(name, _)| name.starts_with("tessera-chunk")).flat_map(|(_, c)| c).collect();
-    assert_eq!(fetchers.len(), 4, "the 4 fetcher threads of a local store: {t:?}");
+    // Fetch threads start as reads need them (at most 4 for a local store), from whichever
+    // thread queued the work, and still run on the fetch CPUs.
+    assert!((1..=4).contains(&fetchers.len()), "1 to 4 fetcher threads for a local store: {t:?}");
     assert!(fetchers.iter().all(|c| **c == f.to_string()), "fetchers on CPU {f}: {t:?}");
 
     // Without --cpus every thread keeps the CPUs the daemon was started with (this test's).

@@ -177,6 +177,8 @@ pub struct FetcherStats {
     /// Requests for a chunk that had failed moments before ([`FetchLimits::failure_memory`]),
     /// failed at once without a fetch.
     pub remembered_failures: std::sync::atomic::AtomicU64,
+    /// Fetch threads started (they start as work needs them, up to [`FetchLimits::jobs`]).
+    pub threads: AtomicUsize,
 }
 
 /// Where a chunk is stored: what batching and the background bandwidth cap look at.
@@ -228,6 +230,9 @@ struct Shared {
     state: Mutex<State>,
     wake: Condvar,
     stats: FetcherStats,
+    /// The CPUs of the thread that started the fetcher (`serve --cpus fetch=LIST` pins it):
+    /// threads started later, from a queue worker's read, take these instead of their creator's.
+    cpus: Option<rustix::thread::CpuSet>,
 }
 
 struct State {
@@ -243,6 +248,14 @@ struct State {
     tokens: f64,
     refilled: Instant,
     stopped: bool,
+    /// Threads started (at most `limits.jobs`: they are started as work needs them).
+    threads: usize,
+    /// Threads waiting for work; threads telling the waiters of a finished fetch (they look at
+    /// the queues again before they wait); and how many of either were claimed for new work
+    /// and have not yet taken it.
+    idle: usize,
+    finishing: usize,
+    woken: usize,
     /// Chunks whose last fetch failed for a reason of their own, until when that is remembered
     /// ([`FetchLimits::failure_memory`]).
     failed: HashMap<u32, (Instant, Arc<StoreError>)>,
@@ -336,15 +349,60 @@ impl ChunkFetcher {
                 refilled: Instant::now(),
                 stopped: false,
                 failed: HashMap::new(),
+                threads: 1,
+                idle: 0,
+                finishing: 0,
+                woken: 0,
             }),
             wake: Condvar::new(),
             stats: FetcherStats::default(),
+            cpus: rustix::thread::sched_getaffinity(None).ok(),
         });
-        for i in 0..limits.jobs {
-            let s = Arc::clone(&shared);
-            std::thread::Builder::new().name(format!("tessera-chunk-{i}")).spawn(move || s.run())?;
+        let fetcher = Self { shared };
+        fetcher.spawn_thread(0)?;
+        Ok(fetcher)
+    }
+
+    fn spawn_thread(&self, number: usize) -> std::io::Result<()> {
+        let s = Arc::clone(&self.shared);
+        std::thread::Builder::new().name(format!("tessera-chunk-{number}")).spawn(move || {
+            if let Some(cpus) = &s.cpus {
+                if let Err(e) = rustix::thread::sched_setaffinity(None, cpus) {
+                    warn!(error = %e, "cannot keep a fetch thread on the fetcher's CPUs");
+                }
+            }
+            s.run()
+        })?;
+        self.shared.stats.threads.fetch_max(number + 1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Set `want` threads to work on what was just queued (at most all of them): idle ones are
+    /// woken; while fewer than `limits.jobs` exist, new ones are started instead of waiting for a
+    /// busy one to finish (a cold burst of reads gets its fetches in flight at once; a warmed
+    /// daemon whose reads come one at a time keeps a thread or two, not 64 to start and to
+    /// schedule). Called with the state locked; the threads are started after.
+    fn find_threads(&self, st: &mut State, want: usize) -> Spawn {
+        let want = want.min(self.shared.limits.jobs);
+        let spare = (st.idle + st.finishing).saturating_sub(st.woken);
+        let wake = want.min(spare);
+        st.woken += wake;
+        let new = (want - wake).min(self.shared.limits.jobs.saturating_sub(st.threads));
+        st.threads += new;
+        Spawn { wake, first: st.threads - new, new }
+    }
+
+    fn start_threads(&self, spawn: Spawn) {
+        for _ in 0..spawn.wake {
+            self.shared.wake.notify_one();
         }
-        Ok(Self { shared })
+        for number in spawn.first..spawn.first + spawn.new {
+            if let Err(e) = self.spawn_thread(number) {
+                // The threads running take the work in turn.
+                warn!(error = &e as &dyn std::error::Error, "cannot start a fetch thread");
+                lock(&self.shared.state).threads -= 1;
+            }
+        }
     }
 
     /// Let background batches (given the pack order) take runs of queued chunks apart in their
@@ -381,8 +439,12 @@ impl ChunkFetcher {
     /// before it, ahead of every background fetch). Jobs queued when the fetcher is dropped
     /// still run.
     pub fn run(&self, job: Job) {
-        lock(&self.shared.state).jobs.push_back(job);
-        self.shared.wake.notify_one();
+        let spawn = {
+            let mut st = lock(&self.shared.state);
+            st.jobs.push_back(job);
+            self.find_threads(&mut st, 1)
+        };
+        self.start_threads(spawn);
     }
 
     /// Fetch `chunks` (the caller has checked they are not in memory; one that arrived meanwhile
@@ -409,18 +471,16 @@ impl ChunkFetcher {
                 done: Mutex::new(Some(d)),
             })
         });
-        let failed = {
+        let (failed, spawn) = {
             let mut st = lock(&self.shared.state);
             let failed = self.register(&mut st, chunks, priority, waiter.as_ref());
             self.register(&mut st, ahead, Priority::Readahead, None);
-            failed
+            // One thread per chunk queued at most, not all of them: with 64 threads on a few
+            // CPUs, waking every one for each guest read cost ~0.2 ms a miss (measured: a warmed
+            // daemon's serial reads 83.5 → 41.8 ms in all with 4 threads instead of 64).
+            (failed, self.find_threads(&mut st, chunks.len() + ahead.len()))
         };
-        // One thread per chunk queued at most, not all of them: with 64 threads on a few CPUs,
-        // waking every one for each guest read cost ~0.2 ms a miss (measured: a warmed daemon's
-        // serial reads 83.5 → 41.8 ms in all with 4 threads instead of 64).
-        for _ in 0..(chunks.len() + ahead.len()).min(self.shared.limits.jobs) {
-            self.shared.wake.notify_one();
-        }
+        self.start_threads(spawn);
         for (w, e) in failed {
             w.arrived(&Err(e));
         }
@@ -486,6 +546,14 @@ impl ChunkFetcher {
     }
 }
 
+/// Threads to wake and to start ([`ChunkFetcher::find_threads`]): `new` of them numbered from
+/// `first`.
+struct Spawn {
+    wake: usize,
+    first: usize,
+    new: usize,
+}
+
 impl Drop for ChunkFetcher {
     fn drop(&mut self) {
         lock(&self.shared.state).stopped = true;
@@ -549,10 +617,13 @@ impl Shared {
                 }
                 continue;
             }
+            st.idle += 1;
             st = match self.wake.wait(st) {
                 Ok(g) => g,
                 Err(p) => p.into_inner(),
             };
+            st.idle -= 1;
+            st.woken = st.woken.saturating_sub(1);
         }
     }
 
@@ -756,6 +827,7 @@ impl Shared {
             .collect();
         let mut st = lock(&self.state);
         st.running -= 1;
+        st.finishing += 1;
         if background {
             st.running_background -= 1;
         }
@@ -780,16 +852,25 @@ impl Shared {
         }
         let waiters: Vec<Vec<Arc<Waiter>>> =
             batch.iter().map(|c| st.entries.remove(c).map(|e| e.waiters).unwrap_or_default()).collect();
-        drop(st);
         // This thread goes on with the queues itself; one more may now proceed (a background
         // slot freed while this thread takes demand work).
-        self.wake.notify_one();
+        let wake = st.idle > st.woken && (!st.queues[1].is_empty() || !st.queues[2].is_empty());
+        if wake {
+            st.woken += 1;
+        }
+        drop(st);
+        if wake {
+            self.wake.notify_one();
+        }
         for (waiters, result) in waiters.into_iter().zip(&results) {
             for w in waiters {
                 w.arrived(result);
             }
         }
-        lock(&self.state)
+        let mut st = lock(&self.state);
+        st.finishing -= 1;
+        st.woken = st.woken.saturating_sub(1);
+        st
     }
 }
 
@@ -893,6 +974,105 @@ mod tests {
             assert!(rx.recv_timeout(Duration::from_secs(10)).unwrap().is_ok());
         }
         assert_eq!(f.stats().max_running.load(Ordering::Relaxed), 32);
+    }
+
+    /// Threads start as work needs them: reads that come one at a time (a warmed daemon's)
+    /// keep a thread or two of the 64 allowed, not 64 to start and schedule on a few CPUs; a
+    /// burst starts one per chunk at once.
+    #[test]
+    fn fetch_threads_start_as_work_needs_them() {
+        let f = ChunkFetcher::start(FetchLimits::new(64), |cs, _| cs.iter().map(|_| Ok(())).collect(), apart)
+            .unwrap();
+        assert_eq!(f.stats().threads.load(Ordering::Relaxed), 1);
+        for c in 0..200 {
+            let (done, rx) = done_channel();
+            f.fetch(&[c], Priority::Demand, Some(done));
+            assert!(rx.recv_timeout(Duration::from_secs(10)).unwrap().is_ok());
+        }
+        let serial = f.stats().threads.load(Ordering::Relaxed);
+        assert!(serial <= 3, "200 reads one at a time started {serial} threads");
+
+        let gates = Gates::new();
+        let f = fetcher(FetchLimits::new(64), &gates);
+        let mut rxs = Vec::new();
+        for c in 0..40 {
+            let (done, rx) = done_channel();
+            f.fetch(&[c], Priority::Demand, Some(done));
+            rxs.push(rx);
+        }
+        assert_eq!(gates.wait_started(40).len(), 40, "all 40 in flight at once");
+        // One per chunk (plus, at most, the thread started with the fetcher if it was not yet
+        // waiting for work when the burst came).
+        let burst = f.stats().threads.load(Ordering::Relaxed);
+        assert!((40..=41).contains(&burst), "a burst of 40 started {burst} threads");
+        for c in 0..40 {
+            gates.release(c);
+        }
+        for rx in rxs {
+            assert!(rx.recv_timeout(Duration::from_secs(10)).unwrap().is_ok());
+        }
+    }
+
+    /// A thread started for a burst that a reader queued (a queue worker, pinned elsewhere by
+    /// `serve --cpus`) runs on the CPUs of the thread that started the fetcher, not the reader's.
+    #[test]
+    fn threads_started_later_keep_the_fetchers_cpus() {
+        use rustix::thread::{sched_getaffinity, sched_setaffinity, CpuSet};
+        let all = sched_getaffinity(None).unwrap();
+        let cpus: Vec<usize> = (0..CpuSet::MAX_CPU).filter(|&c| all.is_set(c)).collect();
+        assert!(cpus.len() >= 2, "this test needs 2 CPUs (the CI machine has 2): {cpus:?}");
+        let only = |cpu: usize| {
+            let mut set = CpuSet::new();
+            set.set(cpu);
+            set
+        };
+        let ran_on = Arc::new(Mutex::new(Vec::new()));
+        let gates = Gates::new();
+        let f = std::thread::scope(|s| {
+            s.spawn(|| {
+                sched_setaffinity(None, &only(cpus[0])).unwrap();
+                let (g, r) = (Arc::clone(&gates), Arc::clone(&ran_on));
+                ChunkFetcher::start(
+                    FetchLimits::new(16),
+                    move |cs, _| {
+                        let set = sched_getaffinity(None).unwrap();
+                        r.lock()
+                            .unwrap()
+                            .push((0..CpuSet::MAX_CPU).filter(|&c| set.is_set(c)).collect::<Vec<_>>());
+                        cs.iter().map(|&c| g.fetch(c)).collect()
+                    },
+                    apart,
+                )
+                .unwrap()
+            })
+            .join()
+            .unwrap()
+        });
+        let rxs = std::thread::scope(|s| {
+            s.spawn(|| {
+                sched_setaffinity(None, &only(cpus[1])).unwrap();
+                (0..8)
+                    .map(|c| {
+                        let (done, rx) = done_channel();
+                        f.fetch(&[c], Priority::Demand, Some(done));
+                        rx
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .join()
+            .unwrap()
+        });
+        gates.wait_started(8);
+        for c in 0..8 {
+            gates.release(c);
+        }
+        for rx in rxs {
+            assert!(rx.recv_timeout(Duration::from_secs(10)).unwrap().is_ok());
+        }
+        assert!(f.stats().threads.load(Ordering::Relaxed) >= 8);
+        let ran_on = ran_on.lock().unwrap();
+        assert_eq!(ran_on.len(), 8);
+        assert!(ran_on.iter().all(|set| *set == [cpus[0]]), "fetches ran on {ran_on:?}, not CPU {}", cpus[0]);
     }
 
     #[test]

@@ -35,6 +35,7 @@ pub fn watch_mem_tier<S: ChunkSource + 'static>(metrics: &Arc<Metrics>, tier: &A
         m.memory_tier.chunks.set(gauge_value(tier.chunks()));
         m.fetch.queue_depth.set(gauge_value(tier.pending_fetches() as u64));
         let f = tier.fetcher_stats();
+        m.fetch.threads.set(gauge_value(f.threads.load(Ordering::Relaxed) as u64));
         mirror(&m.fetch.demand_fetches, f.demand.load(Ordering::Relaxed));
         mirror(&m.fetch.background_fetches, f.background.load(Ordering::Relaxed));
         mirror(&m.fetch.joined, f.joined.load(Ordering::Relaxed));

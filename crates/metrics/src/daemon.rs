@@ -162,6 +162,8 @@ pub struct FetchMetrics {
     pub deferred_reads: IntCounter,
     /// Chunk fetches queued or running.
     pub queue_depth: IntGauge,
+    /// Fetch threads started.
+    pub threads: IntGauge,
     /// Chunk fetches run for guest reads.
     pub demand_fetches: IntCounter,
     /// Chunk fetches run ahead of demand (readahead, profile prefetch).
@@ -187,6 +189,10 @@ impl FetchMetrics {
                 "Reads that missed the memory tier and completed once their chunks were fetched",
             ),
             queue_depth: r.gauge("tessera_fetch_queue_depth", "Chunk fetches queued or running"),
+            threads: r.gauge(
+                "tessera_fetch_threads",
+                "Fetch threads started (they start as work needs them, up to --fetch-jobs)",
+            ),
             demand_fetches: fetches.with_label_values(&["demand"]),
             background_fetches: fetches.with_label_values(&["background"]),
             joined: r.counter(

@@ -22,6 +22,7 @@ fn every_family_is_rendered_with_help_and_type() {
         "tessera_requests_in_flight",
         "tessera_deferred_reads_total",
         "tessera_fetch_queue_depth",
+        "tessera_fetch_threads",
         "tessera_device_bytes",
         "tessera_overlay_written_blocks",
         "tessera_tier_hits_total",
