@@ -608,3 +608,64 @@ fn a_warmed_tag_is_confirmed_by_the_origin_and_followed_when_it_moved() -> Resul
     ensure!(serve("moved.sock")? == fs::read(&raw2)?, "after the tag moved, the daemon served the old image");
     Ok(())
 }
+
+/// `serve --tag-max-age`: a tag the cache looked up within the window is trusted, and the start
+/// asks the origin nothing — even after the tag moved there (the staleness the flag allows);
+/// a lookup older than the window is asked again, and the start follows the moved tag.
+#[test]
+fn a_recent_tag_lookup_is_trusted_within_tag_max_age() -> Result<()> {
+    let f = fixture("warm-tag-max-age", "warm-tag-max-age")?;
+    let origin = tessera_e2e::nginx::Nginx::serve(&f.store, "store")?;
+    let url = origin.url();
+    let cache = f.t.path().join("cache");
+    warm_json(warm("demo", &url, &cache, &[])?, "warm")?;
+
+    // The device a start serves, and the origin requests it made.
+    let serve = |sock: &str, max_age: &str| -> Result<(Vec<u8>, Vec<String>)> {
+        let before = origin.access_log().lines().count();
+        let socket = f.t.path().join(sock);
+        let args = ["--read-only", "--cache-dir", s(&cache)?, "--tag-max-age", max_age];
+        let d = Daemon::start("demo", &url, &socket, &args)?;
+        let mut c = BlkClient::connect(d.socket(), 1, true)?;
+        let (device, failed) = c.read_device(1 << 20, 8)?;
+        ensure!(failed.is_empty(), "reads failed: {failed:?}");
+        drop(c);
+        d.stop()?;
+        Ok((device, origin.access_log().lines().skip(before).map(str::to_owned).collect()))
+    };
+    let (device, asked) = serve("fresh.sock", "10m")?;
+    ensure!(device == f.raw, "a start on a fresh lookup served other bytes");
+    ensure!(asked.is_empty(), "a start on a lookup within --tag-max-age asks nothing: {asked:?}");
+
+    // The tag moves at the origin: within the window the cached lookup still names the old image.
+    let src = f.t.path().join("src2");
+    fs::create_dir_all(&src)?;
+    fs::write(src.join("other.bin"), Prng::from_label("warm-tag-max-age-2").bytes(700_000))?;
+    let moved = tessera::build(&src, &f.store, &["--tag", "demo", "--chunk-size", "64K"])?;
+    ensure!(moved != f.id, "the second build is another image");
+    let raw2 = f.t.path().join("moved.raw");
+    tessera::export("demo", &f.store, &raw2)?;
+    let (device, asked) = serve("stale.sock", "10m")?;
+    ensure!(
+        device == f.raw && asked.is_empty(),
+        "within the window: the cached image, nothing asked: {asked:?}"
+    );
+
+    // The lookup ages past the window: the start asks for the tag and serves where it moved.
+    let refs = fs::read_dir(cache.join("v1/origins"))?
+        .map(|e| e.map(|e| e.path().join("refs/demo")))
+        .collect::<std::io::Result<Vec<_>>>()?;
+    let lookup = refs.iter().find(|p| p.exists()).context("no cached lookup of the tag")?;
+    let hour_ago = std::time::SystemTime::now() - std::time::Duration::from_secs(3600);
+    fs::File::options().write(true).open(lookup)?.set_modified(hour_ago)?;
+    let (device, asked) = serve("expired.sock", "10m")?;
+    ensure!(device == fs::read(&raw2)?, "past the window, the daemon served the old image");
+    ensure!(
+        asked.first().is_some_and(|r| r.contains("/refs/demo ")),
+        "past the window, a start asks for the tag first: {asked:?}"
+    );
+    // That answer renewed the lookup (and the read cached the new image): trusted again.
+    let (device, asked) = serve("renewed.sock", "10m")?;
+    ensure!(device == fs::read(&raw2)? && asked.is_empty(), "a renewed lookup is trusted: {asked:?}");
+    Ok(())
+}

@@ -124,7 +124,7 @@ impl OriginArgs {
         let http =
             HttpConfig { tls: self.tls(), http: self.http_version.version(), ..HttpConfig::from_vars(env)? };
         let s3 = S3Config::from_vars(env, self.s3_endpoint.as_deref())?;
-        Ok(OriginOptions { http, registry: self.registry(), s3, cached_entries: false })
+        Ok(OriginOptions { http, registry: self.registry(), s3, trust: Default::default() })
     }
 }
 

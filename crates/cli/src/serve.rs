@@ -18,8 +18,8 @@ use tessera_image::{ImageId, RequestTraceHeader, Sha256Digest, BLOCK_SIZE};
 use tessera_metrics::{Exporter, Metrics, Tier};
 use tessera_overlay::{FileAccess as OverlayFileAccess, Mode as OverlayMode, Overlay, OverlayParams};
 use tessera_store::{
-    CacheConfig, ChunkSource, ImageReader, LocalStore, Metered, OpenImage, OriginOptions, ReadStore,
-    StoreError, StoreLocation,
+    CacheConfig, CacheTrust, ChunkSource, ImageReader, LocalStore, Metered, OpenImage, OriginOptions,
+    ReadStore, StoreError, StoreLocation,
 };
 use tessera_vhost::{DeviceConfig, Disk, RequestRecorder, Server, DEFAULT_SOCKET_MODE, MAX_QUEUES};
 
@@ -94,6 +94,14 @@ pub struct ServeArgs {
     cache: crate::cache_args::CacheArgs,
     #[command(flatten)]
     origin: crate::origin_args::OriginArgs,
+    /// With --cache-dir and IMAGE a tag: trust the cache's lookup of the tag if it was made at
+    /// most DURATION ago (each lookup from the origin, by `serve` or `tessera warm`, renews it)
+    /// and start without asking the origin: a warmed host then starts as fast as from a local
+    /// store. A tag moved within the window is noticed only after it, as with a cached HTTP
+    /// answer's max-age. 0 (the default) asks the origin at every start. DURATION: 0, or numbers
+    /// with units s, m, h, d (90s, 10m, 1h30m).
+    #[arg(long, value_name = "DURATION", value_parser = crate::store_cmd::parse_duration, default_value = "0")]
+    tag_max_age: std::time::Duration,
     /// The vhost-user socket to create.
     #[arg(long)]
     socket: PathBuf,
@@ -374,7 +382,10 @@ impl ServeConfig {
             image: args.image,
             // A warmed cache starts an image named by ID without the origin (the tag lookup is
             // the only thing that needs it).
-            origin: OriginOptions { cached_entries: true, ..args.origin.options()? },
+            origin: OriginOptions {
+                trust: CacheTrust { entries: true, tag_max_age: args.tag_max_age },
+                ..args.origin.options()?
+            },
             cache: args.cache.config(),
             store: args.store,
             socket: args.socket,

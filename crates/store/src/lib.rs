@@ -53,8 +53,8 @@ mod source;
 /// private). Public for the `cache_index` fuzz target (`docs/fuzzing.md`).
 pub use cache::index as cache_index;
 pub use cache::{
-    BlobFileError, CacheConfig, CacheStats, CachedSource, CachedStore, DiskCache, Evicted, GcReport,
-    Leftovers, Origin,
+    BlobFileError, CacheConfig, CacheStats, CacheTrust, CachedSource, CachedStore, DiskCache, Evicted,
+    GcReport, Leftovers, Origin,
 };
 pub use copy::{copy_image, CopyDest, CopyReport};
 pub use error::StoreError;

@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 
 use std::sync::Arc;
 
-use crate::cache::{CacheConfig, CachedStore, DiskCache};
+use crate::cache::{CacheConfig, CacheTrust, CachedStore, DiskCache};
 use crate::error::StoreError;
 use crate::local::LocalStore;
 use crate::origin::http::{HttpConfig, HttpStore};
@@ -24,10 +24,10 @@ pub struct OriginOptions {
     pub registry: ClientOptions,
     /// Endpoint, region and credentials of `s3://` stores.
     pub s3: S3Config,
-    /// Behind a disk cache: an image entry the cache holds is used without asking the origin
-    /// ([`crate::CachedStore::with_cached_entries`]; `serve`: a warmed cache then starts an
-    /// image named by ID with no origin round trip).
-    pub cached_entries: bool,
+    /// Behind a disk cache: what is taken from it without asking the origin
+    /// ([`crate::CachedStore::with_trust`]; `serve`: a warmed cache then starts an image named
+    /// by ID, or by a tag looked up within `--tag-max-age`, with no origin round trip).
+    pub trust: CacheTrust,
 }
 
 /// A store opened for reading ([`StoreLocation::open_read_store`]), with what only some kinds
@@ -131,17 +131,17 @@ impl StoreLocation {
         origins: &OriginOptions,
         cache: Option<&CacheConfig>,
     ) -> Result<OpenedStore, StoreError> {
-        let cached_entries = origins.cached_entries;
+        let trust = origins.trust;
         fn remote<O: crate::Origin>(
             origin: O,
             transport: tessera_transport::Transport,
             cache: Option<&CacheConfig>,
-            cached_entries: bool,
+            trust: CacheTrust,
         ) -> Result<OpenedStore, StoreError> {
             let (store, cache): (Arc<dyn ReadStore>, _) = match cache {
                 Some(config) => {
                     let cache = DiskCache::open(config)?;
-                    let store = CachedStore::new(origin, cache.clone()).with_cached_entries(cached_entries);
+                    let store = CachedStore::new(origin, cache.clone()).with_trust(trust);
                     (Arc::new(store), Some(cache))
                 }
                 None => (Arc::new(origin), None),
@@ -167,9 +167,7 @@ impl StoreLocation {
                 let origin = HttpStore::with_cache(url, origins.http.clone(), disk.clone());
                 let transport = origin.transport().clone();
                 let store: Arc<dyn ReadStore> = match &disk {
-                    Some(d) => {
-                        Arc::new(CachedStore::new(origin, d.clone()).with_cached_entries(cached_entries))
-                    }
+                    Some(d) => Arc::new(CachedStore::new(origin, d.clone()).with_trust(trust)),
                     None => Arc::new(origin),
                 };
                 Ok(OpenedStore { store, local: None, cache: disk, origin: Some(transport) })
@@ -177,16 +175,14 @@ impl StoreLocation {
             StoreLocation::Registry(r) => {
                 let origin = RegistryStore::new(r, origins.registry.clone())?;
                 let transport = origin.client().transport().clone();
-                remote(origin, transport, cache, cached_entries)
+                remote(origin, transport, cache, trust)
             }
             StoreLocation::S3(l) => {
                 let disk = cache.map(DiskCache::open).transpose()?;
                 let origin = S3Store::new(l, &origins.s3, origins.http.clone(), disk.clone());
                 let transport = origin.transport().clone();
                 let store: Arc<dyn ReadStore> = match &disk {
-                    Some(d) => {
-                        Arc::new(CachedStore::new(origin, d.clone()).with_cached_entries(cached_entries))
-                    }
+                    Some(d) => Arc::new(CachedStore::new(origin, d.clone()).with_trust(trust)),
                     None => Arc::new(origin),
                 };
                 Ok(OpenedStore { store, local: None, cache: disk, origin: Some(transport) })

@@ -36,7 +36,7 @@ pub trait ReadStore: Send + Sync + std::fmt::Debug {
     /// returns the tags resolved through it so far.
     fn list_refs(&self) -> Result<Vec<(String, ImageId)>, StoreError>;
     /// The chunk source for `image`'s chunks.
-    fn chunk_source(&self, image: &OpenImage) -> Arc<dyn ChunkSource>;
+    fn chunk_source(&self, image: &Arc<OpenImage>) -> Arc<dyn ChunkSource>;
 
     /// Load and check image `id` (entry, record, prefix, pack index; see
     /// [`OpenImage::from_parts`]). The record, prefix and pack index are read at the same time
@@ -90,7 +90,7 @@ impl ReadStore for LocalStore {
         LocalStore::list_refs(self)
     }
 
-    fn chunk_source(&self, _image: &OpenImage) -> Arc<dyn ChunkSource> {
+    fn chunk_source(&self, _image: &Arc<OpenImage>) -> Arc<dyn ChunkSource> {
         Arc::new(self.clone())
     }
 
@@ -136,7 +136,7 @@ impl ReadStore for HttpStore {
         Ok(self.seen_refs())
     }
 
-    fn chunk_source(&self, _image: &OpenImage) -> Arc<dyn ChunkSource> {
+    fn chunk_source(&self, _image: &Arc<OpenImage>) -> Arc<dyn ChunkSource> {
         Arc::new(self.clone())
     }
 }

@@ -57,6 +57,9 @@ struct State {
     offset: u64,
     /// Lines of it replayed.
     lines: usize,
+    /// Its length when this view last caught up with it, or opened it to append uses without
+    /// reading it ([`Journal::append_uses`]).
+    seen_len: u64,
     index: LruIndex,
     pending_uses: Vec<EntryKey>,
 }
@@ -116,13 +119,47 @@ impl Journal {
             st.pending_uses.drain(..excess);
             return;
         };
-        let flushed = self
-            .sync(&mut st)
-            .and_then(|()| self.append(&mut st, &[]))
-            .and_then(|()| self.maybe_compact(&mut st));
-        if let Err(e) = flushed {
+        if let Err(e) = self.append_uses(&mut st) {
             debug!(error = &e as &dyn std::error::Error, "cannot record uses in the cache index");
         }
+    }
+
+    /// Append the buffered uses (caller holds the global lock). A use changes no total, so the
+    /// journal is not read for it: the lines go to the end of the current file, opened if this
+    /// view has not (or it was replaced). Only a compaction needs the index, so this view catches
+    /// up (and compacts when due) once the file has doubled since it last read it — a replay on a
+    /// guest read's path is then rare, and a fleet that only reads still keeps the journal small.
+    fn append_uses(&self, st: &mut State) -> std::io::Result<()> {
+        let on_disk = match fs::metadata(self.path()) {
+            Ok(m) if m.len() > 0 => file_id(&m),
+            // Missing or empty (a creator died before the header): the full path rebuilds or
+            // starts it.
+            Ok(_) => return self.sync(st).and_then(|()| self.append(st, &[])),
+            Err(e) if e.kind() == ErrorKind::NotFound => {
+                return self.sync(st).and_then(|()| self.append(st, &[]))
+            }
+            Err(e) => return Err(e),
+        };
+        if !matches!(&st.file, Some((_, have)) if *have == on_disk) {
+            let file = OpenOptions::new().read(true).append(true).open(self.path())?;
+            let meta = file.metadata()?;
+            *st = State {
+                file: Some((file, file_id(&meta))),
+                seen_len: meta.len(),
+                pending_uses: std::mem::take(&mut st.pending_uses),
+                ..State::default()
+            };
+        }
+        self.append(st, &[])?;
+        let len = match &st.file {
+            Some((file, _)) => file.metadata()?.len(),
+            None => return Ok(()),
+        };
+        if len > COMPACT_MIN && len / 2 > st.seen_len {
+            self.sync(st)?;
+            self.maybe_compact(st)?;
+        }
+        Ok(())
     }
 
     /// Catch up with the journal (caller holds the global lock): reopen it if it was replaced,
@@ -166,6 +203,7 @@ impl Journal {
             Ok(partial) => {
                 st.offset += (text.len() - partial) as u64;
                 st.lines += text[..text.len() - partial].matches('\n').count();
+                st.seen_len = st.offset;
                 if st.lines == 0 && partial == 0 {
                     // An empty file (a creator died before writing the header): start it.
                     st.file
@@ -211,6 +249,7 @@ impl Journal {
             file: Some((file, id)),
             offset,
             lines,
+            seen_len: offset,
             index,
             pending_uses: std::mem::take(&mut st.pending_uses),
         };
@@ -450,5 +489,64 @@ fn read_dir_or_empty(dir: &Path) -> std::io::Result<Vec<fs::DirEntry>> {
         Ok(rd) => rd.collect(),
         Err(e) if e.kind() == ErrorKind::NotFound => Ok(Vec::new()),
         Err(e) => Err(e),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::index::ChunkForm;
+
+    fn chunk(n: u32) -> EntryKey {
+        let mut id = [0u8; 32];
+        id[..4].copy_from_slice(&n.to_le_bytes());
+        EntryKey::Chunk(id, ChunkForm::Zstd(1000))
+    }
+
+    /// A process that only reads appends its uses without replaying the journal (a replay of a
+    /// big cache's index cost a warmed daemon's first reads ~13 ms); it catches up, and compacts,
+    /// once the journal has doubled since it last read it, so a fleet that only reads still
+    /// keeps the journal small.
+    #[test]
+    fn uses_are_appended_unread_until_the_journal_doubles_then_compacted() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("v1");
+        fs::create_dir_all(root.join("tmp")).unwrap();
+        let writer = Journal::new(&root);
+        for n in 0..1000 {
+            writer.publish(&chunk(n), 4096, || Ok(()), None, |_| Ok(())).unwrap();
+        }
+        let path = root.join("index");
+        let written = fs::metadata(&path).unwrap().len();
+
+        let reader = Journal::new(&root);
+        for n in 0..USE_BATCH as u32 {
+            reader.record_use(chunk(n));
+        }
+        {
+            let st = reader.state();
+            assert!(st.pending_uses.is_empty(), "the batch was appended");
+            assert_eq!((st.lines, st.index.len()), (0, 0), "appending uses read nothing");
+        }
+        let use_line = Record::Use(chunk(0)).to_line().len() as u64;
+        assert_eq!(fs::metadata(&path).unwrap().len(), written + USE_BATCH as u64 * use_line);
+        let text = fs::read_to_string(&path).unwrap();
+        assert!(text.ends_with(&Record::Use(chunk(USE_BATCH as u32 - 1)).to_line()));
+
+        // Uses until the journal is past 1 MiB and twice what the reader saw: it catches up and
+        // compacts it to a snapshot of the 1000 entries.
+        let mut n = 0u64;
+        while reader.state().lines == 0 {
+            reader.record_use(chunk((n % 1000) as u32));
+            n += 1;
+            assert!(n < 100_000, "the reader never caught up");
+        }
+        let st = reader.state();
+        assert_eq!(st.index.len(), 1000);
+        let len = fs::metadata(&path).unwrap().len();
+        assert!(len < COMPACT_MIN, "compacted to a snapshot: {len} bytes");
+        let grown = written + (USE_BATCH as u64 + n) * use_line;
+        assert!(grown > COMPACT_MIN && grown > 2 * written, "caught up only once past 1 MiB ({n} uses)");
+        assert!(grown < COMPACT_MIN + USE_BATCH as u64 * use_line, "caught up at the first batch past it");
     }
 }

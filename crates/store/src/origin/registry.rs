@@ -276,7 +276,7 @@ impl ReadStore for RegistryStore {
         Ok(self.inner.seen_refs.lock().unwrap_or_else(|p| p.into_inner()).clone())
     }
 
-    fn chunk_source(&self, _image: &OpenImage) -> Arc<dyn ChunkSource> {
+    fn chunk_source(&self, _image: &Arc<OpenImage>) -> Arc<dyn ChunkSource> {
         Arc::new(self.clone())
     }
 

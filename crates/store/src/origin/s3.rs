@@ -984,7 +984,7 @@ impl ReadStore for S3Store {
         Ok(self.http.seen_refs())
     }
 
-    fn chunk_source(&self, _image: &OpenImage) -> Arc<dyn ChunkSource> {
+    fn chunk_source(&self, _image: &Arc<OpenImage>) -> Arc<dyn ChunkSource> {
         Arc::new(self.http.clone())
     }
 
