@@ -13,10 +13,11 @@
 //!   replayed here (`tessera_e2e::replay`); the chunk trace becomes the workload's profile.
 //! - **The contenders**, each timed from "nothing local" to the replay's last completion:
 //!   Tessera cold (no cache, no profile), cold with the workload's profile, from a warmed disk
-//!   cache (`tessera warm` first, untimed), from the local store; peer (a) `skopeo copy` of the
-//!   gzip OCI layers from a docker-registry, `umoci unpack`, `mkfs.ext4 -d`, qemu-storage-daemon;
-//!   peer (b) the zstd-compressed raw export downloaded and decompressed as it arrives
-//!   (`curl | zstd -d`), qemu-storage-daemon. The peers' download, unpack and mkfs are done once
+//!   cache (`tessera warm` first, untimed; `serve --tag-max-age 1h`, as a warmed host runs),
+//!   from the local store; peer (a) `skopeo copy` of the gzip OCI layers from a
+//!   docker-registry, `umoci unpack`, `mkfs.ext4 -d`, qemu-storage-daemon; peer (b) the
+//!   zstd-compressed raw export downloaded and decompressed as it arrives (`curl | zstd -d`),
+//!   qemu-storage-daemon. The peers' download, unpack and mkfs are done once
 //!   per round and rate; each workload's figure is that time plus its own qemu-storage-daemon
 //!   start and replay.
 //! - **The network**: nginx (the store and the export) and the registry each behind a
@@ -569,7 +570,15 @@ pub(crate) fn measure(opts: &LazyBench) -> Result<LazyResult> {
                 let prof = arm(url.clone(), &[])?;
                 println!("== {mbit} Mbit/s round {round} {} profile: {}", w.name, prof.summary().trim_end());
                 use_entry(&store, &image, &plain)?;
-                let warm = arm(url.clone(), &["--cache-dir".into(), warm_dir.display().to_string()])?;
+                // As a warmed host runs it: the tag lookup `tessera warm` made is trusted
+                // (`--tag-max-age`; the rounds of one link take minutes, not an hour).
+                let warmed = [
+                    "--cache-dir".into(),
+                    warm_dir.display().to_string(),
+                    "--tag-max-age".into(),
+                    "1h".into(),
+                ];
+                let warm = arm(url.clone(), &warmed)?;
                 let local = arm(store.display().to_string(), &[])?;
                 println!(
                     "== {mbit} Mbit/s round {round} {}: warmed cache {:.3} s, local store {:.3} s",
