@@ -286,16 +286,15 @@ fn corrupt_chunks_are_refetched_and_bad_origin_bytes_fail_with_eio_remembered_br
     Ok(())
 }
 
-/// Ranged GETs (status 206) in the access log from line `mark` on, as `(uri, start, end)`.
+/// The ranges of ranged GETs (status 206) in the access log from line `mark` on, as `(uri,
+/// start, end)`: one per range (a multi-range GET gives several).
 fn ranged_gets(origin: &Nginx, mark: usize) -> Vec<(String, u64, u64)> {
     let log = origin.access_log();
     let lines: Vec<&str> = log.lines().skip(mark).filter(|l| l.contains(" 206 ")).collect();
     let mut out = Vec::new();
     for l in &lines {
         let uri = l.split(' ').nth(1).unwrap_or_default().to_owned();
-        if let Some(&(a, b)) = ranges_of(&[l], &uri).first() {
-            out.push((uri, a, b));
-        }
+        out.extend(ranges_of(&[l], &uri).into_iter().map(|(a, b)| (uri.clone(), a, b)));
     }
     out
 }
@@ -519,6 +518,79 @@ fn sequential_reads_fetch_the_next_chunks_ahead() -> Result<()> {
         .value("tessera_prefetch_queued_chunks_total", &[("reason", "readahead")])?;
     ensure!(queued == 0.0, "{queued} cached chunks queued for readahead");
     drop(child);
+    Ok(())
+}
+
+/// A file read at random, page by page, as a program reads its binary: after
+/// `--whole-file-after` of its reads missed and went to the origin, the rest of the file is
+/// fetched in the background (each byte once), and later reads of it fetch nothing; with 0, or
+/// a file over a quarter of the memory tier, only what was read is fetched.
+#[test]
+fn a_file_read_at_random_is_fetched_whole_after_its_misses() -> Result<()> {
+    let f = fixture("serve-whole-file")?;
+    let start = first_block_offset(&f.t.path().join("local.raw"), "/random.bin")?;
+    // random.bin: 1 500 000 bytes, 23 chunks of 64 KiB (the last short), stored raw, in order.
+    let (chunks, chunk) = (23u64, 64u64 << 10);
+    let file_bytes = 1_500_000u64;
+    let origin = Nginx::serve(&f.store, "store")?;
+    let url = origin.url();
+    let socket = f.t.path().join("vm.sock");
+    // (--whole-file-after, --mem-cache, whether the file is fetched whole)
+    for (after, mem, whole) in [("3", "256M", true), ("0", "256M", false), ("3", "4M", false)] {
+        let _ = fs::remove_file(&socket);
+        let mut cmd = tessera::command(["serve", "demo", "--read-only", "--store", url.as_str()]);
+        // Reads apart (no readahead within the file) and no pack window: misses only.
+        cmd.args([
+            "--readahead",
+            "0",
+            "--pack-readahead",
+            "0",
+            "--whole-file-after",
+            after,
+            "--mem-cache",
+            mem,
+        ]);
+        let (child, addr) = tessera_e2e::metrics::spawn_with_metrics(cmd.arg("--socket").arg(&socket))?;
+        let child = Killed(child);
+        let mut c = BlkClient::connect(&socket, 1, true)?;
+        let mark = origin.access_log().lines().count();
+        let read = |c: &mut BlkClient, k: u64| -> Result<()> {
+            let at = start + k * chunk;
+            let len = (file_bytes - k * chunk).min(chunk).next_multiple_of(4096) as usize;
+            let bytes = c.read(at, len)?.map_err(|e| anyhow::anyhow!("read at {at}: errno {e}"))?;
+            ensure!(bytes == f.raw[at as usize..at as usize + len], "read of chunk {k}: wrong bytes");
+            Ok(())
+        };
+        for k in [7, 2, 15] {
+            read(&mut c, k)?;
+        }
+        let queued = |what: &str| -> Result<f64> {
+            tessera_e2e::metrics::scrape(&addr)?
+                .value("tessera_prefetch_queued_chunks_total", &[("reason", what)])
+        };
+        if whole {
+            let gets = wait_for_ranged(&origin, mark, file_bytes);
+            ensure!(ranged_bytes(&gets) == file_bytes, "the file, each byte once: {gets:?}");
+            ensure!(disjoint(&gets), "a byte fetched twice: {gets:?}");
+            ensure!(queued("whole_file")? == (chunks - 3) as f64, "the file's other chunks queued once");
+            let before = origin.access_log().lines().count();
+            for k in 0..chunks {
+                read(&mut c, k)?;
+            }
+            let again = ranged_gets(&origin, before);
+            ensure!(again.is_empty(), "reads of a file fetched whole went to the origin: {again:?}");
+        } else {
+            // Nothing is queued at the third miss; the three reads are all that was fetched.
+            ensure!(queued("whole_file")? == 0.0, "--whole-file-after {after}, --mem-cache {mem}: queued");
+            let gets = ranged_gets(&origin, mark);
+            ensure!(
+                ranged_bytes(&gets) == 3 * chunk,
+                "--whole-file-after {after}, --mem-cache {mem}: {gets:?}"
+            );
+        }
+        drop(c);
+        drop(child);
+    }
     Ok(())
 }
 

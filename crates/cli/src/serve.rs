@@ -160,6 +160,13 @@ pub struct ServeArgs {
     /// stat {} +` from 17 serial round trips to 14 for 1.34x the bytes it needs (256K: 10, 1.7x).
     #[arg(long, value_name = "SIZE", default_value = "128K", value_parser = crate::parse_size_arg)]
     pack_readahead: u64,
+    /// Fetch a file of at most 64 MiB whole, in the background, once N of its reads missed
+    /// memory and went to the origin (nothing had foreseen them): programs read their binary and
+    /// libraries page fault by page fault, at random and most of the way, a round trip each.
+    /// Remote stores only; 0 turns it off. The default, 3, took a cold gcc compile from 74
+    /// serial round trips to 33 (2.9 to 2.0 s at 20 ms and 200 Mbit/s) for 1 % more bytes.
+    #[arg(long, value_name = "N", default_value_t = 3)]
+    whole_file_after: u32,
     /// Bandwidth cap for background fetches (readahead and profile prefetch), in stored bytes
     /// per second (e.g. 20M). Default: no cap. Demand fetches are never capped and always go
     /// first; background fetches use at most half of --fetch-jobs.
@@ -344,6 +351,8 @@ pub struct ServeConfig {
     pub readahead: u64,
     /// Pack-order readahead window (stored bytes; 0: off; remote stores only).
     pub pack_readahead: u64,
+    /// `--whole-file-after`: origin misses of a file that make it fetched whole (0: off).
+    pub whole_file_after: u32,
     /// Prefetch the image's profile, if it has one.
     pub prefetch: bool,
     /// `--metrics HOST:PORT`.
@@ -405,6 +414,7 @@ impl ServeConfig {
             prefetch_rate: args.prefetch_rate.filter(|&r| r > 0),
             readahead: args.readahead,
             pack_readahead: args.pack_readahead,
+            whole_file_after: args.whole_file_after,
             prefetch: !args.no_prefetch,
             metrics: args.metrics,
             record_trace: args.record_trace,
@@ -506,7 +516,9 @@ pub fn run_on(config: ServeConfig, listener: Option<std::os::unix::net::UnixList
         .with_readahead(config.readahead)
         .with_huge_pages(config.mem_huge_pages);
     if location.local_path().is_none() {
-        tier = tier.with_pack_readahead(config.pack_readahead);
+        tier = tier
+            .with_pack_readahead(config.pack_readahead)
+            .with_whole_files(config.whole_file_after, tessera_engine::WHOLE_FILE_MAX_BYTES);
     }
     if let Some(t) = &trace {
         tier = tier.with_trace(t.recorder());

@@ -35,6 +35,7 @@ pub mod device;
 pub mod error;
 pub mod export;
 pub mod fetcher;
+pub mod files;
 pub mod hugebuf;
 pub mod metrics;
 pub mod packorder;
@@ -51,6 +52,6 @@ pub use fetcher::{
 };
 pub use hugebuf::ChunkBuf;
 pub use tessera_store::Visit;
-pub use tier::{Chunk, MemTier, TierStats, DEFAULT_MEM_CACHE, DEFAULT_READAHEAD};
+pub use tier::{Chunk, MemTier, TierStats, DEFAULT_MEM_CACHE, DEFAULT_READAHEAD, WHOLE_FILE_MAX_BYTES};
 pub use trace::{TraceError, TraceRecorder};
 pub use warm::{warm, WarmFailure, WarmOptions, WarmReport, DEFAULT_WARM_JOBS, WARM_RUN_BYTES};

@@ -278,6 +278,8 @@ pub struct PrefetchMetrics {
     pub readahead_queued: IntCounter,
     /// Chunks queued from the image's prefetch profile.
     pub profile_queued: IntCounter,
+    /// Chunks queued because their file is fetched whole (its reads missed several times).
+    pub whole_file_queued: IntCounter,
     /// Chunks fetched ahead of demand.
     pub chunks: IntCounter,
     /// Bytes fetched ahead of demand (decoded).
@@ -300,6 +302,7 @@ impl PrefetchMetrics {
         Self {
             readahead_queued: queued.with_label_values(&["readahead"]),
             profile_queued: queued.with_label_values(&["profile"]),
+            whole_file_queued: queued.with_label_values(&["whole_file"]),
             chunks: r.counter("tessera_prefetch_chunks_total", "Chunks fetched ahead of demand"),
             bytes: r.counter("tessera_prefetch_bytes_total", "Bytes fetched ahead of demand"),
             used_bytes: r

@@ -1,0 +1,176 @@
+//! The image's files as its block map shows them, for whole-file readahead
+//! ([`crate::MemTier::with_whole_files`]): a file is a run of chunks laid back to back on the
+//! device, every one full-size but the last — what the builder writes, and what readahead within
+//! a file already assumes. Pure: built from the block map alone.
+//!
+//! It is a guess at file boundaries, never a correctness matter (it only decides what is fetched
+//! ahead): a file whose size is a whole number of chunks runs on into the next one; a file split
+//! by metadata (an ext4 block group's bitmaps and inode table) counts as two; a chunk several
+//! files share (deduplicated) belongs to the first that uses it.
+
+use tessera_image::{BlockMap, ChunkRef, RunSource};
+
+/// Chunk → file, and each file's chunks in device order.
+#[derive(Debug, Clone, Default)]
+pub struct FileMap {
+    /// The file of each chunk index (`NONE`: in no file, e.g. never mapped).
+    of: Vec<u32>,
+    /// File `f`'s chunks are `chunks[starts[f]..starts[f + 1]]`.
+    starts: Vec<u32>,
+    chunks: Vec<u32>,
+    /// Each file's bytes (its chunks' lengths).
+    bytes: Vec<u64>,
+}
+
+const NONE: u32 = u32::MAX;
+
+impl FileMap {
+    /// The files of `map`, whose chunks are `chunk_size` bytes but a file's last.
+    pub fn new(map: &BlockMap, chunk_size: u32) -> Self {
+        let chunks = map.chunks();
+        let mut files = FileMap { of: vec![NONE; chunks.len()], starts: vec![0], ..Default::default() };
+        let mut file: Vec<u32> = Vec::new();
+        // The end (device block) of the last run taken, its chunk, and whether that chunk is full.
+        let mut last: Option<(u64, u32, bool)> = None;
+        for run in map.runs() {
+            let RunSource::Chunk { chunk, .. } = run.source else {
+                files.close(&mut file, chunks);
+                last = None;
+                continue;
+            };
+            let full = chunks.get(chunk as usize).is_some_and(|c| c.len >= chunk_size);
+            match last {
+                Some((end, prev, _)) if end == run.start && prev == chunk => {}
+                Some((end, _, prev_full)) if end == run.start && prev_full => file.push(chunk),
+                _ => {
+                    files.close(&mut file, chunks);
+                    file.push(chunk);
+                }
+            }
+            last = Some((run.start + run.blocks, chunk, full));
+        }
+        files.close(&mut file, chunks);
+        files
+    }
+
+    fn close(&mut self, file: &mut Vec<u32>, chunks: &[ChunkRef]) {
+        if file.is_empty() {
+            return;
+        }
+        let Ok(number) = u32::try_from(self.bytes.len()) else { return };
+        let mut bytes = 0u64;
+        for &c in file.iter() {
+            if let Some(slot) = self.of.get_mut(c as usize) {
+                if *slot == NONE {
+                    *slot = number;
+                }
+            }
+            bytes += chunks.get(c as usize).map_or(0, |c| u64::from(c.len));
+        }
+        self.chunks.append(file);
+        self.starts.push(u32::try_from(self.chunks.len()).unwrap_or(u32::MAX));
+        self.bytes.push(bytes);
+    }
+
+    /// The file chunk `chunk` belongs to.
+    pub fn file_of(&self, chunk: u32) -> Option<u32> {
+        self.of.get(chunk as usize).copied().filter(|&f| f != NONE)
+    }
+
+    /// File `file`'s chunks, in device order.
+    pub fn chunks(&self, file: u32) -> &[u32] {
+        let f = file as usize;
+        match (self.starts.get(f), self.starts.get(f + 1)) {
+            (Some(&a), Some(&b)) => self.chunks.get(a as usize..b as usize).unwrap_or(&[]),
+            _ => &[],
+        }
+    }
+
+    /// File `file`'s bytes.
+    pub fn bytes(&self, file: u32) -> u64 {
+        self.bytes.get(file as usize).copied().unwrap_or(0)
+    }
+
+    /// How many files.
+    pub fn len(&self) -> usize {
+        self.bytes.len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.bytes.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tessera_image::ChunkId;
+
+    const CHUNK: u32 = 16 * 4096;
+
+    /// Files of `sizes` bytes laid back to back from device block 10 (after 10 prefix blocks),
+    /// a gap of `gap` blocks between files; chunk ids from their position.
+    fn map(sizes: &[u64], gap: u64) -> BlockMap {
+        let mut b = BlockMap::builder(1 << 20);
+        b.push_prefix(0, 10, 0).unwrap();
+        let mut at = 10;
+        let mut n = 0u8;
+        for &size in sizes {
+            let mut left = size;
+            while left > 0 {
+                let len = left.min(u64::from(CHUNK)) as u32;
+                n += 1;
+                let c = b.add_chunk(ChunkId::of(&[n]), len);
+                let blocks = u64::from(len).div_ceil(4096);
+                b.push_chunk(at, blocks, c, 0).unwrap();
+                at += blocks;
+                left -= u64::from(len);
+            }
+            at += gap;
+        }
+        b.finish().unwrap()
+    }
+
+    #[test]
+    fn files_end_at_a_short_chunk_or_a_gap() {
+        let one = u64::from(CHUNK);
+        // 3.5 chunks, then 1 chunk exactly (runs on into the next), then 2.25 chunks.
+        let m = FileMap::new(&map(&[3 * one + one / 2, one, 2 * one + one / 4], 0), CHUNK);
+        assert_eq!(m.len(), 2);
+        assert_eq!(m.chunks(0), &[0, 1, 2, 3]);
+        assert_eq!(m.bytes(0), 3 * one + one / 2);
+        assert_eq!(m.chunks(1), &[4, 5, 6, 7], "a whole-chunk file runs on into the next");
+        assert_eq!(
+            (m.file_of(0), m.file_of(3), m.file_of(4), m.file_of(7)),
+            (Some(0), Some(0), Some(1), Some(1))
+        );
+        assert_eq!(m.file_of(8), None);
+        assert!(m.chunks(2).is_empty());
+
+        // A gap on the device ends a file even after a full chunk.
+        let m = FileMap::new(&map(&[one, one, one / 2], 3), CHUNK);
+        assert_eq!((m.len(), m.chunks(0), m.chunks(1), m.chunks(2)), (3, &[0][..], &[1][..], &[2][..]));
+    }
+
+    #[test]
+    fn a_shared_chunk_belongs_to_its_first_file() {
+        let one = u64::from(CHUNK);
+        let mut b = BlockMap::builder(1 << 20);
+        let a = b.add_chunk(ChunkId::of(b"a"), CHUNK);
+        let tail = b.add_chunk(ChunkId::of(b"t"), 100);
+        let c = b.add_chunk(ChunkId::of(b"c"), CHUNK);
+        // File 1: a, tail. File 2 (after a gap): c, a (shared), tail.
+        b.push_chunk(0, 16, a, 0).unwrap();
+        b.push_chunk(16, 1, tail, 0).unwrap();
+        b.push_chunk(20, 16, c, 0).unwrap();
+        b.push_chunk(36, 16, a, 0).unwrap();
+        b.push_chunk(52, 1, tail, 0).unwrap();
+        let m = FileMap::new(&b.finish().unwrap(), CHUNK);
+        assert_eq!(m.len(), 2);
+        let (a, c) = (m.chunks(0)[0], m.chunks(1)[0]);
+        assert_eq!(m.chunks(1).len(), 3);
+        assert_eq!((m.file_of(a), m.file_of(c)), (Some(0), Some(1)));
+        assert_eq!(m.bytes(1), 2 * one + 100);
+    }
+}
