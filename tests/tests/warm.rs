@@ -566,6 +566,27 @@ fn copy_to_a_registry_keeps_the_profile() -> Result<()> {
     Ok(())
 }
 
+/// Start `tessera serve demo` from `origin` over the disk cache `cache` with `extra` arguments,
+/// read the whole device, stop; the device's bytes and the origin requests the daemon made.
+fn serve_warmed(
+    f: &Fixture,
+    origin: &tessera_e2e::nginx::Nginx,
+    cache: &Path,
+    sock: &str,
+    extra: &[&str],
+) -> Result<(Vec<u8>, Vec<String>)> {
+    let before = origin.access_log().lines().count();
+    let socket = f.t.path().join(sock);
+    let args = [&["--read-only", "--cache-dir", s(cache)?][..], extra].concat();
+    let d = Daemon::start("demo", origin.url(), &socket, &args)?;
+    let mut c = BlkClient::connect(d.socket(), 1, true)?;
+    let (device, failed) = c.read_device(1 << 20, 8)?;
+    ensure!(failed.is_empty(), "reads failed: {failed:?}");
+    drop(c);
+    d.stop()?;
+    Ok((device, origin.access_log().lines().skip(before).map(str::to_owned).collect()))
+}
+
 /// A warmed start by tag asks the origin for the tag only, and opens the image the cache's
 /// lookup names while that answer is on its way; when the tag has moved, the daemon serves the
 /// image the origin names now, never the cached one. (This checks the guess is never trusted;
@@ -578,20 +599,8 @@ fn a_warmed_tag_is_confirmed_by_the_origin_and_followed_when_it_moved() -> Resul
     let cache = f.t.path().join("cache");
     warm_json(warm("demo", &url, &cache, &[])?, "warm")?;
 
-    let serve = |sock: &str| -> Result<Vec<u8>> {
-        let socket = f.t.path().join(sock);
-        let d = Daemon::start("demo", &url, &socket, &["--read-only", "--cache-dir", s(&cache)?])?;
-        let mut c = BlkClient::connect(d.socket(), 1, true)?;
-        let (device, failed) = c.read_device(1 << 20, 8)?;
-        ensure!(failed.is_empty(), "reads failed: {failed:?}");
-        drop(c);
-        d.stop()?;
-        Ok(device)
-    };
-    let before = origin.access_log().lines().count();
-    ensure!(serve("warm.sock")? == f.raw, "a warmed start by tag served other bytes");
-    let log = origin.access_log();
-    let new: Vec<&str> = log.lines().skip(before).collect();
+    let (device, new) = serve_warmed(&f, &origin, &cache, "warm.sock", &[])?;
+    ensure!(device == f.raw, "a warmed start by tag served other bytes");
     ensure!(
         new.len() == 1 && new[0].contains("/refs/demo "),
         "a warmed start by tag asks for the tag and nothing else: {new:?}"
@@ -605,7 +614,8 @@ fn a_warmed_tag_is_confirmed_by_the_origin_and_followed_when_it_moved() -> Resul
     ensure!(moved != f.id, "the second build is another image");
     let raw2 = f.t.path().join("moved.raw");
     tessera::export("demo", &f.store, &raw2)?;
-    ensure!(serve("moved.sock")? == fs::read(&raw2)?, "after the tag moved, the daemon served the old image");
+    let (device, _) = serve_warmed(&f, &origin, &cache, "moved.sock", &[])?;
+    ensure!(device == fs::read(&raw2)?, "after the tag moved, the daemon served the old image");
     Ok(())
 }
 
@@ -620,19 +630,8 @@ fn a_recent_tag_lookup_is_trusted_within_tag_max_age() -> Result<()> {
     let cache = f.t.path().join("cache");
     warm_json(warm("demo", &url, &cache, &[])?, "warm")?;
 
-    // The device a start serves, and the origin requests it made.
-    let serve = |sock: &str, max_age: &str| -> Result<(Vec<u8>, Vec<String>)> {
-        let before = origin.access_log().lines().count();
-        let socket = f.t.path().join(sock);
-        let args = ["--read-only", "--cache-dir", s(&cache)?, "--tag-max-age", max_age];
-        let d = Daemon::start("demo", &url, &socket, &args)?;
-        let mut c = BlkClient::connect(d.socket(), 1, true)?;
-        let (device, failed) = c.read_device(1 << 20, 8)?;
-        ensure!(failed.is_empty(), "reads failed: {failed:?}");
-        drop(c);
-        d.stop()?;
-        Ok((device, origin.access_log().lines().skip(before).map(str::to_owned).collect()))
-    };
+    let serve =
+        |sock: &str, max_age: &str| serve_warmed(&f, &origin, &cache, sock, &["--tag-max-age", max_age]);
     let (device, asked) = serve("fresh.sock", "10m")?;
     ensure!(device == f.raw, "a start on a fresh lookup served other bytes");
     ensure!(asked.is_empty(), "a start on a lookup within --tag-max-age asks nothing: {asked:?}");
