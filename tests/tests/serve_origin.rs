@@ -594,6 +594,97 @@ fn a_file_read_at_random_is_fetched_whole_after_its_misses() -> Result<()> {
     Ok(())
 }
 
+/// Small files of one directory read one after another, as an interpreter imports its
+/// modules: once reads of `--stretch-after` distinct files stored in one stretch of a pack
+/// missed and went to the origin, the rest of the stretch is fetched in the background (each
+/// byte once), and reads of its other files fetch nothing; with 0 only what was read is fetched.
+#[test]
+fn files_stored_near_several_missed_ones_are_fetched_with_their_stretch() -> Result<()> {
+    use tessera_image::{ChunkId, ImageEntry, PackIndex};
+    let t = tmp("serve-stretch")?;
+    let (src, store) = (t.path().join("src"), t.path().join("store"));
+    fs::create_dir_all(src.join("mods"))?;
+    let mut rng = Prng::from_label("serve-stretch");
+    // 40 modules of 8000 random bytes: one chunk each, stored raw, in tree order in one pack.
+    let files: Vec<(String, Vec<u8>)> =
+        (0..40).map(|i| (format!("/mods/m{i:02}.pyc"), rng.bytes(8000))).collect();
+    for (path, data) in &files {
+        fs::write(src.join(path.trim_start_matches('/')), data)?;
+    }
+    let id = tessera::build(&src, &store, &["--tag", "demo", "--chunk-size", "64K"])?;
+    let raw_path = t.path().join("local.raw");
+    tessera::export("demo", &store, &raw_path)?;
+    let raw = fs::read(&raw_path)?;
+    // Each file's stretch (128 KiB of its pack, aligned) and stored bytes, from the pack index.
+    let stretch = 128u64 << 10;
+    let entry = ImageEntry::from_json(&fs::read(store.join("images").join(format!("{}.json", id.hex())))?)?;
+    let index = PackIndex::decode(&fs::read(store.join("blobs/sha256").join(entry.pack_index.hex()))?)?;
+    let placed: Vec<((String, u64), u64)> = files
+        .iter()
+        .map(|(path, data)| {
+            let (pack, loc) =
+                index.get(&ChunkId::of(data)).with_context(|| format!("{path}: not in the index"))?;
+            Ok(((pack.hex(), loc.offset / stretch), u64::from(loc.stored_len)))
+        })
+        .collect::<Result<_>>()?;
+    let near: Vec<usize> = (0..files.len()).filter(|&i| placed[i].0 == placed[0].0).collect();
+    ensure!(near.len() >= 6 && near.len() < files.len(), "the first stretch holds {near:?}");
+    let stored = |set: &[usize]| set.iter().map(|&i| placed[i].1).sum::<u64>();
+    let read_three = [near[0], near[2], near[4]];
+
+    let origin = Nginx::serve(&store, "store")?;
+    let url = origin.url();
+    let socket = t.path().join("vm.sock");
+    for (after, whole) in [("3", true), ("0", false)] {
+        let _ = fs::remove_file(&socket);
+        let mut cmd = tessera::command(["serve", "demo", "--read-only", "--store", url.as_str()]);
+        // No readahead within a file, no pack window, no whole files: misses and stretches only.
+        cmd.args(["--readahead", "0", "--pack-readahead", "0", "--whole-file-after", "0"]);
+        cmd.args(["--stretch-after", after, "--stretch-size", "128K"]);
+        let (child, addr) = tessera_e2e::metrics::spawn_with_metrics(cmd.arg("--socket").arg(&socket))?;
+        let child = Killed(child);
+        let mut c = BlkClient::connect(&socket, 1, true)?;
+        let mark = origin.access_log().lines().count();
+        let read = |c: &mut BlkClient, i: usize| -> Result<()> {
+            let at = first_block_offset(&raw_path, &files[i].0)?;
+            let bytes =
+                c.read(at, 8192)?.map_err(|e| anyhow::anyhow!("read of {}: errno {e}", files[i].0))?;
+            ensure!(bytes == raw[at as usize..at as usize + 8192], "{}: wrong bytes", files[i].0);
+            Ok(())
+        };
+        for i in read_three {
+            read(&mut c, i)?;
+        }
+        let queued = tessera_e2e::metrics::scrape(&addr)?
+            .value("tessera_prefetch_queued_chunks_total", &[("reason", "stretch")])?;
+        if whole {
+            let gets = wait_for_ranged(&origin, mark, stored(&near));
+            ensure!(
+                ranged_bytes(&gets) == stored(&near),
+                "the stretch's files {near:?}, each byte once: {gets:?}"
+            );
+            ensure!(disjoint(&gets), "a byte fetched twice: {gets:?}");
+            ensure!(queued == (near.len() - 3) as f64, "the stretch's other files queued once: {queued}");
+            let before = origin.access_log().lines().count();
+            for &i in &near {
+                read(&mut c, i)?;
+            }
+            let again = ranged_gets(&origin, before);
+            ensure!(
+                again.is_empty(),
+                "reads of files fetched with their stretch went to the origin: {again:?}"
+            );
+        } else {
+            ensure!(queued == 0.0, "--stretch-after 0: {queued} chunks queued");
+            let gets = ranged_gets(&origin, mark);
+            ensure!(ranged_bytes(&gets) == stored(&read_three), "--stretch-after 0: {gets:?}");
+        }
+        drop(c);
+        drop(child);
+    }
+    Ok(())
+}
+
 /// A child process killed (and reaped) when dropped.
 struct Killed(std::process::Child);
 

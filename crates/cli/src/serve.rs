@@ -167,6 +167,20 @@ pub struct ServeArgs {
     /// serial round trips to 33 (2.9 to 2.0 s at 20 ms and 200 Mbit/s) for 1 % more bytes.
     #[arg(long, value_name = "N", default_value_t = 3)]
     whole_file_after: u32,
+    /// Fetch a stretch of a pack (--stretch-size stored bytes, aligned) whole, in the
+    /// background, once reads of N distinct files stored in it missed memory and went to the
+    /// origin: the builder packs in tree order, so a stretch holds neighbouring files of one
+    /// directory, and a program start reading many of them one after another (an interpreter's
+    /// modules) pays a round trip for each that no pack window foresaw. Remote stores only; 0
+    /// turns it off.
+    /// The default, 3 of 512K, took a cold python start (imports of json, sqlite3, decimal,
+    /// email.parser, asyncio) at 20 ms and 200 Mbit/s from 34 serial round trips to 30 (1.92 to
+    /// 1.83 s) for 6 % more bytes.
+    #[arg(long, value_name = "N", default_value_t = 3)]
+    stretch_after: u32,
+    /// The size of the stretches --stretch-after fetches, in stored bytes.
+    #[arg(long, value_name = "SIZE", default_value = "512K", value_parser = crate::parse_size_arg)]
+    stretch_size: u64,
     /// Bandwidth cap for background fetches (readahead and profile prefetch), in stored bytes
     /// per second (e.g. 20M). Default: no cap. Demand fetches are never capped and always go
     /// first; background fetches use at most half of --fetch-jobs.
@@ -353,6 +367,9 @@ pub struct ServeConfig {
     pub pack_readahead: u64,
     /// `--whole-file-after`: origin misses of a file that make it fetched whole (0: off).
     pub whole_file_after: u32,
+    /// Dense-stretch readahead: files missed, and the stretch size (remote stores only).
+    pub stretch_after: u32,
+    pub stretch_size: u64,
     /// Prefetch the image's profile, if it has one.
     pub prefetch: bool,
     /// `--metrics HOST:PORT`.
@@ -415,6 +432,8 @@ impl ServeConfig {
             readahead: args.readahead,
             pack_readahead: args.pack_readahead,
             whole_file_after: args.whole_file_after,
+            stretch_after: args.stretch_after,
+            stretch_size: args.stretch_size,
             prefetch: !args.no_prefetch,
             metrics: args.metrics,
             record_trace: args.record_trace,
@@ -518,7 +537,8 @@ pub fn run_on(config: ServeConfig, listener: Option<std::os::unix::net::UnixList
     if location.local_path().is_none() {
         tier = tier
             .with_pack_readahead(config.pack_readahead)
-            .with_whole_files(config.whole_file_after, tessera_engine::WHOLE_FILE_MAX_BYTES);
+            .with_whole_files(config.whole_file_after, tessera_engine::WHOLE_FILE_MAX_BYTES)
+            .with_dense_stretches(config.stretch_after, config.stretch_size);
     }
     if let Some(t) = &trace {
         tier = tier.with_trace(t.recorder());

@@ -8,6 +8,8 @@
 //! by metadata (an ext4 block group's bitmaps and inode table) counts as two; a chunk several
 //! files share (deduplicated) belongs to the first that uses it.
 
+use std::collections::HashMap;
+
 use tessera_image::{BlockMap, ChunkRef, RunSource};
 
 /// Chunk → file, and each file's chunks in device order.
@@ -102,6 +104,80 @@ impl FileMap {
     }
 }
 
+/// Readahead by where misses fall: counts the origin misses nothing foresaw, per file
+/// ([`crate::MemTier::with_whole_files`]) and per pack stretch
+/// ([`crate::MemTier::with_dense_stretches`]), and says when a file or a stretch is due to be
+/// fetched whole. Each is due once.
+#[derive(Debug, Default)]
+pub struct MissCounts {
+    /// Misses of one file that make it due (0: never).
+    file_after: u32,
+    /// Files missed in one stretch that make it due (0: never).
+    stretch_after: u32,
+    files: HashMap<u32, u32>,
+    stretches: HashMap<(u32, u64), Stretch>,
+}
+
+#[derive(Debug)]
+enum Stretch {
+    /// The distinct files missed there so far (`None`: a chunk in no file, each counted).
+    Missed(Vec<Option<u32>>),
+    Due,
+}
+
+const DUE: u32 = u32::MAX;
+
+impl MissCounts {
+    /// Counts for files due after `file_after` misses and stretches due once misses fell in
+    /// `stretch_after` distinct files there (0 turns either off).
+    pub fn new(file_after: u32, stretch_after: u32) -> Self {
+        Self { file_after, stretch_after, ..Self::default() }
+    }
+
+    /// Files due after `after` misses (0: never).
+    pub fn set_file_after(&mut self, after: u32) {
+        self.file_after = after;
+    }
+
+    /// Stretches due after misses in `after` distinct files (0: never).
+    pub fn set_stretch_after(&mut self, after: u32) {
+        self.stretch_after = after;
+    }
+
+    /// A miss of a chunk of `file` (if it is in one) stored in `stretch` (if counted): the file
+    /// and the stretch it made due, each at most once in the counter's life.
+    pub fn miss(
+        &mut self,
+        file: Option<u32>,
+        stretch: Option<(u32, u64)>,
+    ) -> (Option<u32>, Option<(u32, u64)>) {
+        let mut due = (None, None);
+        if let (Some(f), true) = (file, self.file_after > 0) {
+            let n = self.files.entry(f).or_insert(0);
+            if *n != DUE {
+                *n += 1;
+                if *n >= self.file_after {
+                    *n = DUE;
+                    due.0 = Some(f);
+                }
+            }
+        }
+        if let (Some(s), true) = (stretch, self.stretch_after > 0) {
+            let entry = self.stretches.entry(s).or_insert_with(|| Stretch::Missed(Vec::new()));
+            if let Stretch::Missed(seen) = entry {
+                if file.is_none() || !seen.contains(&file) {
+                    seen.push(file);
+                }
+                if seen.len() >= self.stretch_after as usize {
+                    *entry = Stretch::Due;
+                    due.1 = Some(s);
+                }
+            }
+        }
+        due
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -172,5 +248,30 @@ mod tests {
         assert_eq!(m.chunks(1).len(), 3);
         assert_eq!((m.file_of(a), m.file_of(c)), (Some(0), Some(1)));
         assert_eq!(m.bytes(1), 2 * one + 100);
+    }
+
+    #[test]
+    fn a_file_is_due_at_its_nth_miss_and_a_stretch_at_its_nth_file_each_once() {
+        let mut m = MissCounts::new(3, 3);
+        let s = Some((0, 7));
+        // Three misses of file 1 in one stretch: the file is due, the stretch (one file) not.
+        assert_eq!(m.miss(Some(1), s), (None, None));
+        assert_eq!(m.miss(Some(1), s), (None, None));
+        assert_eq!(m.miss(Some(1), s), (Some(1), None));
+        assert_eq!(m.miss(Some(1), s), (None, None), "a file is due once");
+        // Misses of two more files there make the stretch due, once.
+        assert_eq!(m.miss(Some(2), s), (None, None));
+        assert_eq!(m.miss(Some(3), s), (None, Some((0, 7))));
+        assert_eq!(m.miss(Some(4), s), (None, None), "a stretch is due once");
+        // Another stretch counts apart; chunks in no file count one each.
+        let t = Some((1, 0));
+        assert_eq!(m.miss(None, t), (None, None));
+        assert_eq!(m.miss(None, t), (None, None));
+        assert_eq!(m.miss(None, t), (None, Some((1, 0))));
+        // Off: nothing is ever due.
+        let mut off = MissCounts::new(0, 0);
+        for f in 0..10 {
+            assert_eq!(off.miss(Some(f % 2), s), (None, None));
+        }
     }
 }

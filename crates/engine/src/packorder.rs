@@ -87,6 +87,40 @@ impl PackOrder {
         }
         out
     }
+
+    /// The stretch of its pack chunk `c` is stored in (`c`'s offset in `bytes`-sized, aligned
+    /// stretches: `(pack, offset / bytes)`), and the chunks stored in it back to back with `c`,
+    /// in pack order (a gap ends it; at most 4096 either side). `None` if `c` has no place.
+    pub fn stretch(
+        &self,
+        c: u32,
+        bytes: u64,
+        place: impl Fn(u32) -> Option<ChunkPlace>,
+    ) -> Option<((u32, u64), Vec<u32>)> {
+        let bytes = bytes.max(1);
+        let at = place(c)?;
+        let key = (at.pack, at.offset / bytes);
+        let inside = |n: u32| place(n).is_some_and(|p| p.pack == key.0 && p.offset / bytes == key.1);
+        let mut first = c;
+        for _ in 0..4096 {
+            match self.prev(first) {
+                Some(p) if inside(p) => first = p,
+                _ => break,
+            }
+        }
+        let mut out = vec![first];
+        let mut at = first;
+        for _ in 0..8192 {
+            match self.next(at) {
+                Some(n) if inside(n) => {
+                    out.push(n);
+                    at = n;
+                }
+                _ => break,
+            }
+        }
+        Some((key, out))
+    }
 }
 
 #[cfg(test)]
@@ -124,5 +158,20 @@ mod tests {
             (order.prev(1), order.prev(0), order.prev(3), order.prev(4)),
             (Some(3), Some(1), None, None)
         );
+    }
+
+    #[test]
+    fn a_stretch_is_the_aligned_part_of_a_pack_around_a_chunk() {
+        let order = PackOrder::new(6, place);
+        // 256-byte stretches: pack 0's chunks at 0 and 100 are in stretch 0, the one at 200 too
+        // (it starts there); 4 at 1000 is in stretch 3, alone.
+        assert_eq!(order.stretch(1, 256, place), Some(((0, 0), vec![3, 1, 0])));
+        assert_eq!(order.stretch(0, 256, place), Some(((0, 0), vec![3, 1, 0])));
+        assert_eq!(order.stretch(4, 256, place), Some(((0, 3), vec![4])));
+        // 150-byte stretches: 3 (at 0) and 1 (at 100) share stretch 0; 0 (at 200) is in 1.
+        assert_eq!(order.stretch(3, 150, place), Some(((0, 0), vec![3, 1])));
+        assert_eq!(order.stretch(0, 150, place), Some(((0, 1), vec![0])));
+        assert_eq!(order.stretch(2, 256, place), Some(((1, 1), vec![2])));
+        assert_eq!(order.stretch(5, 256, place), None, "no place");
     }
 }

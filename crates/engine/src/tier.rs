@@ -9,7 +9,6 @@
 //! ([`MemTier::with_readahead`]); and a prefetch profile's chunks can be fetched in the
 //! background ([`MemTier::prefetch`]). Demand fetches always go first.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock, RwLockReadGuard};
 
@@ -22,7 +21,7 @@ use tessera_store::{ChunkSource, ImageReader, Piece, StoreError, Visit};
 use crate::device::{BlockDevice, BufSink, Sink};
 use crate::error::{ReadError, StartError};
 use crate::fetcher::{ChunkFetcher, ChunkPlace, FetchDone, FetchLimits, FetchResult, FetcherStats, Priority};
-use crate::files::FileMap;
+use crate::files::{FileMap, MissCounts};
 use crate::hugebuf::ChunkBuf;
 use crate::packorder::PackOrder;
 use crate::trace::TraceRecorder;
@@ -59,6 +58,10 @@ pub struct TierStats {
     pub whole_file_chunks: AtomicU64,
     /// Files fetched whole.
     pub whole_files: AtomicU64,
+    /// Chunks queued because their pack stretch is fetched whole ([`MemTier::with_dense_stretches`]).
+    pub stretch_chunks: AtomicU64,
+    /// Pack stretches fetched whole.
+    pub stretches: AtomicU64,
     /// Chunks fetched into memory by a background (readahead or prefetch) fetch.
     pub prefetched_chunks: AtomicU64,
     /// Decoded bytes of those chunks.
@@ -217,23 +220,23 @@ pub struct MemTier<S> {
     /// End offsets of recent reads: a read starting at one of them is sequential.
     streams: Mutex<Streams>,
     trace: Option<Arc<TraceRecorder>>,
-    whole: Option<WholeFiles>,
+    /// Whole-file and dense-stretch readahead, if either is on.
+    misses: Option<MissRules>,
 }
 
-/// Whole-file readahead ([`MemTier::with_whole_files`]).
-struct WholeFiles {
-    /// Misses of one file's chunks that make it fetched whole.
-    after: u32,
-    /// Larger files are not.
-    max_bytes: u64,
+/// Readahead by where misses fall ([`MemTier::with_whole_files`],
+/// [`MemTier::with_dense_stretches`]).
+#[derive(Default)]
+struct MissRules {
+    /// Larger files are not fetched whole.
+    max_file_bytes: u64,
+    /// The stretches' size in stored bytes (0: stretches off).
+    stretch_bytes: u64,
     /// Built at the first miss counted (a warmed daemon, whose misses the disk cache answers,
     /// never builds it).
     files: OnceLock<FileMap>,
-    /// Misses counted per file ([`FETCHED_WHOLE`] once it was queued whole).
-    misses: Mutex<HashMap<u32, u32>>,
+    counts: Mutex<MissCounts>,
 }
-
-const FETCHED_WHOLE: u32 = u32::MAX;
 
 /// The largest file [`MemTier::with_whole_files`] fetches whole in `serve` (a database file
 /// read at a few places is not a program's binary).
@@ -561,7 +564,7 @@ impl<S: ChunkSource> MemTier<S> {
             pack_ahead: None,
             streams: Mutex::default(),
             trace: None,
-            whole: None,
+            misses: None,
         })
     }
 
@@ -572,14 +575,47 @@ impl<S: ChunkSource> MemTier<S> {
     /// at random, page fault by page fault, most of the way (gcc's `cc1`: 240 reads, 22 of its
     /// 32 MiB; python's interpreter: 54 reads, 5.1 of 6.5 MiB): each miss is a round trip of its
     /// own that no window foresees. 0 turns it off.
-    pub fn with_whole_files(self, after: u32, max_bytes: u64) -> Self {
-        let whole = (after > 0 && self.core.capacity > 0).then(|| WholeFiles {
-            after,
-            max_bytes: max_bytes.min(self.core.capacity / 4),
-            files: OnceLock::new(),
-            misses: Mutex::new(HashMap::new()),
-        });
-        Self { whole, ..self }
+    pub fn with_whole_files(mut self, after: u32, max_bytes: u64) -> Self {
+        let max_file_bytes = max_bytes.min(self.core.capacity / 4);
+        if let Some(rules) = self.miss_rules(after > 0) {
+            rules.max_file_bytes = max_file_bytes;
+            rules.counts.get_mut().unwrap_or_else(|p| p.into_inner()).set_file_after(after);
+        }
+        self
+    }
+
+    /// Fetch a stretch of a pack whole in the background (as [`Self::with_whole_files`] does a
+    /// file) once reads of `after` distinct files stored in it missed memory and went to the
+    /// origin: the stretches are `bytes` (stored) long, aligned in each pack. The builder packs
+    /// in tree order, so a stretch holds files of one directory, and a program start that reads
+    /// several of them one after another (python's imports: 177 files, most of them small
+    /// modules in a few directories) pays a round trip for each that no pack window foresaw.
+    /// Remote stores; 0 turns it off.
+    pub fn with_dense_stretches(mut self, after: u32, bytes: u64) -> Self {
+        let bytes = bytes.min(self.core.capacity / 8);
+        let on = after > 0 && bytes > 0;
+        if on && self.order.is_none() {
+            let chunks = self.core.reader.image().record().block_map.chunks().len();
+            self.order = Some(Arc::new(PackOrder::new(chunks, |c| self.core.place(c))));
+        }
+        if let Some(rules) = self.miss_rules(on) {
+            rules.stretch_bytes = if on { bytes } else { 0 };
+            rules.counts.get_mut().unwrap_or_else(|p| p.into_inner()).set_stretch_after(if on {
+                after
+            } else {
+                0
+            });
+        }
+        self
+    }
+
+    /// The miss rules, made if `on` and there is memory to fetch into; `None` if there are none
+    /// and `on` is false (nothing to turn off).
+    fn miss_rules(&mut self, on: bool) -> Option<&mut MissRules> {
+        if on && self.core.capacity > 0 && self.misses.is_none() {
+            self.misses = Some(MissRules::default());
+        }
+        self.misses.as_mut()
     }
 
     /// Record the first touch of every chunk a read needs (`--record-trace`).
@@ -636,49 +672,64 @@ impl<S: ChunkSource> MemTier<S> {
         out
     }
 
-    /// The chunks of the files that `fresh` (misses of `missed` the origin answers) make due for
-    /// a whole-file fetch ([`Self::with_whole_files`]), less what is read, queued (`queued`),
-    /// in memory, pending or held below.
-    fn whole_files(&self, missed: &[u32], fresh: &[u32], queued: &[u32]) -> Vec<u32> {
-        let Some(w) = &self.whole else { return Vec::new() };
+    /// The chunks of the files and pack stretches that `fresh` (misses of `missed` the origin
+    /// answers) make due for fetching whole ([`Self::with_whole_files`],
+    /// [`Self::with_dense_stretches`]), less what is read, queued (`queued`), in memory, pending
+    /// or held below.
+    fn due_on_misses(&self, missed: &[u32], fresh: &[u32], queued: &[u32]) -> Vec<u32> {
+        let Some(rules) = &self.misses else { return Vec::new() };
         if fresh.is_empty() {
             return Vec::new();
         }
-        let files = w.files.get_or_init(|| {
+        let files = rules.files.get_or_init(|| {
             let record = self.core.reader.image().record();
             FileMap::new(&record.block_map, record.options.chunk_size)
         });
-        let mut due = Vec::new();
+        let (mut due_files, mut due_stretches) = (Vec::new(), Vec::new());
         {
-            let mut misses = w.misses.lock().unwrap_or_else(|p| p.into_inner());
-            for f in fresh.iter().filter_map(|&c| files.file_of(c)) {
-                let n = misses.entry(f).or_insert(0);
-                if *n == FETCHED_WHOLE {
-                    continue;
-                }
-                *n += 1;
-                if *n >= w.after {
-                    *n = FETCHED_WHOLE;
-                    if files.bytes(f) <= w.max_bytes {
-                        due.push(f);
-                    }
+            let mut counts = rules.counts.lock().unwrap_or_else(|p| p.into_inner());
+            for &c in fresh {
+                let stretch = (rules.stretch_bytes > 0)
+                    .then(|| self.core.place(c).map(|p| (p.pack, p.offset / rules.stretch_bytes)))
+                    .flatten();
+                let (file, stretch) = counts.miss(files.file_of(c), stretch);
+                due_files.extend(file.filter(|&f| files.bytes(f) <= rules.max_file_bytes));
+                if stretch.is_some() {
+                    due_stretches.push(c);
                 }
             }
         }
-        let mut out: Vec<u32> = due.iter().flat_map(|&f| files.chunks(f)).copied().collect();
+        if due_files.is_empty() && due_stretches.is_empty() {
+            return Vec::new();
+        }
+        let wanted = |c: &u32| {
+            !missed.contains(c)
+                && !queued.contains(c)
+                && !self.contains(*c)
+                && !self.fetcher.is_pending(*c)
+                && !self.core.held_below(*c)
+        };
+        let mut out: Vec<u32> = due_files.iter().flat_map(|&f| files.chunks(f)).copied().collect();
         out.sort_unstable();
         out.dedup();
-        out.retain(|&c| {
-            !missed.contains(&c)
-                && !queued.contains(&c)
-                && !self.contains(c)
-                && !self.fetcher.is_pending(c)
-                && !self.core.held_below(c)
-        });
-        if !due.is_empty() {
-            self.core.stats.whole_files.fetch_add(due.len() as u64, Ordering::Relaxed);
-            self.core.stats.whole_file_chunks.fetch_add(out.len() as u64, Ordering::Relaxed);
+        out.retain(wanted);
+        let from_files = out.len();
+        if let Some(order) = &self.order {
+            let mut near: Vec<u32> = due_stretches
+                .iter()
+                .filter_map(|&c| order.stretch(c, rules.stretch_bytes, |n| self.core.place(n)))
+                .flat_map(|(_, chunks)| chunks)
+                .collect();
+            near.sort_unstable();
+            near.dedup();
+            near.retain(|c| out[..from_files].binary_search(c).is_err() && wanted(c));
+            out.extend(near);
         }
+        let stats = &self.core.stats;
+        stats.whole_files.fetch_add(due_files.len() as u64, Ordering::Relaxed);
+        stats.whole_file_chunks.fetch_add(from_files as u64, Ordering::Relaxed);
+        stats.stretches.fetch_add(due_stretches.len() as u64, Ordering::Relaxed);
+        stats.stretch_chunks.fetch_add((out.len() - from_files) as u64, Ordering::Relaxed);
         out
     }
 
@@ -870,7 +921,7 @@ impl<S: ChunkSource> BlockDevice for MemTier<S> {
             Ok(chunks) => {
                 // The misses nothing foresaw (not queued or being fetched) that the host does not
                 // hold: each is a request to the origin.
-                let fresh: Vec<u32> = if self.pack_ahead.is_some() || self.whole.is_some() {
+                let fresh: Vec<u32> = if self.pack_ahead.is_some() || self.misses.is_some() {
                     let unforeseen = |&c: &u32| !self.fetcher.is_pending(c) && !self.core.held_below(c);
                     chunks.iter().copied().filter(unforeseen).collect()
                 } else {
@@ -878,9 +929,9 @@ impl<S: ChunkSource> BlockDevice for MemTier<S> {
                 };
                 let mut ahead = self.pack_ahead(&chunks, &fresh);
                 self.core.stats.readahead_chunks.fetch_add(ahead.len() as u64, Ordering::Relaxed);
-                let whole = self.whole_files(&chunks, &fresh, &ahead);
+                let whole = self.due_on_misses(&chunks, &fresh, &ahead);
                 ahead.extend(whole);
-                // In one step: the miss and its window (and a file due whole) leave together, in
+                // In one step: the miss and its window (and a file or stretch due whole) leave together, in
                 // requests of their own.
                 self.fetcher.fetch_with_ahead(&chunks, Priority::Demand, Some(done), &ahead);
             }

@@ -280,6 +280,9 @@ pub struct PrefetchMetrics {
     pub profile_queued: IntCounter,
     /// Chunks queued because their file is fetched whole (its reads missed several times).
     pub whole_file_queued: IntCounter,
+    /// Chunks queued because their pack stretch is fetched whole (reads missed in several of
+    /// its files).
+    pub stretch_queued: IntCounter,
     /// Chunks fetched ahead of demand.
     pub chunks: IntCounter,
     /// Bytes fetched ahead of demand (decoded).
@@ -303,6 +306,7 @@ impl PrefetchMetrics {
             readahead_queued: queued.with_label_values(&["readahead"]),
             profile_queued: queued.with_label_values(&["profile"]),
             whole_file_queued: queued.with_label_values(&["whole_file"]),
+            stretch_queued: queued.with_label_values(&["stretch"]),
             chunks: r.counter("tessera_prefetch_chunks_total", "Chunks fetched ahead of demand"),
             bytes: r.counter("tessera_prefetch_bytes_total", "Bytes fetched ahead of demand"),
             used_bytes: r
