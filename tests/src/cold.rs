@@ -3,13 +3,14 @@
 //! floor ([`crate::floor`]). Used by `cargo xtask bench cold` and `cargo xtask bench lazy`.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use tessera_image::RequestTrace;
 
 use crate::floor::{Breakdown, FetchCounts, Floor, Link, StoreImage};
+use crate::pin::Placement;
 use crate::proxy::Proxy;
 use crate::replay::{self, ReplayOptions, ReplayReport};
 
@@ -28,6 +29,8 @@ pub struct ColdRun<'a> {
     pub socket: PathBuf,
     /// The raw export every byte read is checked against, if any.
     pub raw: Option<PathBuf>,
+    /// The daemon on one CPU, the replay on another ([`crate::pin`]); `None`: unpinned.
+    pub placement: Option<Placement>,
 }
 
 /// What one cold run did.
@@ -50,7 +53,7 @@ impl ColdRun<'_> {
         let floor: Floor = image.floor(trace, link)?;
         let _ = std::fs::remove_file(&self.socket);
         let logged = proxy.log().len();
-        let mut cmd = Command::new(self.bin);
+        let mut cmd = crate::pin::daemon_command(self.placement, self.bin);
         cmd.args(["serve", self.image, "--store", &self.store_url, "--socket"])
             .arg(&self.socket)
             .arg("--read-only")
@@ -60,8 +63,12 @@ impl ColdRun<'_> {
         let spawned = Instant::now();
         let (mut child, metrics) = crate::metrics::spawn_with_metrics(&mut cmd)?;
         let ready = Instant::now();
-        let result =
-            replay::replay(trace, &self.socket, &ReplayOptions { raw: self.raw.clone(), writes: false });
+        let replay =
+            || replay::replay(trace, &self.socket, &ReplayOptions { raw: self.raw.clone(), writes: false });
+        let result = match self.placement {
+            Some(p) => p.on_client(replay).and_then(|r| r),
+            None => replay(),
+        };
         let end = Instant::now();
         let counts = fetch_counts(&metrics).ok();
         let _ = child.kill();

@@ -39,6 +39,7 @@ pub mod judge;
 pub mod metrics;
 pub mod nginx;
 pub mod oci;
+pub mod pin;
 pub mod pipeline;
 pub mod prng;
 pub mod proxy;

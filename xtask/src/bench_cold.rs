@@ -12,6 +12,7 @@ use clap::Args;
 use tessera_e2e::cold::{median, ColdRun};
 use tessera_e2e::floor::{Link, StoreImage};
 use tessera_e2e::nginx::{Nginx, ServerCert};
+use tessera_e2e::pin::Placement;
 use tessera_e2e::proxy::{Proxy, ProxyConfig};
 use tessera_e2e::tls::TestPki;
 
@@ -65,6 +66,10 @@ pub struct ColdBench {
     /// proxy sees no requests then, so the breakdown has times and wire bytes only.
     #[arg(long)]
     pub(crate) tls: bool,
+    /// Leave the daemons and the replay where the scheduler puts them (default: each daemon on
+    /// the second CPU, the replay on the first; `tessera_e2e::pin`).
+    #[arg(long)]
+    pub(crate) no_pin: bool,
 }
 
 struct Arm {
@@ -172,6 +177,11 @@ pub(crate) fn measure(opts: &ColdBench) -> Result<ColdResult> {
     let link = Link { bytes_per_sec: opts.mbit * 1_000_000 / 8, rtt: Duration::from_millis(opts.rtt_ms) };
     let floor = image.floor(&trace, link)?;
     println!("{}", floor.summary());
+    let placement = if opts.no_pin { None } else { Placement::split() };
+    match placement {
+        Some(p) => println!("pinned: daemon on CPU {}, replay on CPU {}", p.daemon, p.client),
+        None => println!("not pinned"),
+    }
 
     let parent = store.parent().context("the store has no parent directory")?;
     let name = store.file_name().context("the store has no name")?.to_string_lossy().into_owned();
@@ -204,6 +214,7 @@ pub(crate) fn measure(opts: &ColdBench) -> Result<ColdResult> {
                 serve_args: &arm.args,
                 socket: work.join("cold.sock"),
                 raw: opts.raw.clone(),
+                placement,
             };
             let wire = proxy.stats().wire_bytes;
             let mut r = run.run(&trace, &proxy, &image, link)?;
@@ -246,6 +257,7 @@ pub(crate) fn measure(opts: &ColdBench) -> Result<ColdResult> {
                             serve_args: &serve_args,
                             socket: work.join(format!("cold-{k}.sock")),
                             raw: opts.raw.clone(),
+                            placement,
                         };
                         let (trace, proxy, image) = (&trace, &proxy, &image);
                         s.spawn(move || run.run(trace, proxy, image, link))

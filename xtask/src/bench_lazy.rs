@@ -36,6 +36,7 @@ use clap::Args;
 use tessera_e2e::cold::{median, ColdRun};
 use tessera_e2e::floor::{Breakdown, Floor, Link, StoreImage};
 use tessera_e2e::nginx::Nginx;
+use tessera_e2e::pin::Placement;
 use tessera_e2e::prng::Prng;
 use tessera_e2e::proxy::{Proxy, ProxyConfig};
 use tessera_e2e::registry::Registry;
@@ -78,6 +79,11 @@ pub struct LazyBench {
     /// Use this `tessera` binary instead of building the release CLI.
     #[arg(long)]
     pub(crate) tessera: Option<PathBuf>,
+    /// Leave the daemons (tessera and qemu-storage-daemon) and the replays where the scheduler
+    /// puts them (default: each daemon on the second CPU, the replay on the first;
+    /// `tessera_e2e::pin`). The peers' downloads and preparation are never pinned.
+    #[arg(long)]
+    pub(crate) no_pin: bool,
 }
 
 /// The figures of one workload at one rate.
@@ -240,8 +246,8 @@ fn profile_entry(
 }
 
 /// qemu-storage-daemon exporting the raw file `file` read-only with `queues` queues.
-fn qsd(file: &Path, socket: &Path, queues: u16, log: &Path) -> Result<Daemon> {
-    let mut cmd = Command::new("qemu-storage-daemon");
+fn qsd(file: &Path, socket: &Path, queues: u16, log: &Path, placement: Option<Placement>) -> Result<Daemon> {
+    let mut cmd = tessera_e2e::pin::daemon_command(placement, "qemu-storage-daemon");
     cmd.arg("--blockdev")
         .arg(format!("driver=file,node-name=f,filename={}", file.display()))
         .args(["--blockdev", "driver=raw,node-name=r,file=f", "--export"])
@@ -259,11 +265,17 @@ fn qsd_replay(
     trace: &tessera_image::RequestTrace,
     dir: &Path,
     raw: Option<&Path>,
+    placement: Option<Placement>,
 ) -> Result<f64> {
     let sock = dir.join("qsd.sock");
     let t = Instant::now();
-    let d = qsd(file, &sock, trace.header.queues, &dir.join("qsd.log"))?;
-    let r = replay::replay(trace, &sock, &ReplayOptions { raw: raw.map(Path::to_path_buf), writes: false });
+    let d = qsd(file, &sock, trace.header.queues, &dir.join("qsd.log"), placement)?;
+    let replay =
+        || replay::replay(trace, &sock, &ReplayOptions { raw: raw.map(Path::to_path_buf), writes: false });
+    let r = match placement {
+        Some(p) => p.on_client(replay).and_then(|r| r),
+        None => replay(),
+    };
     let secs = t.elapsed().as_secs_f64();
     d.stop()?;
     let r = r?;
@@ -523,6 +535,11 @@ pub(crate) fn measure(opts: &LazyBench) -> Result<LazyResult> {
         Some(r)
     };
     let nginx = Nginx::serve(&served, "s")?;
+    let placement = if opts.no_pin { None } else { Placement::split() };
+    match placement {
+        Some(p) => println!("==> pinned: each daemon on CPU {}, each replay on CPU {}", p.daemon, p.client),
+        None => println!("==> not pinned"),
+    }
     for &mbit in &rates {
         let link = Link { bytes_per_sec: mbit * 1_000_000 / 8, rtt: Duration::from_millis(opts.rtt_ms) };
         let cfg = ProxyConfig { rtt: link.rtt, bandwidth: Some(link.bytes_per_sec), ..Default::default() };
@@ -552,6 +569,7 @@ pub(crate) fn measure(opts: &LazyBench) -> Result<LazyResult> {
                         serve_args: &args,
                         socket: sock.clone(),
                         raw: None,
+                        placement,
                     };
                     let r = run.run(trace, &proxy, &image, link)?;
                     ensure!(r.replay.failed == 0, "{}: {} requests failed", w.name, r.replay.failed);
@@ -596,7 +614,7 @@ pub(crate) fn measure(opts: &LazyBench) -> Result<LazyResult> {
             if let Some(rp) = &reg_proxy {
                 let (img, prep) = peer_a_prepare(rp, &work.join("peer-a"), device_bytes)?;
                 for ((w, _, trace, _), row) in recorded.iter().zip(rows.iter_mut()) {
-                    let t = prep.total() + qsd_replay(&img, trace, &work, None)?;
+                    let t = prep.total() + qsd_replay(&img, trace, &work, None, placement)?;
                     println!("== {mbit} Mbit/s round {round} {} peer (a): {t:.2} s", w.name);
                     row.peer_a.push(t);
                 }
@@ -605,7 +623,7 @@ pub(crate) fn measure(opts: &LazyBench) -> Result<LazyResult> {
                 let _ = fs::remove_dir_all(work.join("peer-a"));
                 let (img, prep) = peer_b_prepare(&proxy, &work.join("peer-b"))?;
                 for ((w, _, trace, _), row) in recorded.iter().zip(rows.iter_mut()) {
-                    let t = prep.total() + qsd_replay(&img, trace, &work, Some(&raw))?;
+                    let t = prep.total() + qsd_replay(&img, trace, &work, Some(&raw), placement)?;
                     println!("== {mbit} Mbit/s round {round} {} peer (b): {t:.2} s", w.name);
                     row.peer_b.push(t);
                 }

@@ -509,6 +509,7 @@ impl Ctx<'_> {
             no_peers: false,
             serve_arg: vec![],
             tessera: Some(self.bin.clone()),
+            no_pin: false,
         }
     }
 
@@ -739,6 +740,8 @@ impl Ctx<'_> {
             daemons: if quick { vec![4] } else { vec![2, 4, 8] },
             shared_cache: true,
             tls: false,
+            // N daemons at once share the machine as they would a host: none is pinned.
+            no_pin: true,
         };
         let r = bench_cold::measure(&opts)?;
         let floor = r.floor;
