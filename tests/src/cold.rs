@@ -70,16 +70,36 @@ impl ColdRun<'_> {
             None => replay(),
         };
         let end = Instant::now();
+        // Background fetches (readahead, whole files, stretches) may still be running or queued:
+        // they are the run's origin bytes too, so the daemon is stopped only once it is idle.
+        let idle = wait_idle(&metrics, Duration::from_secs(30));
         let counts = fetch_counts(&metrics).ok();
         let _ = child.kill();
         let _ = child.wait();
         let report = result.context("replaying the trace")?;
-        // Requests still being answered when the replay ended (background fetches) are in the log
-        // without their end; the bytes they had moved are not counted: give them a moment.
+        if let Err(e) = idle {
+            eprintln!("cold run: origin bytes may be undercounted: {e:#}");
+        }
+        // The proxy logs a request's end once it has relayed the last byte, a moment after the
+        // daemon had it.
         std::thread::sleep(Duration::from_millis(50)); // settling time, not a synchronization
         let log: Vec<_> = proxy.log().into_iter().skip(logged).collect();
         let breakdown = Breakdown::of(|p| image.classify(p), &log, spawned, ready, end, floor, counts);
         Ok(ColdResult { replay: report, breakdown })
+    }
+}
+
+/// Poll the daemon's metrics at `metrics` until no chunk fetch is queued or running (at most
+/// `limit`).
+fn wait_idle(metrics: &str, limit: Duration) -> Result<()> {
+    let deadline = Instant::now() + limit;
+    loop {
+        let depth = crate::metrics::scrape(metrics)?.value("tessera_fetch_queue_depth", &[])?;
+        if depth == 0.0 {
+            return Ok(());
+        }
+        anyhow::ensure!(Instant::now() < deadline, "{depth} fetches still queued or running after {limit:?}");
+        std::thread::sleep(Duration::from_millis(10)); // polling interval
     }
 }
 

@@ -349,7 +349,11 @@ impl Breakdown {
                     chunk_requests += 1;
                     chunk_bytes += r.body_bytes;
                     fresh_connections += u64::from(r.fresh);
-                    chunk.push((r.at, r.done.unwrap_or(end).max(r.at)));
+                    // Rounds are the workload's: a background fetch started after it ended (the
+                    // run waits for them) adds bytes, not round trips.
+                    if r.at < end {
+                        chunk.push((r.at, r.done.unwrap_or(end).max(r.at)));
+                    }
                 }
                 what => start_fetches.push(StartFetch {
                     what,
