@@ -160,3 +160,17 @@ pub fn built_store(
     let local_raw = std::fs::read(&local)?;
     Ok(BuiltStore { t, store, id, local_raw })
 }
+
+/// A child process (a daemon under test) killed and reaped when the test lets go of it without
+/// having stopped it: a failed check must not leave it running.
+#[derive(Debug)]
+pub struct Killed(pub std::process::Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        if matches!(self.0.try_wait(), Ok(None)) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}

@@ -9,7 +9,7 @@
 
 use std::fs;
 use std::path::Path;
-use std::process::{Child, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
@@ -19,25 +19,12 @@ use tessera_e2e::frontend::{
 };
 use tessera_e2e::prng::Prng;
 use tessera_e2e::tessera;
-use tessera_e2e::testutil::tmp;
+use tessera_e2e::testutil::{tmp, Killed};
 
 const STATUS_OK: u8 = 0;
 const STATUS_IOERR: u8 = 1;
 const STATUS_UNSUPP: u8 = 2;
 const WAIT: Duration = Duration::from_secs(10);
-
-/// A daemon killed (SIGKILL) when the test lets go of it without stopping it: a failed check
-/// must not leave a daemon running (one spinning on a lying ring would eat a CPU for good).
-struct Killed(Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        if matches!(self.0.try_wait(), Ok(None)) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-}
 
 /// `tessera serve` with its stderr in `log`; waits for the socket.
 fn serve(store: &Path, socket: &Path, log: &Path) -> Result<Killed> {

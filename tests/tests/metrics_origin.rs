@@ -5,7 +5,7 @@
 
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 
 use anyhow::{ensure, Context, Result};
 use tessera_e2e::daemon::BlkClient;
@@ -14,25 +14,15 @@ use tessera_e2e::nginx::Nginx;
 use tessera_e2e::prng::Prng;
 use tessera_e2e::proxy::{Fault, Proxy, ProxyConfig};
 use tessera_e2e::tessera;
-use tessera_e2e::testutil::tmp;
+use tessera_e2e::testutil::{tmp, Killed};
 
 const MIB: usize = 1 << 20;
-
-/// A daemon killed (and reaped) on drop.
-struct Serving(Child);
-
-impl Drop for Serving {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 /// Run `cmd` (a `serve --socket socket` without `--metrics`), read the whole device through
 /// libblkio, scrape: the metrics and the device's bytes.
 fn read_and_scrape(cmd: &mut Command, socket: &Path) -> Result<(Scrape, Vec<u8>)> {
     let (child, addr) = spawn_with_metrics(cmd.arg("--socket").arg(socket).stdout(Stdio::null()))?;
-    let _serving = Serving(child);
+    let _serving = Killed(child);
     let mut c = BlkClient::connect(socket, 1, true)?;
     let (bytes, failed) = c.read_device(MIB, 8)?;
     ensure!(failed.is_empty(), "failed reads {failed:?}");

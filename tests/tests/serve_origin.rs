@@ -13,7 +13,7 @@ use tessera_e2e::daemon::{BlkClient, Daemon};
 use tessera_e2e::nginx::Nginx;
 use tessera_e2e::prng::Prng;
 use tessera_e2e::tessera::{self, ImageId};
-use tessera_e2e::testutil::{cached_chunks, tmp};
+use tessera_e2e::testutil::{cached_chunks, tmp, Killed};
 
 const MIB: usize = 1 << 20;
 
@@ -683,16 +683,6 @@ fn files_stored_near_several_missed_ones_are_fetched_with_their_stretch() -> Res
         drop(child);
     }
     Ok(())
-}
-
-/// A child process killed (and reaped) when dropped.
-struct Killed(std::process::Child);
-
-impl Drop for Killed {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 /// A measurement, not a gate (the HTTP client's tests own the ≤ 3 RTT assertion): 32 cold
