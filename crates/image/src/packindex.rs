@@ -31,11 +31,64 @@ pub struct PackLocation {
     pub compression: Compression,
 }
 
-/// ChunkId → location, sorted by ChunkId for binary search.
+/// ChunkId → location, sorted by ChunkId.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct PackIndex {
     packs: Vec<Sha256Digest>,
     entries: Vec<(ChunkId, PackLocation)>,
+    /// Where each bucket of ids starts in `entries` ([`Buckets`]): a lookup searches one bucket
+    /// instead of the whole index (an image opens with one lookup per chunk; by binary search
+    /// they took ~4 ms of an 18 000-chunk image's start, mostly cache misses).
+    buckets: Buckets,
+}
+
+/// A sorted id list's bucket starts: `starts[b]` is the index of the first id whose top `bits`
+/// bits are at least `b`. Chunk ids are blake3 hashes, so with about one bucket per id a bucket
+/// holds one or two.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+struct Buckets {
+    bits: u32,
+    starts: Vec<u32>,
+}
+
+impl Buckets {
+    /// Largest table: 2^20 buckets (4 MiB) for indexes of a million chunks or more.
+    const MAX_BITS: u32 = 20;
+
+    fn bucket(bits: u32, id: &ChunkId) -> usize {
+        let top =
+            u64::from_be_bytes([id.0[0], id.0[1], id.0[2], id.0[3], id.0[4], id.0[5], id.0[6], id.0[7]]);
+        // `bits` ≤ 20: the shift is in range, and the result fits a usize.
+        if bits == 0 {
+            0
+        } else {
+            (top >> (64 - bits)) as usize
+        }
+    }
+
+    fn of(entries: &[(ChunkId, PackLocation)]) -> Self {
+        let bits = (entries.len().max(1).next_power_of_two().trailing_zeros()).min(Self::MAX_BITS);
+        let n = 1usize << bits;
+        let mut starts = Vec::with_capacity(n + 1);
+        let mut at = 0usize;
+        for b in 0..n {
+            while at < entries.len() && Self::bucket(bits, &entries[at].0) < b {
+                at += 1;
+            }
+            starts.push(u32::try_from(at).unwrap_or(u32::MAX));
+        }
+        starts.push(u32::try_from(entries.len()).unwrap_or(u32::MAX));
+        Self { bits, starts }
+    }
+
+    /// The range of `entries` that may hold `id` (all of it without a table).
+    fn range(&self, id: &ChunkId, len: usize) -> std::ops::Range<usize> {
+        let b = Self::bucket(self.bits, id);
+        match (self.starts.get(b), self.starts.get(b + 1)) {
+            (Some(&lo), Some(&hi)) => (lo as usize).min(len)..(hi as usize).min(len),
+            _ => 0..len,
+        }
+    }
 }
 
 impl PackIndex {
@@ -43,7 +96,8 @@ impl PackIndex {
     pub fn new(packs: Vec<Sha256Digest>, mut entries: Vec<(ChunkId, PackLocation)>) -> Self {
         entries.sort_by_key(|e| e.0);
         entries.dedup_by(|b, a| a.0 == b.0);
-        Self { packs, entries }
+        let buckets = Buckets::of(&entries);
+        Self { packs, entries, buckets }
     }
 
     /// The packs, in index order.
@@ -58,8 +112,10 @@ impl PackIndex {
 
     /// Look a chunk up.
     pub fn get(&self, id: &ChunkId) -> Option<(Sha256Digest, PackLocation)> {
-        let i = self.entries.binary_search_by(|e| e.0.cmp(id)).ok()?;
-        let loc = self.entries[i].1;
+        let range = self.buckets.range(id, self.entries.len());
+        let lo = range.start;
+        let i = lo + self.entries.get(range)?.binary_search_by(|e| e.0.cmp(id)).ok()?;
+        let loc = self.entries.get(i)?.1;
         Some((*self.packs.get(loc.pack as usize)?, loc))
     }
 
@@ -110,7 +166,8 @@ impl PackIndex {
             entries.push((id, PackLocation { pack, offset, stored_len, raw_len, compression }));
         }
         r.finish()?;
-        Ok(Self { packs, entries })
+        let buckets = Buckets::of(&entries);
+        Ok(Self { packs, entries, buckets })
     }
 }
 
@@ -192,18 +249,17 @@ impl PackIndexEncoder {
 mod tests {
     use super::*;
 
+    /// A location in pack 0.
+    fn at(offset: u64, stored_len: u32, raw_len: u32, compression: Compression) -> PackLocation {
+        PackLocation { pack: 0, offset, stored_len, raw_len, compression }
+    }
+
     #[test]
     fn roundtrip_and_lookup() {
         let p = Sha256Digest::of(b"pack");
         let a = ChunkId::of(b"a");
         let b = ChunkId::of(b"b");
-        let loc = |offset| PackLocation {
-            pack: 0,
-            offset,
-            stored_len: 3,
-            raw_len: 9,
-            compression: Compression::Zstd,
-        };
+        let loc = |offset| at(offset, 3, 9, Compression::Zstd);
         let idx = PackIndex::new(vec![p], vec![(b, loc(3)), (a, loc(0)), (a, loc(6))]);
         assert_eq!(idx.entries().len(), 2);
         let bytes = idx.encode();
@@ -212,6 +268,42 @@ mod tests {
         assert_eq!(back.get(&b), Some((p, loc(3))));
         assert_eq!(back.get(&ChunkId::of(b"c")), None);
         assert!(PackIndex::decode(&bytes[..bytes.len() - 1]).is_err());
+    }
+
+    #[test]
+    fn every_id_is_found_through_its_bucket_and_no_other_is() {
+        let p = Sha256Digest::of(b"pack");
+        let loc = |offset| at(offset, 1, 1, Compression::None);
+        // Ids at the edges of the id space and of buckets, beside hashed ones.
+        let edge = |b: u8| ChunkId([b; 32]);
+        for n in [0usize, 1, 2, 3, 7, 1000, 5000] {
+            let mut entries: Vec<(ChunkId, PackLocation)> =
+                (0..n).map(|i| (ChunkId::of(&(i as u64).to_le_bytes()), loc(i as u64))).collect();
+            if n >= 3 {
+                entries.extend([
+                    (edge(0), loc(1 << 40)),
+                    (edge(0xff), loc(2 << 40)),
+                    (edge(0x80), loc(3 << 40)),
+                ]);
+            }
+            let idx = PackIndex::new(vec![p], entries.clone());
+            let back = PackIndex::decode(&idx.encode()).unwrap();
+            assert_eq!(back, idx);
+            for (id, l) in &entries {
+                assert_eq!(idx.get(id), Some((p, *l)), "n {n}");
+                assert_eq!(back.get(id), Some((p, *l)), "n {n}");
+            }
+            for i in n..n + 200 {
+                assert_eq!(idx.get(&ChunkId::of(&(i as u64).to_le_bytes())), None);
+            }
+            if n < 3 {
+                for b in [0, 0x7f, 0x80, 0xff] {
+                    assert_eq!(idx.get(&edge(b)), None);
+                }
+            }
+        }
+        // An index without a table (the default) finds nothing and does not fail.
+        assert_eq!(PackIndex::default().get(&edge(0)), None);
     }
 
     #[test]
