@@ -19,7 +19,7 @@ use tessera_metrics::{Exporter, Metrics, Tier};
 use tessera_overlay::{FileAccess as OverlayFileAccess, Mode as OverlayMode, Overlay, OverlayParams};
 use tessera_store::{
     CacheConfig, CacheTrust, ChunkSource, ImageReader, LocalStore, Metered, OpenImage, OriginOptions,
-    ReadStore, StoreError, StoreLocation,
+    StoreError, StoreLocation,
 };
 use tessera_vhost::{DeviceConfig, Disk, RequestRecorder, Server, DEFAULT_SOCKET_MODE, MAX_QUEUES};
 
@@ -144,10 +144,10 @@ pub struct ServeArgs {
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=1024))]
     fetch_jobs: Option<u16>,
     /// Connections to open to an http(s):// or s3:// origin at its first request, alongside it
-    /// (one HEAD of the store's URL each, at once), so the start's parallel fetches and the
+    /// (TCP connects and TLS handshakes, no request), so the start's parallel fetches and the
     /// first misses find them open instead of paying a connect round trip (and TLS handshake)
-    /// each. 0 opens none.
-    #[arg(long, value_name = "N", default_value_t = 0, value_parser = clap::value_parser!(u16).range(0..=64))]
+    /// each. Those no request took within 10 s are closed. 0 opens none.
+    #[arg(long, value_name = "N", default_value_t = 4, value_parser = clap::value_parser!(u16).range(0..=64))]
     preconnect: u16,
     /// Sequential reads within a file fetch up to this many bytes of the file's next chunks
     /// ahead, in the background (0 turns readahead off).
@@ -455,22 +455,6 @@ pub fn serve(args: ServeArgs) -> Result<()> {
     run_on(ServeConfig::from_args(args)?, listener)
 }
 
-/// An opened image and, when prefetching, its profile's digest and bytes.
-type Opened = (Result<OpenImage, StoreError>, Option<(Sha256Digest, Result<Vec<u8>, StoreError>)>);
-
-/// Open image `id` of `store`, reading its prefetch profile (when `prefetch` and the entry names
-/// one) while the image opens — its record, prefix and pack index are in flight: one round trip
-/// fewer before the first read.
-fn open_with_profile(store: &dyn ReadStore, id: &ImageId, prefetch: bool) -> Opened {
-    let profile_digest = if prefetch { store.get_entry(id).ok().and_then(|e| e.profile) } else { None };
-    std::thread::scope(|s| {
-        let profile = profile_digest.map(|d| s.spawn(move || (d, store.read_blob(&d))));
-        let image = store.open_image(id);
-        let profile = profile.map(|h| h.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)));
-        (image, profile)
-    })
-}
-
 /// Serve `config` until SIGTERM / SIGINT, on `listener` (socket activation: the socket at `--socket` is the supervisor's,
 /// already listening, and stays when the daemon stops) or, without one, on a socket it binds.
 pub fn run_on(config: ServeConfig, listener: Option<std::os::unix::net::UnixListener>) -> Result<()> {
@@ -497,7 +481,7 @@ pub fn run_on(config: ServeConfig, listener: Option<std::os::unix::net::UnixList
     let (id, early) = match store.guess_resolve(&config.image) {
         Some(guess) => std::thread::scope(|s| {
             let resolved = s.spawn(|| store.resolve(&config.image));
-            let early = open_with_profile(&*store, &guess, config.prefetch);
+            let early = store.open_image_with(&guess, config.prefetch);
             let id = resolved.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic));
             let id = id.with_context(describe)?;
             if id == guess {
@@ -506,14 +490,14 @@ pub fn run_on(config: ServeConfig, listener: Option<std::os::unix::net::UnixList
             tracing::info!(tag = %config.image, cached = %guess, now = %id, "the tag moved: opening the image it names now");
             Ok((id, None))
         })?,
-        None => (store.resolve(&config.image).with_context(describe)?, None),
+        None => (store.resolve_to_open(&config.image).with_context(describe)?, None),
     };
     // `tessera store gc` keeps a served image of a local store (docs/store.md, "Pins"); the image
     // is opened after pinning, so a gc that removed it first fails the start clearly.
     let _pin = opened.local.as_ref().and_then(|local| {
         local.pin(&id).map_err(|e| tracing::info!(error = %crate::error_text(e), "image not pinned")).ok()
     });
-    let (image, profile) = early.unwrap_or_else(|| open_with_profile(&*store, &id, config.prefetch));
+    let (image, profile) = early.unwrap_or_else(|| store.open_image_with(&id, config.prefetch));
     let image = Arc::new(image.with_context(describe)?);
     let metrics = Metrics::new();
     describe_image(&metrics, &image);

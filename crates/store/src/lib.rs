@@ -41,6 +41,7 @@ mod local;
 mod location;
 mod metered;
 mod origin;
+mod prefix;
 mod profile;
 mod read_store;
 mod reader;
@@ -77,7 +78,7 @@ pub use origin::s3::{
     DEFAULT_PART_SIZE, S3_ENV,
 };
 pub use profile::{attach_profile, read_profile};
-pub use read_store::ReadStore;
+pub use read_store::{ProfileRead, ReadStore};
 pub use reader::{
     decode_stored_chunk, refetch_if_corrupt, ImageReader, OpenImage, Piece, ReadAt, Visit,
     DEFAULT_CHUNK_CACHE, MAX_CHUNK_LEN, VERIFY_ATTEMPTS,

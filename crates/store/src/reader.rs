@@ -6,7 +6,6 @@
 //! wrong bytes.
 
 use std::collections::HashMap;
-use std::io::Read;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -18,6 +17,7 @@ use tracing::{debug, trace, warn};
 
 use crate::error::StoreError;
 use crate::local::LocalStore;
+use crate::prefix::PrefixBuf;
 use crate::reference::{fetch_reference_chunk, RefImage, SpanCache, DEFAULT_SPAN_CACHE};
 use crate::source::ChunkSource;
 
@@ -35,7 +35,7 @@ pub struct OpenImage {
     id: ImageId,
     entry: ImageEntry,
     record: ImageRecord,
-    prefix: Vec<u8>,
+    prefix: PrefixBuf,
     pack_index: PackIndex,
     /// Pack and location of each BlockMap chunk, by chunk index.
     locations: Vec<(Sha256Digest, PackLocation)>,
@@ -44,6 +44,13 @@ pub struct OpenImage {
     /// For a `--reference-layers` image: its reference pack index (then `pack_index` is empty
     /// and `locations` give each chunk's first span range in its layer blob).
     reference: Option<RefImage>,
+}
+
+/// A decoded pack index: of packs, or (a `--reference-layers` image) of spans of the source
+/// image's layer blobs.
+pub(crate) enum Index {
+    Packs(PackIndex),
+    Reference(RefIndex),
 }
 
 /// One piece of a read, in device order ([`OpenImage::walk`]).
@@ -177,46 +184,84 @@ impl OpenImage {
         prefix_compressed: &[u8],
         pack_index_bytes: &[u8],
     ) -> Result<Self, StoreError> {
-        if entry.record != id.digest() {
-            return Err(inconsistent(&id, format!("the entry names record {}", entry.record)));
-        }
-        let record = ImageRecord::decode(record_bytes).map_err(|source| StoreError::Decode {
-            what: "image record",
-            digest: entry.record,
-            source,
-        })?;
+        let record = Self::decode_record(&id, record_bytes)?;
+        let prefix = Self::decode_prefix(
+            &entry.prefix,
+            prefix_compressed,
+            record.prefix.blocks,
+            &record.prefix.digest,
+        )?;
+        let index = Self::decode_index(&entry, pack_index_bytes)?;
+        Self::join(id, entry, record, prefix, index)
+    }
 
-        let expected = record.prefix.blocks.checked_mul(u64::from(BLOCK_SIZE)).ok_or_else(|| {
-            inconsistent(&id, format!("prefix of {} blocks is too large", record.prefix.blocks))
-        })?;
-        let prefix =
-            decompress_prefix(prefix_compressed, expected).map_err(|reason| StoreError::Corrupt {
-                what: "metadata prefix",
-                digest: entry.prefix,
-                path: Default::default(),
-                reason,
-            })?;
+    /// The image record of image `id`, from its verified blob (whose digest is the ID).
+    pub(crate) fn decode_record(id: &ImageId, bytes: &[u8]) -> Result<ImageRecord, StoreError> {
+        ImageRecord::decode(bytes).map_err(|source| StoreError::Decode {
+            what: "image record",
+            digest: id.digest(),
+            source,
+        })
+    }
+
+    /// The metadata prefix from its verified compressed blob `stored`: `blocks` blocks whose
+    /// sha256 is `digest` (the record's), or [`StoreError::Corrupt`].
+    pub(crate) fn decode_prefix(
+        stored: &Sha256Digest,
+        compressed: &[u8],
+        blocks: u64,
+        digest: &Sha256Digest,
+    ) -> Result<PrefixBuf, StoreError> {
+        let corrupt = |reason| StoreError::Corrupt {
+            what: "metadata prefix",
+            digest: *stored,
+            path: Default::default(),
+            reason,
+        };
+        let expected = blocks
+            .checked_mul(u64::from(BLOCK_SIZE))
+            .ok_or_else(|| corrupt(format!("the record's prefix of {blocks} blocks is too large")))?;
+        let prefix = crate::prefix::decompress(compressed, expected).map_err(corrupt)?;
         let actual = Sha256Digest::of(&prefix);
-        if actual != record.prefix.digest {
-            return Err(StoreError::Corrupt {
-                what: "metadata prefix",
-                digest: entry.prefix,
-                path: Default::default(),
-                reason: format!(
-                    "uncompressed it hashes to {actual}, the record says {}",
-                    record.prefix.digest
-                ),
+        if actual != *digest {
+            return Err(corrupt(format!("uncompressed it hashes to {actual}, the record says {digest}")));
+        }
+        Ok(prefix)
+    }
+
+    /// The pack index (or a `--reference-layers` image's reference pack index) from its
+    /// verified blob.
+    pub(crate) fn decode_index(entry: &ImageEntry, bytes: &[u8]) -> Result<Index, StoreError> {
+        if RefIndex::sniff(bytes) {
+            return RefIndex::decode(bytes).map(Index::Reference).map_err(|source| StoreError::Decode {
+                what: "reference pack index",
+                digest: entry.pack_index,
+                source,
             });
         }
-
-        if RefIndex::sniff(pack_index_bytes) {
-            return Self::assemble_reference(id, entry, record, prefix, pack_index_bytes);
-        }
-        let pack_index = PackIndex::decode(pack_index_bytes).map_err(|source| StoreError::Decode {
+        PackIndex::decode(bytes).map(Index::Packs).map_err(|source| StoreError::Decode {
             what: "pack index",
             digest: entry.pack_index,
             source,
-        })?;
+        })
+    }
+
+    /// Cross-check the decoded parts: the entry names the record, and every chunk of the
+    /// BlockMap is in the index with the record's length.
+    pub(crate) fn join(
+        id: ImageId,
+        entry: ImageEntry,
+        record: ImageRecord,
+        prefix: PrefixBuf,
+        index: Index,
+    ) -> Result<Self, StoreError> {
+        if entry.record != id.digest() {
+            return Err(inconsistent(&id, format!("the entry names record {}", entry.record)));
+        }
+        let pack_index = match index {
+            Index::Packs(p) => p,
+            Index::Reference(r) => return Self::assemble_reference(id, entry, record, prefix, r),
+        };
         let mut locations = Vec::with_capacity(record.block_map.chunks().len());
         for (i, c) in record.block_map.chunks().iter().enumerate() {
             let (pack, loc) = pack_index
@@ -254,14 +299,9 @@ impl OpenImage {
         id: ImageId,
         entry: ImageEntry,
         record: ImageRecord,
-        prefix: Vec<u8>,
-        index_bytes: &[u8],
+        prefix: PrefixBuf,
+        index: RefIndex,
     ) -> Result<Self, StoreError> {
-        let index = RefIndex::decode(index_bytes).map_err(|source| StoreError::Decode {
-            what: "reference pack index",
-            digest: entry.pack_index,
-            source,
-        })?;
         let reference =
             RefImage::new(&id, index, record.block_map.chunks()).map_err(|r| inconsistent(&id, r))?;
         let mut locations = Vec::with_capacity(reference.chunks.len());
@@ -468,20 +508,6 @@ fn inconsistent(id: &ImageId, reason: String) -> StoreError {
 
 /// Decompress a zstd prefix, insisting on exactly `expected` bytes without trusting `expected`
 /// for allocation (a lying record cannot make us allocate more than the data holds).
-fn decompress_prefix(compressed: &[u8], expected: u64) -> Result<Vec<u8>, String> {
-    let decoder = zstd::stream::read::Decoder::new(compressed).map_err(|e| format!("zstd: {e}"))?;
-    let mut out = Vec::with_capacity(usize::try_from(expected.min(64 << 20)).unwrap_or(0));
-    decoder
-        .take(expected.saturating_add(1))
-        .read_to_end(&mut out)
-        .map_err(|e| format!("it does not decompress: {e}"))?;
-    if out.len() as u64 != expected {
-        let got = if out.len() as u64 > expected { "more than".to_owned() } else { out.len().to_string() };
-        return Err(format!("it decompresses to {got} bytes, expected {expected}"));
-    }
-    Ok(out)
-}
-
 /// Copies of a chunk or span fetched at most when each fails verification: as many as the
 /// transport's default attempts ([`tessera_transport::RetryPolicy`]), so a copy that arrives
 /// corrupt costs what any other failed attempt costs. One refetch was not enough: with 5 % of the
@@ -910,17 +936,5 @@ mod tests {
         let big = zstd::bulk::compress(&vec![7u8; 10_001], 3).unwrap();
         let loc_big = PackLocation { stored_len: big.len() as u32, ..loc };
         assert!(decode_stored_chunk(&chunk, &pack, &loc_big, &big).is_err());
-    }
-
-    #[test]
-    fn prefix_length_is_exact() {
-        let p = vec![1u8; 8192];
-        let z = zstd::bulk::compress(&p, 3).unwrap();
-        assert_eq!(decompress_prefix(&z, 8192).unwrap(), p);
-        assert!(decompress_prefix(&z, 4096).is_err());
-        assert!(decompress_prefix(&z, 12288).is_err());
-        assert!(decompress_prefix(b"not zstd", 4096).is_err());
-        // A record claiming a huge prefix does not make us allocate it.
-        assert!(decompress_prefix(&z, 1 << 50).is_err());
     }
 }

@@ -101,7 +101,17 @@ impl Default for TransportConfig {
 }
 
 /// The ureq agent of `config`; `verify`: check server certificates.
-pub(crate) fn agent(config: &TransportConfig, verify: bool) -> ureq::Agent {
+/// An agent with `config` (verifying servers' certificates or not), whose connections come
+/// from `stash` when one is waiting there ([`crate::preconnect`]); and the connector chain it
+/// makes new ones with, for [`crate::preconnect::open`].
+pub(crate) fn agent(
+    config: &TransportConfig,
+    verify: bool,
+    stash: &Arc<crate::preconnect::Stash>,
+) -> (ureq::Agent, Arc<crate::preconnect::Chain>) {
+    use crate::preconnect::{Boxing, Chain, Stashing};
+    use ureq::unversioned::resolver::DefaultResolver;
+    use ureq::unversioned::transport::{ConnectProxyConnector, Connector, RustlsConnector, TcpConnector};
     let mut tls = ureq::tls::TlsConfig::builder().disable_verification(!verify);
     if !config.tls.ca_certs.is_empty() {
         let certs: Vec<ureq::tls::Certificate<'static>> =
@@ -110,7 +120,7 @@ pub(crate) fn agent(config: &TransportConfig, verify: bool) -> ureq::Agent {
     }
     let slots = config.max_concurrency.max(1);
     let t = &config.timeouts;
-    ureq::Agent::config_builder()
+    let agent_config = ureq::Agent::config_builder()
         .http_status_as_error(false)
         .tls_config(tls.build())
         .timeout_connect(Some(t.connect))
@@ -120,8 +130,16 @@ pub(crate) fn agent(config: &TransportConfig, verify: bool) -> ureq::Agent {
         .max_idle_connections_per_host(slots)
         .max_idle_connections(slots.saturating_mul(2))
         .user_agent(concat!("tessera/", env!("CARGO_PKG_VERSION")))
-        .build()
-        .new_agent()
+        .build();
+    // ureq's default chain (a CONNECT proxy from the environment, TCP, rustls) behind the
+    // preconnect stash.
+    let chain: Arc<Chain> = Arc::new(Boxing(
+        ().chain(ConnectProxyConnector::default())
+            .chain(TcpConnector::default())
+            .chain(RustlsConnector::default()),
+    ));
+    let connector = Stashing { stash: Arc::clone(stash), chain: Arc::clone(&chain) };
+    (ureq::Agent::with_parts(agent_config, connector, DefaultResolver::default()), chain)
 }
 
 #[cfg(test)]
@@ -149,7 +167,7 @@ MrUWm7XvxxUHQhv4FNsCIQCzn2LOHDxobHNfU0Y7kdYavyMefeco4LkQnqeGLCWF
         assert!(!tls.skip_verify);
         // An agent with these roots builds.
         let config = TransportConfig { tls, ..TransportConfig::default() };
-        let _ = agent(&config, true);
+        let _ = agent(&config, true, &Default::default());
         assert!(TlsOptions::default().with_ca_pem(b"not pem").is_err());
         assert!(TlsOptions::default().with_ca_pem(b"").is_err());
     }

@@ -22,6 +22,7 @@ mod config;
 mod error;
 mod late;
 mod negotiated;
+mod preconnect;
 mod retry;
 mod stats;
 
@@ -107,6 +108,10 @@ struct Shared {
     config: TransportConfig,
     verified: ureq::Agent,
     unverified: ureq::Agent,
+    /// Connections made ahead of need for the verifying agent ([`Transport::preconnect`]), and
+    /// the connector chain that makes them.
+    stash: Arc<preconnect::Stash>,
+    chain: Arc<preconnect::Chain>,
     /// The HTTP/2-capable client for `https://` URLs ([`HttpVersion::Negotiate`]).
     negotiated: Option<negotiated::Negotiated>,
     limiter: Limiter,
@@ -305,8 +310,10 @@ fn with_headers<B>(mut rb: ureq::RequestBuilder<B>, headers: &[(&str, &str)]) ->
 impl Transport {
     /// A transport with `config`. Nothing is connected yet.
     pub fn new(config: TransportConfig) -> Self {
-        let verified = config::agent(&config, !config.tls.skip_verify);
-        let unverified = config::agent(&config, false);
+        // Preconnected connections are made by the verifying agent's chain, for it alone.
+        let stash = Arc::new(preconnect::Stash::default());
+        let (verified, chain) = config::agent(&config, !config.tls.skip_verify, &stash);
+        let (unverified, _) = config::agent(&config, false, &Arc::default());
         let negotiated = match config.http {
             HttpVersion::Http1 => None,
             HttpVersion::Negotiate => match negotiated::Negotiated::new(&config) {
@@ -322,6 +329,8 @@ impl Transport {
                 limiter: Limiter::new(config.max_concurrency),
                 verified,
                 unverified,
+                stash,
+                chain,
                 negotiated,
                 config,
                 counters: Counters::default(),
@@ -574,27 +583,41 @@ impl Transport {
         self.shared.failing()
     }
 
-    /// Open up to `connections` connections to the host of `url` ahead of need: that many
-    /// `HEAD url` at once, as probes (one attempt each; answers and errors are ignored and
-    /// counted nowhere), each leaving its connection idle in the pool (at most the pool's
-    /// size, [`TransportConfig::max_concurrency`]). Returns when they are done. A daemon calls it
-    /// on a thread of its own as it starts, so the reads of its start and its first misses do
-    /// not each wait for a connect round trip (and a TLS handshake).
+    /// Open up to `connections` connections to the host of `url` ahead of need (at most the
+    /// pool's size, [`TransportConfig::max_concurrency`]), at once: TCP connected and, for
+    /// `https://`, TLS negotiated. Returns when they are made or failed. The next requests that
+    /// need a new connection take them (`preconnect.rs`); no request is sent until then, so the
+    /// origin sees connects only. A daemon calls it on a thread of its own at its first
+    /// request, so the reads of its start and its first misses do not each wait for a connect
+    /// round trip and a handshake. Nothing through a proxy, or to an `https://` origin served
+    /// by the HTTP/2 client (one connection carries every request there). Connections left
+    /// unused are closed by [`Self::expire_preconnected`] or by a request that looks after
+    /// [`Self::PRECONNECTED_MAX_AGE`].
     pub fn preconnect(&self, url: &str, connections: usize) {
-        let n = connections.min(self.shared.config.max_concurrency.max(1));
-        std::thread::scope(|s| {
-            for _ in 0..n {
-                s.spawn(|| {
-                    let req = Request { probe: true, ..Request::new(Method::Head, url) };
-                    if let Ok(mut resp) = self.send(&req) {
-                        // Read to the end (nothing, for a HEAD) so the connection goes back to
-                        // the pool.
-                        let _ = resp.read_to_vec(1 << 16);
-                    }
-                });
-            }
-        });
+        let shared = &self.shared;
+        if shared.verified.config().proxy().is_some() || (is_https(url) && shared.negotiated.is_some()) {
+            return;
+        }
+        let n = connections.min(shared.config.max_concurrency.max(1));
+        preconnect::open(
+            &shared.stash,
+            &*shared.chain,
+            shared.verified.config(),
+            url,
+            n,
+            shared.config.timeouts.connect,
+        );
+        debug!(url, opened = shared.stash.len(), "preconnected");
     }
+
+    /// Close the connections [`Self::preconnect`] made that no request took within
+    /// [`Self::PRECONNECTED_MAX_AGE`] (a daemon that needed fewer than it opened).
+    pub fn expire_preconnected(&self) {
+        self.shared.stash.expire();
+    }
+
+    /// How long a connection made by [`Self::preconnect`] waits for a request.
+    pub const PRECONNECTED_MAX_AGE: Duration = preconnect::MAX_AGE;
 
     /// [`Self::fetch`] returning the answer as it is: retries on transport failures and
     /// retryable statuses only; the caller reads the body (a stream: the attempt lasts until the
@@ -977,56 +1000,73 @@ mod tests {
 
     /// A keep-alive server answering every request `200` with a 5-byte body (a HEAD after
     /// 100 ms, without it); counts the connections it accepts.
-    fn keep_alive_server() -> (String, Arc<std::sync::atomic::AtomicUsize>) {
+    /// A keep-alive server answering every GET with "hello": its URL, and the connections it
+    /// accepted and requests it read so far. With `idle`, it closes a connection on which no
+    /// request came within that time.
+    fn keep_alive_server(
+        idle: Option<Duration>,
+    ) -> (String, Arc<std::sync::atomic::AtomicUsize>, Arc<std::sync::atomic::AtomicUsize>) {
         use std::io::BufRead;
         use std::sync::atomic::{AtomicUsize, Ordering};
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap();
-        let accepted = Arc::new(AtomicUsize::new(0));
-        let count = Arc::clone(&accepted);
+        let (accepted, requests) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let (a, r) = (Arc::clone(&accepted), Arc::clone(&requests));
         std::thread::spawn(move || {
             for conn in l.incoming() {
                 let Ok(conn) = conn else { return };
-                count.fetch_add(1, Ordering::SeqCst);
+                a.fetch_add(1, Ordering::SeqCst);
+                let requests = Arc::clone(&r);
                 std::thread::spawn(move || {
+                    conn.set_read_timeout(idle).unwrap();
                     let mut r = std::io::BufReader::new(conn.try_clone().unwrap());
                     let mut w = conn;
                     loop {
                         let mut first = String::new();
                         if r.read_line(&mut first).unwrap_or(0) == 0 {
-                            return;
+                            return; // closed, or idle too long: dropping `w` closes it
                         }
+                        requests.fetch_add(1, Ordering::SeqCst);
                         let mut line = String::new();
                         while r.read_line(&mut line).unwrap_or(0) > 2 {
                             line.clear();
                         }
-                        let head = first.starts_with("HEAD");
-                        if head {
-                            // A round trip long enough for the probes to overlap, as they do
-                            // over a real link.
-                            std::thread::sleep(Duration::from_millis(100));
-                        }
-                        let body = if head { "" } else { "hello" };
-                        let answer = format!("HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n{body}");
-                        if w.write_all(answer.as_bytes()).is_err() {
+                        if w.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello").is_err() {
                             return;
                         }
                     }
                 });
             }
         });
-        (format!("http://{addr}/x"), accepted)
+        (format!("http://{addr}/x"), accepted, requests)
+    }
+
+    /// Wait (up to 5 s) for `count` to reach `n`.
+    fn settle(count: &std::sync::atomic::AtomicUsize, n: usize) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while count.load(std::sync::atomic::Ordering::SeqCst) < n {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{} of {n}",
+                count.load(std::sync::atomic::Ordering::SeqCst)
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 
     #[test]
-    fn preconnect_leaves_connections_in_the_pool_for_the_next_requests() {
+    fn preconnected_connections_carry_the_next_requests_and_send_nothing_before() {
         use std::sync::atomic::Ordering;
-        let (url, accepted) = keep_alive_server();
+        let (url, accepted, requests) = keep_alive_server(None);
         let t = Transport::new(TransportConfig { max_concurrency: 4, ..quick() });
         t.preconnect(&url, 8);
+        // (The server counts a connection once its accept loop has run.)
+        settle(&accepted, 4);
+        std::thread::sleep(Duration::from_millis(50));
         assert_eq!(accepted.load(Ordering::SeqCst), 4, "at most the pool's size");
-        assert_eq!(t.stats().requests, 0, "probes are counted nowhere");
-        // Four requests at once find the four connections open.
+        assert_eq!(requests.load(Ordering::SeqCst), 0, "connects only: no request sent");
+        assert_eq!(t.stats().requests, 0);
+        // Four requests at once take the four connections.
         std::thread::scope(|s| {
             for _ in 0..4 {
                 s.spawn(|| {
@@ -1036,5 +1076,22 @@ mod tests {
             }
         });
         assert_eq!(accepted.load(Ordering::SeqCst), 4, "no new connection");
+        assert_eq!(requests.load(Ordering::SeqCst), 4);
+    }
+
+    #[test]
+    fn a_preconnected_connection_the_server_closed_is_not_used() {
+        use std::sync::atomic::Ordering;
+        let (url, accepted, requests) = keep_alive_server(Some(Duration::from_millis(50)));
+        let t = Transport::new(TransportConfig { max_concurrency: 4, ..quick() });
+        t.preconnect(&url, 2);
+        settle(&accepted, 2);
+        std::thread::sleep(Duration::from_millis(300));
+        // Both stashed connections were closed by the server: the request opens a third (a
+        // request sent on a closed one would fail or be retried, and count twice).
+        let mut resp = t.send(&Request::get(&url)).unwrap();
+        assert_eq!(resp.read_to_vec(100).unwrap().unwrap(), b"hello");
+        assert_eq!(accepted.load(Ordering::SeqCst), 3);
+        assert_eq!((requests.load(Ordering::SeqCst), t.stats().requests), (1, 1));
     }
 }

@@ -961,6 +961,13 @@ impl<O: Origin> ReadStore for CachedStore<O> {
         resolve_with(reference, |tag| self.read_ref(tag), |id| self.get_entry(id).map(|_| ()))
     }
 
+    fn resolve_to_open(&self, reference: &str) -> Result<ImageId, StoreError> {
+        if reference.starts_with('@') {
+            return self.resolve(reference);
+        }
+        resolve_with(reference, |tag| self.read_ref(tag), |_| Ok(()))
+    }
+
     /// The cached lookup of tag `reference`, when cached entries are used and the cache holds
     /// that image's entry too.
     fn guess_resolve(&self, reference: &str) -> Option<ImageId> {

@@ -190,10 +190,11 @@ pub struct HttpConfig {
     /// turns joining off). A read with nothing else in flight goes at once.
     pub coalesce_wait: Duration,
     /// Connections opened at the store's first request, alongside it (default 0: none; `tessera
-    /// serve --preconnect N` sets it): that many `HEAD` requests of the base URL at once, answers ignored
+    /// serve --preconnect N` sets it, 4 by default): TCP connects and TLS handshakes, no request
     /// ([`Transport::preconnect`]), so the requests that follow — a daemon's parallel start
-    /// fetches and first misses — find connections open instead of paying a connect round trip
-    /// (and a TLS handshake) each. A store that is never asked anything opens none.
+    /// fetches and first misses — that need a new connection find one open instead of paying a
+    /// connect round trip (and a TLS handshake) each. A store that is never asked anything
+    /// opens none.
     pub preconnect: usize,
     /// The HTTP versions spoken (`--http-version`; default HTTP/1.1 only). With
     /// [`HttpVersion::Negotiate`] an `https://` origin that offers HTTP/2 carries every request
@@ -593,16 +594,18 @@ impl HttpStore {
     }
 
     /// At the first request, open [`HttpConfig::preconnect`] connections on a thread of their
-    /// own.
+    /// own, which closes those no request took once they are too old to be used.
     fn preconnect(&self) {
         let n = self.inner.preconnect.swap(0, Ordering::Relaxed);
         if n == 0 {
             return;
         }
         let (transport, url) = (self.inner.transport.clone(), format!("{}/", self.inner.base));
-        let spawned = std::thread::Builder::new()
-            .name("preconnect".into())
-            .spawn(move || transport.preconnect(&url, n));
+        let spawned = std::thread::Builder::new().name("preconnect".into()).spawn(move || {
+            transport.preconnect(&url, n);
+            std::thread::sleep(Transport::PRECONNECTED_MAX_AGE);
+            transport.expire_preconnected();
+        });
         if let Err(e) = spawned {
             debug!(error = %e, "no preconnect thread");
         }
@@ -665,6 +668,13 @@ impl HttpStore {
     /// Resolve `sha256:<64 hex>` (its entry must exist) or a tag.
     pub fn resolve(&self, reference: &str) -> Result<ImageId, StoreError> {
         resolve_with(reference, |tag| self.read_ref(tag), |id| self.get_entry(id).map(|_| ()))
+            .inspect(|id| self.note_ref(reference, id))
+    }
+
+    /// [`Self::resolve`] without the check that the image's entry exists (the caller opens the
+    /// image next, which fetches the entry: [`crate::ReadStore::resolve_to_open`]).
+    pub fn resolve_unchecked(&self, reference: &str) -> Result<ImageId, StoreError> {
+        resolve_with(reference, |tag| self.read_ref(tag), |_| Ok(()))
             .inspect(|id| self.note_ref(reference, id))
     }
 

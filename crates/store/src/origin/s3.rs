@@ -972,6 +972,10 @@ impl ReadStore for S3Store {
         self.http.resolve(reference)
     }
 
+    fn resolve_to_open(&self, reference: &str) -> Result<ImageId, StoreError> {
+        self.http.resolve_unchecked(reference)
+    }
+
     fn get_entry(&self, id: &ImageId) -> Result<ImageEntry, StoreError> {
         self.http.get_entry(id)
     }
