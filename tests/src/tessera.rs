@@ -101,6 +101,24 @@ fn describe(out: &Output) -> String {
     )
 }
 
+/// The image ID a ref names (its first line; docs/formats/store.md, "Refs").
+pub fn ref_text_id(text: &str) -> Result<ImageId> {
+    let first = text.split('\n').next().unwrap_or_default();
+    ensure!(text.ends_with('\n'), "a ref ends with a newline: {text:?}");
+    ImageId::parse(first)
+}
+
+/// What a tag's ref of image `id` in the local store at `store` holds: the ID, then the digests
+/// of the prefix and pack index its entry names.
+pub fn ref_text(store: &Path, id: &ImageId) -> Result<String> {
+    let path = store.join("images").join(format!("{}.json", id.hex()));
+    let v: serde_json::Value =
+        serde_json::from_slice(&fs::read(&path).with_context(|| path.display().to_string())?)?;
+    let digest =
+        |k: &str| v[k].as_str().map(str::to_owned).with_context(|| format!("{}: {k}", path.display()));
+    Ok(format!("{id}\nprefix {}\npack-index {}\n", digest("prefix")?, digest("pack_index")?))
+}
+
 /// Parse build stdout: exactly one line, the image ID.
 pub fn parse_build_stdout(stdout: &[u8]) -> Result<ImageId> {
     let s = std::str::from_utf8(stdout).context("build stdout is not UTF-8")?;
@@ -261,10 +279,12 @@ pub fn check_store(store: &Path) -> Result<()> {
         for e in fs::read_dir(&refs)? {
             let e = e?;
             let s = fs::read_to_string(e.path())?;
-            let id = s
-                .strip_suffix('\n')
-                .with_context(|| format!("ref {} lacks the final newline", e.path().display()))?;
-            let id = ImageId::parse(id)?;
+            let id = ref_text_id(&s).with_context(|| format!("ref {}", e.path().display()))?;
+            ensure!(
+                s == ref_text(store, &id)?,
+                "ref {} holds {s:?}, not the ID and its entry's prefix and pack index",
+                e.path().display()
+            );
             ensure!(
                 images.join(format!("{}.json", id.hex())).is_file(),
                 "ref {} points to a missing image {id}",

@@ -61,7 +61,7 @@ fn same_id_into_a_store_holding_other_images() -> Result<()> {
     tessera::check_store(&full)?;
     // Tags resolve, and export by tag equals export by ID.
     let r = std::fs::read_to_string(full.join("refs/mine")).context("refs/mine")?;
-    ensure!(r == format!("{id_full}\n"), "refs/mine holds {r:?}");
+    ensure!(r == tessera::ref_text(&full, &id_full)?, "refs/mine holds {r:?}");
     let v = tessera::inspect_json("mine", &full)?;
     tessera::check_inspect(&v, &id_full)?;
     let (x, y) = (t.path().join("tag.raw"), t.path().join("id.raw"));

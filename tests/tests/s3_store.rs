@@ -183,7 +183,7 @@ fn copy_then_export_inspect_and_serve_from_s3_and_keep_serving_cached_reads_afte
         ensure!(tessera_e2e_sha256(&bytes) == hex, "object {o} does not hash to its name");
     }
     ensure!(
-        fs::read_to_string(root.join("refs/demo"))? == format!("{}\n", f.id.as_str()),
+        fs::read_to_string(root.join("refs/demo"))? == tessera_e2e::tessera::ref_text(&root, &f.id)?,
         "refs/demo in the bucket"
     );
     // The big pack went up in parts (rclone logs nothing per part; its size says it).

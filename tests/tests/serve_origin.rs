@@ -12,6 +12,7 @@ use anyhow::{ensure, Context, Result};
 use tessera_e2e::daemon::{BlkClient, Daemon};
 use tessera_e2e::nginx::Nginx;
 use tessera_e2e::prng::Prng;
+use tessera_e2e::proxy::{LoggedRequest, Proxy, ProxyConfig};
 use tessera_e2e::tessera::{self, ImageId};
 use tessera_e2e::testutil::{cached_chunks, tmp, Killed};
 
@@ -103,6 +104,96 @@ fn serve_over_http_equals_export_with_and_without_cache() -> Result<()> {
     ensure!(head == f.raw[..8192], "writable device, first blocks differ");
     drop(client);
     d.stop()?;
+    Ok(())
+}
+
+/// When the daemon's start asked for each of the image's parts, relative to the entry request:
+/// (record, prefix, pack index), and the entry request's time after the tag's.
+fn start_requests(log: &[LoggedRequest], store: &Path, id: &ImageId) -> Result<([f64; 3], f64)> {
+    let v: serde_json::Value =
+        serde_json::from_slice(&fs::read(store.join(format!("images/{}.json", id.hex())))?)?;
+    let blob = |k: &str| -> Result<String> {
+        let d = v[k].as_str().with_context(|| format!("entry: {k}"))?;
+        Ok(format!("/store/blobs/sha256/{}", d.trim_start_matches("sha256:")))
+    };
+    let at = |path: &str| -> Result<Instant> {
+        // The last one: with a wrong ref, the one the entry named.
+        let r = log
+            .iter()
+            .rev()
+            .find(|r| r.path == path)
+            .with_context(|| format!("no request of {path}: {log:?}"))?;
+        Ok(r.at)
+    };
+    let entry = at(&format!("/store/images/{}.json", id.hex()))?;
+    let after = |t: Instant| t.duration_since(entry).as_secs_f64() * 1e3;
+    let parts =
+        [after(at(&blob("record")?)?), after(at(&blob("prefix")?)?), after(at(&blob("pack_index")?)?)];
+    Ok((parts, entry.duration_since(at("/store/refs/demo")?).as_secs_f64() * 1e3))
+}
+
+/// A start by tag asks for the entry, the record and — as the tag's ref names them — the prefix
+/// and pack index at once; with an old ref (the ID alone) the prefix and pack index wait for the
+/// entry's answer; a ref naming the wrong parts costs a fetch, never wrong bytes.
+#[test]
+fn a_start_by_tag_asks_for_every_part_of_the_image_one_round_trip_after_the_tag() -> Result<()> {
+    const RTT: Duration = Duration::from_millis(60);
+    let f = fixture("start-parts")?;
+    let origin = Nginx::serve(&f.store, "store")?;
+    let proxy = Proxy::start(origin.addr(), ProxyConfig::rtt(RTT))?;
+    let socket = f.t.path().join("vm.sock");
+    let rtt_ms = RTT.as_secs_f64() * 1e3;
+    let start = |what: &str| -> Result<([f64; 3], f64)> {
+        let seen = proxy.log().len();
+        let d = Daemon::start("demo", proxy.url("store"), &socket, &["--read-only"])?;
+        device_equals_export(&d, &f, what)?;
+        d.stop()?;
+        start_requests(&proxy.log()[seen..], &f.store, &f.id)
+    };
+    let ref_path = f.store.join("refs/demo");
+    let current = fs::read_to_string(&ref_path)?;
+    ensure!(current.lines().count() == 3, "refs/demo names the prefix and pack index: {current:?}");
+
+    let (parts, entry) = start("ref with its parts")?;
+    eprintln!(
+        "ref with its parts: entry {entry:.1} ms after the tag; record, prefix, pack index at {parts:?} ms"
+    );
+    ensure!(entry >= rtt_ms * 0.9, "the entry was asked {entry:.1} ms after the tag, before its answer");
+    for (what, t) in ["record", "prefix", "pack index"].into_iter().zip(parts) {
+        ensure!(t.abs() < rtt_ms / 2.0, "the {what} was asked {t:.1} ms after the entry, not with it");
+    }
+
+    // A ref written before refs named the parts: the prefix and pack index wait for the entry.
+    fs::write(&ref_path, format!("{}\n", f.id))?;
+    let (parts, _) = start("old ref")?;
+    eprintln!("old ref: record, prefix, pack index at {parts:?} ms after the entry");
+    ensure!(parts[0].abs() < rtt_ms / 2.0, "the record was asked {:.1} ms after the entry", parts[0]);
+    for (what, t) in ["prefix", "pack index"].into_iter().zip(&parts[1..]) {
+        ensure!(
+            (rtt_ms * 0.9..rtt_ms * 1.5).contains(t),
+            "with an old ref the {what} was asked {t:.1} ms after the entry, not at its answer"
+        );
+    }
+
+    // A ref naming the wrong parts (here each the other's): the right ones are fetched after
+    // the entry, and the device is right.
+    let lines: Vec<&str> = current.lines().collect();
+    let (p, i) = (lines[1].trim_start_matches("prefix "), lines[2].trim_start_matches("pack-index "));
+    let swapped = format!("{}\nprefix {i}\npack-index {p}\n", lines[0]);
+    fs::write(&ref_path, swapped)?;
+    let seen = proxy.log().len();
+    let (parts, _) = start("ref naming the wrong parts")?;
+    let asks = |path: &str| proxy.log()[seen..].iter().filter(|r| r.path.ends_with(path)).count();
+    for d in [p, i] {
+        let hex = d.trim_start_matches("sha256:");
+        ensure!(
+            asks(hex) == 2,
+            "blob {d}: asked {} times, not twice (the wrong hint, then the entry's)",
+            asks(hex)
+        );
+    }
+    ensure!(parts[1] >= rtt_ms * 0.9, "the right prefix was asked {:.1} ms after the entry", parts[1]);
+    fs::write(&ref_path, current)?;
     Ok(())
 }
 

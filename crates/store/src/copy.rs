@@ -54,8 +54,8 @@ pub trait CopyDest: Sync {
         -> Result<u64, StoreError>;
     /// Write the image entry (after every blob it names).
     fn put_entry(&self, id: &ImageId, entry: &ImageEntry) -> Result<(), StoreError>;
-    /// Point `tag` at `id` (after its entry).
-    fn set_ref(&self, tag: &str, id: &ImageId) -> Result<(), StoreError>;
+    /// Point `tag` at `id`, whose entry is `entry` (after the entry).
+    fn set_ref(&self, tag: &str, id: &ImageId, entry: &ImageEntry) -> Result<(), StoreError>;
 }
 
 impl CopyDest for LocalStore {
@@ -104,7 +104,7 @@ impl CopyDest for LocalStore {
         LocalStore::put_entry(self, id, entry)
     }
 
-    fn set_ref(&self, tag: &str, id: &ImageId) -> Result<(), StoreError> {
+    fn set_ref(&self, tag: &str, id: &ImageId, _entry: &ImageEntry) -> Result<(), StoreError> {
         LocalStore::set_ref(self, tag, id)
     }
 }
@@ -196,7 +196,7 @@ pub fn copy_image(
     }
     dest.put_entry(id, &entry)?;
     if let Some(t) = tag {
-        dest.set_ref(t, id)?;
+        dest.set_ref(t, id, &entry)?;
         report.tag = Some(t.to_owned());
     }
     Ok(report)

@@ -162,7 +162,7 @@ impl StoreGcReport {
 }
 
 fn parse_ref(bytes: &[u8]) -> Option<ImageId> {
-    std::str::from_utf8(bytes).ok()?.strip_suffix('\n')?.parse().ok()
+    crate::RefText::parse(bytes).map(|r| r.id)
 }
 
 fn blob_key(d: &Sha256Digest) -> String {

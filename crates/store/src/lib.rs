@@ -46,6 +46,7 @@ mod profile;
 mod read_store;
 mod reader;
 mod reference;
+mod refs;
 pub mod registry_gc;
 mod source;
 
@@ -84,6 +85,7 @@ pub use reader::{
     DEFAULT_CHUNK_CACHE, MAX_CHUNK_LEN, VERIFY_ATTEMPTS,
 };
 pub use reference::{decode_span, RefImage, DEFAULT_SPAN_CACHE};
+pub use refs::{RefParts, RefText};
 pub use registry_gc::collect_registry;
 pub use source::ChunkSource;
 pub use tessera_registry::PushOptions;

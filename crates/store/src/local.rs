@@ -4,7 +4,7 @@
 //! STORE/
 //!   blobs/sha256/<hex>     content-addressed blobs (records, prefixes, packs, pack indexes, …)
 //!   images/<id hex>.json   image entries
-//!   refs/<tag>             `sha256:<64 hex>\n`
+//!   refs/<tag>             `sha256:<64 hex>\n`, then the prefix's and pack index's digests
 //!   tmp/                   in-progress writes (same filesystem, so rename is atomic)
 //! ```
 //!
@@ -25,6 +25,7 @@ use tessera_image::{validate_tag, ChunkId, ImageEntry, ImageId, PackIndex, PackL
 use tracing::{debug, trace, warn};
 
 use crate::error::StoreError;
+use crate::refs::RefText;
 use crate::source::ChunkSource;
 
 const BLOBS: &str = "blobs";
@@ -594,15 +595,14 @@ impl LocalStore {
     }
 
     /// Point tag `tag` at image `id` (atomically replacing an older ref). The image's entry must
-    /// already be in the store.
+    /// already be in the store: the ref names its prefix and pack index too ([`RefText`]).
     pub fn set_ref(&self, tag: &str, id: &ImageId) -> Result<(), StoreError> {
         if !validate_tag(tag) {
             return Err(StoreError::InvalidTag { tag: tag.to_owned() });
         }
-        if !self.has_image(id)? {
-            return Err(StoreError::UnknownImage { reference: id.to_string() });
-        }
-        self.write_atomic(&self.ref_path(tag), format!("{id}\n").as_bytes(), "write ref")?;
+        let entry = self.get_entry(id)?;
+        let text = RefText::of(*id, &entry).encode();
+        self.write_atomic(&self.ref_path(tag), text.as_bytes(), "write ref")?;
         debug!(tag, image = %id, "stored ref");
         Ok(())
     }
@@ -640,11 +640,7 @@ impl LocalStore {
             Err(e) if e.kind() == ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(StoreError::read("read ref", &path, e)),
         };
-        let id = std::str::from_utf8(&text)
-            .ok()
-            .and_then(|t| t.strip_suffix('\n'))
-            .and_then(|t| t.parse::<ImageId>().ok())
-            .ok_or(StoreError::BadRef { path })?;
+        let id = RefText::parse(&text).ok_or(StoreError::BadRef { path })?.id;
         Ok(Some(id))
     }
 

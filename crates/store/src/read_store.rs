@@ -12,6 +12,7 @@ use crate::error::StoreError;
 use crate::local::LocalStore;
 use crate::origin::http::HttpStore;
 use crate::reader::OpenImage;
+use crate::refs::RefParts;
 use crate::source::ChunkSource;
 
 /// A store opened for reading, whatever its kind: a [`LocalStore`], an [`HttpStore`] or a
@@ -35,6 +36,12 @@ pub trait ReadStore: Send + Sync + std::fmt::Debug {
     fn guess_resolve(&self, _reference: &str) -> Option<ImageId> {
         None
     }
+    /// The prefix and pack index of image `id` as a tag's ref named them when it was resolved
+    /// ([`crate::RefText`]), unchecked: [`Self::open_image_with`] requests them alongside the
+    /// entry and uses them only if the entry names the same. `None` (the default): not known.
+    fn ref_parts(&self, _id: &ImageId) -> Option<RefParts> {
+        None
+    }
     /// The entry of image `id` ([`StoreError::UnknownImage`] if the store lacks it).
     fn get_entry(&self, id: &ImageId) -> Result<ImageEntry, StoreError>;
     /// A whole blob, checked against its sha256.
@@ -56,42 +63,62 @@ pub trait ReadStore: Send + Sync + std::fmt::Debug {
     ///
     /// Each part is requested as soon as its digest is known and decoded on the thread that
     /// read it as soon as it is in, while the others may still be arriving: the record (its
-    /// digest is the image ID) alongside the entry; the prefix, pack index and profile once the
-    /// entry names them. The prefix is decompressed and checked once the record says how long
-    /// it is and what it hashes to. [`Self::read_blob`] has verified each blob's digest. For a
-    /// remote store that is two round trips (with a connection at hand for each request)
-    /// instead of four.
+    /// digest is the image ID) alongside the entry, and so are the prefix and pack index when
+    /// the tag's ref named them ([`Self::ref_parts`]; else once the entry names them); the
+    /// profile once the entry names it. The prefix is decompressed and checked once the record
+    /// says how long it is and what it hashes to. [`Self::read_blob`] has verified each blob's
+    /// digest. For a remote store with a connection at hand for each request, an image is open
+    /// one round trip after its tag (two for an old ref), where each part after the one naming
+    /// it took four.
     fn open_image_with(
         &self,
         id: &ImageId,
         profile: bool,
     ) -> (Result<OpenImage, StoreError>, Option<ProfileRead>) {
+        type Word = Option<(u64, Sha256Digest)>;
         std::thread::scope(|s| {
-            // The record's word on the prefix (`None`: the record failed, and says why itself).
-            let (tell, told) = std::sync::mpsc::sync_channel::<Option<(u64, Sha256Digest)>>(1);
+            // The record's word on the prefix (`None`: the record failed, and says why itself),
+            // for the prefix fetched as the ref named it and for the one the entry names, when
+            // they differ.
+            let (tell, told) = std::sync::mpsc::sync_channel::<Word>(1);
+            let (tell_again, told_again) = std::sync::mpsc::sync_channel::<Word>(1);
             let record = s.spawn(move || {
                 let record = self.read_blob(&id.digest()).and_then(|b| OpenImage::decode_record(id, &b));
-                let _ = tell.send(record.as_ref().ok().map(|r| (r.prefix.blocks, r.prefix.digest)));
+                let word = record.as_ref().ok().map(|r| (r.prefix.blocks, r.prefix.digest));
+                let _ = (tell.send(word), tell_again.send(word));
                 record
             });
+            let prefix = |digest: Sha256Digest, told: std::sync::mpsc::Receiver<Word>| {
+                s.spawn(move || {
+                    let compressed = self.read_blob(&digest)?;
+                    match told.recv() {
+                        Ok(Some((blocks, d))) => OpenImage::decode_prefix(&digest, &compressed, blocks, &d),
+                        // Reported by the record.
+                        _ => Ok(crate::prefix::PrefixBuf::empty()),
+                    }
+                })
+            };
+            let index = |digest: Sha256Digest| {
+                s.spawn(move || self.read_blob(&digest).and_then(|b| OpenImage::decode_index(&digest, &b)))
+            };
+            // A tag's ref named the prefix and pack index: they go with the entry and the record.
+            let early =
+                self.ref_parts(id).map(|parts| (parts, prefix(parts.prefix, told), index(parts.pack_index)));
             let entry = match self.get_entry(id) {
                 Ok(entry) => entry,
                 Err(e) => return (Err(e), None),
             };
             let profile = entry.profile.filter(|_| profile).map(|d| s.spawn(move || (d, self.read_blob(&d))));
-            let prefix_digest = entry.prefix;
-            let prefix = s.spawn(move || {
-                let compressed = self.read_blob(&prefix_digest)?;
-                match told.recv() {
-                    Ok(Some((blocks, digest))) => {
-                        OpenImage::decode_prefix(&prefix_digest, &compressed, blocks, &digest)
-                    }
-                    // Reported by the record.
-                    _ => Ok(crate::prefix::PrefixBuf::empty()),
+            let (prefix, index) = match early {
+                Some((parts, prefix, index)) if parts.match_entry(&entry) => (joined(prefix), joined(index)),
+                // No ref named them, or not those the entry names (a stale or wrong ref: what was
+                // fetched for it is dropped).
+                _ => {
+                    let (prefix, index) = (prefix(entry.prefix, told_again), index(entry.pack_index));
+                    (joined(prefix), joined(index))
                 }
-            });
-            let index = self.read_blob(&entry.pack_index).and_then(|b| OpenImage::decode_index(&entry, &b));
-            let (record, prefix, profile) = (joined(record), joined(prefix), profile.map(joined));
+            };
+            let (record, profile) = (joined(record), profile.map(joined));
             let image = (|| OpenImage::join(*id, entry, record?, prefix?, index?))();
             (image, profile)
         })
@@ -184,6 +211,10 @@ impl ReadStore for HttpStore {
 
     fn resolve_to_open(&self, reference: &str) -> Result<ImageId, StoreError> {
         HttpStore::resolve_unchecked(self, reference)
+    }
+
+    fn ref_parts(&self, id: &ImageId) -> Option<RefParts> {
+        HttpStore::ref_parts(self, id)
     }
 
     fn get_entry(&self, id: &ImageId) -> Result<ImageEntry, StoreError> {

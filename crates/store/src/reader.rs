@@ -191,7 +191,7 @@ impl OpenImage {
             record.prefix.blocks,
             &record.prefix.digest,
         )?;
-        let index = Self::decode_index(&entry, pack_index_bytes)?;
+        let index = Self::decode_index(&entry.pack_index, pack_index_bytes)?;
         Self::join(id, entry, record, prefix, index)
     }
 
@@ -231,17 +231,17 @@ impl OpenImage {
 
     /// The pack index (or a `--reference-layers` image's reference pack index) from its
     /// verified blob.
-    pub(crate) fn decode_index(entry: &ImageEntry, bytes: &[u8]) -> Result<Index, StoreError> {
+    pub(crate) fn decode_index(digest: &Sha256Digest, bytes: &[u8]) -> Result<Index, StoreError> {
         if RefIndex::sniff(bytes) {
             return RefIndex::decode(bytes).map(Index::Reference).map_err(|source| StoreError::Decode {
                 what: "reference pack index",
-                digest: entry.pack_index,
+                digest: *digest,
                 source,
             });
         }
         PackIndex::decode(bytes).map(Index::Packs).map_err(|source| StoreError::Decode {
             what: "pack index",
-            digest: entry.pack_index,
+            digest: *digest,
             source,
         })
     }

@@ -163,7 +163,15 @@ fn entries_refs_and_resolve() {
     assert_eq!(store.get_entry(&img.id).unwrap(), img.entry);
     assert_eq!(store.resolve(&img.id.to_string()).unwrap(), img.id);
     assert_eq!(store.resolve("test").unwrap(), img.id);
-    assert_eq!(std::fs::read_to_string(dir.path().join("refs/test")).unwrap(), format!("{}\n", img.id));
+    // The ref names the image's prefix and pack index too (docs/formats/store.md, "Refs").
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("refs/test")).unwrap(),
+        format!("{}\nprefix {}\npack-index {}\n", img.id, img.entry.prefix, img.entry.pack_index)
+    );
+    // A ref of the ID line alone (written before refs named them) still resolves.
+    std::fs::write(dir.path().join("refs/old"), format!("{}\n", img.id)).unwrap();
+    assert_eq!(store.resolve("old").unwrap(), img.id);
+    std::fs::remove_file(dir.path().join("refs/old")).unwrap();
     assert_eq!(store.list_images().unwrap(), vec![img.id]);
     store.set_ref("v1.0_rc-2", &img.id).unwrap();
     assert_eq!(

@@ -961,6 +961,10 @@ impl<O: Origin> ReadStore for CachedStore<O> {
         resolve_with(reference, |tag| self.read_ref(tag), |id| self.get_entry(id).map(|_| ()))
     }
 
+    fn ref_parts(&self, id: &ImageId) -> Option<crate::RefParts> {
+        self.origin.ref_parts(id)
+    }
+
     fn resolve_to_open(&self, reference: &str) -> Result<ImageId, StoreError> {
         if reference.starts_with('@') {
             return self.resolve(reference);

@@ -34,6 +34,7 @@ use super::s3::S3Auth;
 use super::sigv4::EMPTY_SHA256;
 use crate::cache::{BlobFileError, DiskCache};
 use crate::error::StoreError;
+use crate::refs::{RefParts, RefText};
 use crate::source::ChunkSource;
 
 /// Largest whole blob (record, prefix, pack index) fetched into memory: 1 GiB.
@@ -447,6 +448,8 @@ struct Inner {
     batches: Mutex<std::collections::HashMap<Sha256Digest, Arc<Batch>>>,
     /// Tags resolved through this store (an HTTP server cannot list `refs/`).
     seen_refs: Mutex<Vec<(String, ImageId)>>,
+    /// The prefix and pack index the refs read so far named, by image.
+    ref_parts: Mutex<std::collections::HashMap<ImageId, RefParts>>,
     /// Image entries fetched so far, by ID: an ID names its content, so resolving a reference
     /// and then opening the image fetch the entry once.
     entries: Mutex<std::collections::HashMap<ImageId, ImageEntry>>,
@@ -500,6 +503,7 @@ impl HttpStore {
                 transport: Transport::new(config.transport()),
                 batches: Mutex::new(Default::default()),
                 seen_refs: Mutex::new(Vec::new()),
+                ref_parts: Mutex::default(),
                 entries: Mutex::new(Default::default()),
                 range_support: AtomicU8::new(RANGE_UNKNOWN),
                 range_probe: Mutex::new(()),
@@ -657,12 +661,22 @@ impl HttpStore {
         Ok(entry)
     }
 
-    /// Read `refs/<tag>` (`None` on 404).
+    /// Read `refs/<tag>` (`None` on 404). The prefix and pack index it names, if it does, are
+    /// kept for [`Self::ref_parts`].
     pub fn read_ref(&self, tag: &str) -> Result<Option<ImageId>, StoreError> {
         let url = self.ref_url(tag);
         let Some(text) = self.get_small(&url)? else { return Ok(None) };
-        let id = parse_ref(&text).ok_or(StoreError::BadRef { path: url.into() })?;
-        Ok(Some(id))
+        let r = RefText::parse(&text).ok_or(StoreError::BadRef { path: url.into() })?;
+        if let Some(parts) = r.parts {
+            self.inner.ref_parts.lock().unwrap_or_else(|p| p.into_inner()).insert(r.id, parts);
+        }
+        Ok(Some(r.id))
+    }
+
+    /// The prefix and pack index of image `id` as a ref read through this store named them
+    /// (unchecked: [`crate::ReadStore::ref_parts`]).
+    pub fn ref_parts(&self, id: &ImageId) -> Option<RefParts> {
+        self.inner.ref_parts.lock().unwrap_or_else(|p| p.into_inner()).get(id).copied()
     }
 
     /// Resolve `sha256:<64 hex>` (its entry must exist) or a tag.
@@ -1230,9 +1244,9 @@ fn read_body(url: &str, resp: &mut Response, limit: u64) -> Result<Vec<u8>, Fail
     }
 }
 
-/// Parse the content of a ref: `sha256:<64 hex>` and a newline.
+/// The image ID a ref's content names ([`RefText`]).
 pub(crate) fn parse_ref(text: &[u8]) -> Option<ImageId> {
-    std::str::from_utf8(text).ok()?.strip_suffix('\n')?.parse().ok()
+    RefText::parse(text).map(|r| r.id)
 }
 
 /// Resolve a reference given a ref reader and an entry check (shared by the HTTP and cached

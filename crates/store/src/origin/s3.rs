@@ -955,11 +955,11 @@ impl CopyDest for S3Store {
         self.put(&format!("images/{}.json", id.digest().hex()), &entry.to_json(), false)
     }
 
-    fn set_ref(&self, tag: &str, id: &ImageId) -> Result<(), StoreError> {
+    fn set_ref(&self, tag: &str, id: &ImageId, entry: &ImageEntry) -> Result<(), StoreError> {
         if !tessera_image::validate_tag(tag) {
             return Err(StoreError::InvalidTag { tag: tag.to_owned() });
         }
-        self.put(&format!("refs/{tag}"), format!("{id}\n").as_bytes(), false)
+        self.put(&format!("refs/{tag}"), crate::RefText::of(*id, entry).encode().as_bytes(), false)
     }
 }
 
@@ -974,6 +974,10 @@ impl ReadStore for S3Store {
 
     fn resolve_to_open(&self, reference: &str) -> Result<ImageId, StoreError> {
         self.http.resolve_unchecked(reference)
+    }
+
+    fn ref_parts(&self, id: &ImageId) -> Option<crate::RefParts> {
+        self.http.ref_parts(id)
     }
 
     fn get_entry(&self, id: &ImageId) -> Result<ImageEntry, StoreError> {
