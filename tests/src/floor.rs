@@ -99,7 +99,8 @@ impl StoreImage {
                 let path = store.join("refs").join(reference);
                 let text =
                     fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-                (text.trim().to_owned(), text.len() as u64)
+                // The ID line (then, in refs that name them, the prefix and pack index).
+                (crate::tessera::ref_text_id(&text)?.as_str().to_owned(), text.len() as u64)
             }
         };
         let id = ImageId(id_text.parse::<Sha256Digest>().with_context(|| format!("image ID {id_text:?}"))?);
