@@ -79,7 +79,7 @@ pub use origin::s3::{
     DEFAULT_PART_SIZE, S3_ENV,
 };
 pub use profile::{attach_profile, read_profile};
-pub use read_store::{ProfileRead, ReadStore};
+pub use read_store::{BlobSink, ProfileRead, ReadStore};
 pub use reader::{
     decode_stored_chunk, refetch_if_corrupt, ImageReader, OpenImage, Piece, ReadAt, Visit,
     DEFAULT_CHUNK_CACHE, MAX_CHUNK_LEN, VERIFY_ATTEMPTS,

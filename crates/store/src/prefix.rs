@@ -9,6 +9,7 @@
 //! kernel gives no huge pages the mapping is one of small pages, as a heap buffer would be.
 
 use memmap2::{Advice, MmapMut, MmapOptions};
+use tessera_image::Sha256Digest;
 use zstd::zstd_safe::{DCtx, InBuffer, OutBuffer};
 
 /// A huge page (x86-64 and aarch64 with 4 KiB pages).
@@ -85,41 +86,83 @@ impl PrefixBuf {
     }
 }
 
-/// Decompress `compressed` (a zstd stream: one frame or more) into exactly `expected` bytes, or
-/// say why not.
-pub(crate) fn decompress(compressed: &[u8], expected: u64) -> Result<PrefixBuf, String> {
-    let expected =
-        usize::try_from(expected).map_err(|_| format!("its {expected} bytes do not fit in memory"))?;
-    let room = expected.checked_add(1).ok_or("its length does not fit in memory")?;
-    let mut buf = PrefixBuf::zeroed(room)?;
-    let zstd = |code| format!("it does not decompress: {}", zstd::zstd_safe::get_error_name(code));
-    let mut dctx = DCtx::create();
-    let mut input = InBuffer::around(compressed);
-    let mut made = 0usize;
-    loop {
-        let (hint, now) = {
-            let mut output = OutBuffer::around_pos(buf.as_mut_slice(), made);
-            let hint = dctx.decompress_stream(&mut output, &mut input).map_err(zstd)?;
-            (hint, output.pos())
-        };
-        made = now;
-        let consumed = input.pos() == compressed.len();
-        if made == room {
-            return Err("it decompresses to more than expected".to_owned());
+/// A prefix decompressed as its compressed bytes come in ([`Self::feed`]), into its final
+/// buffer, hashed (sha256) as it is made while the bytes are still in cache; [`Self::finish`]
+/// checks the length. The one decompressor of prefixes, whole ([`decompress`]) or streamed as a
+/// blob arrives.
+pub(crate) struct Inflater {
+    buf: PrefixBuf,
+    /// Bytes allowed: the expected length and one more, which shows a longer stream.
+    room: usize,
+    made: usize,
+    hashed: usize,
+    hasher: sha2::Sha256,
+    dctx: DCtx<'static>,
+    /// Whether the input so far ends where a frame ends.
+    at_frame_end: bool,
+}
+
+impl Inflater {
+    /// For a prefix of `expected` bytes.
+    pub(crate) fn new(expected: u64) -> Result<Self, String> {
+        use sha2::Digest;
+        let expected =
+            usize::try_from(expected).map_err(|_| format!("its {expected} bytes do not fit in memory"))?;
+        let room = expected.checked_add(1).ok_or("its length does not fit in memory")?;
+        Ok(Self {
+            buf: PrefixBuf::zeroed(room)?,
+            room,
+            made: 0,
+            hashed: 0,
+            hasher: sha2::Sha256::new(),
+            dctx: DCtx::create(),
+            at_frame_end: true,
+        })
+    }
+
+    /// Decompress the next compressed bytes (a zstd stream: one frame or more).
+    pub(crate) fn feed(&mut self, compressed: &[u8]) -> Result<(), String> {
+        use sha2::Digest;
+        let zstd = |code| format!("it does not decompress: {}", zstd::zstd_safe::get_error_name(code));
+        let mut input = InBuffer::around(compressed);
+        while input.pos() < compressed.len() {
+            let (hint, made) = {
+                let mut output = OutBuffer::around_pos(self.buf.as_mut_slice(), self.made);
+                let hint = self.dctx.decompress_stream(&mut output, &mut input).map_err(zstd)?;
+                (hint, output.pos())
+            };
+            self.made = made;
+            self.at_frame_end = hint == 0;
+            if self.made == self.room {
+                return Err("it decompresses to more than expected".to_owned());
+            }
         }
-        if consumed && hint == 0 {
-            break; // the last frame ended (a frame may follow another, as in any zstd stream)
-        }
-        if consumed {
-            // Room left and no input: the frame stops short.
+        self.hasher.update(&self.buf[self.hashed..self.made]);
+        self.hashed = self.made;
+        Ok(())
+    }
+
+    /// The prefix and its sha256, if the stream ended where a frame ends, at the expected length.
+    pub(crate) fn finish(mut self) -> Result<(PrefixBuf, Sha256Digest), String> {
+        use sha2::Digest;
+        let expected = self.room - 1;
+        if !self.at_frame_end || (self.made == 0 && expected > 0) {
             return Err("it does not decompress: its zstd frame is truncated".to_owned());
         }
+        if self.made != expected {
+            return Err(format!("it decompresses to {} bytes, expected {expected}", self.made));
+        }
+        self.buf.truncate(expected);
+        Ok((self.buf, Sha256Digest(self.hasher.finalize().into())))
     }
-    if made != expected {
-        return Err(format!("it decompresses to {made} bytes, expected {expected}"));
-    }
-    buf.truncate(expected);
-    Ok(buf)
+}
+
+/// Decompress `compressed` (a zstd stream: one frame or more) into exactly `expected` bytes, with
+/// its sha256, or say why not.
+pub(crate) fn decompress(compressed: &[u8], expected: u64) -> Result<(PrefixBuf, Sha256Digest), String> {
+    let mut inflater = Inflater::new(expected)?;
+    inflater.feed(compressed)?;
+    inflater.finish()
 }
 
 #[cfg(test)]
@@ -133,7 +176,17 @@ mod tests {
             let data: Vec<u8> = (0..len).flat_map(|i| (i % 251).to_le_bytes()).collect();
             let z = zstd::encode_all(&data[..], 3).unwrap();
             let n = data.len() as u64;
-            assert_eq!(&*decompress(&z, n).unwrap(), &data[..]);
+            let (prefix, digest) = decompress(&z, n).unwrap();
+            assert_eq!((&*prefix, digest), (&data[..], Sha256Digest::of(&data)));
+            // Fed in pieces of any size, as a blob arrives: the same bytes and digest.
+            for piece in [1, 7, 4096, 65_536] {
+                let mut inflater = Inflater::new(n).unwrap();
+                for p in z.chunks(piece) {
+                    inflater.feed(p).unwrap();
+                }
+                let (prefix, d) = inflater.finish().unwrap();
+                assert_eq!((&*prefix, d), (&data[..], digest), "pieces of {piece}");
+            }
             // Longer or shorter than the record says.
             assert!(decompress(&z, n - 1).unwrap_err().contains("more than"), "longer");
             assert!(decompress(&z, n + 4096).unwrap_err().contains(&format!("to {n} bytes")), "shorter");
@@ -145,10 +198,10 @@ mod tests {
             let (a, b) = data.split_at(100_000);
             let mut two = zstd::encode_all(a, 1).unwrap();
             two.extend(zstd::encode_all(b, 1).unwrap());
-            assert_eq!(&*decompress(&two, n).unwrap(), &data[..]);
+            assert_eq!(&*decompress(&two, n).unwrap().0, &data[..]);
         }
         // An empty prefix.
-        assert!(decompress(&zstd::encode_all(&[][..], 3).unwrap(), 0).unwrap().is_empty());
+        assert!(decompress(&zstd::encode_all(&[][..], 3).unwrap(), 0).unwrap().0.is_empty());
         // A record claiming more than memory holds fails cleanly, allocating nothing.
         for huge in [1u64 << 50, u64::MAX / 2, u64::MAX] {
             assert!(decompress(&zstd::encode_all(&[1u8; 10][..], 3).unwrap(), huge).is_err());

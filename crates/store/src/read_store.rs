@@ -46,6 +46,17 @@ pub trait ReadStore: Send + Sync + std::fmt::Debug {
     fn get_entry(&self, id: &ImageId) -> Result<ImageEntry, StoreError>;
     /// A whole blob, checked against its sha256.
     fn read_blob(&self, digest: &Sha256Digest) -> Result<Vec<u8>, StoreError>;
+    /// [`Self::read_blob`] handing the bytes to `sink` as they arrive: a store that streams
+    /// (an HTTP origin) feeds each piece as it comes off the connection and checks the sha256 at
+    /// the end — a failed attempt is retried from [`BlobSink::restart`] —, so the sink's work
+    /// (decompressing a prefix) overlaps the transfer; `Ok` once the whole blob was fed and
+    /// verified. The default feeds the whole blob [`Self::read_blob`] returns.
+    fn read_blob_streamed(&self, digest: &Sha256Digest, sink: &mut dyn BlobSink) -> Result<(), StoreError> {
+        let bytes = self.read_blob(digest)?;
+        sink.restart();
+        sink.feed(&bytes);
+        Ok(())
+    }
     /// The tags the store knows. A local store lists `refs/`; an HTTP store cannot list, so it
     /// returns the tags resolved through it so far.
     fn list_refs(&self) -> Result<Vec<(String, ImageId)>, StoreError>;
@@ -75,7 +86,6 @@ pub trait ReadStore: Send + Sync + std::fmt::Debug {
         id: &ImageId,
         profile: bool,
     ) -> (Result<OpenImage, StoreError>, Option<ProfileRead>) {
-        type Word = Option<(u64, Sha256Digest)>;
         std::thread::scope(|s| {
             // The record's word on the prefix (`None`: the record failed, and says why itself),
             // for the prefix fetched as the ref named it and for the one the entry names, when
@@ -90,12 +100,9 @@ pub trait ReadStore: Send + Sync + std::fmt::Debug {
             });
             let prefix = |digest: Sha256Digest, told: std::sync::mpsc::Receiver<Word>| {
                 s.spawn(move || {
-                    let compressed = self.read_blob(&digest)?;
-                    match told.recv() {
-                        Ok(Some((blocks, d))) => OpenImage::decode_prefix(&digest, &compressed, blocks, &d),
-                        // Reported by the record.
-                        _ => Ok(crate::prefix::PrefixBuf::empty()),
-                    }
+                    let mut sink = PrefixSink::new(digest, told);
+                    self.read_blob_streamed(&digest, &mut sink)?;
+                    sink.finish()
                 })
             };
             let index = |digest: Sha256Digest| {
@@ -135,6 +142,95 @@ pub trait ReadStore: Send + Sync + std::fmt::Debug {
     /// blob is not checked here: whoever consumes it must (a registry checks what it is sent).
     fn open_blob(&self, digest: &Sha256Digest) -> Result<Box<dyn Read + Send>, StoreError> {
         Ok(Box::new(std::io::Cursor::new(self.read_blob(digest)?)))
+    }
+}
+
+/// Where [`ReadStore::read_blob_streamed`] puts a blob's bytes as they arrive. Unverified until
+/// the read returns `Ok`.
+pub trait BlobSink {
+    /// Forget what was fed: the blob is fed again from its first byte (a new attempt).
+    fn restart(&mut self);
+    /// The next bytes of the blob.
+    fn feed(&mut self, bytes: &[u8]);
+}
+
+/// The metadata prefix decompressed as its blob arrives, once the record's word on it (length
+/// and digest) is in; until then what arrives is kept compressed.
+struct PrefixSink {
+    stored: Sha256Digest,
+    told: std::sync::mpsc::Receiver<Word>,
+    /// The record's word, once received (`Some(None)`: the record failed).
+    word: Option<Word>,
+    pending: Vec<u8>,
+    inflater: Option<Result<crate::prefix::Inflater, StoreError>>,
+}
+
+/// The record's word on the prefix: its length in blocks and its sha256 (`None`: the record
+/// failed, and reports why itself).
+type Word = Option<(u64, Sha256Digest)>;
+
+impl PrefixSink {
+    fn new(stored: Sha256Digest, told: std::sync::mpsc::Receiver<Word>) -> Self {
+        Self { stored, told, word: None, pending: Vec::new(), inflater: None }
+    }
+
+    /// Take the record's word if it is in (with `wait`, wait for it), and start inflating what
+    /// is pending once it is.
+    fn listen(&mut self, wait: bool) {
+        use std::sync::mpsc::TryRecvError;
+        if self.word.is_none() {
+            let got = if wait {
+                self.told.recv().map_err(|_| TryRecvError::Disconnected)
+            } else {
+                self.told.try_recv()
+            };
+            self.word = match got {
+                Ok(word) => Some(word),
+                // The record's thread ended without a word: it failed.
+                Err(TryRecvError::Disconnected) => Some(None),
+                Err(TryRecvError::Empty) => None,
+            };
+        }
+        if let (Some(Some((blocks, _))), None) = (self.word, &self.inflater) {
+            let stored = self.stored;
+            let inflater = OpenImage::prefix_len(&stored, blocks).and_then(|len| {
+                let mut inflater = crate::prefix::Inflater::new(len)
+                    .map_err(|r| crate::reader::prefix_corrupt(&stored, r))?;
+                inflater.feed(&self.pending).map_err(|r| crate::reader::prefix_corrupt(&stored, r))?;
+                Ok(inflater)
+            });
+            self.pending = Vec::new();
+            self.inflater = Some(inflater);
+        }
+    }
+
+    /// The prefix, once the whole verified blob was fed (`Ok(empty)` if the record failed).
+    fn finish(mut self) -> Result<crate::prefix::PrefixBuf, StoreError> {
+        self.listen(true);
+        let (Some(Some((_, digest))), Some(inflater)) = (self.word, self.inflater) else {
+            return Ok(crate::prefix::PrefixBuf::empty());
+        };
+        OpenImage::check_prefix(&self.stored, inflater?.finish(), &digest)
+    }
+}
+
+impl BlobSink for PrefixSink {
+    fn restart(&mut self) {
+        self.pending.clear();
+        self.inflater = None;
+    }
+
+    fn feed(&mut self, bytes: &[u8]) {
+        self.listen(false);
+        match &mut self.inflater {
+            None => self.pending.extend_from_slice(bytes),
+            Some(Ok(inflater)) => {
+                if let Err(reason) = inflater.feed(bytes) {
+                    self.inflater = Some(Err(crate::reader::prefix_corrupt(&self.stored, reason)));
+                }
+            }
+            Some(Err(_)) => {}
+        }
     }
 }
 
@@ -217,6 +313,10 @@ impl ReadStore for HttpStore {
         HttpStore::ref_parts(self, id)
     }
 
+    fn read_blob_streamed(&self, digest: &Sha256Digest, sink: &mut dyn BlobSink) -> Result<(), StoreError> {
+        HttpStore::read_blob_streamed(self, digest, sink)
+    }
+
     fn get_entry(&self, id: &ImageId) -> Result<ImageEntry, StoreError> {
         HttpStore::get_entry(self, id)
     }
@@ -231,5 +331,64 @@ impl ReadStore for HttpStore {
 
     fn chunk_source(&self, _image: &Arc<OpenImage>) -> Arc<dyn ChunkSource> {
         Arc::new(self.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A prefix of `blocks` blocks, its zstd stream and its digest.
+    fn prefix(blocks: u64) -> (Vec<u8>, Vec<u8>, Sha256Digest) {
+        let data: Vec<u8> = (0..blocks * 4096).map(|i| (i % 253) as u8).collect();
+        let z = zstd::encode_all(&data[..], 3).unwrap();
+        let digest = Sha256Digest::of(&data);
+        (data, z, digest)
+    }
+
+    #[test]
+    fn a_prefix_sink_inflates_whenever_the_record_speaks_and_starts_over_on_restart() {
+        let (data, z, digest) = prefix(300);
+        let stored = Sha256Digest::of(&z);
+        // The record's word before the first byte, after the third piece, after the last.
+        for word_after in [0usize, 3, usize::MAX] {
+            let (tell, told) = std::sync::mpsc::sync_channel(1);
+            let mut sink = PrefixSink::new(stored, told);
+            let mut tell = Some(tell);
+            // A first attempt broken after two pieces, then the whole blob.
+            for piece in z.chunks(1000).take(2) {
+                sink.feed(piece);
+            }
+            sink.restart();
+            for (i, piece) in z.chunks(1000).enumerate() {
+                if i == word_after {
+                    tell.take().unwrap().send(Some((300, digest))).unwrap();
+                }
+                sink.feed(piece);
+            }
+            if let Some(t) = tell.take() {
+                t.send(Some((300, digest))).unwrap();
+            }
+            assert_eq!(&*sink.finish().unwrap(), &data[..], "word after piece {word_after}");
+        }
+        // A record that disagrees (length, digest): the prefix is corrupt.
+        for word in [(299, digest), (300, Sha256Digest::of(b"other"))] {
+            let (tell, told) = std::sync::mpsc::sync_channel(1);
+            let mut sink = PrefixSink::new(stored, told);
+            tell.send(Some(word)).unwrap();
+            sink.feed(&z);
+            assert!(matches!(sink.finish(), Err(StoreError::Corrupt { what: "metadata prefix", .. })));
+        }
+        // A record that failed (it says so itself), or whose thread ended without a word.
+        let (tell, told) = std::sync::mpsc::sync_channel(1);
+        let mut sink = PrefixSink::new(stored, told);
+        sink.feed(&z);
+        tell.send(None).unwrap();
+        assert!(sink.finish().unwrap().is_empty());
+        let (tell, told) = std::sync::mpsc::sync_channel::<Word>(1);
+        drop(tell);
+        let mut sink = PrefixSink::new(stored, told);
+        sink.feed(&z);
+        assert!(sink.finish().unwrap().is_empty());
     }
 }

@@ -212,19 +212,27 @@ impl OpenImage {
         blocks: u64,
         digest: &Sha256Digest,
     ) -> Result<PrefixBuf, StoreError> {
-        let corrupt = |reason| StoreError::Corrupt {
-            what: "metadata prefix",
-            digest: *stored,
-            path: Default::default(),
-            reason,
-        };
-        let expected = blocks
-            .checked_mul(u64::from(BLOCK_SIZE))
-            .ok_or_else(|| corrupt(format!("the record's prefix of {blocks} blocks is too large")))?;
-        let prefix = crate::prefix::decompress(compressed, expected).map_err(corrupt)?;
-        let actual = Sha256Digest::of(&prefix);
+        let made = crate::prefix::decompress(compressed, Self::prefix_len(stored, blocks)?);
+        Self::check_prefix(stored, made, digest)
+    }
+
+    /// The length of a prefix of `blocks` blocks (the record's word) stored as blob `stored`.
+    pub(crate) fn prefix_len(stored: &Sha256Digest, blocks: u64) -> Result<u64, StoreError> {
+        blocks.checked_mul(u64::from(BLOCK_SIZE)).ok_or_else(|| {
+            prefix_corrupt(stored, format!("the record's prefix of {blocks} blocks is too large"))
+        })
+    }
+
+    /// The prefix decompressed from blob `stored`, if it hashes to `digest` (the record's).
+    pub(crate) fn check_prefix(
+        stored: &Sha256Digest,
+        made: Result<(PrefixBuf, Sha256Digest), String>,
+        digest: &Sha256Digest,
+    ) -> Result<PrefixBuf, StoreError> {
+        let (prefix, actual) = made.map_err(|reason| prefix_corrupt(stored, reason))?;
         if actual != *digest {
-            return Err(corrupt(format!("uncompressed it hashes to {actual}, the record says {digest}")));
+            let reason = format!("uncompressed it hashes to {actual}, the record says {digest}");
+            return Err(prefix_corrupt(stored, reason));
         }
         Ok(prefix)
     }
@@ -500,6 +508,11 @@ impl OpenImage {
             }
         }
     }
+}
+
+/// The prefix stored as blob `stored` is not what the record says.
+pub(crate) fn prefix_corrupt(stored: &Sha256Digest, reason: String) -> StoreError {
+    StoreError::Corrupt { what: "metadata prefix", digest: *stored, path: Default::default(), reason }
 }
 
 fn inconsistent(id: &ImageId, reason: String) -> StoreError {

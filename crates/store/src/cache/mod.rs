@@ -1012,12 +1012,53 @@ impl<O: Origin> ReadStore for CachedStore<O> {
         self.cache.fetch_blob(digest, || self.origin.read_blob(digest))
     }
 
+    /// The cache's copy fed whole; else the origin's, streamed into `sink` and kept whole for
+    /// the cache on the way.
+    fn read_blob_streamed(
+        &self,
+        digest: &Sha256Digest,
+        sink: &mut dyn crate::BlobSink,
+    ) -> Result<(), StoreError> {
+        let mut tee = Tee { sink, bytes: Vec::new(), fed: false };
+        let bytes = self.cache.fetch_blob(digest, || {
+            self.origin.read_blob_streamed(digest, &mut tee)?;
+            Ok(std::mem::take(&mut tee.bytes))
+        })?;
+        if !tee.fed {
+            tee.sink.restart();
+            tee.sink.feed(&bytes);
+        }
+        Ok(())
+    }
+
     fn list_refs(&self) -> Result<Vec<(String, ImageId)>, StoreError> {
         self.origin.list_refs()
     }
 
     fn chunk_source(&self, image: &Arc<OpenImage>) -> Arc<dyn ChunkSource> {
         Arc::new(CachedSource::new(self.cache.clone(), self.origin.clone(), image))
+    }
+}
+
+/// A sink fed through to another while keeping a copy of the bytes ([`CachedStore`]'s streamed
+/// blob reads).
+struct Tee<'a> {
+    sink: &'a mut dyn crate::BlobSink,
+    bytes: Vec<u8>,
+    /// Whether `sink` was fed (the blob came from the origin).
+    fed: bool,
+}
+
+impl crate::BlobSink for Tee<'_> {
+    fn restart(&mut self) {
+        self.bytes.clear();
+        self.sink.restart();
+        self.fed = true;
+    }
+
+    fn feed(&mut self, bytes: &[u8]) {
+        self.bytes.extend_from_slice(bytes);
+        self.sink.feed(bytes);
     }
 }
 

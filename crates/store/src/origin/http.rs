@@ -34,6 +34,7 @@ use super::s3::S3Auth;
 use super::sigv4::EMPTY_SHA256;
 use crate::cache::{BlobFileError, DiskCache};
 use crate::error::StoreError;
+use crate::read_store::BlobSink;
 use crate::refs::{RefParts, RefText};
 use crate::source::ChunkSource;
 
@@ -741,6 +742,53 @@ impl HttpStore {
         })?;
         trace!(%digest, len = bytes.len(), "fetched blob");
         Ok(bytes)
+    }
+
+    /// [`Self::read_blob`] fed to `sink` as it comes off the connection
+    /// ([`crate::ReadStore::read_blob_streamed`]): hashed on the way, checked at its end; an
+    /// attempt that fails (a broken body, bytes that do not match) is retried from
+    /// [`BlobSink::restart`].
+    pub fn read_blob_streamed(
+        &self,
+        digest: &Sha256Digest,
+        sink: &mut dyn BlobSink,
+    ) -> Result<(), StoreError> {
+        use sha2::Digest;
+        let url = self.blob_url(digest);
+        self.fetch(&url, None, |mut resp| {
+            if resp.status() != 200 {
+                return Err(self.refused(&url, &mut resp));
+            }
+            self.note_accept_ranges(&resp);
+            sink.restart();
+            let (mut hasher, mut total) = (sha2::Sha256::new(), 0u64);
+            let mut piece = vec![0u8; 64 << 10];
+            let body = resp.reader();
+            loop {
+                let n = match body.read(&mut piece) {
+                    Ok(0) => break,
+                    Ok(n) => n,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(broken_body(&url, e)),
+                };
+                total += n as u64;
+                if total > MAX_HTTP_BLOB {
+                    let e = http_err(&url, HttpError::BadLength("the body exceeds the limit"));
+                    return Err(Failure::fatal(ErrorKind::Body, e));
+                }
+                hasher.update(&piece[..n]);
+                sink.feed(&piece[..n]);
+            }
+            let actual = Sha256Digest(hasher.finalize().into());
+            if actual != *digest {
+                let reason = format!("its content hashes to {actual}");
+                let e =
+                    StoreError::Corrupt { what: "blob", digest: *digest, path: url.clone().into(), reason };
+                return Err(Failure::retry(ErrorKind::Digest, e));
+            }
+            trace!(%digest, len = total, "fetched blob, streamed");
+            Ok(())
+        })
     }
 
     /// `len` bytes at `offset` of blob `digest`, with a Range GET (retried whole if the body

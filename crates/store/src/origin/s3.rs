@@ -988,6 +988,14 @@ impl ReadStore for S3Store {
         self.http.read_blob(digest)
     }
 
+    fn read_blob_streamed(
+        &self,
+        digest: &Sha256Digest,
+        sink: &mut dyn crate::BlobSink,
+    ) -> Result<(), StoreError> {
+        self.http.read_blob_streamed(digest, sink)
+    }
+
     fn list_refs(&self) -> Result<Vec<(String, ImageId)>, StoreError> {
         Ok(self.http.seen_refs())
     }
