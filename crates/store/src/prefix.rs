@@ -92,8 +92,11 @@ impl PrefixBuf {
 /// blob arrives.
 pub(crate) struct Inflater {
     buf: PrefixBuf,
-    /// Bytes allowed: the expected length and one more, which shows a longer stream.
+    /// Bytes allowed: the expected length and one more, which shows a longer stream; before
+    /// [`Self::settle`], [`EARLY_ROOM`].
     room: usize,
+    /// Whether the expected length is known.
+    settled: bool,
     made: usize,
     hashed: usize,
     hasher: sha2::Sha256,
@@ -102,16 +105,37 @@ pub(crate) struct Inflater {
     at_frame_end: bool,
 }
 
+/// Output an [`Inflater`] may make before the record says the prefix's length: a prefix that
+/// arrives before its record is inflated as it comes, up to this bound (a mapping's address
+/// space; only what is made is memory), then waits. An entry naming a bigger blob than the
+/// record's prefix costs at most this before the record refuses it.
+pub(crate) const EARLY_ROOM: usize = 64 << 20;
+
+/// A length in bytes, and the room for it (one more byte shows a longer stream).
+fn room_for(expected: u64) -> Result<usize, String> {
+    let expected =
+        usize::try_from(expected).map_err(|_| format!("its {expected} bytes do not fit in memory"))?;
+    expected.checked_add(1).ok_or_else(|| "its length does not fit in memory".to_owned())
+}
+
 impl Inflater {
     /// For a prefix of `expected` bytes.
     pub(crate) fn new(expected: u64) -> Result<Self, String> {
+        let room = room_for(expected)?;
+        Self::with_room(room, true)
+    }
+
+    /// For a prefix whose length is not known yet ([`Self::settle`] says it).
+    pub(crate) fn early() -> Result<Self, String> {
+        Self::with_room(EARLY_ROOM, false)
+    }
+
+    fn with_room(room: usize, settled: bool) -> Result<Self, String> {
         use sha2::Digest;
-        let expected =
-            usize::try_from(expected).map_err(|_| format!("its {expected} bytes do not fit in memory"))?;
-        let room = expected.checked_add(1).ok_or("its length does not fit in memory")?;
         Ok(Self {
             buf: PrefixBuf::zeroed(room)?,
             room,
+            settled,
             made: 0,
             hashed: 0,
             hasher: sha2::Sha256::new(),
@@ -120,31 +144,62 @@ impl Inflater {
         })
     }
 
-    /// Decompress the next compressed bytes (a zstd stream: one frame or more).
-    pub(crate) fn feed(&mut self, compressed: &[u8]) -> Result<(), String> {
+    /// Decompress the next compressed bytes (a zstd stream: one frame or more); how many of
+    /// them it took: all, unless an unsettled inflater filled [`EARLY_ROOM`] (the rest waits
+    /// for [`Self::settle`]).
+    pub(crate) fn feed(&mut self, compressed: &[u8]) -> Result<usize, String> {
         use sha2::Digest;
         let zstd = |code| format!("it does not decompress: {}", zstd::zstd_safe::get_error_name(code));
         let mut input = InBuffer::around(compressed);
         while input.pos() < compressed.len() {
+            if self.made == self.room {
+                if self.settled {
+                    return Err("it decompresses to more than expected".to_owned());
+                }
+                break;
+            }
             let (hint, made) = {
-                let mut output = OutBuffer::around_pos(self.buf.as_mut_slice(), self.made);
+                let mut output = OutBuffer::around_pos(&mut self.buf.as_mut_slice()[..self.room], self.made);
                 let hint = self.dctx.decompress_stream(&mut output, &mut input).map_err(zstd)?;
                 (hint, output.pos())
             };
             self.made = made;
             self.at_frame_end = hint == 0;
-            if self.made == self.room {
-                return Err("it decompresses to more than expected".to_owned());
-            }
+        }
+        if self.settled && self.made == self.room {
+            return Err("it decompresses to more than expected".to_owned());
         }
         self.hasher.update(&self.buf[self.hashed..self.made]);
         self.hashed = self.made;
+        Ok(input.pos())
+    }
+
+    /// Whether the expected length is known.
+    pub(crate) fn settled(&self) -> bool {
+        self.settled
+    }
+
+    /// The prefix is `expected` bytes long (the record says so).
+    pub(crate) fn settle(&mut self, expected: u64) -> Result<(), String> {
+        let room = room_for(expected)?;
+        if self.made >= room {
+            return Err("it decompresses to more than expected".to_owned());
+        }
+        if room > self.buf.len() {
+            let mut bigger = PrefixBuf::zeroed(room)?;
+            bigger.as_mut_slice()[..self.made].copy_from_slice(&self.buf[..self.made]);
+            self.buf = bigger;
+        }
+        (self.room, self.settled) = (room, true);
         Ok(())
     }
 
     /// The prefix and its sha256, if the stream ended where a frame ends, at the expected length.
     pub(crate) fn finish(mut self) -> Result<(PrefixBuf, Sha256Digest), String> {
         use sha2::Digest;
+        if !self.settled {
+            return Err("its length is not known".to_owned());
+        }
         let expected = self.room - 1;
         if !self.at_frame_end || (self.made == 0 && expected > 0) {
             return Err("it does not decompress: its zstd frame is truncated".to_owned());
@@ -206,6 +261,34 @@ mod tests {
         for huge in [1u64 << 50, u64::MAX / 2, u64::MAX] {
             assert!(decompress(&zstd::encode_all(&[1u8; 10][..], 3).unwrap(), huge).is_err());
         }
+    }
+
+    #[test]
+    fn an_early_inflater_waits_at_its_room_and_goes_on_once_told_the_length() {
+        // Larger than the early room: it takes what fits, then the rest once settled.
+        let data: Vec<u8> = (0..EARLY_ROOM + 3 * 4096).map(|i| (i / 4096 % 7) as u8).collect();
+        let z = zstd::encode_all(&data[..], 1).unwrap();
+        let mut early = Inflater::early().unwrap();
+        let took = early.feed(&z).unwrap();
+        assert!(took < z.len(), "it took all {took} bytes past its room");
+        assert!(early.finish().is_err(), "no length yet");
+        let mut early = Inflater::early().unwrap();
+        let took = early.feed(&z).unwrap();
+        early.settle(data.len() as u64).unwrap();
+        assert_eq!(early.feed(&z[took..]).unwrap(), z.len() - took);
+        let (prefix, digest) = early.finish().unwrap();
+        assert_eq!((prefix.len(), digest), (data.len(), Sha256Digest::of(&data)));
+        assert!(*prefix == data[..]);
+        // Told a length shorter than what it made already, or than the stream: refused.
+        let small: Vec<u8> = (0..100_000u32).map(|i| (i % 13) as u8).collect();
+        let z = zstd::encode_all(&small[..], 1).unwrap();
+        let mut early = Inflater::early().unwrap();
+        early.feed(&z).unwrap();
+        assert!(early.settle(99_999).unwrap_err().contains("more than"));
+        let mut early = Inflater::early().unwrap();
+        let half = early.feed(&z[..z.len() / 2]).unwrap();
+        early.settle(1000).unwrap();
+        assert!(early.feed(&z[half..]).unwrap_err().contains("more than"));
     }
 
     #[test]

@@ -154,13 +154,16 @@ pub trait BlobSink {
     fn feed(&mut self, bytes: &[u8]);
 }
 
-/// The metadata prefix decompressed as its blob arrives, once the record's word on it (length
-/// and digest) is in; until then what arrives is kept compressed.
+/// The metadata prefix decompressed as its blob arrives — before the record's word on it
+/// (length and digest) is in, up to [`crate::prefix::EARLY_ROOM`] — and checked against that
+/// word at the end.
 struct PrefixSink {
     stored: Sha256Digest,
     told: std::sync::mpsc::Receiver<Word>,
     /// The record's word, once received (`Some(None)`: the record failed).
     word: Option<Word>,
+    /// Bytes fed and not yet inflated (an early inflater that filled its room waits for the
+    /// word).
     pending: Vec<u8>,
     inflater: Option<Result<crate::prefix::Inflater, StoreError>>,
 }
@@ -191,17 +194,25 @@ impl PrefixSink {
                 Err(TryRecvError::Empty) => None,
             };
         }
-        if let (Some(Some((blocks, _))), None) = (self.word, &self.inflater) {
-            let stored = self.stored;
-            let inflater = OpenImage::prefix_len(&stored, blocks).and_then(|len| {
-                let mut inflater = crate::prefix::Inflater::new(len)
-                    .map_err(|r| crate::reader::prefix_corrupt(&stored, r))?;
-                inflater.feed(&self.pending).map_err(|r| crate::reader::prefix_corrupt(&stored, r))?;
-                Ok(inflater)
-            });
-            self.pending = Vec::new();
-            self.inflater = Some(inflater);
+        let Some(Some((blocks, _))) = self.word else { return };
+        if matches!(&self.inflater, Some(Ok(i)) if i.settled()) || matches!(self.inflater, Some(Err(_))) {
+            return;
         }
+        let stored = self.stored;
+        let corrupt = |r| crate::reader::prefix_corrupt(&stored, r);
+        let pending = std::mem::take(&mut self.pending);
+        let early = self.inflater.take();
+        let settled = OpenImage::prefix_len(&stored, blocks).and_then(|len| {
+            let mut inflater = match early {
+                // What came before the word was inflated already: tell it the length.
+                Some(Ok(mut early)) => early.settle(len).map(|()| early),
+                _ => crate::prefix::Inflater::new(len),
+            }
+            .map_err(corrupt)?;
+            inflater.feed(&pending).map_err(corrupt)?;
+            Ok(inflater)
+        });
+        self.inflater = Some(settled);
     }
 
     /// The prefix, once the whole verified blob was fed (`Ok(empty)` if the record failed).
@@ -222,14 +233,19 @@ impl BlobSink for PrefixSink {
 
     fn feed(&mut self, bytes: &[u8]) {
         self.listen(false);
+        if self.inflater.is_none() {
+            // Before the record's word: inflate as the bytes come, within the early room.
+            self.inflater = Some(
+                crate::prefix::Inflater::early().map_err(|r| crate::reader::prefix_corrupt(&self.stored, r)),
+            );
+        }
         match &mut self.inflater {
-            None => self.pending.extend_from_slice(bytes),
-            Some(Ok(inflater)) => {
-                if let Err(reason) = inflater.feed(bytes) {
-                    self.inflater = Some(Err(crate::reader::prefix_corrupt(&self.stored, reason)));
-                }
-            }
-            Some(Err(_)) => {}
+            Some(Ok(_)) if !self.pending.is_empty() => self.pending.extend_from_slice(bytes),
+            Some(Ok(inflater)) => match inflater.feed(bytes) {
+                Ok(took) => self.pending.extend_from_slice(&bytes[took..]),
+                Err(reason) => self.inflater = Some(Err(crate::reader::prefix_corrupt(&self.stored, reason))),
+            },
+            _ => {}
         }
     }
 }
