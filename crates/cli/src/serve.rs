@@ -146,8 +146,11 @@ pub struct ServeArgs {
     /// Connections to open to an http(s):// or s3:// origin at its first request, alongside it
     /// (TCP connects and TLS handshakes, no request), so the start's parallel fetches and the
     /// first misses find them open instead of paying a connect round trip (and TLS handshake)
-    /// each. Those no request took within 10 s are closed. 0 opens none.
-    #[arg(long, value_name = "N", default_value_t = 4, value_parser = clap::value_parser!(u16).range(0..=64))]
+    /// each. Those no request took within 10 s are closed. 0 opens none. Default 3: with the
+    /// tag's own connection, one each for the entry, record, prefix and pack index of a start
+    /// (over TLS with slow start, a fifth cold connection slowed the first misses: docs/
+    /// benchmarks.md, "A start without idle work").
+    #[arg(long, value_name = "N", default_value_t = 3, value_parser = clap::value_parser!(u16).range(0..=64))]
     preconnect: u16,
     /// Sequential reads within a file fetch up to this many bytes of the file's next chunks
     /// ahead, in the background (0 turns readahead off).

@@ -192,7 +192,7 @@ pub struct HttpConfig {
     /// turns joining off). A read with nothing else in flight goes at once.
     pub coalesce_wait: Duration,
     /// Connections opened at the store's first request, alongside it (default 0: none; `tessera
-    /// serve --preconnect N` sets it, 4 by default): TCP connects and TLS handshakes, no request
+    /// serve --preconnect N` sets it, 3 by default): TCP connects and TLS handshakes, no request
     /// ([`Transport::preconnect`]), so the requests that follow — a daemon's parallel start
     /// fetches and first misses — that need a new connection find one open instead of paying a
     /// connect round trip (and a TLS handshake) each. A store that is never asked anything
