@@ -166,6 +166,8 @@ struct PrefixSink {
     /// word).
     pending: Vec<u8>,
     inflater: Option<Result<crate::prefix::Inflater, StoreError>>,
+    /// The early room could not be mapped: what arrives before the word waits for it.
+    no_early_room: bool,
 }
 
 /// The record's word on the prefix: its length in blocks and its sha256 (`None`: the record
@@ -174,7 +176,7 @@ type Word = Option<(u64, Sha256Digest)>;
 
 impl PrefixSink {
     fn new(stored: Sha256Digest, told: std::sync::mpsc::Receiver<Word>) -> Self {
-        Self { stored, told, word: None, pending: Vec::new(), inflater: None }
+        Self { stored, told, word: None, pending: Vec::new(), inflater: None, no_early_room: false }
     }
 
     /// Take the record's word if it is in (with `wait`, wait for it), and start inflating what
@@ -233,11 +235,14 @@ impl BlobSink for PrefixSink {
 
     fn feed(&mut self, bytes: &[u8]) {
         self.listen(false);
-        if self.inflater.is_none() {
-            // Before the record's word: inflate as the bytes come, within the early room.
-            self.inflater = Some(
-                crate::prefix::Inflater::early().map_err(|r| crate::reader::prefix_corrupt(&self.stored, r)),
-            );
+        if self.inflater.is_none() && !self.no_early_room {
+            // Before the record's word: inflate as the bytes come, within the early room (if the
+            // address space for it is refused — a strict overcommit policy, an address-space
+            // limit — the bytes wait for the word instead).
+            match crate::prefix::Inflater::early() {
+                Ok(early) => self.inflater = Some(Ok(early)),
+                Err(_) => self.no_early_room = true,
+            }
         }
         match &mut self.inflater {
             Some(Ok(_)) if !self.pending.is_empty() => self.pending.extend_from_slice(bytes),
@@ -245,7 +250,8 @@ impl BlobSink for PrefixSink {
                 Ok(took) => self.pending.extend_from_slice(&bytes[took..]),
                 Err(reason) => self.inflater = Some(Err(crate::reader::prefix_corrupt(&self.stored, reason))),
             },
-            _ => {}
+            None => self.pending.extend_from_slice(bytes),
+            Some(Err(_)) => {}
         }
     }
 }
@@ -366,10 +372,12 @@ mod tests {
     fn a_prefix_sink_inflates_whenever_the_record_speaks_and_starts_over_on_restart() {
         let (data, z, digest) = prefix(300);
         let stored = Sha256Digest::of(&z);
-        // The record's word before the first byte, after the third piece, after the last.
-        for word_after in [0usize, 3, usize::MAX] {
+        // The record's word before the first byte, after the third piece, after the last; with
+        // the early room, and without (its address space refused).
+        for (word_after, early) in [0usize, 3, usize::MAX].into_iter().flat_map(|w| [(w, true), (w, false)]) {
             let (tell, told) = std::sync::mpsc::sync_channel(1);
             let mut sink = PrefixSink::new(stored, told);
+            sink.no_early_room = !early;
             let mut tell = Some(tell);
             // A first attempt broken after two pieces, then the whole blob.
             for piece in z.chunks(1000).take(2) {
@@ -385,7 +393,11 @@ mod tests {
             if let Some(t) = tell.take() {
                 t.send(Some((300, digest))).unwrap();
             }
-            assert_eq!(&*sink.finish().unwrap(), &data[..], "word after piece {word_after}");
+            assert_eq!(
+                &*sink.finish().unwrap(),
+                &data[..],
+                "word after piece {word_after}, early room {early}"
+            );
         }
         // A record that disagrees (length, digest): the prefix is corrupt.
         for word in [(299, digest), (300, Sha256Digest::of(b"other"))] {
