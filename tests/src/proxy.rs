@@ -13,7 +13,10 @@
 //!   was received (half a round trip each way). A fresh connection's first response therefore
 //!   starts 2·`rtt` after `accept`, a reused connection's 1·`rtt` after the request;
 //! - **bandwidth** (optional): every byte sent to clients (heads and bodies, all connections
-//!   together) passes one shared link of the configured bytes per second.
+//!   together) passes one shared link of the configured bytes per second;
+//! - **slow start** (optional, [`ProxyConfig::slow_start`]): each client connection's responses
+//!   pass the same congestion window as in TCP mode (below): a fresh connection, or one idle for
+//!   over an RTO, sends a large answer in flights a round trip apart, from 10 segments up.
 //!
 //! Requests on one connection are answered in order (keep-alive works; pipelining is not
 //! modelled). Each client connection gets its own upstream connection, reopened if the origin
@@ -97,10 +100,10 @@ const PIECE: usize = 16 << 10;
 const LINK_TOLERANCE: Duration = Duration::from_millis(5);
 /// TCP mode: the most bytes one read of a delay line takes.
 const CHUNK: usize = 64 << 10;
-/// TCP mode: the initial congestion window, 10 segments (RFC 6928, Linux's default) of 1448
+/// Slow start: the initial congestion window, 10 segments (RFC 6928, Linux's default) of 1448
 /// bytes (a 1500-byte MTU less the IP and TCP headers and the timestamp option).
 const INITIAL_WINDOW: usize = 10 * 1448;
-/// TCP mode: what Linux adds to the smoothed RTT to get its retransmission timeout on a steady
+/// Slow start: what Linux adds to the smoothed RTT to get its retransmission timeout on a steady
 /// path (the RTT variance term never goes below `TCP_RTO_MIN`, 200 ms).
 const RTO_MIN: Duration = Duration::from_millis(200);
 
@@ -113,8 +116,8 @@ pub struct ProxyConfig {
     /// Bytes per second of the link shared by all connections, server→client (`None`:
     /// unlimited).
     pub bandwidth: Option<u64>,
-    /// TCP mode only: a congestion window in slow start limits each connection's server→client
-    /// bytes (see the module doc). No effect in HTTP mode.
+    /// A congestion window in slow start limits each connection's server→client bytes (see the
+    /// module doc), in both modes.
     pub slow_start: bool,
 }
 
@@ -284,6 +287,24 @@ impl Shared {
             *free
         };
         sleep_until(done);
+    }
+
+    /// [`Self::send`] within the connection's congestion window, if slow start is modelled
+    /// (HTTP mode: the bytes reach the client as they are written).
+    fn send_windowed(
+        &self,
+        client: &TcpStream,
+        mut bytes: &[u8],
+        window: Option<&mut Window>,
+    ) -> std::io::Result<()> {
+        let Some(w) = window else { return self.send(client, bytes) };
+        while !bytes.is_empty() {
+            let n = w.admit(Instant::now(), bytes.len());
+            self.send(client, &bytes[..n])?;
+            w.sent(n);
+            bytes = &bytes[n..];
+        }
+        Ok(())
     }
 
     /// Send `bytes` to the client through the link.
@@ -591,6 +612,8 @@ fn serve_connection(client: TcpStream, id: u64, s: &Shared) -> std::io::Result<(
     let mut reader = BufReader::new(client.try_clone()?);
     let mut client = client;
     let mut upstream = Upstream { addr: s.upstream, conn: None };
+    let mut window = s.config.slow_start.then(|| Window::new(s.config.rtt));
+    let mut send = |client: &TcpStream, bytes: &[u8]| s.send_windowed(client, bytes, window.as_mut());
     let mut fresh = true;
     loop {
         let Some(req) = read_head(&mut reader)? else { return Ok(()) };
@@ -626,7 +649,7 @@ fn serve_connection(client: TcpStream, id: u64, s: &Shared) -> std::io::Result<(
             Some(Fault::Status(code)) => {
                 sleep_until(answer_at);
                 let head = format!("HTTP/1.1 {code} {}\r\nContent-Length: 0\r\n\r\n", status_text(code));
-                s.send(&client, head.as_bytes())?;
+                send(&client, head.as_bytes())?;
                 s.finished(logged, 0);
                 if req.wants_close() {
                     return Ok(());
@@ -640,8 +663,8 @@ fn serve_connection(client: TcpStream, id: u64, s: &Shared) -> std::io::Result<(
                     status_text(status),
                     body.len()
                 );
-                s.send(&client, head.as_bytes())?;
-                s.send(&client, body.as_bytes())?;
+                send(&client, head.as_bytes())?;
+                send(&client, body.as_bytes())?;
                 s.body_bytes.fetch_add(body.len() as u64, Ordering::SeqCst);
                 s.finished(logged, body.len() as u64);
                 if req.wants_close() {
@@ -663,7 +686,7 @@ fn serve_connection(client: TcpStream, id: u64, s: &Shared) -> std::io::Result<(
             resp.content_length()?
         };
         sleep_until(answer_at);
-        s.send(&client, &resp.raw)?;
+        send(&client, &resp.raw)?;
         let cut = match fault {
             Some(Fault::Reset { after }) | Some(Fault::Truncate { after }) => Some(after.min(body_len)),
             _ => None,
@@ -685,7 +708,7 @@ fn serve_connection(client: TcpStream, id: u64, s: &Shared) -> std::io::Result<(
             }
             // Counted before the write, as `wire_bytes` is.
             s.body_bytes.fetch_add(n as u64, Ordering::SeqCst);
-            s.send(&client, &buf[..n])?;
+            send(&client, &buf[..n])?;
             pos += n as u64;
         }
         s.finished(logged, deliver);
@@ -865,9 +888,9 @@ impl Line<'_> {
     }
 }
 
-/// TCP mode: the congestion window of one connection's server→client direction, in slow start
-/// (see the module doc). Flights are timed where bytes are delivered, not where the server
-/// wrote them: the two are half an RTT apart, which shifts every flight alike.
+/// The congestion window of one connection's server→client direction, in slow start (see the
+/// module doc). Flights are timed where bytes are delivered, not where the server wrote them: in
+/// TCP mode the two are half an RTT apart, which shifts every flight alike.
 struct Window {
     rtt: Duration,
     /// Idle time after which the window decays.
@@ -1234,6 +1257,19 @@ mod tests {
 
     #[test]
     fn tcp_slow_start_charges_a_round_trip_per_window() {
+        slow_start_charges_a_round_trip_per_window(Proxy::start_tcp, "TCP mode");
+    }
+
+    #[test]
+    fn http_slow_start_charges_a_round_trip_per_window() {
+        slow_start_charges_a_round_trip_per_window(Proxy::start, "HTTP mode");
+    }
+
+    /// Both modes charge the same for a new connection, a request and slow start.
+    fn slow_start_charges_a_round_trip_per_window(
+        start: fn(SocketAddr, ProxyConfig) -> Result<Proxy>,
+        mode: &str,
+    ) {
         const RANGE: &str = "bytes=0-199999";
         let o = origin();
         let fetch = |c: &mut Client| {
@@ -1244,24 +1280,39 @@ mod tests {
         };
 
         // Without slow start: the handshake and one exchange.
-        let p = Proxy::start_tcp(o.nginx.addr(), ProxyConfig::rtt(TCP_RTT)).unwrap();
+        let p = start(o.nginx.addr(), ProxyConfig::rtt(TCP_RTT)).unwrap();
         let t = Instant::now();
         let mut c = Client::connect(p.addr());
         fetch(&mut c);
-        within_by(t.elapsed(), 2 * TCP_RTT, TCP_SLACK, "200 KB on a new connection, no slow start");
+        within_by(
+            t.elapsed(),
+            2 * TCP_RTT,
+            TCP_SLACK,
+            &format!("{mode}: 200 KB on a new connection, no slow start"),
+        );
 
         // With it: 200 KB and a head need flights of 14480, 28960, 57920 and 115840 bytes,
         // each one round trip after the one before: 3 more round trips.
         let cfg = ProxyConfig { slow_start: true, ..ProxyConfig::rtt(TCP_RTT) };
-        let p = Proxy::start_tcp(o.nginx.addr(), cfg).unwrap();
+        let p = start(o.nginx.addr(), cfg).unwrap();
         let t = Instant::now();
         let mut c = Client::connect(p.addr());
         fetch(&mut c);
-        within_by(t.elapsed(), 5 * TCP_RTT, TCP_SLACK, "200 KB on a new connection, slow start");
+        within_by(
+            t.elapsed(),
+            5 * TCP_RTT,
+            TCP_SLACK,
+            &format!("{mode}: 200 KB on a new connection, slow start"),
+        );
         // At once on the same connection: the window has grown past 200 KB.
-        within_by(fetch(&mut c), TCP_RTT, TCP_SLACK, "200 KB again, window open");
+        within_by(fetch(&mut c), TCP_RTT, TCP_SLACK, &format!("{mode}: 200 KB again, window open"));
         // After several RTOs (RTT + 200 ms) idle the window is back to 10 segments.
         std::thread::sleep(5 * (TCP_RTT + RTO_MIN));
-        within_by(fetch(&mut c), 4 * TCP_RTT, TCP_SLACK, "200 KB after an idle time, window restarted");
+        within_by(
+            fetch(&mut c),
+            4 * TCP_RTT,
+            TCP_SLACK,
+            &format!("{mode}: 200 KB after an idle time, window restarted"),
+        );
     }
 }

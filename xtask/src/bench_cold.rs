@@ -44,7 +44,9 @@ pub struct ColdBench {
     pub(crate) rounds: usize,
     /// An arm: `NAME=SERVE ARGS` (space-separated `tessera serve` arguments) or
     /// `NAME@BINARY=SERVE ARGS` (another `tessera` binary); default one arm, `tessera=`. An arm
-    /// with its own `--store S` serves from S instead of the origin (e.g. the local store).
+    /// with its own `--store S` serves from S instead of the origin (e.g. the local store);
+    /// `--store origin:DIR` serves the store DIR beside `--store`'s through the same origin and
+    /// link (e.g. the same image built with `--reference-layers`; the floor stays `--store`'s).
     #[arg(long)]
     pub(crate) arm: Vec<String>,
     /// The `tessera` binary of arms that name none (default: the release build, built now).
@@ -70,6 +72,11 @@ pub struct ColdBench {
     /// the second CPU, the replay on the first; `tessera_e2e::pin`).
     #[arg(long)]
     pub(crate) no_pin: bool,
+    /// Charge no TCP slow start (default: each connection's answers pass a congestion window
+    /// that starts at 10 segments and doubles per round trip, and restarts after an idle RTO, as
+    /// Linux's does: what a fresh or idle connection costs on a real path).
+    #[arg(long)]
+    pub(crate) no_slow_start: bool,
 }
 
 struct Arm {
@@ -187,11 +194,13 @@ pub(crate) fn measure(opts: &ColdBench) -> Result<ColdResult> {
     let name = store.file_name().context("the store has no name")?.to_string_lossy().into_owned();
     let work = target_dir()?.join("bench-cold");
     std::fs::create_dir_all(&work)?;
-    let net = ProxyConfig { rtt: link.rtt, bandwidth: Some(link.bytes_per_sec), ..ProxyConfig::default() };
+    let net =
+        ProxyConfig { rtt: link.rtt, bandwidth: Some(link.bytes_per_sec), slow_start: !opts.no_slow_start };
+    println!("TCP slow start {}", if net.slow_start { "charged" } else { "not charged" });
     let (nginx, proxy, store_url) = if opts.tls {
         let pki = TestPki::generate(&work.join("pki"), "bench-cold", &[])?;
         let nginx = Nginx::serve_tls_h2(parent, "s", ServerCert { cert: &pki.cert, key: &pki.key })?;
-        let proxy = Proxy::start_tcp(nginx.addr(), ProxyConfig { slow_start: true, ..net })?;
+        let proxy = Proxy::start_tcp(nginx.addr(), net)?;
         let url = proxy.https_url(&format!("s/{name}"));
         for arm in &mut arms {
             arm.args.splice(0..0, ["--ca-file".to_owned(), pki.ca.display().to_string()]);
@@ -204,12 +213,20 @@ pub(crate) fn measure(opts: &ColdBench) -> Result<ColdResult> {
         (nginx, proxy, url)
     };
     let _origin = nginx;
+    // An arm's store: its own (`origin:DIR`: a sibling store through the same origin and link),
+    // else the origin's.
+    let arm_url = |arm: &Arm| match arm.store.as_deref().map(|s| (s, s.strip_prefix("origin:"))) {
+        None => store_url.clone(),
+        Some((_, Some(sibling))) if opts.tls => proxy.https_url(&format!("s/{sibling}")),
+        Some((_, Some(sibling))) => proxy.url(&format!("s/{sibling}")),
+        Some((local, None)) => local.to_owned(),
+    };
     let mut results: Vec<Vec<tessera_e2e::floor::Breakdown>> = arms.iter().map(|_| Vec::new()).collect();
     for round in 0..opts.rounds {
         for (i, arm) in arms.iter().enumerate() {
             let run = ColdRun {
                 bin: &arm.bin,
-                store_url: arm.store.clone().unwrap_or_else(|| store_url.clone()),
+                store_url: arm_url(arm),
                 image: &opts.image,
                 serve_args: &arm.args,
                 socket: work.join("cold.sock"),
@@ -252,7 +269,7 @@ pub(crate) fn measure(opts: &ColdBench) -> Result<ColdResult> {
                     .map(|k| {
                         let run = ColdRun {
                             bin: &arm.bin,
-                            store_url: arm.store.clone().unwrap_or_else(|| store_url.clone()),
+                            store_url: arm_url(arm),
                             image: &opts.image,
                             serve_args: &serve_args,
                             socket: work.join(format!("cold-{k}.sock")),

@@ -21,7 +21,8 @@
 //!   per round and rate; each workload's figure is that time plus its own qemu-storage-daemon
 //!   start and replay.
 //! - **The network**: nginx (the store and the export) and the registry each behind a
-//!   `tessera_e2e::proxy` with the same RTT and rate; every rate of `--mbit` in turn.
+//!   `tessera_e2e::proxy` with the same RTT and rate, TCP slow start charged (`--no-slow-start`:
+//!   not); every rate of `--mbit` in turn.
 //!
 //! Every cold run prints its link floor (`tessera_e2e::floor`); the table gives each contender's
 //! median, the floor, and the ratios to the floor and to the faster eager peer.
@@ -84,6 +85,10 @@ pub struct LazyBench {
     /// `tessera_e2e::pin`). The peers' downloads and preparation are never pinned.
     #[arg(long)]
     pub(crate) no_pin: bool,
+    /// Charge no TCP slow start on the modelled link (default: charged, `bench cold`'s
+    /// `--no-slow-start`).
+    #[arg(long)]
+    pub(crate) no_slow_start: bool,
 }
 
 /// The figures of one workload at one rate.
@@ -542,7 +547,11 @@ pub(crate) fn measure(opts: &LazyBench) -> Result<LazyResult> {
     }
     for &mbit in &rates {
         let link = Link { bytes_per_sec: mbit * 1_000_000 / 8, rtt: Duration::from_millis(opts.rtt_ms) };
-        let cfg = ProxyConfig { rtt: link.rtt, bandwidth: Some(link.bytes_per_sec), ..Default::default() };
+        let cfg = ProxyConfig {
+            rtt: link.rtt,
+            bandwidth: Some(link.bytes_per_sec),
+            slow_start: !opts.no_slow_start,
+        };
         let proxy = Proxy::start(nginx.addr(), cfg)?;
         let reg_proxy = registry.as_ref().map(|r| Proxy::start(r.addr(), cfg)).transpose()?;
         let url = proxy.url("s/store");

@@ -510,6 +510,7 @@ impl Ctx<'_> {
             serve_arg: vec![],
             tessera: Some(self.bin.clone()),
             no_pin: false,
+            no_slow_start: false,
         }
     }
 
@@ -742,6 +743,7 @@ impl Ctx<'_> {
             tls: false,
             // N daemons at once share the machine as they would a host: none is pinned.
             no_pin: true,
+            no_slow_start: false,
         };
         let r = bench_cold::measure(&opts)?;
         let floor = r.floor;
