@@ -146,12 +146,17 @@ impl Inflater {
 
     /// Decompress the next compressed bytes (a zstd stream: one frame or more); how many of
     /// them it took: all, unless an unsettled inflater filled [`EARLY_ROOM`] (the rest waits
-    /// for [`Self::settle`]).
+    /// for [`Self::settle`]). Empty input flushes what the decoder holds (it may have taken a
+    /// block's input whose output did not fit yet).
     pub(crate) fn feed(&mut self, compressed: &[u8]) -> Result<usize, String> {
         use sha2::Digest;
         let zstd = |code| format!("it does not decompress: {}", zstd::zstd_safe::get_error_name(code));
         let mut input = InBuffer::around(compressed);
-        while input.pos() < compressed.len() {
+        loop {
+            if input.pos() == compressed.len() && self.at_frame_end {
+                // Nothing to take, nothing held (a call now would start reading a next frame).
+                break;
+            }
             if self.made == self.room {
                 if self.settled {
                     return Err("it decompresses to more than expected".to_owned());
@@ -163,8 +168,13 @@ impl Inflater {
                 let hint = self.dctx.decompress_stream(&mut output, &mut input).map_err(zstd)?;
                 (hint, output.pos())
             };
+            let progress = made > self.made;
             self.made = made;
             self.at_frame_end = hint == 0;
+            // All input taken: go on only while the decoder still hands out what it holds.
+            if input.pos() == compressed.len() && (!progress || self.at_frame_end) {
+                break;
+            }
         }
         if self.settled && self.made == self.room {
             return Err("it decompresses to more than expected".to_owned());
@@ -191,6 +201,8 @@ impl Inflater {
             self.buf = bigger;
         }
         (self.room, self.settled) = (room, true);
+        // What the decoder took before the room was full and could not hand out yet.
+        self.feed(&[])?;
         Ok(())
     }
 
@@ -289,6 +301,28 @@ mod tests {
         let half = early.feed(&z[..z.len() / 2]).unwrap();
         early.settle(1000).unwrap();
         assert!(early.feed(&z[half..]).unwrap_err().contains("more than"));
+    }
+
+    #[test]
+    fn an_early_room_full_in_the_last_block_still_gives_the_whole_prefix() {
+        // The room fills inside the stream's last block: what the decoder holds must come out
+        // once settled, whether a last input byte is still to feed (zstd keeps one back while
+        // output is pending, as zstd 1.5 does) or not (settling flushes it).
+        const ROOM: usize = 1 << 20;
+        for extra in [1usize, 1000, 4096, 50_000, 127_000, 200_000] {
+            let data: Vec<u8> =
+                (0..ROOM + extra).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+            for level in [1, 3, 19] {
+                let z = zstd::encode_all(&data[..], level).unwrap();
+                let mut early = Inflater::with_room(ROOM, false).unwrap();
+                let took = early.feed(&z).unwrap();
+                early.settle(data.len() as u64).unwrap();
+                assert_eq!(early.feed(&z[took..]).unwrap(), z.len() - took);
+                let (prefix, digest) = early.finish().unwrap();
+                assert_eq!(digest, Sha256Digest::of(&data), "{extra} bytes past the room, level {level}");
+                assert!(*prefix == data[..]);
+            }
+        }
     }
 
     #[test]

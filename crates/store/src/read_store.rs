@@ -112,6 +112,11 @@ pub trait ReadStore: Send + Sync + std::fmt::Debug {
             let early =
                 self.ref_parts(id).map(|parts| (parts, prefix(parts.prefix, told), index(parts.pack_index)));
             let entry = match self.get_entry(id) {
+                // An entry naming another image's record (entries are not content-addressed)
+                // says so at once, before its parts fail their checks for that reason.
+                Ok(entry) if entry.record != id.digest() => {
+                    return (Err(OpenImage::wrong_record(id, &entry)), None);
+                }
                 Ok(entry) => entry,
                 Err(e) => return (Err(e), None),
             };

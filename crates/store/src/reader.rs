@@ -111,7 +111,7 @@ impl OpenImage {
     pub fn open(store: &LocalStore, id: &ImageId) -> Result<Self, StoreError> {
         let entry = store.get_entry(id)?;
         if entry.record != id.digest() {
-            return Err(inconsistent(id, format!("the entry names record {}", entry.record)));
+            return Err(Self::wrong_record(id, &entry));
         }
         let record = store.read_blob_as(&entry.record, "image record")?;
         let prefix = store.read_blob_as(&entry.prefix, "metadata prefix")?;
@@ -256,6 +256,11 @@ impl OpenImage {
 
     /// Cross-check the decoded parts: the entry names the record, and every chunk of the
     /// BlockMap is in the index with the record's length.
+    /// The error of an entry that names another record than image `id`'s.
+    pub(crate) fn wrong_record(id: &ImageId, entry: &ImageEntry) -> StoreError {
+        inconsistent(id, format!("the entry names record {}", entry.record))
+    }
+
     pub(crate) fn join(
         id: ImageId,
         entry: ImageEntry,
@@ -264,7 +269,7 @@ impl OpenImage {
         index: Index,
     ) -> Result<Self, StoreError> {
         if entry.record != id.digest() {
-            return Err(inconsistent(&id, format!("the entry names record {}", entry.record)));
+            return Err(Self::wrong_record(&id, &entry));
         }
         let pack_index = match index {
             Index::Packs(p) => p,

@@ -6,10 +6,11 @@ mod common;
 use std::fs::OpenOptions;
 use std::os::unix::fs::FileExt;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use common::{build_image, Rng, BS};
-use tessera_image::{ImageEntry, PackIndex, Sha256Digest};
-use tessera_store::{ChunkSource, ImageReader, LocalStore, OpenImage, StoreError};
+use tessera_image::{ImageEntry, ImageId, PackIndex, Sha256Digest};
+use tessera_store::{ChunkSource, ImageReader, LocalStore, OpenImage, ReadStore, StoreError};
 
 /// Counts fetches, to prove the chunk cache works.
 struct Counting<S> {
@@ -171,4 +172,59 @@ fn known_chunks_cover_every_stored_chunk() {
     let known = store.known_chunks().unwrap();
     assert_eq!(known.len(), 2);
     assert!(!known.contains_key(&img.chunks[0].id));
+}
+
+/// A store read through [`ReadStore`]'s own `open_image_with` (the path of remote stores: parts
+/// fetched in parallel), whose entry may be swapped, counting the blobs read.
+#[derive(Debug)]
+struct Remote {
+    store: LocalStore,
+    entry: Option<ImageEntry>,
+    blobs: AtomicUsize,
+}
+
+impl ReadStore for Remote {
+    fn describe(&self) -> String {
+        "remote double".into()
+    }
+    fn resolve(&self, reference: &str) -> Result<ImageId, StoreError> {
+        self.store.resolve(reference)
+    }
+    fn get_entry(&self, id: &ImageId) -> Result<ImageEntry, StoreError> {
+        match &self.entry {
+            Some(e) => Ok(e.clone()),
+            None => self.store.get_entry(id),
+        }
+    }
+    fn read_blob(&self, digest: &Sha256Digest) -> Result<Vec<u8>, StoreError> {
+        self.blobs.fetch_add(1, Ordering::SeqCst);
+        self.store.read_blob(digest)
+    }
+    fn list_refs(&self) -> Result<Vec<(String, ImageId)>, StoreError> {
+        self.store.list_refs()
+    }
+    fn chunk_source(&self, image: &Arc<OpenImage>) -> Arc<dyn ChunkSource> {
+        ReadStore::chunk_source(&self.store, image)
+    }
+}
+
+#[test]
+fn an_entry_naming_another_record_is_inconsistent_before_any_part_is_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = LocalStore::create_or_open(dir.path()).unwrap();
+    let img = build_image(&store, 64);
+    let remote = Remote { store, entry: None, blobs: AtomicUsize::new(0) };
+    remote.open_image(&img.id).unwrap();
+    // Record, prefix and pack index.
+    assert_eq!(remote.blobs.load(Ordering::SeqCst), 3);
+
+    let other = ImageEntry { record: Sha256Digest::of(b"another image's record"), ..img.entry.clone() };
+    let remote = Remote { entry: Some(other), blobs: AtomicUsize::new(0), ..remote };
+    let err = remote.open_image(&img.id).unwrap_err();
+    assert!(
+        matches!(&err, StoreError::Inconsistent { reason, .. } if reason.contains("names record")),
+        "{err:?}"
+    );
+    // The record (its digest is the image ID) may already be on its way; nothing else is read.
+    assert!(remote.blobs.load(Ordering::SeqCst) <= 1, "{} blobs read", remote.blobs.load(Ordering::SeqCst));
 }
