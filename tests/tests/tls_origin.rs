@@ -189,3 +189,44 @@ fn https_store_over_http2_when_offered() -> Result<()> {
     ensure!(fs::read(&out)? == expected, "export --insecure over HTTP/2 differs from the local export");
     Ok(())
 }
+
+/// `serve --preconnect N` over https: the N connections it opens beside the tag's carry the
+/// start's next requests. A TLS 1.3 server sends session tickets after the handshake, which no
+/// request has read yet; a stashed connection with them waiting must not be taken for one the
+/// server wrote garbage on (it was, and every preconnected https connection was thrown away).
+#[test]
+fn preconnected_https_connections_carry_the_start() -> Result<()> {
+    use std::time::Duration;
+    use tessera_e2e::daemon::Daemon;
+    use tessera_e2e::proxy::{Proxy, ProxyConfig};
+
+    let BuiltStore { t, store, .. } = built_store("tls-preconnect", "demo", "64K", |src| {
+        fs::create_dir_all(src)?;
+        Ok(fs::write(src.join("a.txt"), Prng::from_label("tls-preconnect").text(100_000))?)
+    })?;
+    let pki = TestPki::generate(&t.path().join("pki"), "tessera test CA", &[])?;
+    let origin = Nginx::serve_tls(&store, "store", ServerCert { cert: &pki.cert, key: &pki.key })?;
+    // A path with a round trip, so the tickets are in before the start's requests take the
+    // connections, as on any real network.
+    let proxy = Proxy::start_tcp(origin.addr(), ProxyConfig::rtt(Duration::from_millis(30)))?;
+    let socket = t.path().join("vm.sock");
+    let url = proxy.https_url("store");
+    for (preconnect, most) in [("0", 4), ("3", 4)] {
+        let before = proxy.stats().connections;
+        let d = Daemon::start(
+            "demo",
+            &url,
+            &socket,
+            &["--read-only", "--ca-file", s(&pki.ca)?, "--preconnect", preconnect],
+        )?;
+        let opened = proxy.stats().connections - before;
+        d.stop()?;
+        // The tag's connection, then the entry, record, prefix and pack index at once: four
+        // connections, whether opened when needed or ahead.
+        ensure!(
+            opened <= most,
+            "--preconnect {preconnect}: the start opened {opened} connections, more than {most}"
+        );
+    }
+    Ok(())
+}

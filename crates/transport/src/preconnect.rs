@@ -57,7 +57,8 @@ impl Stash {
         connections.retain(|(_, _, at)| at.elapsed() < MAX_AGE);
         while let Some(i) = connections.iter().position(|(k, _, _)| k == key) {
             let (_, mut connection, _) = connections.swap_remove(i);
-            if connection.is_open() {
+            let open = if connection.is_tls() { tls_open(&mut connection) } else { connection.is_open() };
+            if open {
                 return Some(connection);
             }
         }
@@ -67,6 +68,26 @@ impl Stash {
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Waiting>> {
         self.connections.lock().unwrap_or_else(|p| p.into_inner())
     }
+}
+
+/// Whether a stashed TLS connection is open. A TLS 1.3 server sends session tickets after the
+/// handshake, which nothing has read on a connection that carried no request yet; ureq's check
+/// of an idle connection (`is_open`: a one-byte read of the socket) would take them for garbage
+/// from the server — and, reading that byte, break the TLS stream. So the TLS layer reads first
+/// (a short wait for input, which takes the tickets and finds no application data), then the
+/// socket is checked.
+fn tls_open(connection: &mut Box<dyn Transport>) -> bool {
+    let short = NextTimeout {
+        after: Duration::from_millis(1).into(),
+        reason: Timeout::RecvResponse,
+        per_read: None,
+        per_write: None,
+    };
+    // Application data nobody asked for (`Ok(true)`), the server's close (`Ok(false)`) or a
+    // TLS alert: not a connection to send a request on. Only a wait that ran out qualifies.
+    matches!(connection.await_input(short), Err(Error::Timeout(_)))
+        && connection.buffers().input().is_empty()
+        && connection.is_open()
 }
 
 /// A connector chain making boxed connections.
