@@ -12,6 +12,29 @@ use memmap2::{Advice, MmapMut, MmapOptions};
 use tessera_image::Sha256Digest;
 use zstd::zstd_safe::{DCtx, InBuffer, OutBuffer};
 
+/// Why a prefix could not be made: its bytes are not what the record says (a corrupt blob), or
+/// this host has no memory for it (its address space refused: a resource, not the data).
+#[derive(Debug)]
+pub(crate) enum InflateError {
+    Corrupt(String),
+    Memory { bytes: usize, source: std::io::Error },
+}
+
+impl From<String> for InflateError {
+    fn from(reason: String) -> Self {
+        Self::Corrupt(reason)
+    }
+}
+
+impl std::fmt::Display for InflateError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Corrupt(reason) => f.write_str(reason),
+            Self::Memory { bytes, source } => write!(f, "no memory for its {bytes} bytes: {source}"),
+        }
+    }
+}
+
 /// A huge page (x86-64 and aarch64 with 4 KiB pages).
 const HUGE_PAGE: usize = 2 << 20;
 
@@ -57,11 +80,11 @@ impl PrefixBuf {
 
     /// Zeroed room for `room` bytes: a 2 MiB-aligned huge-page mapping from 2 MiB on (the one
     /// byte beyond a prefix's length shows a stream that is longer than the record says).
-    fn zeroed(room: usize) -> Result<Self, String> {
+    fn zeroed(room: usize) -> Result<Self, InflateError> {
         if room < HUGE_PAGE {
             return Ok(Self(Repr::Heap(vec![0; room])));
         }
-        let cannot = |e: std::io::Error| format!("no memory for its {room} bytes: {e}");
+        let cannot = |source: std::io::Error| InflateError::Memory { bytes: room, source };
         let whole =
             room.checked_add(HUGE_PAGE).ok_or_else(|| cannot(std::io::ErrorKind::OutOfMemory.into()))?;
         let map = MmapOptions::new().len(whole).map_anon().map_err(cannot)?;
@@ -120,17 +143,17 @@ fn room_for(expected: u64) -> Result<usize, String> {
 
 impl Inflater {
     /// For a prefix of `expected` bytes.
-    pub(crate) fn new(expected: u64) -> Result<Self, String> {
+    pub(crate) fn new(expected: u64) -> Result<Self, InflateError> {
         let room = room_for(expected)?;
         Self::with_room(room, true)
     }
 
     /// For a prefix whose length is not known yet ([`Self::settle`] says it).
-    pub(crate) fn early() -> Result<Self, String> {
+    pub(crate) fn early() -> Result<Self, InflateError> {
         Self::with_room(EARLY_ROOM, false)
     }
 
-    fn with_room(room: usize, settled: bool) -> Result<Self, String> {
+    fn with_room(room: usize, settled: bool) -> Result<Self, InflateError> {
         use sha2::Digest;
         Ok(Self {
             buf: PrefixBuf::zeroed(room)?,
@@ -148,7 +171,7 @@ impl Inflater {
     /// them it took: all, unless an unsettled inflater filled [`EARLY_ROOM`] (the rest waits
     /// for [`Self::settle`]). Empty input flushes what the decoder holds (it may have taken a
     /// block's input whose output did not fit yet).
-    pub(crate) fn feed(&mut self, compressed: &[u8]) -> Result<usize, String> {
+    pub(crate) fn feed(&mut self, compressed: &[u8]) -> Result<usize, InflateError> {
         use sha2::Digest;
         let zstd = |code| format!("it does not decompress: {}", zstd::zstd_safe::get_error_name(code));
         let mut input = InBuffer::around(compressed);
@@ -159,7 +182,7 @@ impl Inflater {
             }
             if self.made == self.room {
                 if self.settled {
-                    return Err("it decompresses to more than expected".to_owned());
+                    return Err("it decompresses to more than expected".to_owned().into());
                 }
                 break;
             }
@@ -177,7 +200,7 @@ impl Inflater {
             }
         }
         if self.settled && self.made == self.room {
-            return Err("it decompresses to more than expected".to_owned());
+            return Err("it decompresses to more than expected".to_owned().into());
         }
         self.hasher.update(&self.buf[self.hashed..self.made]);
         self.hashed = self.made;
@@ -190,10 +213,10 @@ impl Inflater {
     }
 
     /// The prefix is `expected` bytes long (the record says so).
-    pub(crate) fn settle(&mut self, expected: u64) -> Result<(), String> {
+    pub(crate) fn settle(&mut self, expected: u64) -> Result<(), InflateError> {
         let room = room_for(expected)?;
         if self.made >= room {
-            return Err("it decompresses to more than expected".to_owned());
+            return Err("it decompresses to more than expected".to_owned().into());
         }
         if room > self.buf.len() {
             let mut bigger = PrefixBuf::zeroed(room)?;
@@ -207,17 +230,17 @@ impl Inflater {
     }
 
     /// The prefix and its sha256, if the stream ended where a frame ends, at the expected length.
-    pub(crate) fn finish(mut self) -> Result<(PrefixBuf, Sha256Digest), String> {
+    pub(crate) fn finish(mut self) -> Result<(PrefixBuf, Sha256Digest), InflateError> {
         use sha2::Digest;
         if !self.settled {
-            return Err("its length is not known".to_owned());
+            return Err("its length is not known".to_owned().into());
         }
         let expected = self.room - 1;
         if !self.at_frame_end || (self.made == 0 && expected > 0) {
-            return Err("it does not decompress: its zstd frame is truncated".to_owned());
+            return Err("it does not decompress: its zstd frame is truncated".to_owned().into());
         }
         if self.made != expected {
-            return Err(format!("it decompresses to {} bytes, expected {expected}", self.made));
+            return Err(format!("it decompresses to {} bytes, expected {expected}", self.made).into());
         }
         self.buf.truncate(expected);
         Ok((self.buf, Sha256Digest(self.hasher.finalize().into())))
@@ -226,7 +249,10 @@ impl Inflater {
 
 /// Decompress `compressed` (a zstd stream: one frame or more) into exactly `expected` bytes, with
 /// its sha256, or say why not.
-pub(crate) fn decompress(compressed: &[u8], expected: u64) -> Result<(PrefixBuf, Sha256Digest), String> {
+pub(crate) fn decompress(
+    compressed: &[u8],
+    expected: u64,
+) -> Result<(PrefixBuf, Sha256Digest), InflateError> {
     let mut inflater = Inflater::new(expected)?;
     inflater.feed(compressed)?;
     inflater.finish()
@@ -255,11 +281,17 @@ mod tests {
                 assert_eq!((&*prefix, d), (&data[..], digest), "pieces of {piece}");
             }
             // Longer or shorter than the record says.
-            assert!(decompress(&z, n - 1).unwrap_err().contains("more than"), "longer");
-            assert!(decompress(&z, n + 4096).unwrap_err().contains(&format!("to {n} bytes")), "shorter");
+            assert!(decompress(&z, n - 1).unwrap_err().to_string().contains("more than"), "longer");
+            assert!(
+                decompress(&z, n + 4096).unwrap_err().to_string().contains(&format!("to {n} bytes")),
+                "shorter"
+            );
             // A truncated frame, garbage, nothing.
-            assert!(decompress(&z[..z.len() / 2], n).unwrap_err().contains("truncated"));
-            assert!(decompress(b"not zstd at all", n).unwrap_err().contains("does not decompress"));
+            assert!(decompress(&z[..z.len() / 2], n).unwrap_err().to_string().contains("truncated"));
+            assert!(decompress(b"not zstd at all", n)
+                .unwrap_err()
+                .to_string()
+                .contains("does not decompress"));
             assert!(decompress(&[], n).is_err());
             // Two frames one after the other are one stream, as for any zstd reader.
             let (a, b) = data.split_at(100_000);
@@ -273,6 +305,11 @@ mod tests {
         for huge in [1u64 << 50, u64::MAX / 2, u64::MAX] {
             assert!(decompress(&zstd::encode_all(&[1u8; 10][..], 3).unwrap(), huge).is_err());
         }
+        // One whose address space this host refuses says so: no memory, not corrupt data.
+        assert!(matches!(
+            decompress(&zstd::encode_all(&[1u8; 10][..], 3).unwrap(), 1u64 << 50),
+            Err(InflateError::Memory { .. })
+        ));
     }
 
     #[test]
@@ -296,11 +333,11 @@ mod tests {
         let z = zstd::encode_all(&small[..], 1).unwrap();
         let mut early = Inflater::early().unwrap();
         early.feed(&z).unwrap();
-        assert!(early.settle(99_999).unwrap_err().contains("more than"));
+        assert!(early.settle(99_999).unwrap_err().to_string().contains("more than"));
         let mut early = Inflater::early().unwrap();
         let half = early.feed(&z[..z.len() / 2]).unwrap();
         early.settle(1000).unwrap();
-        assert!(early.feed(&z[half..]).unwrap_err().contains("more than"));
+        assert!(early.feed(&z[half..]).unwrap_err().to_string().contains("more than"));
     }
 
     #[test]

@@ -206,7 +206,7 @@ impl PrefixSink {
             return;
         }
         let stored = self.stored;
-        let corrupt = |r| crate::reader::prefix_corrupt(&stored, r);
+        let corrupt = |e| crate::reader::prefix_error(&stored, e);
         let pending = std::mem::take(&mut self.pending);
         let early = self.inflater.take();
         let settled = OpenImage::prefix_len(&stored, blocks).and_then(|len| {
@@ -253,7 +253,7 @@ impl BlobSink for PrefixSink {
             Some(Ok(_)) if !self.pending.is_empty() => self.pending.extend_from_slice(bytes),
             Some(Ok(inflater)) => match inflater.feed(bytes) {
                 Ok(took) => self.pending.extend_from_slice(&bytes[took..]),
-                Err(reason) => self.inflater = Some(Err(crate::reader::prefix_corrupt(&self.stored, reason))),
+                Err(e) => self.inflater = Some(Err(crate::reader::prefix_error(&self.stored, e))),
             },
             None => self.pending.extend_from_slice(bytes),
             Some(Err(_)) => {}

@@ -226,10 +226,10 @@ impl OpenImage {
     /// The prefix decompressed from blob `stored`, if it hashes to `digest` (the record's).
     pub(crate) fn check_prefix(
         stored: &Sha256Digest,
-        made: Result<(PrefixBuf, Sha256Digest), String>,
+        made: Result<(PrefixBuf, Sha256Digest), crate::prefix::InflateError>,
         digest: &Sha256Digest,
     ) -> Result<PrefixBuf, StoreError> {
-        let (prefix, actual) = made.map_err(|reason| prefix_corrupt(stored, reason))?;
+        let (prefix, actual) = made.map_err(|e| prefix_error(stored, e))?;
         if actual != *digest {
             let reason = format!("uncompressed it hashes to {actual}, the record says {digest}");
             return Err(prefix_corrupt(stored, reason));
@@ -518,6 +518,16 @@ impl OpenImage {
 /// The prefix stored as blob `stored` is not what the record says.
 pub(crate) fn prefix_corrupt(stored: &Sha256Digest, reason: String) -> StoreError {
     StoreError::Corrupt { what: "metadata prefix", digest: *stored, path: Default::default(), reason }
+}
+
+/// Why the prefix stored as blob `stored` could not be made: corrupt, or no memory for it.
+pub(crate) fn prefix_error(stored: &Sha256Digest, e: crate::prefix::InflateError) -> StoreError {
+    match e {
+        crate::prefix::InflateError::Corrupt(reason) => prefix_corrupt(stored, reason),
+        crate::prefix::InflateError::Memory { source, .. } => {
+            StoreError::Io { op: "mapping memory for the metadata prefix", path: Default::default(), source }
+        }
+    }
 }
 
 fn inconsistent(id: &ImageId, reason: String) -> StoreError {
