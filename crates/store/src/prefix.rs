@@ -218,10 +218,12 @@ impl Inflater {
         if self.made >= room {
             return Err("it decompresses to more than expected".to_owned().into());
         }
-        if room > self.buf.len() {
-            let mut bigger = PrefixBuf::zeroed(room)?;
-            bigger.as_mut_slice()[..self.made].copy_from_slice(&self.buf[..self.made]);
-            self.buf = bigger;
+        // Into a buffer of the size it needs: bigger than the early room; or, for a prefix under
+        // a huge page, the heap (the early room's mapping would hold a 2 MiB page for it).
+        if room > self.buf.len() || (room < HUGE_PAGE && matches!(self.buf.0, Repr::Mapped { .. })) {
+            let mut fitted = PrefixBuf::zeroed(room)?;
+            fitted.as_mut_slice()[..self.made].copy_from_slice(&self.buf[..self.made]);
+            self.buf = fitted;
         }
         (self.room, self.settled) = (room, true);
         // What the decoder took before the room was full and could not hand out yet.
@@ -328,6 +330,13 @@ mod tests {
         let (prefix, digest) = early.finish().unwrap();
         assert_eq!((prefix.len(), digest), (data.len(), Sha256Digest::of(&data)));
         assert!(*prefix == data[..]);
+        // A small prefix settles on the heap, not in the early room's mapping.
+        let small: Vec<u8> = (0..100_000u32).map(|i| (i % 13) as u8).collect();
+        let mut early = Inflater::early().unwrap();
+        early.feed(&zstd::encode_all(&small[..], 1).unwrap()).unwrap();
+        early.settle(small.len() as u64).unwrap();
+        let (prefix, _) = early.finish().unwrap();
+        assert!(matches!(prefix.0, Repr::Heap(_)) && *prefix == small[..]);
         // Told a length shorter than what it made already, or than the stream: refused.
         let small: Vec<u8> = (0..100_000u32).map(|i| (i % 13) as u8).collect();
         let z = zstd::encode_all(&small[..], 1).unwrap();
