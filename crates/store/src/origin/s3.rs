@@ -284,23 +284,23 @@ impl CredentialProvider {
     }
 
     /// The credentials to sign with now (`None`: unsigned).
+    ///
+    /// The check and any re-read happen under the lock: a caller that finds the check not due
+    /// while another re-reads a changed file waits for the new credentials rather than signing
+    /// with the ones the file no longer holds.
     fn current(&self) -> Option<Credentials> {
         match &self.source {
             CredentialSource::Anonymous => None,
             CredentialSource::Static(c) => Some(c.clone()),
-            CredentialSource::File { path, .. } => {
-                let stale = {
-                    let mut st = self.state();
-                    let due = st.checked.is_none_or(|t| t.elapsed() >= FILE_CHECK_EVERY);
-                    if due {
-                        st.checked = Some(Instant::now());
+            CredentialSource::File { path, profile } => {
+                let mut st = self.state();
+                if st.checked.is_none_or(|t| t.elapsed() >= FILE_CHECK_EVERY) {
+                    st.checked = Some(Instant::now());
+                    if file_stamp(path) != st.stamp {
+                        Self::read_file(&mut st, path, profile);
                     }
-                    due && file_stamp(path) != st.stamp
-                };
-                if stale {
-                    self.reload();
                 }
-                self.state().creds.clone()
+                st.creds.clone()
             }
         }
     }
@@ -308,9 +308,13 @@ impl CredentialProvider {
     /// Read the file again; whether the credentials changed.
     fn reload(&self) -> bool {
         let CredentialSource::File { path, profile } = &self.source else { return false };
+        Self::read_file(&mut self.state(), path, profile)
+    }
+
+    /// Read the file into `st` (its lock held); whether the credentials changed.
+    fn read_file(st: &mut ProviderState, path: &Path, profile: &str) -> bool {
         let stamp = file_stamp(path);
         let creds = std::fs::read_to_string(path).ok().and_then(|t| parse_credentials_file(&t, profile));
-        let mut st = self.state();
         st.stamp = stamp;
         st.checked = Some(Instant::now());
         let changed = st.creds != creds;
@@ -1247,6 +1251,45 @@ mod tests {
         std::fs::remove_file(&path).unwrap();
         assert!(p.reload());
         assert_eq!(p.current(), None, "no file: unsigned");
+    }
+
+    /// While one caller re-reads a rewritten file, the others wait for the new credentials
+    /// instead of signing with the ones the file no longer holds.
+    #[test]
+    fn no_caller_signs_with_the_old_key_while_another_rereads_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("credentials");
+        let text = |id: &str| format!("[default]\naws_access_key_id={id}\naws_secret_access_key=S\n");
+        std::fs::write(&path, text("K0")).unwrap();
+        let p =
+            CredentialProvider::new(CredentialSource::File { path: path.clone(), profile: "default".into() });
+        let callers = 4;
+        for round in 1..=100 {
+            let id = format!("K{round}");
+            std::fs::write(&path, text(&id)).unwrap();
+            {
+                // The check is due, and the file looks changed, for whichever caller comes first.
+                let mut st = p.state();
+                st.checked = Instant::now().checked_sub(FILE_CHECK_EVERY * 2);
+                st.stamp = None;
+            }
+            let start = std::sync::Barrier::new(callers);
+            let seen: Vec<String> = std::thread::scope(|s| {
+                let workers: Vec<_> = (0..callers)
+                    .map(|_| {
+                        s.spawn(|| {
+                            start.wait();
+                            p.current().map(|c| c.access_key_id).unwrap_or_default()
+                        })
+                    })
+                    .collect();
+                workers.into_iter().map(|w| w.join().unwrap()).collect()
+            });
+            assert!(
+                seen.iter().all(|k| *k == id),
+                "round {round}: the file holds {id}, callers signed with {seen:?}"
+            );
+        }
     }
 
     #[test]
