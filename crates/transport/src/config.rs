@@ -118,7 +118,6 @@ pub(crate) fn agent(
             config.tls.ca_certs.iter().map(|der| ureq::tls::Certificate::from_der(der).to_owned()).collect();
         tls = tls.root_certs(ureq::tls::RootCerts::new_with_certs(&certs));
     }
-    let slots = config.max_concurrency.max(1);
     let t = &config.timeouts;
     let agent_config = ureq::Agent::config_builder()
         .http_status_as_error(false)
@@ -127,8 +126,9 @@ pub(crate) fn agent(
         .timeout_recv_response(Some(t.first_byte))
         .timeout_per_read(Some(t.stall))
         .timeout_global(t.whole)
-        .max_idle_connections_per_host(slots)
-        .max_idle_connections(slots.saturating_mul(2))
+        // The stash is the pool (crate::preconnect): ureq keeps none.
+        .max_idle_connections_per_host(0)
+        .max_idle_connections(0)
         .user_agent(concat!("tessera/", env!("CARGO_PKG_VERSION")))
         .build();
     // ureq's default chain (a CONNECT proxy from the environment, TCP, rustls) behind the
@@ -167,7 +167,7 @@ MrUWm7XvxxUHQhv4FNsCIQCzn2LOHDxobHNfU0Y7kdYavyMefeco4LkQnqeGLCWF
         assert!(!tls.skip_verify);
         // An agent with these roots builds.
         let config = TransportConfig { tls, ..TransportConfig::default() };
-        let _ = agent(&config, true, &Default::default());
+        let _ = agent(&config, true, &Arc::new(crate::preconnect::Stash::new(1)));
         assert!(TlsOptions::default().with_ca_pem(b"not pem").is_err());
         assert!(TlsOptions::default().with_ca_pem(b"").is_err());
     }

@@ -310,10 +310,12 @@ fn with_headers<B>(mut rb: ureq::RequestBuilder<B>, headers: &[(&str, &str)]) ->
 impl Transport {
     /// A transport with `config`. Nothing is connected yet.
     pub fn new(config: TransportConfig) -> Self {
-        // Preconnected connections are made by the verifying agent's chain, for it alone.
-        let stash = Arc::new(preconnect::Stash::default());
+        // Preconnected connections are made by the verifying agent's chain, for it alone; each
+        // agent pools its own. Idle connections kept: one per request that may be in flight.
+        let most = config.max_concurrency.max(1);
+        let stash = Arc::new(preconnect::Stash::new(most));
         let (verified, chain) = config::agent(&config, !config.tls.skip_verify, &stash);
-        let (unverified, _) = config::agent(&config, false, &Arc::default());
+        let (unverified, _) = config::agent(&config, false, &Arc::new(preconnect::Stash::new(most)));
         let negotiated = match config.http {
             HttpVersion::Http1 => None,
             HttpVersion::Negotiate => match negotiated::Negotiated::new(&config) {
@@ -1077,6 +1079,88 @@ mod tests {
         });
         assert_eq!(accepted.load(Ordering::SeqCst), 4, "no new connection");
         assert_eq!(requests.load(Ordering::SeqCst), 4);
+    }
+
+    /// A keep-alive server whose answers name the connection that carried them (`c1`, `c2`, …,
+    /// in accept order) after `delay`; a request for `/big` gets 1 MiB.
+    fn naming_server(delay: Duration) -> (String, Arc<std::sync::atomic::AtomicUsize>) {
+        use std::io::BufRead;
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let a = Arc::clone(&accepted);
+        std::thread::spawn(move || {
+            for conn in l.incoming() {
+                let Ok(conn) = conn else { return };
+                let id = a.fetch_add(1, Ordering::SeqCst) + 1;
+                std::thread::spawn(move || {
+                    let mut r = std::io::BufReader::new(conn.try_clone().unwrap());
+                    let mut w = conn;
+                    loop {
+                        let mut first = String::new();
+                        if r.read_line(&mut first).unwrap_or(0) == 0 {
+                            return;
+                        }
+                        let mut line = String::new();
+                        while r.read_line(&mut line).unwrap_or(0) > 2 {
+                            line.clear();
+                        }
+                        std::thread::sleep(delay);
+                        let body = if first.contains("/big") {
+                            vec![b'x'; 1 << 20]
+                        } else {
+                            format!("c{id}").into_bytes()
+                        };
+                        let head = format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n", body.len());
+                        if w.write_all(head.as_bytes()).and_then(|()| w.write_all(&body)).is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        (format!("http://{addr}"), accepted)
+    }
+
+    /// After a burst on several connections, requests one after another all go on the
+    /// connection that came back last (its TCP window is the warmest), not round the burst's.
+    #[test]
+    fn serial_requests_after_a_burst_reuse_the_connection_that_came_back_last() {
+        use std::sync::atomic::Ordering;
+        let (base, accepted) = naming_server(Duration::from_millis(30));
+        let t = Transport::new(TransportConfig { max_concurrency: 8, ..quick() });
+        let get = |t: &Transport| {
+            let mut resp = t.send(&Request::get(&format!("{base}/x"))).unwrap();
+            String::from_utf8(resp.read_to_vec(100).unwrap().unwrap()).unwrap()
+        };
+        let burst: Vec<String> = std::thread::scope(|s| {
+            let w: Vec<_> = (0..4).map(|_| s.spawn(|| get(&t))).collect();
+            w.into_iter().map(|w| w.join().unwrap()).collect()
+        });
+        assert_eq!(accepted.load(Ordering::SeqCst), 4, "the burst: {burst:?}");
+        let serial: Vec<String> = (0..6).map(|_| get(&t)).collect();
+        assert_eq!(accepted.load(Ordering::SeqCst), 4, "no new connection");
+        assert!(serial.iter().all(|c| *c == serial[0]), "one connection, not round the burst's: {serial:?}");
+    }
+
+    /// A connection whose answer was dropped unread is closed, not kept for the next request
+    /// (which would read the rest of that answer as its own).
+    #[test]
+    fn a_connection_with_its_answer_unread_is_not_reused() {
+        use std::sync::atomic::Ordering;
+        let (base, accepted) = naming_server(Duration::ZERO);
+        let t = Transport::new(TransportConfig { max_concurrency: 4, ..quick() });
+        let mut first = t.send(&Request::get(&format!("{base}/x"))).unwrap();
+        assert_eq!(first.read_to_vec(100).unwrap().unwrap(), b"c1");
+        drop(first);
+        let mut big = t.send(&Request::get(&format!("{base}/big"))).unwrap();
+        let mut some = [0u8; 10];
+        std::io::Read::read_exact(big.reader(), &mut some).unwrap();
+        drop(big);
+        let mut next = t.send(&Request::get(&format!("{base}/x"))).unwrap();
+        assert_eq!(next.read_to_vec(100).unwrap().unwrap(), b"c2", "a new connection");
+        assert_eq!(accepted.load(Ordering::SeqCst), 2);
     }
 
     #[test]

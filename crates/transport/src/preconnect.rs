@@ -1,4 +1,5 @@
-//! Connections opened ahead of need ([`crate::Transport::preconnect`]).
+//! The connections of an agent that wait for a request: opened ahead of need
+//! ([`crate::Transport::preconnect`]) and idle between requests (the pool).
 //!
 //! ureq opens a connection when a request finds none idle in its pool, and offers no way to put
 //! one there without a request. So an agent's connector is [`Stashing`]: ureq's usual chain (a
@@ -9,6 +10,14 @@
 //! a stashed connection until a request takes it, so an origin sees connects and handshakes
 //! only (the `HEAD` of the base URL per connection that this replaced was logged as a 403 by
 //! origins that refuse it, and counted as requests).
+//!
+//! The stash is the agent's pool too. ureq's own pool (kept empty) hands out the idle connection
+//! that has waited longest, so after a burst of parallel requests (a start's pieces, a
+//! prefetch) serial requests go round every connection of the burst; each has then idled long
+//! enough for TCP to restart its slow start (after one retransmission timeout idle, Linux
+//! halves the window per timeout), and a cold read crosses several round trips of small
+//! windows where one warm connection would carry it in one. A connection ureq would pool
+//! ([`Pooled`]) goes back to the stash instead, and a request takes the one that came back last.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -16,7 +25,7 @@ use std::time::{Duration, Instant};
 use ureq::config::Config;
 use ureq::http::Uri;
 use ureq::unversioned::resolver::{DefaultResolver, Resolver};
-use ureq::unversioned::transport::{time, ConnectionDetails, Connector, Either, NextTimeout, Transport};
+use ureq::unversioned::transport::{time, Buffers, ConnectionDetails, Connector, NextTimeout, Transport};
 use ureq::{Error, Timeout};
 
 /// A stashed connection older than this is closed instead of used: servers close connections
@@ -30,39 +39,69 @@ fn key_of(uri: &Uri) -> Option<String> {
     Some(format!("{scheme}://{}:{port}", uri.host()?))
 }
 
-/// A connection waiting: where it goes ([`key_of`]), and since when.
-type Waiting = (String, Box<dyn Transport>, Instant);
+/// A connection waiting for a request.
+#[derive(Debug)]
+struct Waiting {
+    /// Where it goes ([`key_of`]).
+    key: String,
+    connection: Box<dyn Transport>,
+    /// Since when it waits.
+    since: Instant,
+    /// It carried a request and its answer (else it was made ahead of need).
+    used: bool,
+}
 
-/// Connections made ahead of need, waiting for a request.
-#[derive(Debug, Default)]
+/// Connections waiting for a request: made ahead of need, or idle after one.
+#[derive(Debug)]
 pub(crate) struct Stash {
     connections: Mutex<Vec<Waiting>>,
+    /// The most kept; beyond, those waiting longest are closed.
+    most: usize,
 }
 
 impl Stash {
+    /// A stash keeping at most `most` connections.
+    pub(crate) fn new(most: usize) -> Self {
+        Self { connections: Mutex::new(Vec::new()), most }
+    }
+
     /// Connections waiting.
     pub(crate) fn len(&self) -> usize {
         self.lock().len()
     }
 
-    /// Close the connections older than [`MAX_AGE`].
+    /// Close the connections waiting longer than [`MAX_AGE`].
     pub(crate) fn expire(&self) {
-        self.lock().retain(|(_, _, at)| at.elapsed() < MAX_AGE);
+        self.lock().retain(|w| w.since.elapsed() < MAX_AGE);
     }
 
-    /// An open connection for `key`, if any: those too old or closed by the server are dropped
-    /// on the way.
+    /// An open connection for `key`, if any — the one that came back last (module doc): those
+    /// too old or closed by the server are dropped on the way.
     fn take(&self, key: &str) -> Option<Box<dyn Transport>> {
-        let mut connections = self.lock();
-        connections.retain(|(_, _, at)| at.elapsed() < MAX_AGE);
-        while let Some(i) = connections.iter().position(|(k, _, _)| k == key) {
-            let (_, mut connection, _) = connections.swap_remove(i);
-            let open = if connection.is_tls() { tls_open(&mut connection) } else { connection.is_open() };
+        loop {
+            // Checked out of the lock: the check of a TLS connection waits a moment.
+            let Waiting { mut connection, used, .. } = {
+                let mut connections = self.lock();
+                connections.retain(|w| w.since.elapsed() < MAX_AGE);
+                let i = connections.iter().rposition(|w| w.key == key)?;
+                connections.remove(i)
+            };
+            // A TLS connection that carried an answer has read the server's session tickets.
+            let open =
+                if connection.is_tls() && !used { tls_open(&mut connection) } else { connection.is_open() };
             if open {
                 return Some(connection);
             }
         }
-        None
+    }
+
+    /// Keep `connection` to `key`, waiting for a request; `used`: it carried one.
+    fn put(&self, key: String, connection: Box<dyn Transport>, used: bool) {
+        let mut connections = self.lock();
+        connections.retain(|w| w.since.elapsed() < MAX_AGE);
+        connections.push(Waiting { key, connection, since: Instant::now(), used });
+        let over = connections.len().saturating_sub(self.most);
+        connections.drain(..over);
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Waiting>> {
@@ -105,7 +144,8 @@ impl<C: Connector> Connector for Boxing<C> {
     }
 }
 
-/// An agent's connector: a stashed connection if one is waiting, else the chain's (module doc).
+/// An agent's connector: a stashed connection if one is waiting, else the chain's (module doc);
+/// either way one that goes back to the stash when ureq would pool it.
 #[derive(Debug)]
 pub(crate) struct Stashing {
     pub(crate) stash: Arc<Stash>,
@@ -113,13 +153,76 @@ pub(crate) struct Stashing {
 }
 
 impl Connector for Stashing {
-    type Out = Either<Box<dyn Transport>, Box<dyn Transport>>;
+    type Out = Pooled;
 
     fn connect(&self, details: &ConnectionDetails, chained: Option<()>) -> Result<Option<Self::Out>, Error> {
-        if let Some(connection) = key_of(details.uri).and_then(|k| self.stash.take(&k)) {
-            return Ok(Some(Either::A(connection)));
+        let key = key_of(details.uri);
+        let connection = match key.as_deref().and_then(|k| self.stash.take(k)) {
+            Some(connection) => Some(connection),
+            None => self.chain.connect(details, chained)?,
+        };
+        Ok(connection.map(|c| Pooled {
+            connection: Some(c),
+            key,
+            stash: Arc::clone(&self.stash),
+            offered: false,
+        }))
+    }
+}
+
+/// A connection in ureq's hands. ureq offers a connection to its pool after an answer read to
+/// the end (`Connection::reuse`: nothing unread in its buffer, then `is_open`), and with its pool
+/// kept empty drops it right there; a connection whose last call was that `is_open`, answered
+/// yes, goes back to the stash when dropped. One dropped after a failure or with its answer
+/// unread is closed, as ureq would close it.
+#[derive(Debug)]
+pub(crate) struct Pooled {
+    connection: Option<Box<dyn Transport>>,
+    key: Option<String>,
+    stash: Arc<Stash>,
+    /// The last call was `is_open`, answered yes.
+    offered: bool,
+}
+
+impl Pooled {
+    fn inner(&mut self) -> &mut Box<dyn Transport> {
+        self.offered = false;
+        // Only `Drop` takes the connection out.
+        self.connection.as_mut().expect("a pooled connection is held until dropped")
+    }
+}
+
+impl Transport for Pooled {
+    fn buffers(&mut self) -> &mut dyn Buffers {
+        // Looking at the buffers is no use of the connection: ureq checks that nothing is left
+        // unread in them before it asks `is_open`.
+        self.connection.as_mut().expect("a pooled connection is held until dropped").buffers()
+    }
+
+    fn transmit_output(&mut self, amount: usize, timeout: NextTimeout) -> Result<(), Error> {
+        self.inner().transmit_output(amount, timeout)
+    }
+
+    fn await_input(&mut self, timeout: NextTimeout) -> Result<bool, Error> {
+        self.inner().await_input(timeout)
+    }
+
+    fn is_open(&mut self) -> bool {
+        let open = self.inner().is_open();
+        self.offered = open;
+        open
+    }
+
+    fn is_tls(&self) -> bool {
+        self.connection.as_ref().is_some_and(|c| c.is_tls())
+    }
+}
+
+impl Drop for Pooled {
+    fn drop(&mut self) {
+        if let (true, Some(key), Some(connection)) = (self.offered, self.key.take(), self.connection.take()) {
+            self.stash.put(key, connection, true);
         }
-        Ok(self.chain.connect(details, chained)?.map(Either::B))
     }
 }
 
@@ -153,7 +256,7 @@ pub(crate) fn open(stash: &Stash, chain: &Chain, config: &Config, url: &str, n: 
                     register_shutdown: Arc::new(|_| Ok(())),
                 };
                 if let Ok(Some(connection)) = chain.connect(&details, None) {
-                    stash.lock().push((key.clone(), connection, Instant::now()));
+                    stash.put(key.clone(), connection, false);
                 }
             });
         }
