@@ -36,6 +36,7 @@ pub struct Nginx {
     port: u16,
     prefix: String,
     scheme: &'static str,
+    root: PathBuf,
     dir: tempfile::TempDir,
 }
 
@@ -81,7 +82,7 @@ impl Nginx {
                 Ok(()) => {
                     let prefix = prefix.trim_matches('/').to_owned();
                     let scheme = if tls.is_some() { "https" } else { "http" };
-                    return Ok(Nginx { child: Some(child), port, prefix, scheme, dir });
+                    return Ok(Nginx { child: Some(child), port, prefix, scheme, root, dir });
                 }
                 Err(e) => {
                     let _ = child.kill();
@@ -91,6 +92,11 @@ impl Nginx {
             }
         }
         Err(last_err.unwrap_or_else(|| anyhow::anyhow!("nginx did not start")))
+    }
+
+    /// The directory served (canonical).
+    pub fn root(&self) -> &Path {
+        &self.root
     }
 
     /// The base URL: `http://127.0.0.1:PORT/<prefix>` (`https://` with TLS).

@@ -12,7 +12,7 @@ use anyhow::{ensure, Context, Result};
 use tessera_e2e::daemon::{BlkClient, Daemon};
 use tessera_e2e::nginx::Nginx;
 use tessera_e2e::prng::Prng;
-use tessera_e2e::proxy::{LoggedRequest, Proxy, ProxyConfig};
+use tessera_e2e::proxy::{Fault, LoggedRequest, Proxy, ProxyConfig};
 use tessera_e2e::tessera::{self, ImageId};
 use tessera_e2e::testutil::{cached_chunks, tmp, Killed};
 
@@ -197,6 +197,115 @@ fn a_start_by_tag_asks_for_every_part_of_the_image_one_round_trip_after_the_tag(
     Ok(())
 }
 
+/// From an origin that honors Range, a start fetches each of the image's parts as parallel
+/// ranged GETs (`TESSERA_HTTP_BLOB_PIECE`, here tiny so this small image's parts split): the
+/// first piece, then — once its answer says how long the blob is — the rest at once, tiling the
+/// blob exactly. A part whose pieces do not add up to its digest is read again whole, and the
+/// bytes are right.
+#[test]
+fn a_start_fetches_the_image_parts_in_parallel_pieces_and_rereads_a_bad_one_whole() -> Result<()> {
+    const RTT: Duration = Duration::from_millis(60);
+    const PIECE: u64 = 128;
+    let f = fixture("start-pieces")?;
+    let origin = Nginx::serve(&f.store, "store")?;
+    let proxy = Proxy::start(origin.addr(), ProxyConfig::rtt(RTT))?;
+    let v: serde_json::Value =
+        serde_json::from_slice(&fs::read(f.store.join(format!("images/{}.json", f.id.hex())))?)?;
+    let parts: Vec<(&str, String, u64)> = ["record", "prefix", "pack_index"]
+        .into_iter()
+        .map(|k| {
+            let hex = v[k]
+                .as_str()
+                .with_context(|| format!("entry: {k}"))?
+                .trim_start_matches("sha256:")
+                .to_owned();
+            let len = fs::metadata(f.store.join("blobs/sha256").join(&hex))?.len();
+            ensure!(len > 2 * PIECE + PIECE, "the {k} ({len} bytes) is too small to split in pieces");
+            Ok((k, format!("/store/blobs/sha256/{hex}"), len))
+        })
+        .collect::<Result<_>>()?;
+    let export = |what: &str| -> Result<Vec<LoggedRequest>> {
+        let seen = proxy.log().len();
+        let out = f.t.path().join("pieces.raw");
+        let o = tessera::command(["export", "demo", "--store", &proxy.url("store"), "-o", path_str(&out)?])
+            .env("TESSERA_HTTP_BLOB_PIECE", PIECE.to_string())
+            .output()?;
+        ensure!(o.status.success(), "{what}: export failed: {}", String::from_utf8_lossy(&o.stderr));
+        ensure!(fs::read(&out)? == f.raw, "{what}: the export differs");
+        Ok(proxy.log()[seen..].to_vec())
+    };
+    let ranges = |log: &[LoggedRequest], path: &str| -> Vec<(Option<(u64, u64)>, Instant)> {
+        log.iter()
+            .filter(|r| r.path == path)
+            .map(|r| {
+                let range = r.range.as_deref().and_then(|h| {
+                    let (a, b) = h.strip_prefix("bytes=")?.split_once('-')?;
+                    Some((a.parse().ok()?, b.parse().ok()?))
+                });
+                (range, r.at)
+            })
+            .collect()
+    };
+
+    let log = export("in pieces")?;
+    for (what, path, len) in &parts {
+        let asked = ranges(&log, path);
+        let Some(&(Some((0, first_last)), first_at)) = asked.first() else {
+            anyhow::bail!("the {what} was not asked for its first piece first: {asked:?}");
+        };
+        ensure!(first_last == 2 * PIECE - 1, "the {what}'s first piece is bytes 0-{first_last}");
+        let mut rest: Vec<(u64, u64, Instant)> = Vec::new();
+        for &(range, at) in &asked[1..] {
+            let (a, b) = range.with_context(|| format!("the {what} was also asked whole: {asked:?}"))?;
+            rest.push((a, b, at));
+        }
+        rest.sort_by_key(|r| r.0);
+        // About a piece each, at most 15: `len - 2 * PIECE` bytes in `count` near-equal pieces.
+        let count = (len - 2 * PIECE).div_ceil(PIECE).min(15);
+        ensure!(rest.len() as u64 == count, "the {what}'s rest went in {} pieces, not {count}", rest.len());
+        let each = (len - 2 * PIECE).div_ceil(count);
+        let mut next = 2 * PIECE;
+        for &(a, b, _) in &rest {
+            ensure!(a == next && b >= a && b - a < each, "the {what}'s pieces do not tile it: {asked:?}");
+            next = b + 1;
+        }
+        ensure!(next == *len, "the {what}'s pieces end at {next}, not at its {len} bytes");
+        // The rest waits for the first answer (its length), then goes at once: each piece is
+        // asked within a round trip of that answer and one of connecting (one after another on
+        // the connection at hand they would take `count` round trips).
+        for &(a, _, at) in &rest {
+            let after = at.duration_since(first_at);
+            ensure!(
+                after >= RTT * 9 / 10,
+                "the {what}'s piece at {a} went {after:?} after the first, before its answer"
+            );
+            ensure!(after < RTT * 3, "the {what}'s piece at {a} went {after:?} after the first: not at once");
+        }
+    }
+
+    // One bit flipped in one piece of the record: the record is read again whole.
+    let (_, record, _) = &parts[0];
+    proxy.inject(record, Fault::Corrupt { at: 100 }, 1);
+    let log = export("a flipped piece")?;
+    let asked = ranges(&log, record);
+    ensure!(asked.last().is_some_and(|a| a.0.is_none()), "the record was not read again whole: {asked:?}");
+    ensure!(
+        asked.iter().filter(|a| a.0.is_none()).count() == 1,
+        "the record was read whole more than once: {asked:?}"
+    );
+    // A piece cut off after bytes already handed on, then asked again: the prefix (its first
+    // bytes already inflating) is read again whole.
+    let (_, prefix, _) = &parts[1];
+    proxy.inject(prefix, Fault::Reset { after: 100 }, 1);
+    let log = export("a piece cut off")?;
+    let asked = ranges(&log, prefix);
+    ensure!(
+        asked.iter().filter(|a| a.0.is_none()).count() == 1,
+        "the prefix was not read again whole once: {asked:?}"
+    );
+    Ok(())
+}
+
 /// The ranges of `uri` requested in access-log lines (`GET <uri> 206 <bytes> "bytes=a-b"`).
 fn ranges_of(lines: &[&str], uri: &str) -> Vec<(u64, u64)> {
     lines
@@ -377,15 +486,39 @@ fn corrupt_chunks_are_refetched_and_bad_origin_bytes_fail_with_eio_remembered_br
     Ok(())
 }
 
-/// The ranges of ranged GETs (status 206) in the access log from line `mark` on, as `(uri,
-/// start, end)`: one per range (a multi-range GET gives several).
+/// The ranges of the chunk reads (ranged GETs, status 206, of blobs other than the image's parts)
+/// in the access log from line `mark` on, as `(uri, start, end)`: one per range (a multi-range
+/// GET gives several).
 fn ranged_gets(origin: &Nginx, mark: usize) -> Vec<(String, u64, u64)> {
+    let parts = image_part_uris(origin);
     let log = origin.access_log();
-    let lines: Vec<&str> = log.lines().skip(mark).filter(|l| l.contains(" 206 ")).collect();
+    let lines: Vec<&str> = log
+        .lines()
+        .skip(mark)
+        .filter(|l| l.contains(" 206 ") && !parts.iter().any(|u| l.split(' ').nth(1) == Some(u)))
+        .collect();
     let mut out = Vec::new();
     for l in &lines {
         let uri = l.split(' ').nth(1).unwrap_or_default().to_owned();
         out.extend(ranges_of(&[l], &uri).into_iter().map(|(a, b)| (uri.clone(), a, b)));
+    }
+    out
+}
+
+/// The URIs of the blobs the served store's image entries name (record, prefix, pack index,
+/// profile): a start reads those whole, in ranged pieces; the other ranged GETs are chunk reads.
+fn image_part_uris(origin: &Nginx) -> Vec<String> {
+    let mut out = Vec::new();
+    for e in fs::read_dir(origin.root().join("images")).into_iter().flatten().flatten() {
+        let Ok(v) = serde_json::from_slice::<serde_json::Value>(&fs::read(e.path()).unwrap_or_default())
+        else {
+            continue;
+        };
+        for k in ["record", "prefix", "pack_index", "profile", "provenance"] {
+            if let Some(d) = v[k].as_str() {
+                out.push(format!("/store/blobs/sha256/{}", d.trim_start_matches("sha256:")));
+            }
+        }
     }
     out
 }

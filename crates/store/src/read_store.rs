@@ -159,6 +159,17 @@ pub trait BlobSink {
     fn feed(&mut self, bytes: &[u8]);
 }
 
+/// The blob in memory.
+impl BlobSink for Vec<u8> {
+    fn restart(&mut self) {
+        self.clear();
+    }
+
+    fn feed(&mut self, bytes: &[u8]) {
+        self.extend_from_slice(bytes);
+    }
+}
+
 /// The metadata prefix decompressed as its blob arrives — before the record's word on it
 /// (length and digest) is in, up to [`crate::prefix::EARLY_ROOM`] — and checked against that
 /// word at the end.

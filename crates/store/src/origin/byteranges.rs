@@ -93,6 +93,11 @@ pub fn parse<'a>(body: &'a [u8], boundary: &str) -> Result<Vec<Part<'a>>, HttpEr
 
 /// `FIRST-LAST/TOTAL` of a `bytes` `Content-Range`, checked.
 pub fn content_range(value: &str) -> Result<(u64, u64), HttpError> {
+    content_range_of(value).map(|(first, last, _)| (first, last))
+}
+
+/// [`content_range`] with the blob's length (`None` when the server wrote `*`).
+pub fn content_range_of(value: &str) -> Result<(u64, u64, Option<u64>), HttpError> {
     let bad = HttpError::BadRange;
     let spec = value.strip_prefix("bytes ").ok_or(bad("Content-Range is not in bytes"))?;
     let (range, total) = spec.split_once('/').ok_or(bad("Content-Range lacks a total"))?;
@@ -102,13 +107,17 @@ pub fn content_range(value: &str) -> Result<(u64, u64), HttpError> {
     if last < first {
         return Err(bad("Content-Range ends before it starts"));
     }
-    if total != "*" {
-        let total: u64 = total.parse().map_err(|_| bad("Content-Range total is not a number"))?;
-        if total <= last {
-            return Err(bad("Content-Range ends past the total"));
+    let total = match total {
+        "*" => None,
+        t => {
+            let total: u64 = t.parse().map_err(|_| bad("Content-Range total is not a number"))?;
+            if total <= last {
+                return Err(bad("Content-Range ends past the total"));
+            }
+            Some(total)
         }
-    }
-    Ok((first, last))
+    };
+    Ok((first, last, total))
 }
 
 /// The bytes of each span of `spans` (`(offset, len)`) from `parts`, in the order of `spans`:
