@@ -119,6 +119,10 @@ pub(crate) fn agent(
         tls = tls.root_certs(ureq::tls::RootCerts::new_with_certs(&certs));
     }
     let t = &config.timeouts;
+    // Through a proxy (ureq takes it from the environment), ureq's pool keeps the connections;
+    // else the stash does (crate::preconnect), and ureq's is kept empty.
+    let proxied = ureq::Proxy::try_from_env().is_some();
+    let idle = if proxied { config.max_concurrency.max(1) } else { 0 };
     let agent_config = ureq::Agent::config_builder()
         .http_status_as_error(false)
         .tls_config(tls.build())
@@ -126,9 +130,8 @@ pub(crate) fn agent(
         .timeout_recv_response(Some(t.first_byte))
         .timeout_per_read(Some(t.stall))
         .timeout_global(t.whole)
-        // The stash is the pool (crate::preconnect): ureq keeps none.
-        .max_idle_connections_per_host(0)
-        .max_idle_connections(0)
+        .max_idle_connections_per_host(idle)
+        .max_idle_connections(idle.saturating_mul(2))
         .user_agent(concat!("tessera/", env!("CARGO_PKG_VERSION")))
         .build();
     // ureq's default chain (a CONNECT proxy from the environment, TCP, rustls) behind the
@@ -138,7 +141,7 @@ pub(crate) fn agent(
             .chain(TcpConnector::default())
             .chain(RustlsConnector::default()),
     ));
-    let connector = Stashing { stash: Arc::clone(stash), chain: Arc::clone(&chain) };
+    let connector = Stashing { stash: Arc::clone(stash), chain: Arc::clone(&chain), pool: !proxied };
     (ureq::Agent::with_parts(agent_config, connector, DefaultResolver::default()), chain)
 }
 

@@ -72,7 +72,17 @@ impl Stash {
 
     /// Close the connections waiting longer than [`MAX_AGE`].
     pub(crate) fn expire(&self) {
-        self.lock().retain(|w| w.since.elapsed() < MAX_AGE);
+        let old = Self::take_old(&mut self.lock());
+        drop(old);
+    }
+
+    /// The connections of `connections` waiting longer than [`MAX_AGE`], taken out: to be
+    /// dropped (closed) once the lock is released, as everything that leaves the stash unused.
+    fn take_old(connections: &mut Vec<Waiting>) -> Vec<Waiting> {
+        let (old, young) =
+            std::mem::take(connections).into_iter().partition(|w| w.since.elapsed() >= MAX_AGE);
+        *connections = young;
+        old
     }
 
     /// An open connection for `key`, if any — the one that came back last (module doc): those
@@ -80,12 +90,13 @@ impl Stash {
     fn take(&self, key: &str) -> Option<Box<dyn Transport>> {
         loop {
             // Checked out of the lock: the check of a TLS connection waits a moment.
-            let Waiting { mut connection, used, .. } = {
+            let (Waiting { mut connection, used, .. }, old) = {
                 let mut connections = self.lock();
-                connections.retain(|w| w.since.elapsed() < MAX_AGE);
+                let old = Self::take_old(&mut connections);
                 let i = connections.iter().rposition(|w| w.key == key)?;
-                connections.remove(i)
+                (connections.remove(i), old)
             };
+            drop(old);
             // A TLS connection that carried an answer has read the server's session tickets.
             let open =
                 if connection.is_tls() && !used { tls_open(&mut connection) } else { connection.is_open() };
@@ -97,11 +108,14 @@ impl Stash {
 
     /// Keep `connection` to `key`, waiting for a request; `used`: it carried one.
     fn put(&self, key: String, connection: Box<dyn Transport>, used: bool) {
-        let mut connections = self.lock();
-        connections.retain(|w| w.since.elapsed() < MAX_AGE);
-        connections.push(Waiting { key, connection, since: Instant::now(), used });
-        let over = connections.len().saturating_sub(self.most);
-        connections.drain(..over);
+        let (old, over) = {
+            let mut connections = self.lock();
+            let old = Self::take_old(&mut connections);
+            connections.push(Waiting { key, connection, since: Instant::now(), used });
+            let over = connections.len().saturating_sub(self.most);
+            (old, connections.drain(..over).collect::<Vec<_>>())
+        };
+        drop((old, over));
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Waiting>> {
@@ -150,13 +164,17 @@ impl<C: Connector> Connector for Boxing<C> {
 pub(crate) struct Stashing {
     pub(crate) stash: Arc<Stash>,
     pub(crate) chain: Arc<Chain>,
+    /// Whether connections come from and go back to the stash: not through a proxy, whose
+    /// connector opens its hop to the proxy through this one too (that hop must not be pooled
+    /// as a connection to the proxy), and whose connections ureq's pool keeps instead.
+    pub(crate) pool: bool,
 }
 
 impl Connector for Stashing {
     type Out = Pooled;
 
     fn connect(&self, details: &ConnectionDetails, chained: Option<()>) -> Result<Option<Self::Out>, Error> {
-        let key = key_of(details.uri);
+        let key = key_of(details.uri).filter(|_| self.pool);
         let connection = match key.as_deref().and_then(|k| self.stash.take(k)) {
             Some(connection) => Some(connection),
             None => self.chain.connect(details, chained)?,

@@ -879,15 +879,30 @@ impl HttpStore {
         let url = self.blob_url(digest);
         let piece = self.inner.config.blob_piece;
         let first = piece.saturating_mul(2);
+        // Set once the blob is to be read whole: the pieces still running stop reading.
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        sink.restart();
         std::thread::scope(|s| {
             let (tx, rx) = std::sync::mpsc::channel::<PieceNews>();
-            let spawn = |k: usize, offset: u64, len: u64| {
-                let (tx, url) = (tx.clone(), &url);
-                s.spawn(move || {
-                    let _ = tx.send(PieceNews::Done(k, self.read_piece(url, k, offset, len, &tx)));
-                });
+            // Whether piece `k` is on its way (a thread the system refuses fails the blob's
+            // pieces, not the read). Each ends with its `Done`, a panic included.
+            let spawn = |k: usize, offset: u64, len: u64| -> bool {
+                let (tx, url, stop) = (tx.clone(), &url, &stop);
+                let spawned =
+                    std::thread::Builder::new().name("blob-piece".into()).spawn_scoped(s, move || {
+                        let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                            self.read_piece(url, k, offset, len, &tx, stop)
+                        }));
+                        let read = read.unwrap_or_else(|_| {
+                            Err(http_err(url, HttpError::BadRange("a piece's reader panicked")))
+                        });
+                        let _ = tx.send(PieceNews::Done(k, read));
+                    });
+                spawned.is_ok()
             };
-            spawn(0, 0, first);
+            if !spawn(0, 0, first) {
+                return false;
+            }
             let (mut total, mut pending, mut failed) = (None, 1usize, false);
             // Per piece: bytes held until the pieces before it are in; whether it is in; whether
             // any of its bytes went to the sink.
@@ -902,16 +917,21 @@ impl HttpStore {
                 let Ok(news) = rx.recv() else { break };
                 match news {
                     // The rest goes at once, while the first piece's body is still arriving.
+                    // A length past the limit: the whole read reports it.
+                    PieceNews::Length(t) if total.is_none() && t > MAX_HTTP_BLOB => failed = true,
                     PieceNews::Length(t) if total.is_none() => {
                         total = Some(t);
                         let plan = rest_of_blob(first.min(t), t, piece);
-                        for (i, &(offset, len)) in plan.iter().enumerate() {
-                            spawn(1 + i, offset, len);
-                        }
-                        pending += plan.len();
                         held.resize(1 + plan.len(), Vec::new());
                         done.resize(1 + plan.len(), false);
                         streamed.resize(1 + plan.len(), false);
+                        for (i, &(offset, len)) in plan.iter().enumerate() {
+                            if spawn(1 + i, offset, len) {
+                                pending += 1;
+                            } else {
+                                failed = true;
+                            }
+                        }
                     }
                     PieceNews::Length(t) => failed |= total != Some(t),
                     // A retried piece starts over: only bytes not yet fed can be taken back.
@@ -952,6 +972,9 @@ impl HttpStore {
                         }
                     }
                 }
+                if failed {
+                    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+                }
             }
             if failed || next != done.len() || total != Some(fed) {
                 return false;
@@ -977,6 +1000,7 @@ impl HttpStore {
         offset: u64,
         len: u64,
         news: &std::sync::mpsc::Sender<PieceNews>,
+        stop: &std::sync::atomic::AtomicBool,
     ) -> Result<u64, StoreError> {
         let range = range_header(offset, len).ok_or(HttpError::BadRange("an empty piece"));
         let range = range.map_err(|e| http_err(url, e))?;
@@ -984,7 +1008,15 @@ impl HttpStore {
             let body_err = |e| Failure::fatal(ErrorKind::Body, http_err(url, e));
             let cr = match (resp.status(), resp.header("content-range")) {
                 (200 | 206, Some(cr)) => cr.trim().to_owned(),
-                (200 | 206, None) => return Err(body_err(HttpError::BadRange("no Content-Range"))),
+                (200, None) => {
+                    // The server ignores Range after all: later blobs go whole, as chunk reads
+                    // find out for themselves.
+                    if self.inner.range_support.swap(RANGE_IGNORED, Ordering::AcqRel) != RANGE_IGNORED {
+                        warn!(url, "the server ignores Range requests after all: blobs go whole");
+                    }
+                    return Err(Failure::fatal(ErrorKind::Body, http_err(url, HttpError::RangeIgnored)));
+                }
+                (206, None) => return Err(body_err(HttpError::BadRange("no Content-Range"))),
                 _ if self.inner.auth.is_some() => return Err(self.refused(url, &mut resp)),
                 (status, _) => return Err(status_failure(url, status)),
             };
@@ -1003,7 +1035,10 @@ impl HttpStore {
             loop {
                 // One byte more than the piece is asked for: a longer body is found out, and a
                 // body read to its end gives its connection back to the pool.
-                let room = usize::try_from((want + 1 - got).min(64 << 10)).unwrap_or(64 << 10);
+                if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    return Err(body_err(HttpError::BadRange("the blob is read whole instead")));
+                }
+                let room = usize::try_from((want.saturating_add(1) - got).min(64 << 10)).unwrap_or(64 << 10);
                 let mut buf = vec![0u8; room];
                 let n = match body.read(&mut buf) {
                     Ok(0) => break,
