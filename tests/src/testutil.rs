@@ -54,6 +54,25 @@ fn read_full(f: &mut std::fs::File, buf: &mut [u8]) -> Result<usize> {
     Ok(n)
 }
 
+/// The hex digests of the blobs a local store's image entries name — records, prefixes, pack
+/// indexes, profiles, provenance: the blobs a start reads whole (in ranged pieces from an origin
+/// that honors Range), as against the packs, whose ranged GETs are chunk reads.
+pub fn image_part_digests(store: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(store.join("images")).into_iter().flatten().flatten() {
+        let Ok(v) = serde_json::from_slice::<serde_json::Value>(&std::fs::read(e.path()).unwrap_or_default())
+        else {
+            continue;
+        };
+        for k in ["record", "prefix", "pack_index", "profile", "provenance"] {
+            if let Some(d) = v[k].as_str() {
+                out.push(d.trim_start_matches("sha256:").to_owned());
+            }
+        }
+    }
+    out
+}
+
 /// The chunk entries of a host disk cache (`--cache-dir`, layout `docs/formats/cache.md`),
 /// sorted by path.
 pub fn cached_chunks(cache: &Path) -> Result<Vec<std::path::PathBuf>> {

@@ -14,7 +14,7 @@ use tessera_e2e::nginx::Nginx;
 use tessera_e2e::prng::Prng;
 use tessera_e2e::proxy::{Fault, LoggedRequest, Proxy, ProxyConfig};
 use tessera_e2e::tessera::{self, ImageId};
-use tessera_e2e::testutil::{cached_chunks, tmp, Killed};
+use tessera_e2e::testutil::{cached_chunks, image_part_digests, tmp, Killed};
 
 const MIB: usize = 1 << 20;
 
@@ -508,19 +508,7 @@ fn ranged_gets(origin: &Nginx, mark: usize) -> Vec<(String, u64, u64)> {
 /// The URIs of the blobs the served store's image entries name (record, prefix, pack index,
 /// profile): a start reads those whole, in ranged pieces; the other ranged GETs are chunk reads.
 fn image_part_uris(origin: &Nginx) -> Vec<String> {
-    let mut out = Vec::new();
-    for e in fs::read_dir(origin.root().join("images")).into_iter().flatten().flatten() {
-        let Ok(v) = serde_json::from_slice::<serde_json::Value>(&fs::read(e.path()).unwrap_or_default())
-        else {
-            continue;
-        };
-        for k in ["record", "prefix", "pack_index", "profile", "provenance"] {
-            if let Some(d) = v[k].as_str() {
-                out.push(format!("/store/blobs/sha256/{}", d.trim_start_matches("sha256:")));
-            }
-        }
-    }
-    out
+    image_part_digests(origin.root()).into_iter().map(|hex| format!("/store/blobs/sha256/{hex}")).collect()
 }
 
 /// Bytes the ranged GETs asked for (the HTTP client may merge adjacent chunks into one GET).

@@ -981,7 +981,10 @@ impl HttpStore {
             }
             let actual = Sha256Digest(hasher.finalize().into());
             if actual != *digest {
+                // Counted as a single GET's would be: a digest error, and the whole read a retry.
                 warn!(url, %actual, "a blob read in pieces does not match its digest: reading it whole");
+                self.inner.transport.record_error(ErrorKind::Digest);
+                self.inner.transport.record_retry();
                 return false;
             }
             trace!(%digest, len = fed, pieces = done.len(), "fetched blob in pieces");
