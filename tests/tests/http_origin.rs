@@ -3,8 +3,12 @@
 //! healing a corrupted cached chunk.
 
 use std::fs;
+use std::io::{BufRead, BufReader, Write};
+use std::net::{TcpListener, TcpStream};
 use std::path::Path;
 use std::process::Output;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use anyhow::{ensure, Context, Result};
 use tessera_e2e::nginx::Nginx;
@@ -83,6 +87,70 @@ fn export_over_http_equals_local_export() -> Result<()> {
     same_bytes(&f.local_raw, &out, "export with a trailing slash")?;
     let log = origin.access_log();
     ensure!(log.lines().any(|l| l.contains(" 206 ") && l.contains("bytes=")), "no ranged GETs in: {log}");
+    Ok(())
+}
+
+/// A CONNECT proxy on a loopback port: each connection is tunnelled to the `host:port` it asks
+/// for. Returns its URL and the count of tunnels opened.
+fn connect_proxy() -> Result<(String, Arc<AtomicUsize>)> {
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let url = format!("http://{}", listener.local_addr()?);
+    let tunnels = Arc::new(AtomicUsize::new(0));
+    let count = Arc::clone(&tunnels);
+    std::thread::spawn(move || {
+        for client in listener.incoming().flatten() {
+            let count = Arc::clone(&count);
+            std::thread::spawn(move || -> std::io::Result<()> {
+                let mut reader = BufReader::new(client.try_clone()?);
+                let mut first = String::new();
+                reader.read_line(&mut first)?;
+                let mut line = String::new();
+                while reader.read_line(&mut line)? > 2 {
+                    line.clear();
+                }
+                let target =
+                    first.strip_prefix("CONNECT ").and_then(|r| r.split(' ').next()).unwrap_or_default();
+                let mut writer = client;
+                let Ok(upstream) = TcpStream::connect(target) else {
+                    return writer.write_all(b"HTTP/1.1 502 Bad Gateway\r\nContent-Length: 0\r\n\r\n");
+                };
+                count.fetch_add(1, Ordering::SeqCst);
+                writer.write_all(b"HTTP/1.1 200 Connection established\r\n\r\n")?;
+                let mut up_read = upstream.try_clone()?;
+                let mut up_write = upstream;
+                std::thread::spawn(move || {
+                    let _ = std::io::copy(&mut up_read, &mut writer);
+                    let _ = writer.shutdown(std::net::Shutdown::Write);
+                });
+                std::io::copy(&mut reader, &mut up_write)?;
+                up_write.shutdown(std::net::Shutdown::Write)
+            });
+        }
+    });
+    Ok((url, tunnels))
+}
+
+/// Through a proxy from the environment (`HTTP_PROXY`), every request goes through its tunnels,
+/// tunnels are reused for later requests, and the export is exact. (Through a proxy ureq's own
+/// pool keeps the connections, not the transport's: ureq opens its hop to the proxy through the
+/// same connector, and that hop must not be pooled as a connection; docs/store.md.)
+#[test]
+fn an_export_through_a_connect_proxy_from_the_environment_is_exact() -> Result<()> {
+    let f = fixture("http-proxy")?;
+    let origin = Nginx::serve(&f.store, "store")?;
+    let (proxy, tunnels) = connect_proxy()?;
+    let out = f.t.path().join("proxied.raw");
+    let mut cmd =
+        tessera::command(["export", "demo", "--store", &origin.url(), "-o", out.to_str().context("utf-8")?]);
+    for v in ["ALL_PROXY", "all_proxy", "HTTPS_PROXY", "https_proxy", "http_proxy", "NO_PROXY", "no_proxy"] {
+        cmd.env_remove(v);
+    }
+    let o = ok(cmd.env("HTTP_PROXY", &proxy).output()?, "export through a proxy")?;
+    drop(o);
+    same_bytes(&f.local_raw, &out, "export through a proxy")?;
+    let (tunnels, requests) = (tunnels.load(Ordering::SeqCst), origin.requests()?.len());
+    ensure!(tunnels >= 1, "no request went through the proxy ({requests} reached nginx)");
+    ensure!(tunnels < requests, "{tunnels} tunnels for {requests} requests: connections were not reused");
     Ok(())
 }
 
