@@ -1012,12 +1012,30 @@ impl HttpStore {
             let cr = match (resp.status(), resp.header("content-range")) {
                 (200 | 206, Some(cr)) => cr.trim().to_owned(),
                 (200, None) => {
-                    // The server ignores Range after all: later blobs go whole, as chunk reads
-                    // find out for themselves.
-                    if self.inner.range_support.swap(RANGE_IGNORED, Ordering::AcqRel) != RANGE_IGNORED {
-                        warn!(url, "the server ignores Range requests after all: blobs go whole");
+                    // The whole blob, which a server may send for a range that covers it: the
+                    // first piece's answer, no longer than asked, is the blob.
+                    let whole = resp.header("content-length").and_then(|v| v.trim().parse::<u64>().ok());
+                    match whole {
+                        Some(n) if k == 0 && n > 0 && n <= len => format!("bytes 0-{}/{n}", n - 1),
+                        // More than the piece asked for: the server ignores Range after all
+                        // (later blobs go whole; chunk reads find out for themselves).
+                        Some(n) if n > len => {
+                            if self.inner.range_support.swap(RANGE_IGNORED, Ordering::AcqRel) != RANGE_IGNORED
+                            {
+                                warn!(url, "the server ignores Range requests after all: blobs go whole");
+                            }
+                            return Err(Failure::fatal(
+                                ErrorKind::Body,
+                                http_err(url, HttpError::RangeIgnored),
+                            ));
+                        }
+                        _ => {
+                            return Err(Failure::fatal(
+                                ErrorKind::Body,
+                                http_err(url, HttpError::RangeIgnored),
+                            ))
+                        }
                     }
-                    return Err(Failure::fatal(ErrorKind::Body, http_err(url, HttpError::RangeIgnored)));
                 }
                 (206, None) => return Err(body_err(HttpError::BadRange("no Content-Range"))),
                 _ if self.inner.auth.is_some() => return Err(self.refused(url, &mut resp)),
@@ -1924,6 +1942,8 @@ mod multi_range_refusing_server {
     enum Answer {
         WholeBlob,
         FirstRangeOnly,
+        /// A single range covering the whole blob: `200` and the blob (as a server may).
+        WholeWhenCovered,
     }
 
     /// Serves `blob` at `/blobs/sha256/<hex>`; logs each GET's `Range` header.
@@ -1954,6 +1974,12 @@ mod multi_range_refusing_server {
                             }
                         }
                         log.lock().unwrap().push(range.clone());
+                        if range.is_empty() {
+                            let head = format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n", blob.len());
+                            let _ = conn.write_all(head.as_bytes());
+                            let _ = conn.write_all(&blob);
+                            continue;
+                        }
                         let ranges: Vec<(usize, usize)> = range
                             .trim_start_matches("bytes=")
                             .split(',')
@@ -1969,6 +1995,12 @@ mod multi_range_refusing_server {
                             return; // the client drops the connection unread
                         }
                         let (a, b) = ranges[0];
+                        if matches!(answer, Answer::WholeWhenCovered) && a == 0 && b + 1 >= blob.len() {
+                            let head = format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n", blob.len());
+                            let _ = conn.write_all(head.as_bytes());
+                            let _ = conn.write_all(&blob);
+                            continue;
+                        }
                         let head = format!(
                             "HTTP/1.1 206 Partial Content\r\nContent-Range: bytes {a}-{b}/{}\r\nContent-Length: {}\r\n\r\n",
                             blob.len(),
@@ -1981,6 +2013,23 @@ mod multi_range_refusing_server {
             }
         });
         (base, seen)
+    }
+
+    /// A server may answer a range that covers the whole blob with `200` and the blob: that
+    /// answer to a blob's first piece is the blob, and Range support stays known (a chunk read
+    /// after it is still one ranged GET, not refused as from a server that ignores Range).
+    #[test]
+    fn a_whole_blob_answer_to_the_first_piece_is_the_blob() {
+        let blob: Vec<u8> = (0..50_000u32).map(|i| (i as u8).wrapping_mul(7)).collect();
+        let d = Sha256Digest::of(&blob);
+        let (base, log) = serve(blob.clone(), Answer::WholeWhenCovered);
+        let store = HttpStore::new(&base, HttpConfig::default());
+        // A ranged read settles the support (206); then the blob in pieces, then a range again.
+        assert_eq!(store.read_blob_range(&d, 10, 100).unwrap(), blob[10..110]);
+        assert_eq!(store.read_blob(&d).unwrap(), blob);
+        assert_eq!(store.read_blob_range(&d, 1000, 100).unwrap(), blob[1000..1100]);
+        let first = format!("bytes=0-{}", 2 * DEFAULT_BLOB_PIECE - 1);
+        assert_eq!(*log.lock().unwrap(), ["bytes=10-109", first.as_str(), "bytes=1000-1099"]);
     }
 
     #[test]
