@@ -1,8 +1,8 @@
 //! The one HTTP transport of Tessera's origins: the HTTP(S) store and the registry client both
 //! send every request through a [`Transport`].
 //!
-//! One transport holds: one connection pool ([`TransportConfig`]: idle connections per host =
-//! the concurrency limit), one limiter of requests in flight, one retry policy ([`RetryPolicy`]:
+//! One transport holds: one connection pool (idle connections kept = the concurrency limit;
+//! the connection that came back last goes first: `preconnect.rs`), one limiter of requests in flight, one retry policy ([`RetryPolicy`]:
 //! attempts, backoff with jitter, `Retry-After`), one timeout classification ([`TimeoutKind`]:
 //! connect, first byte, stall, whole request), TLS roots and verification ([`TlsOptions`]), and
 //! one stats type ([`Stats`]) with one request-duration histogram.
