@@ -638,7 +638,7 @@ pub fn run_on(config: ServeConfig, listener: Option<std::os::unix::net::UnixList
 /// Queue the chunks of the image's prefetch profile, if the entry names one, for background
 /// fetching. A profile that cannot be read or does not fit the image is logged and ignored: it
 /// only ever makes things faster.
-fn start_prefetch<S: ChunkSource>(
+fn start_prefetch<S: ChunkSource + 'static>(
     digest: Sha256Digest,
     bytes: Result<Vec<u8>, StoreError>,
     image: &OpenImage,

@@ -57,7 +57,7 @@ pub trait BlockDevice: Send + Sync {
     }
 }
 
-impl<S: ChunkSource> BlockDevice for ImageReader<S> {
+impl<S: ChunkSource + 'static> BlockDevice for ImageReader<S> {
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), ReadError> {
         ImageReader::read_at(self, offset, buf).map_err(|e| ReadError::store(offset, e))
     }

@@ -287,7 +287,7 @@ impl<S> std::fmt::Debug for MemTier<S> {
     }
 }
 
-impl<S: ChunkSource> Core<S> {
+impl<S: ChunkSource + 'static> Core<S> {
     /// Chunk `index` if it is in memory.
     fn cached(&self, index: u32) -> Option<Chunk> {
         match self.slots.lookup(index) {
@@ -482,7 +482,7 @@ impl<S: ChunkSource> Core<S> {
     }
 }
 
-impl<S: ChunkSource> MemTier<S> {
+impl<S: ChunkSource + 'static> MemTier<S> {
     /// Serve `reader`'s image keeping up to `capacity` bytes of decoded chunks in memory (0
     /// keeps none: every chunk read goes to the source), fetching chunks on a [`ChunkFetcher`]
     /// with `limits`: the chunks of a read missing memory in parallel, each once, demand before
@@ -866,7 +866,7 @@ impl<S: ChunkSource> MemTier<S> {
     }
 }
 
-impl<S: ChunkSource> BlockDevice for MemTier<S> {
+impl<S: ChunkSource + 'static> BlockDevice for MemTier<S> {
     fn read_at(&self, offset: u64, buf: &mut [u8]) -> Result<(), ReadError> {
         let len = buf.len() as u64;
         self.visit(offset, len, true, &mut BufSink::new(buf)).map(|_| ())

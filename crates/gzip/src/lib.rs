@@ -284,36 +284,94 @@ fn ok(rc: c_int, op: &'static str) -> Result<(), GzipError> {
 /// Decode `out_len` uncompressed bytes of one span: `compressed` starts at the checkpoint's
 /// [`Checkpoint::start`], `bits` and `window` (uncompressed) are the checkpoint's.
 pub fn inflate_span(compressed: &[u8], bits: u8, window: &[u8], out_len: u64) -> Result<Vec<u8>, GzipError> {
-    let out_len = usize::try_from(out_len).map_err(|_| GzipError::Range("span too large".into()))?;
-    let mut s = Stream::new(-15)?;
-    let mut input = compressed;
-    if bits > 0 {
+    let mut span = SpanInflater::new(bits, window, out_len)?;
+    span.push(compressed)?;
+    span.finish()
+}
+
+/// One span inflated as its compressed bytes arrive: what [`inflate_span`] does at once, in
+/// pieces, so that a reader of the span's first bytes need not wait for its last
+/// ([`Self::output`] grows with every [`Self::push`]).
+pub struct SpanInflater {
+    stream: Stream,
+    /// The checkpoint's bits of a shared first byte, until that byte is pushed.
+    prime: Option<(u8, Vec<u8>)>,
+    out: Vec<u8>,
+    made: usize,
+    /// Compressed bytes consumed.
+    used: u64,
+    /// The deflate stream ended (a member's last block).
+    ended: bool,
+}
+
+impl std::fmt::Debug for SpanInflater {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SpanInflater")
+            .field("out_len", &self.out.len())
+            .field("made", &self.made)
+            .field("used", &self.used)
+            .field("ended", &self.ended)
+            .finish()
+    }
+}
+
+impl SpanInflater {
+    /// A span of `out_len` uncompressed bytes resumed at a checkpoint with `bits` and (the
+    /// uncompressed) `window`.
+    pub fn new(bits: u8, window: &[u8], out_len: u64) -> Result<Self, GzipError> {
+        let out_len = usize::try_from(out_len).map_err(|_| GzipError::Range("span too large".into()))?;
         if bits > 7 {
             return Err(GzipError::Range(format!("checkpoint bit count {bits} is not 0..=7")));
         }
-        let (&first, rest) =
-            input.split_first().ok_or(GzipError::ShortSpan { got: 0, expected: out_len as u64 })?;
-        s.prime(bits, first >> (8 - bits))?;
-        input = rest;
+        let mut stream = Stream::new(-15)?;
+        let prime = if bits > 0 {
+            // zlib takes the bits before the dictionary: both wait for the first byte.
+            Some((bits, window.to_vec()))
+        } else {
+            stream.set_dictionary(window)?;
+            None
+        };
+        Ok(Self { stream, prime, out: vec![0u8; out_len], made: 0, used: 0, ended: false })
     }
-    s.set_dictionary(window)?;
-    let mut out = vec![0u8; out_len];
-    let mut made = 0;
-    let mut used = 0;
-    while made < out_len {
-        let (rc, u, m) = s.inflate(&input[used..], &mut out[made..], z::Z_NO_FLUSH);
-        used += u;
-        made += m;
-        match rc {
-            z::Z_OK => {}
-            z::Z_STREAM_END | z::Z_BUF_ERROR => break,
-            _ => return Err(GzipError::Corrupt { offset: used as u64, message: s.message() }),
+
+    /// Inflate the span's next compressed bytes (bytes past its end are ignored).
+    pub fn push(&mut self, mut input: &[u8]) -> Result<(), GzipError> {
+        if let Some((bits, window)) = &self.prime {
+            let Some((&first, rest)) = input.split_first() else { return Ok(()) };
+            self.stream.prime(*bits, first >> (8 - *bits))?;
+            self.stream.set_dictionary(window)?;
+            self.prime = None;
+            self.used += 1;
+            input = rest;
         }
+        while !input.is_empty() && !self.ended && self.made < self.out.len() {
+            let (rc, u, m) = self.stream.inflate(input, &mut self.out[self.made..], z::Z_NO_FLUSH);
+            input = &input[u..];
+            self.used += u as u64;
+            self.made += m;
+            match rc {
+                z::Z_OK => {}
+                z::Z_STREAM_END => self.ended = true,
+                // No progress possible with this input: more is needed.
+                z::Z_BUF_ERROR => break,
+                _ => return Err(GzipError::Corrupt { offset: self.used, message: self.stream.message() }),
+            }
+        }
+        Ok(())
     }
-    if made < out_len {
-        return Err(GzipError::ShortSpan { got: made as u64, expected: out_len as u64 });
+
+    /// The span's bytes decoded so far.
+    pub fn output(&self) -> &[u8] {
+        &self.out[..self.made]
     }
-    Ok(out)
+
+    /// The whole span, once every byte of it is decoded.
+    pub fn finish(mut self) -> Result<Vec<u8>, GzipError> {
+        if self.made < self.out.len() {
+            return Err(GzipError::ShortSpan { got: self.made as u64, expected: self.out.len() as u64 });
+        }
+        Ok(std::mem::take(&mut self.out))
+    }
 }
 
 /// Inflates a gzip stream pushed to it in pieces, handing the uncompressed bytes on and

@@ -149,3 +149,43 @@ fn measure_spacing() {
         );
     }
 }
+
+/// A span pushed in pieces of any size (one byte, and a first piece that is only the shared
+/// byte of a checkpoint with bits) decodes as a prefix that only grows, to the span itself.
+#[test]
+fn a_span_inflated_as_it_arrives_shows_a_growing_prefix_of_itself() {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+    let data = sample(&mut rng, 600_000);
+    let blob = gzip(&data, 6);
+    let (_, index) = index_all(&blob, 1 << 16).unwrap();
+    assert!(index.checkpoints.iter().any(|c| c.bits > 0), "no checkpoint inside a byte: pick another sample");
+    for k in 0..index.checkpoints.len() {
+        let span = index.span(k).unwrap();
+        let cp = &index.checkpoints[k];
+        let bytes = &blob[span.compressed.0 as usize..span.compressed.1 as usize];
+        let want = &data[span.uncompressed.0 as usize..span.uncompressed.1 as usize];
+        for max_piece in [1usize, 7, 4096, bytes.len()] {
+            let mut s = SpanInflater::new(cp.bits, &cp.window().unwrap(), want.len() as u64).unwrap();
+            let (mut at, mut seen) = (0, 0);
+            while at < bytes.len() {
+                let n = if at == 0 { 1 } else { rng.gen_range(1..=max_piece).min(bytes.len() - at) };
+                s.push(&bytes[at..at + n]).unwrap();
+                at += n;
+                let out = s.output();
+                assert!(out.len() >= seen, "span {k}: the output shrank");
+                assert_eq!(out, &want[..out.len()], "span {k}: a wrong prefix");
+                seen = out.len();
+            }
+            assert_eq!(s.finish().unwrap(), want, "span {k}, pieces of at most {max_piece}");
+        }
+    }
+    // Short input: the prefix so far, and an error at the end, not a short span.
+    let span = index.span(1).unwrap();
+    let cp = &index.checkpoints[1];
+    let bytes = &blob[span.compressed.0 as usize..span.compressed.1 as usize];
+    let len = span.uncompressed.1 - span.uncompressed.0;
+    let mut s = SpanInflater::new(cp.bits, &cp.window().unwrap(), len).unwrap();
+    s.push(&bytes[..bytes.len() / 2]).unwrap();
+    assert!(!s.output().is_empty() && (s.output().len() as u64) < len);
+    assert!(matches!(s.finish(), Err(GzipError::ShortSpan { .. })));
+}

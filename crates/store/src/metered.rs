@@ -7,7 +7,7 @@ use tessera_metrics::{Tier, TierMetrics};
 use tracing::debug_span;
 
 use crate::error::StoreError;
-use crate::source::ChunkSource;
+use crate::source::{ChunkSource, RangeSink};
 
 /// Counts every `read_stored` of `inner` as a hit (bytes, latency) or an error of one tier, and
 /// wraps it in a debug span (`chunk_read`, with the tier, pack, offset and length).
@@ -37,6 +37,24 @@ impl<S: ChunkSource> ChunkSource for Metered<S> {
         let result = self.inner.read_stored(pack, offset, len);
         match &result {
             Ok(bytes) => self.metrics.hit(bytes.len() as u64, start.elapsed()),
+            Err(_) => self.metrics.error(start.elapsed()),
+        }
+        result
+    }
+
+    /// Counted as one read when the whole range is in.
+    fn read_stored_streamed(
+        &self,
+        pack: &Sha256Digest,
+        offset: u64,
+        len: u32,
+        sink: &mut RangeSink<'_>,
+    ) -> Result<(), StoreError> {
+        let _span = debug_span!("chunk_read", tier = self.tier.label(), %pack, offset, len).entered();
+        let start = Instant::now();
+        let result = self.inner.read_stored_streamed(pack, offset, len, sink);
+        match &result {
+            Ok(()) => self.metrics.hit(u64::from(len), start.elapsed()),
             Err(_) => self.metrics.error(start.elapsed()),
         }
         result

@@ -632,22 +632,22 @@ pub fn decode_stored_chunk(
 #[derive(Debug)]
 pub struct ImageReader<S> {
     image: Arc<OpenImage>,
-    source: S,
+    source: Arc<S>,
     cache: Mutex<ChunkCache>,
     refetches: AtomicU64,
     /// Decoded spans of a reference image's layers.
-    spans: SpanCache,
+    spans: Arc<SpanCache>,
 }
 
-impl<S: ChunkSource> ImageReader<S> {
+impl<S> ImageReader<S> {
     /// A reader of `image` fetching chunks from `source`.
     pub fn new(image: impl Into<Arc<OpenImage>>, source: S) -> Self {
         Self {
             image: image.into(),
-            source,
+            source: Arc::new(source),
             cache: Mutex::new(ChunkCache::new(DEFAULT_CHUNK_CACHE)),
             refetches: AtomicU64::new(0),
-            spans: SpanCache::new(DEFAULT_SPAN_CACHE),
+            spans: Arc::new(SpanCache::new(DEFAULT_SPAN_CACHE)),
         }
     }
 
@@ -670,7 +670,9 @@ impl<S: ChunkSource> ImageReader<S> {
     pub fn device_bytes(&self) -> u64 {
         self.image.device_bytes()
     }
+}
 
+impl<S: ChunkSource + 'static> ImageReader<S> {
     /// Fill `buf` with the device bytes at `offset`. Fails without partial results' meaning: on
     /// error the content of `buf` is unspecified.
     ///
@@ -767,7 +769,7 @@ impl<S: ChunkSource> ImageReader<S> {
         let (chunk, pack, loc) = self.locate(index)?;
         if let Some(r) = self.image.reference() {
             trace!(index, chunk = %chunk.id, layer = %pack, "fetch referenced chunk");
-            return fetch_reference_chunk(r, &chunk, index, &self.spans, &self.source);
+            return fetch_reference_chunk(&self.image, r, &chunk, index, &self.spans, &self.source);
         }
         trace!(index, chunk = %chunk.id, %pack, offset = loc.offset, len = loc.stored_len, "fetch chunk");
         if let Some(data) = self.source.read_verified(&chunk, &pack, &loc) {

@@ -70,81 +70,211 @@ impl RefImage {
 /// Check and inflate span `k` of `layer` from its compressed bytes `stored` and its checkpoint's
 /// stored window `window` (the inline one, or the bytes read from the windows blob).
 pub fn decode_span(layer: &RefLayer, k: usize, stored: &[u8], window: &[u8]) -> Result<Vec<u8>, StoreError> {
-    let cp = layer.checkpoints.get(k).ok_or_else(|| StoreError::CorruptSpan {
-        layer: layer.digest,
-        offset: 0,
-        reason: format!("no checkpoint {k}"),
-    })?;
-    let corrupt = |reason: String| {
+    let mut span = SpanDecoder::new(layer, k)?;
+    span.push(stored, || Ok(window.to_vec()))?;
+    span.finish()
+}
+
+/// One span checked and decoded as its compressed bytes arrive: inflated as they come (so the
+/// chunks at its start are readable before its end is in), hashed as they come, and judged
+/// against the checkpoint index at the end. The bytes decoded before that judgement are
+/// unchecked: a reader takes a chunk from them only if it hashes to its ChunkId.
+struct SpanDecoder<'a> {
+    layer: &'a RefLayer,
+    k: usize,
+    stored_len: u64,
+    out_len: u64,
+    received: u64,
+    hasher: blake3::Hasher,
+    codec: Codec,
+}
+
+enum Codec {
+    /// The window is not in yet.
+    Waiting,
+    Gzip(tessera_gzip::SpanInflater),
+    /// A zstd span is decoded whole at the end (frames are its unit).
+    Zstd(Vec<u8>),
+}
+
+impl<'a> SpanDecoder<'a> {
+    fn new(layer: &'a RefLayer, k: usize) -> Result<Self, StoreError> {
+        let bad = |reason: String| StoreError::CorruptSpan { layer: layer.digest, offset: 0, reason };
+        let cp = layer.checkpoints.get(k).ok_or_else(|| bad(format!("no checkpoint {k}")))?;
+        let (s, e) = layer.span_range(k).ok_or_else(|| bad(format!("no span {k}")))?;
+        let codec = if layer.codec == RefCodec::Zstd { Codec::Zstd(Vec::new()) } else { Codec::Waiting };
+        Ok(Self {
+            layer,
+            k,
+            stored_len: cp.span_end - cp.start(),
+            out_len: e - s,
+            received: 0,
+            hasher: blake3::Hasher::new(),
+            codec,
+        })
+    }
+
+    fn corrupt(&self, reason: String) -> StoreError {
+        let offset = self.layer.checkpoints.get(self.k).map_or(0, |c| c.start());
         warn!(
-            layer = %layer.digest,
-            offset = cp.start(),
+            layer = %self.layer.digest,
+            offset,
             %reason,
             "a referenced layer blob does not match its checkpoint index (changed since the build?); failing the read"
         );
-        StoreError::CorruptSpan { layer: layer.digest, offset: cp.start(), reason }
-    };
-    if stored.len() as u64 != cp.span_end - cp.start() {
-        return Err(corrupt(format!(
-            "the source returned {} bytes, the span has {}",
-            stored.len(),
-            cp.span_end - cp.start()
-        )));
+        StoreError::CorruptSpan { layer: self.layer.digest, offset, reason }
     }
-    if blake3::hash(stored).as_bytes() != &cp.span_digest {
-        return Err(corrupt("its blake3 does not match the checkpoint index".into()));
+
+    /// The span's next compressed bytes; `window` gives the checkpoint's stored window when the
+    /// first bytes need it.
+    fn push(
+        &mut self,
+        bytes: &[u8],
+        window: impl FnOnce() -> Result<Vec<u8>, StoreError>,
+    ) -> Result<(), StoreError> {
+        self.received += bytes.len() as u64;
+        if self.received > self.stored_len {
+            return Err(
+                self.corrupt(format!("the source returned more than the span's {} bytes", self.stored_len))
+            );
+        }
+        self.hasher.update(bytes);
+        if let Codec::Waiting = self.codec {
+            let window = window()?;
+            let window = if window.is_empty() {
+                Vec::new()
+            } else {
+                zstd::bulk::decompress(&window, tessera_gzip::WINDOW)
+                    .map_err(|e| self.corrupt(format!("its checkpoint window does not decode: {e}")))?
+            };
+            let bits = self.layer.checkpoints.get(self.k).map_or(0, |c| c.bits);
+            let inflater = tessera_gzip::SpanInflater::new(bits, &window, self.out_len)
+                .map_err(|e| self.corrupt(e.to_string()))?;
+            self.codec = Codec::Gzip(inflater);
+        }
+        match &mut self.codec {
+            Codec::Gzip(inflater) => {
+                let pushed = inflater.push(bytes);
+                pushed.map_err(|e| self.corrupt(e.to_string()))
+            }
+            Codec::Zstd(all) => {
+                all.extend_from_slice(bytes);
+                Ok(())
+            }
+            Codec::Waiting => Ok(()),
+        }
     }
-    let (s, e) = layer.span_range(k).unwrap_or((0, 0));
-    if layer.codec == RefCodec::Zstd {
-        return tessera_gzip::decode_zstd_span(stored, e - s).map_err(|e| corrupt(e.to_string()));
+
+    /// The span's bytes decoded so far (unchecked until [`Self::finish`]).
+    fn output(&self) -> &[u8] {
+        match &self.codec {
+            Codec::Gzip(inflater) => inflater.output(),
+            Codec::Waiting | Codec::Zstd(_) => &[],
+        }
     }
-    let window = if window.is_empty() {
-        Vec::new()
-    } else {
-        zstd::bulk::decompress(window, tessera_gzip::WINDOW)
-            .map_err(|e| corrupt(format!("its checkpoint window does not decode: {e}")))?
-    };
-    tessera_gzip::inflate_span(stored, cp.bits, &window, e - s).map_err(|e| corrupt(e.to_string()))
+
+    /// The whole span, once its compressed bytes matched the checkpoint index.
+    fn finish(mut self) -> Result<Vec<u8>, StoreError> {
+        if self.received != self.stored_len {
+            return Err(self.corrupt(format!(
+                "the source returned {} bytes, the span has {}",
+                self.received, self.stored_len
+            )));
+        }
+        let digest = self.layer.checkpoints.get(self.k).map(|c| c.span_digest);
+        if digest.as_ref() != Some(self.hasher.finalize().as_bytes()) {
+            return Err(self.corrupt("its blake3 does not match the checkpoint index".into()));
+        }
+        let codec = std::mem::replace(&mut self.codec, Codec::Waiting);
+        let decoded = match codec {
+            Codec::Gzip(inflater) => inflater.finish(),
+            Codec::Zstd(ref all) => tessera_gzip::decode_zstd_span(all, self.out_len),
+            Codec::Waiting if self.out_len == 0 => Ok(Vec::new()),
+            // Only a span of no compressed bytes ends here, and its index says otherwise.
+            Codec::Waiting => Err(tessera_gzip::GzipError::ShortSpan { got: 0, expected: self.out_len }),
+        };
+        decoded.map_err(|e| self.corrupt(e.to_string()))
+    }
 }
 
-/// The compressed bytes of span `k` of `layer` and its stored window, read from `source`: a
-/// version-2 index's window (in the blob `windows`) is read at the same time as the span, on a
-/// second thread, so it costs no round trip of its own; it is checked against its blake3.
-pub fn read_span(
+/// Span `k` of `layer` fetched from `source` and decoded as it arrives, its decoded bytes handed
+/// to `publish` as they come (a prefix that grows, each byte once); the whole span checked at the
+/// end. A version-2 index's window (in the blob `windows`) is read at the same time as the span,
+/// on a second thread, so it costs no round trip of its own; it is checked against its blake3.
+pub fn stream_span(
     source: &dyn ChunkSource,
     layer: &RefLayer,
     k: usize,
     windows: Option<&Sha256Digest>,
-) -> Result<(Vec<u8>, Vec<u8>), StoreError> {
+    publish: &mut dyn FnMut(&[u8]),
+) -> Result<Vec<u8>, StoreError> {
     let bad = |offset: u64, reason: String| StoreError::CorruptSpan { layer: layer.digest, offset, reason };
     let cp = layer.checkpoints.get(k).ok_or_else(|| bad(0, format!("no checkpoint {k}")))?;
     let len = u32::try_from(cp.span_end - cp.start()).unwrap_or(u32::MAX);
-    let (offset, wlen, digest) = match &cp.window {
-        Window::Inline(w) => return Ok((source.read_stored(&layer.digest, cp.start(), len)?, w.clone())),
-        Window::Stored { len: 0, .. } => {
-            return Ok((source.read_stored(&layer.digest, cp.start(), len)?, Vec::new()))
+    let mut span = SpanDecoder::new(layer, k)?;
+    let read_window = || -> Result<Vec<u8>, StoreError> {
+        let Window::Stored { offset, len, digest } = &cp.window else { return Ok(Vec::new()) };
+        if *len == 0 {
+            return Ok(Vec::new());
         }
-        Window::Stored { offset, len, digest } => (*offset, *len, digest),
+        let blob = windows.ok_or_else(|| bad(cp.start(), "a stored window but no windows blob".into()))?;
+        let window = source.read_stored(blob, *offset, *len)?;
+        if blake3::hash(&window).as_bytes() != digest {
+            warn!(windows = %blob, offset, "a checkpoint window does not match its blake3; failing the read");
+            return Err(bad(
+                cp.start(),
+                format!("its window at {offset} of windows blob {blob} does not match its blake3"),
+            ));
+        }
+        Ok(window)
     };
-    let blob = windows.ok_or_else(|| bad(cp.start(), "a stored window but no windows blob".into()))?;
-    let (stored, window) = std::thread::scope(|scope| {
-        let window = scope.spawn(|| source.read_stored(blob, offset, wlen));
-        let stored = source.read_stored(&layer.digest, cp.start(), len);
-        (stored, window.join())
-    });
-    let window = window.map_err(|_| bad(cp.start(), "the window reader panicked".into()))??;
-    if blake3::hash(&window).as_bytes() != digest {
-        warn!(windows = %blob, offset, "a checkpoint window does not match its blake3; failing the read");
-        return Err(bad(
-            cp.start(),
-            format!("its window at {offset} of windows blob {blob} does not match its blake3"),
-        ));
+    let mut published = 0;
+    let mut feed = |span: &mut SpanDecoder<'_>, bytes: &[u8], window: &mut WindowFn<'_>| {
+        span.push(bytes, window)?;
+        let out = span.output();
+        if out.len() > published {
+            publish(&out[published..]);
+            published = out.len();
+        }
+        Ok(())
+    };
+    match &cp.window {
+        Window::Inline(w) => {
+            source.read_stored_streamed(&layer.digest, cp.start(), len, &mut |bytes| {
+                feed(&mut span, bytes, &mut || Ok(w.clone()))
+            })?;
+        }
+        Window::Stored { .. } => std::thread::scope(|scope| {
+            let mut pending = Some(scope.spawn(read_window));
+            let streamed = source.read_stored_streamed(&layer.digest, cp.start(), len, &mut |bytes| {
+                feed(&mut span, bytes, &mut || match pending.take() {
+                    Some(h) => {
+                        h.join().unwrap_or_else(|_| Err(bad(cp.start(), "the window reader panicked".into())))
+                    }
+                    None => Err(bad(cp.start(), "the window was asked for twice".into())),
+                })
+            });
+            // The window reader ends before the scope does, whatever happened to the span.
+            drop(pending.take().map(|h| h.join()));
+            streamed
+        })?,
     }
-    Ok((stored?, window))
+    span.finish()
 }
+
+/// Gives a checkpoint's stored window, when a span's first bytes need it.
+type WindowFn<'a> = dyn FnMut() -> Result<Vec<u8>, StoreError> + 'a;
 
 /// (layer number, span number).
 type SpanKey = (u32, usize);
+
+/// Span loads that run on threads of their own at most; beyond that, a reader that starts a
+/// load runs it itself.
+const MAX_DETACHED_LOADS: usize = 64;
+
+/// A span load: hands the span's decoded bytes to its argument as they come (a growing prefix,
+/// each byte once) and returns the whole span, checked.
+pub(crate) type SpanLoad = Box<dyn FnOnce(&mut dyn FnMut(&[u8])) -> Result<Vec<u8>, StoreError> + Send>;
 
 /// Decoded spans, most recently used last, and the spans being fetched.
 #[derive(Debug, Default)]
@@ -152,39 +282,35 @@ struct Spans {
     lru: Vec<(SpanKey, Arc<[u8]>)>,
     bytes: usize,
     inflight: HashMap<SpanKey, Arc<Flight>>,
+    /// Loads running on threads of their own.
+    detached: usize,
 }
 
-/// One span being fetched and decoded: waiters sleep until it is done.
+/// One span being fetched and decoded: readers wait until the bytes they want are decoded.
 #[derive(Debug, Default)]
 struct Flight {
-    done: Mutex<bool>,
+    progress: Mutex<Progress>,
     cv: Condvar,
 }
 
+#[derive(Debug, Default)]
+struct Progress {
+    /// The span's first bytes, decoded (unchecked until the load ends well).
+    decoded: Vec<u8>,
+    /// How the load ended: well, or with an error for the reader that started it.
+    end: Option<Result<(), Option<StoreError>>>,
+}
+
 /// Decoded spans kept by bytes (least recently used out first), fetched **once** however many
-/// readers want one at the same time: the first reader of a span fetches and decodes it, later
-/// ones wait for it and take it from the cache. A span holds the bytes of several chunks, which
-/// readahead asks for in parallel; each fetched and inflated the whole span before.
+/// readers want one at the same time, and readable **as they arrive**: the first reader of a
+/// span starts its load (on a thread of its own, [`MAX_DETACHED_LOADS`] at most), and every
+/// reader — that one included — takes its bytes as soon as they are decoded, not when the whole
+/// span is in. A span is about 1 MiB of a layer (300 KB compressed); a reader of a chunk at its
+/// start waited for the whole span's transfer and inflation before.
 #[derive(Debug)]
 pub(crate) struct SpanCache {
     capacity_bytes: usize,
     state: Mutex<Spans>,
-}
-
-/// Removes a flight and wakes its waiters however its leader leaves (a panic included).
-struct Landing<'a> {
-    cache: &'a SpanCache,
-    key: SpanKey,
-}
-
-impl Drop for Landing<'_> {
-    fn drop(&mut self) {
-        let flight = self.cache.lock().inflight.remove(&self.key);
-        if let Some(f) = flight {
-            *f.done.lock().unwrap_or_else(|p| p.into_inner()) = true;
-            f.cv.notify_all();
-        }
-    }
 }
 
 impl SpanCache {
@@ -196,79 +322,146 @@ impl SpanCache {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Span `key` from the cache, else from `load` — called by one reader at a time per span;
-    /// the others wait for it. A failed load is not shared: its reader gets the error, and one of
-    /// the waiters loads again (the others wait for that).
-    pub(crate) fn get_or_load(
-        &self,
+    /// Bytes `[from, to)` of span `key`: from the cache, else from its load in flight as soon as
+    /// they are decoded (`checked`: once the whole span is in and checked), else from a new load
+    /// `load` (built only then). A failed load is not shared: the reader that started it gets the
+    /// error, and a reader that was waiting for it loads again.
+    pub(crate) fn bytes(
+        self: &Arc<Self>,
         key: SpanKey,
-        load: impl FnOnce() -> Result<Vec<u8>, StoreError>,
-    ) -> Result<Arc<[u8]>, StoreError> {
+        (from, to): (usize, usize),
+        checked: bool,
+        load: impl Fn() -> SpanLoad,
+    ) -> Result<Vec<u8>, StoreError> {
+        let short = || StoreError::CorruptSpan {
+            layer: tessera_image::Sha256Digest([0; 32]),
+            offset: 0,
+            reason: format!("span {key:?} decoded to fewer than {to} bytes"),
+        };
         loop {
-            let flight = {
+            let (flight, started) = {
                 let mut s = self.lock();
                 if let Some(i) = s.lru.iter().position(|x| x.0 == key) {
                     let hit = s.lru.remove(i);
-                    let data = Arc::clone(&hit.1);
+                    let data = hit.1.get(from..to).map(<[u8]>::to_vec).ok_or_else(short);
                     s.lru.push(hit);
-                    return Ok(data);
+                    return data;
                 }
                 match s.inflight.get(&key) {
-                    Some(f) => Some(Arc::clone(f)),
+                    Some(f) => (Arc::clone(f), None),
                     None => {
-                        s.inflight.insert(key, Arc::default());
-                        None
+                        let f = Arc::new(Flight::default());
+                        s.inflight.insert(key, Arc::clone(&f));
+                        let detach = s.detached < MAX_DETACHED_LOADS;
+                        s.detached += usize::from(detach);
+                        (f, Some(detach))
                     }
                 }
             };
-            let Some(flight) = flight else { break };
-            let mut done = flight.done.lock().unwrap_or_else(|p| p.into_inner());
-            while !*done {
-                done = flight.cv.wait(done).unwrap_or_else(|p| p.into_inner());
-            }
-        }
-        let landing = Landing { cache: self, key };
-        let data: Arc<[u8]> = load()?.into();
-        {
-            let mut s = self.lock();
-            if data.len() <= self.capacity_bytes {
-                while s.bytes + data.len() > self.capacity_bytes && !s.lru.is_empty() {
-                    let (_, old) = s.lru.remove(0);
-                    s.bytes -= old.len();
+            if let Some(detach) = started {
+                if detach {
+                    let (cache, job) = (Arc::clone(self), load());
+                    let f = Arc::clone(&flight);
+                    let spawned = std::thread::Builder::new()
+                        .name("tessera-span".into())
+                        .spawn(move || cache.run(key, &f, job, true));
+                    if spawned.is_err() {
+                        // The system has no thread for it: this reader loads the span itself.
+                        self.lock().detached -= 1;
+                        self.run(key, &flight, load(), false);
+                    }
+                } else {
+                    self.run(key, &flight, load(), false);
                 }
-                s.bytes += data.len();
-                s.lru.push((key, Arc::clone(&data)));
+            }
+            let mut p = flight.progress.lock().unwrap_or_else(|p| p.into_inner());
+            loop {
+                if p.decoded.len() >= to && (!checked || matches!(p.end, Some(Ok(())))) {
+                    return p.decoded.get(from..to).map(<[u8]>::to_vec).ok_or_else(short);
+                }
+                match &mut p.end {
+                    None => p = flight.cv.wait(p).unwrap_or_else(|p| p.into_inner()),
+                    Some(Ok(())) => return Err(short()),
+                    Some(Err(e)) if started.is_some() => {
+                        return Err(e.take().unwrap_or_else(short));
+                    }
+                    // Another reader's load failed: load again (or wait for whoever does).
+                    Some(Err(_)) => break,
+                }
             }
         }
-        drop(landing);
-        Ok(data)
     }
 
-    /// Span `k` of layer number `layer`, decoded (from the cache, else fetched from `source`).
-    pub(crate) fn span(
-        &self,
-        source: &dyn ChunkSource,
-        layer_no: u32,
-        layer: &RefLayer,
-        k: usize,
-        windows: Option<&Sha256Digest>,
-    ) -> Result<Arc<[u8]>, StoreError> {
-        self.get_or_load((layer_no, k), || {
-            let (stored, window) = read_span(source, layer, k, windows)?;
-            decode_span(layer, k, &stored, &window)
-        })
+    /// Run `job`, the load of span `key`, publishing its bytes on `flight`; the span goes into
+    /// the cache if it loaded well, and the flight ends either way (a panic included).
+    fn run(&self, key: SpanKey, flight: &Flight, job: SpanLoad, detached: bool) {
+        let mut publish = |bytes: &[u8]| {
+            flight.progress.lock().unwrap_or_else(|p| p.into_inner()).decoded.extend_from_slice(bytes);
+            flight.cv.notify_all();
+        };
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(&mut publish)))
+            .unwrap_or_else(|_| {
+                Err(StoreError::CorruptSpan {
+                    layer: tessera_image::Sha256Digest([0; 32]),
+                    offset: 0,
+                    reason: format!("the load of span {key:?} panicked"),
+                })
+            });
+        let end = {
+            let mut s = self.lock();
+            s.detached -= usize::from(detached);
+            s.inflight.remove(&key);
+            match result {
+                Ok(data) => {
+                    let data: Arc<[u8]> = data.into();
+                    if data.len() <= self.capacity_bytes {
+                        while s.bytes + data.len() > self.capacity_bytes && !s.lru.is_empty() {
+                            let (_, old) = s.lru.remove(0);
+                            s.bytes -= old.len();
+                        }
+                        s.bytes += data.len();
+                        s.lru.push((key, Arc::clone(&data)));
+                    }
+                    let mut p = flight.progress.lock().unwrap_or_else(|p| p.into_inner());
+                    if p.decoded.len() < data.len() {
+                        // A load that published less than it returned (a zstd span: all at the end).
+                        p.decoded = data.to_vec();
+                    }
+                    Ok(())
+                }
+                Err(e) => Err(Some(e)),
+            }
+        };
+        flight.progress.lock().unwrap_or_else(|p| p.into_inner()).end = Some(end);
+        flight.cv.notify_all();
+    }
+
+    /// Wait until no load of span `key` is in flight.
+    #[cfg(test)]
+    fn settle(&self, key: SpanKey) {
+        let flight = self.lock().inflight.get(&key).cloned();
+        if let Some(f) = flight {
+            let mut p = f.progress.lock().unwrap_or_else(|p| p.into_inner());
+            while p.end.is_none() {
+                p = f.cv.wait(p).unwrap_or_else(|p| p.into_inner());
+            }
+        }
     }
 }
 
-/// The verified bytes of BlockMap chunk `index` of a reference image.
-pub(crate) fn fetch_reference_chunk(
-    image: &RefImage,
+/// The verified bytes of BlockMap chunk `index` of a reference image (`image`, whose reference
+/// index is `r`), read from the spans covering it as soon as they are decoded. Bytes that do not
+/// match the ChunkId (a span decoded from bytes its end will show corrupt) are an error once the
+/// spans' loads have ended, so that the read path's refetch loads them again.
+pub(crate) fn fetch_reference_chunk<S: ChunkSource + 'static>(
+    image: &Arc<crate::OpenImage>,
+    r: &RefImage,
     chunk: &ChunkRef,
     index: u32,
-    spans: &SpanCache,
-    source: &dyn ChunkSource,
+    spans: &Arc<SpanCache>,
+    source: &Arc<S>,
 ) -> Result<Vec<u8>, StoreError> {
-    let (layer, loc) = image.locate(index).ok_or_else(|| StoreError::CorruptChunk {
+    let (layer, loc) = r.locate(index).ok_or_else(|| StoreError::CorruptChunk {
         chunk: chunk.id,
         pack: tessera_image::Sha256Digest([0; 32]),
         offset: 0,
@@ -279,21 +472,46 @@ pub(crate) fn fetch_reference_chunk(
     let (first, last) = layer
         .spans_covering(loc.offset, u64::from(loc.len))
         .ok_or_else(|| corrupt("it lies outside its layer"))?;
-    let mut out = Vec::with_capacity(loc.len as usize);
-    for k in first..=last {
-        let data =
-            spans.span(source, loc.layer, layer, k, image.index.windows.as_ref().map(|w| &w.digest))?;
-        let (s, e) = layer.span_range(k).ok_or_else(|| corrupt("a span is missing"))?;
-        let from = loc.offset.max(s) - s;
-        let to = (loc.offset + u64::from(loc.len)).min(e) - s;
-        let piece = usize::try_from(from)
-            .ok()
-            .zip(usize::try_from(to).ok())
-            .and_then(|(a, b)| data.get(a..b))
-            .ok_or_else(|| corrupt("a span decoded short"))?;
-        out.extend_from_slice(piece);
+    let read = |checked: bool| -> Result<Vec<u8>, StoreError> {
+        let mut out = Vec::with_capacity(loc.len as usize);
+        for k in first..=last {
+            let (s, e) = layer.span_range(k).ok_or_else(|| corrupt("a span is missing"))?;
+            let from = loc.offset.max(s) - s;
+            let to = (loc.offset + u64::from(loc.len)).min(e) - s;
+            let range = usize::try_from(from).ok().zip(usize::try_from(to).ok());
+            let range = range.ok_or_else(|| corrupt("a span is larger than memory"))?;
+            let load = || -> SpanLoad {
+                let (image, source) = (Arc::clone(image), Arc::clone(source));
+                let layer_no = loc.layer;
+                Box::new(move |publish| {
+                    let no = |reason: String| StoreError::CorruptSpan {
+                        layer: tessera_image::Sha256Digest([0; 32]),
+                        offset: 0,
+                        reason,
+                    };
+                    let r = image.reference().ok_or_else(|| no("the image has no reference index".into()))?;
+                    let layer = r
+                        .index
+                        .layers
+                        .get(layer_no as usize)
+                        .ok_or_else(|| no(format!("no layer {layer_no} in the reference index")))?;
+                    let windows = r.index.windows.as_ref().map(|w| w.digest);
+                    stream_span(&*source, layer, k, windows.as_ref(), publish)
+                })
+            };
+            out.extend_from_slice(&spans.bytes((loc.layer, k), range, checked, load)?);
+        }
+        Ok(out)
+    };
+    let matches = |out: &[u8]| out.len() == loc.len as usize && chunk.id.matches(out);
+    let out = read(false)?;
+    if matches(&out) {
+        return Ok(out);
     }
-    if out.len() != loc.len as usize || !chunk.id.matches(&out) {
+    // Bytes decoded before their span was checked: read them again from checked spans, which
+    // gives the span's own error if its compressed bytes are what is wrong.
+    let out = read(true)?;
+    if !matches(&out) {
         return Err(corrupt("its blake3 does not match the chunk id"));
     }
     Ok(out)
@@ -305,19 +523,37 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::time::Duration;
 
+    fn injected() -> StoreError {
+        StoreError::CorruptSpan {
+            layer: tessera_image::Sha256Digest([0; 32]),
+            offset: 0,
+            reason: "injected".into(),
+        }
+    }
+
+    /// A load of `len` bytes of `byte`, published in one piece after `delay`, counted in `loads`.
+    fn slow_load(loads: &Arc<AtomicUsize>, delay: Duration, byte: u8, len: usize) -> SpanLoad {
+        let loads = Arc::clone(loads);
+        Box::new(move |publish| {
+            loads.fetch_add(1, Ordering::SeqCst);
+            std::thread::sleep(delay);
+            publish(&vec![byte; len]);
+            Ok(vec![byte; len])
+        })
+    }
+
     #[test]
     fn one_load_per_span_however_many_readers_wait() {
-        let cache = SpanCache::new(1 << 20);
-        let loads = AtomicUsize::new(0);
-        let got: Vec<Arc<[u8]>> = std::thread::scope(|s| {
+        let cache = Arc::new(SpanCache::new(1 << 20));
+        let loads = Arc::new(AtomicUsize::new(0));
+        let got: Vec<Vec<u8>> = std::thread::scope(|s| {
             let handles: Vec<_> = (0..8)
-                .map(|_| {
-                    s.spawn(|| {
+                .map(|i| {
+                    let (cache, loads) = (&cache, &loads);
+                    s.spawn(move || {
                         cache
-                            .get_or_load((0, 7), || {
-                                loads.fetch_add(1, Ordering::SeqCst);
-                                std::thread::sleep(Duration::from_millis(100));
-                                Ok(vec![7u8; 1000])
+                            .bytes((0, 7), (i * 100, i * 100 + 100), false, || {
+                                slow_load(loads, Duration::from_millis(100), 7, 1000)
                             })
                             .unwrap()
                     })
@@ -326,47 +562,108 @@ mod tests {
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         });
         assert_eq!(loads.load(Ordering::SeqCst), 1, "concurrent readers of one span load it once");
-        assert!(got.iter().all(|d| d[..] == [7u8; 1000][..]));
+        assert!(got.iter().all(|d| d[..] == [7u8; 100][..]));
         // Another span loads; the first stays cached.
-        cache.get_or_load((0, 8), || Ok(vec![8u8; 1000])).unwrap();
-        cache.get_or_load((0, 7), || panic!("cached")).unwrap();
+        cache.bytes((0, 8), (0, 1000), false, || slow_load(&loads, Duration::ZERO, 8, 1000)).unwrap();
+        assert_eq!(cache.bytes((0, 7), (900, 1000), false, || panic!("cached")).unwrap(), vec![7u8; 100]);
+        assert!(cache.bytes((0, 7), (900, 1001), false, || panic!("cached")).is_err(), "past the span's end");
+        assert_eq!(loads.load(Ordering::SeqCst), 2);
+    }
+
+    /// The reason for the flights: a reader of a span's first bytes — the one that started the
+    /// load included — has them while the rest is still on its way.
+    #[test]
+    fn a_reader_has_its_bytes_before_the_rest_of_the_span_is_in() {
+        let cache = Arc::new(SpanCache::new(1 << 20));
+        let (open, gate) = std::sync::mpsc::channel::<()>();
+        let gate = Mutex::new(Some(gate));
+        let load = || -> SpanLoad {
+            let gate = gate.lock().unwrap().take().expect("one load");
+            Box::new(move |publish| {
+                publish(&[1u8; 100]);
+                gate.recv().map_err(|_| injected())?;
+                publish(&[2u8; 900]);
+                let mut all = vec![1u8; 100];
+                all.extend_from_slice(&[2u8; 900]);
+                Ok(all)
+            })
+        };
+        // The reader that starts the load gets its bytes with the gate closed.
+        assert_eq!(cache.bytes((3, 0), (10, 60), false, load).unwrap(), vec![1u8; 50]);
+        std::thread::scope(|s| {
+            let later = s.spawn(|| cache.bytes((3, 0), (90, 200), false, || panic!("in flight")).unwrap());
+            let checked = s.spawn(|| cache.bytes((3, 0), (10, 60), true, || panic!("in flight")).unwrap());
+            std::thread::sleep(Duration::from_millis(50));
+            assert!(!later.is_finished(), "a reader of bytes not yet decoded waits for them");
+            assert!(!checked.is_finished(), "a reader of checked bytes waits for the whole span");
+            open.send(()).unwrap();
+            assert_eq!(checked.join().unwrap(), vec![1u8; 50]);
+            let got = later.join().unwrap();
+            assert_eq!(&got[..10], &[1u8; 10]);
+            assert_eq!(&got[10..], &[2u8; 100]);
+        });
+        assert_eq!(cache.bytes((3, 0), (0, 1000), false, || panic!("cached")).unwrap().len(), 1000);
     }
 
     #[test]
     fn a_failed_load_is_retried_by_a_waiter_and_the_cache_keeps_to_its_bytes() {
-        let cache = SpanCache::new(2500);
-        let loads = AtomicUsize::new(0);
+        let cache = Arc::new(SpanCache::new(2500));
+        let loads = Arc::new(AtomicUsize::new(0));
+        let load = || -> SpanLoad {
+            let loads = Arc::clone(&loads);
+            Box::new(move |publish| {
+                let n = loads.fetch_add(1, Ordering::SeqCst);
+                std::thread::sleep(Duration::from_millis(50));
+                if n == 0 {
+                    // Bytes published before the failure are not served to anyone after it.
+                    publish(&[9u8; 10]);
+                    return Err(injected());
+                }
+                publish(&[1u8; 1000]);
+                Ok(vec![1u8; 1000])
+            })
+        };
         let results: Vec<bool> = std::thread::scope(|s| {
             let handles: Vec<_> = (0..4)
-                .map(|_| {
-                    s.spawn(|| {
-                        cache
-                            .get_or_load((1, 1), || {
-                                let n = loads.fetch_add(1, Ordering::SeqCst);
-                                std::thread::sleep(Duration::from_millis(50));
-                                if n == 0 {
-                                    Err(StoreError::CorruptSpan {
-                                        layer: tessera_image::Sha256Digest([0; 32]),
-                                        offset: 0,
-                                        reason: "injected".into(),
-                                    })
-                                } else {
-                                    Ok(vec![1u8; 1000])
-                                }
-                            })
-                            .is_ok()
+                .map(|i| {
+                    let (cache, load) = (&cache, &load);
+                    s.spawn(move || {
+                        // One reader starts the load; the others (most likely) join it.
+                        std::thread::sleep(Duration::from_millis(if i == 0 { 0 } else { 20 }));
+                        cache.bytes((1, 1), (0, 1000), false, load).map(|b| b == [1u8; 1000]).unwrap_or(false)
                     })
                 })
                 .collect();
             handles.into_iter().map(|h| h.join().unwrap()).collect()
         });
-        assert_eq!(results.iter().filter(|ok| !**ok).count(), 1, "only the failed load's reader fails");
+        assert_eq!(
+            results.iter().filter(|ok| !**ok).count(),
+            1,
+            "only the failed load's reader fails: {results:?}"
+        );
         assert_eq!(loads.load(Ordering::SeqCst), 2, "one waiter loads again, the rest share it");
+        cache.settle((1, 1));
         for k in 2..5 {
-            cache.get_or_load((1, k), || Ok(vec![0u8; 1000])).unwrap();
+            cache.bytes((1, k), (0, 1), false, || slow_load(&loads, Duration::ZERO, 0, 1000)).unwrap();
+            // Its reader had its byte as soon as it was published; the load may still be ending.
+            cache.settle((1, k));
         }
         let s = cache.lock();
         assert!(s.bytes <= 2500 && s.lru.len() == 2, "{} bytes in {} spans", s.bytes, s.lru.len());
         assert!(s.inflight.is_empty());
+        assert_eq!(s.detached, 0, "every detached load is counted out");
+    }
+
+    #[test]
+    fn a_load_that_panics_fails_its_reader_and_leaves_no_flight() {
+        let cache = Arc::new(SpanCache::new(1 << 20));
+        let err =
+            cache.bytes((0, 0), (0, 1), false, || Box::new(|_: &mut dyn FnMut(&[u8])| panic!("injected")));
+        assert!(err.is_err());
+        assert!(cache.lock().inflight.is_empty());
+        assert_eq!(
+            cache.bytes((0, 0), (0, 1), false, || slow_load(&Arc::default(), Duration::ZERO, 3, 5)).unwrap(),
+            [3]
+        );
     }
 }

@@ -6,6 +6,10 @@ use tessera_image::{ChunkRef, PackLocation, Sha256Digest};
 
 use crate::error::StoreError;
 
+/// Where [`ChunkSource::read_stored_streamed`] hands a range's bytes as they arrive. An error
+/// stops the read and is its result.
+pub type RangeSink<'a> = dyn FnMut(&[u8]) -> Result<(), StoreError> + 'a;
+
 /// A source of stored (possibly compressed) chunk bytes: a byte range of a pack.
 ///
 /// The local store implements it with `pread`; HTTP, registry and cache tiers implement it later
@@ -15,6 +19,20 @@ use crate::error::StoreError;
 pub trait ChunkSource: Send + Sync {
     /// Read `len` bytes at `offset` of pack `pack`.
     fn read_stored(&self, pack: &Sha256Digest, offset: u64, len: u32) -> Result<Vec<u8>, StoreError>;
+
+    /// Read `len` bytes at `offset` of pack `pack` into `sink` as they arrive: in order, each byte
+    /// once, `len` in all when it succeeds (a consumer may decode the first bytes while the last
+    /// are on the wire). The default reads the range whole and hands it over at once; a remote
+    /// source streams the answer's body.
+    fn read_stored_streamed(
+        &self,
+        pack: &Sha256Digest,
+        offset: u64,
+        len: u32,
+        sink: &mut RangeSink<'_>,
+    ) -> Result<(), StoreError> {
+        sink(&self.read_stored(pack, offset, len)?)
+    }
 
     /// Read several ranges `(offset, len)` of pack `pack`, returned in the order asked. A remote
     /// source overrides it to fetch near ranges in one request; the default reads them one by
@@ -57,6 +75,16 @@ macro_rules! forward_chunk_source {
         impl<T: ChunkSource + ?Sized> ChunkSource for $ptr {
             fn read_stored(&self, pack: &Sha256Digest, offset: u64, len: u32) -> Result<Vec<u8>, StoreError> {
                 (**self).read_stored(pack, offset, len)
+            }
+
+            fn read_stored_streamed(
+                &self,
+                pack: &Sha256Digest,
+                offset: u64,
+                len: u32,
+                sink: &mut RangeSink<'_>,
+            ) -> Result<(), StoreError> {
+                (**self).read_stored_streamed(pack, offset, len, sink)
             }
 
             fn read_stored_many(

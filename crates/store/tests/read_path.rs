@@ -35,7 +35,7 @@ fn random_reads_match_the_reference_device() {
     assert_eq!(image.record(), &img.record);
 
     for cache in [tessera_store::DEFAULT_CHUNK_CACHE, 1, 0] {
-        let reader = ImageReader::new(image.clone(), &store).with_cache_capacity(cache);
+        let reader = ImageReader::new(image.clone(), store.clone()).with_cache_capacity(cache);
         let mut rng = Rng::new(42 + cache as u64);
         let dev = img.device.len() as u64;
         for i in 0..2000 {

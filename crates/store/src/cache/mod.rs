@@ -46,7 +46,7 @@ use crate::origin::http::{parse_ref, resolve_with, HttpError, HttpStore};
 type Check<'a> = dyn Fn(&[u8]) -> bool + 'a;
 use crate::read_store::ReadStore;
 use crate::reader::{decode_stored_chunk, OpenImage};
-use crate::source::ChunkSource;
+use crate::source::{ChunkSource, RangeSink};
 
 /// The layout version directory under the cache root.
 const VERSION_DIR: &str = "v1";
@@ -1153,6 +1153,36 @@ impl<S: ChunkSource> ChunkSource for CachedSource<S> {
             return self.origin.read_stored(pack, offset, len);
         };
         self.cache.fetch_chunk(&chunk, pack, &loc, || self.origin.read_stored(pack, offset, len))
+    }
+
+    /// A span of a `--reference-layers` image streams from the origin into `sink` while it is
+    /// kept for the cache (checked against its blake3 and cached when whole); a cached span is
+    /// handed over whole. Any other range: [`Self::read_stored`].
+    fn read_stored_streamed(
+        &self,
+        pack: &Sha256Digest,
+        offset: u64,
+        len: u32,
+        sink: &mut RangeSink<'_>,
+    ) -> Result<(), StoreError> {
+        let Some((_, digest)) = self.spans.get(&(*pack, offset)).filter(|(l, _)| *l == len) else {
+            return sink(&self.read_stored(pack, offset, len)?);
+        };
+        let mut fed = false;
+        let bytes = self.cache.fetch_span(pack, offset, digest, || {
+            let mut kept = Vec::with_capacity(len as usize);
+            self.origin.read_stored_streamed(pack, offset, len, &mut |bytes| {
+                kept.extend_from_slice(bytes);
+                sink(bytes)
+            })?;
+            fed = true;
+            Ok(kept)
+        })?;
+        if fed {
+            Ok(())
+        } else {
+            sink(&bytes)
+        }
     }
 
     /// A chunk the cache holds, decoded by its check (its bytes must hash to its id, so no

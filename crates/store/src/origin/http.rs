@@ -36,7 +36,7 @@ use crate::cache::{BlobFileError, DiskCache};
 use crate::error::StoreError;
 use crate::read_store::BlobSink;
 use crate::refs::{RefParts, RefText};
-use crate::source::ChunkSource;
+use crate::source::{ChunkSource, RangeSink};
 
 /// Largest whole blob (record, prefix, pack index) fetched into memory: 1 GiB.
 pub const MAX_HTTP_BLOB: u64 = 1 << 30;
@@ -1082,32 +1082,50 @@ impl HttpStore {
         })
     }
 
-    /// `len` bytes at `offset` of blob `digest`, with a Range GET (retried whole if the body
-    /// breaks or comes up short). A server that ignores Range (200 and the whole blob) is found
-    /// out by the first ranged GET (ranged reads wait for it while the support is unknown):
-    /// with a disk cache, that answer's body and every later pack are fetched whole into the
-    /// cache once per host and read from there ([`DiskCache::fetch_blob_file`]); without one,
-    /// the read fails with [`HttpError::RangeIgnored`]. Either way every body byte received is
-    /// counted by the transport.
+    /// `len` bytes at `offset` of blob `digest`, with a Range GET (retried if the body breaks or
+    /// comes up short). A server that ignores Range (200 and the whole blob) is found out by the
+    /// first ranged GET (ranged reads wait for it while the support is unknown): with a disk
+    /// cache, that answer's body and every later pack are fetched whole into the cache once per
+    /// host and read from there ([`DiskCache::fetch_blob_file`]); without one, the read fails
+    /// with [`HttpError::RangeIgnored`]. Either way every body byte received is counted by the
+    /// transport.
     pub fn read_blob_range(
         &self,
         digest: &Sha256Digest,
         offset: u64,
         len: u64,
     ) -> Result<Vec<u8>, StoreError> {
+        let mut out = Vec::with_capacity(usize::try_from(len).unwrap_or(0).min(64 << 20));
+        self.read_blob_range_streamed(digest, offset, len, &mut |bytes| {
+            out.extend_from_slice(bytes);
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    /// [`Self::read_blob_range`], handing the bytes to `sink` as they arrive: in order, each
+    /// byte once (a retry after a broken body resumes the sink where it stopped: the bytes it
+    /// had are skipped). An error from `sink` stops the read and is its result.
+    pub fn read_blob_range_streamed(
+        &self,
+        digest: &Sha256Digest,
+        offset: u64,
+        len: u64,
+        sink: &mut RangeSink<'_>,
+    ) -> Result<(), StoreError> {
         if len == 0 {
-            return Ok(Vec::new());
+            return Ok(());
         }
         // A whole copy in the disk cache (this or another process met a server that ignores
         // Range) answers without a request.
         if let Some(cache) = &self.inner.whole_blobs {
             if let Ok(bytes) = read_file_range(&cache.blob_path(digest), digest, offset, len) {
-                return Ok(bytes);
+                return sink(&bytes);
             }
         }
         let support = || self.inner.range_support.load(Ordering::Acquire);
         if support() == RANGE_IGNORED {
-            return self.read_from_whole_blob(digest, offset, len);
+            return sink(&self.read_from_whole_blob(digest, offset, len)?);
         }
         // Only the probe holds the lock through its request: a read that waited for it finds the
         // support settled and goes on in parallel with the others.
@@ -1116,7 +1134,7 @@ impl HttpStore {
             .filter(|_| support() == RANGE_UNKNOWN);
         if support() == RANGE_IGNORED {
             drop(probe);
-            return self.read_from_whole_blob(digest, offset, len);
+            return sink(&self.read_from_whole_blob(digest, offset, len)?);
         }
         let url = self.blob_url(digest);
         let range = range_header(offset, len).ok_or(StoreError::RangeOutOfBounds {
@@ -1125,6 +1143,8 @@ impl HttpStore {
             len,
             blob_len: u64::MAX,
         })?;
+        // Bytes handed to `sink` so far, over every attempt.
+        let mut fed = 0u64;
         let out = self.fetch(&url, Some(&range), |mut resp| {
             if self.inner.auth.is_some() && !matches!(resp.status(), 200 | 206) {
                 return Err(self.refused(&url, &mut resp));
@@ -1140,7 +1160,7 @@ impl HttpStore {
                 if first && self.inner.whole_blobs.is_some() {
                     warn!(url, "the server ignores Range requests; each pack is fetched whole into the disk cache, once");
                 }
-                return self.spool_whole_blob(digest, &url, resp).map(Fetched::Whole);
+                return self.spool_whole_blob(digest, &url, resp).map(Some);
             }
             // A 206 settles it: the reads waiting for the probe need not wait for its body.
             let _ = self.inner.range_support.compare_exchange(
@@ -1149,21 +1169,36 @@ impl HttpStore {
                 Ordering::AcqRel,
                 Ordering::Acquire,
             );
-            let mut reader = resp.into_reader();
-            let cap = usize::try_from(len).unwrap_or(usize::MAX);
-            let mut out = Vec::with_capacity(cap.min(64 << 20));
             // A 206 body is read to its end (one byte more is asked for): only a body read to
             // the end gives its connection back to the pool for the next request.
-            (&mut reader).take(len.saturating_add(1)).read_to_end(&mut out).map_err(|e| broken_body(&url, e))?;
-            if (out.len() as u64) < len {
+            let mut body = resp.into_reader().take(len.saturating_add(1));
+            let mut piece = vec![0u8; (64 << 10).min(usize::try_from(len).unwrap_or(usize::MAX) + 1)];
+            let mut got = 0u64;
+            loop {
+                let n = match body.read(&mut piece) {
+                    Ok(0) => break,
+                    Ok(n) => n,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(broken_body(&url, e)),
+                };
+                let (from, to) = (got, got + n as u64);
+                got = to;
+                if got > len {
+                    let e = http_err(&url, HttpError::BadLength("the body is longer than the range"));
+                    return Err(Failure::fatal(ErrorKind::Body, e));
+                }
+                if to > fed {
+                    // A retry's body starts again at the range's first byte: skip what the sink had.
+                    let skip = usize::try_from(fed.saturating_sub(from)).unwrap_or(usize::MAX).min(n);
+                    sink(&piece[skip..n]).map_err(Failure::uncounted)?;
+                    fed = to;
+                }
+            }
+            if got < len {
                 let e = http_err(&url, HttpError::BadLength("the body is shorter than the range"));
                 return Err(Failure::retry(ErrorKind::Body, e));
             }
-            if out.len() as u64 > len {
-                let e = http_err(&url, HttpError::BadLength("the body is longer than the range"));
-                return Err(Failure::fatal(ErrorKind::Body, e));
-            }
-            Ok(Fetched::Range(out))
+            Ok(None)
         });
         if probe.is_some() && out.is_ok() {
             let _ = self.inner.range_support.compare_exchange(
@@ -1174,12 +1209,13 @@ impl HttpStore {
             );
         }
         drop(probe);
-        let out = match out? {
-            Fetched::Range(bytes) => bytes,
-            Fetched::Whole(path) => read_file_range(&path, digest, offset, len)?,
-        };
+        if let Some(path) = out? {
+            // The whole blob is on disk: hand over the bytes the sink does not have.
+            let rest = read_file_range(&path, digest, offset + fed, len - fed)?;
+            sink(&rest)?;
+        }
         trace!(%digest, offset, len, "fetched range");
-        Ok(out)
+        Ok(())
     }
 
     /// A range of blob `digest` from its whole copy in the disk cache, fetched (whole, no
@@ -1477,6 +1513,16 @@ impl ChunkSource for HttpStore {
         self.read_chunk_range(pack, offset, len)
     }
 
+    fn read_stored_streamed(
+        &self,
+        pack: &Sha256Digest,
+        offset: u64,
+        len: u32,
+        sink: &mut RangeSink<'_>,
+    ) -> Result<(), StoreError> {
+        self.read_blob_range_streamed(pack, offset, u64::from(len), sink)
+    }
+
     fn read_stored_many(
         &self,
         pack: &Sha256Digest,
@@ -1497,13 +1543,6 @@ impl ChunkSource for HttpStore {
             inner.config.multi_range_max.clamp(1, MAX_RANGES_PER_REQUEST)
         }
     }
-}
-
-/// What a ranged GET gave: the bytes, or (from a server that ignores Range) the whole blob's
-/// file in the disk cache.
-enum Fetched {
-    Range(Vec<u8>),
-    Whole(PathBuf),
 }
 
 /// A whole blob's body into `file` (from its start; truncated first, for a retry).
@@ -1944,6 +1983,8 @@ mod multi_range_refusing_server {
         FirstRangeOnly,
         /// A single range covering the whole blob: `200` and the blob (as a server may).
         WholeWhenCovered,
+        /// The first answer's body breaks off halfway (the connection closes).
+        BreakFirstBody,
     }
 
     /// Serves `blob` at `/blobs/sha256/<hex>`; logs each GET's `Range` header.
@@ -1952,10 +1993,11 @@ mod multi_range_refusing_server {
         let base = format!("http://{}", listener.local_addr().unwrap());
         let log = Arc::new(Mutex::new(Vec::new()));
         let seen = Arc::clone(&log);
+        let broke = Arc::new(std::sync::atomic::AtomicBool::new(false));
         std::thread::spawn(move || {
             for conn in listener.incoming() {
                 let Ok(mut conn) = conn else { continue };
-                let (blob, log) = (blob.clone(), Arc::clone(&log));
+                let (blob, log, broke) = (blob.clone(), Arc::clone(&log), Arc::clone(&broke));
                 std::thread::spawn(move || {
                     let mut reader = BufReader::new(conn.try_clone().unwrap());
                     loop {
@@ -2007,12 +2049,46 @@ mod multi_range_refusing_server {
                             b + 1 - a
                         );
                         let _ = conn.write_all(head.as_bytes());
+                        if matches!(answer, Answer::BreakFirstBody) && !broke.swap(true, Ordering::SeqCst) {
+                            let _ = conn.write_all(&blob[a..a + (b + 1 - a) / 2]);
+                            let _ = conn.flush();
+                            return;
+                        }
                         let _ = conn.write_all(&blob[a..=b]);
                     }
                 });
             }
         });
         (base, seen)
+    }
+
+    /// A streamed range whose body breaks off is asked again, and its sink gets every byte once:
+    /// the bytes it had are skipped in the second answer.
+    #[test]
+    fn a_streamed_range_resumes_its_sink_where_a_broken_body_left_it() {
+        let blob: Vec<u8> = (0..300_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        let (base, log) = serve(blob.clone(), Answer::BreakFirstBody);
+        let store = HttpStore::new(&base, HttpConfig::default());
+        let d = Sha256Digest::of(&blob);
+        let (mut got, mut pieces) = (Vec::new(), 0);
+        store
+            .read_blob_range_streamed(&d, 1000, 200_000, &mut |b| {
+                got.extend_from_slice(b);
+                pieces += 1;
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(got.len(), 200_000, "every byte once");
+        assert!(got == blob[1000..201_000], "the bytes of the range, in order");
+        assert!(pieces > 1, "handed over as they came");
+        assert_eq!(log.lock().unwrap().len(), 2, "asked again once: {:?}", log.lock().unwrap());
+        // A sink's error stops the read and is its result, not retried.
+        let before = log.lock().unwrap().len();
+        let e = store.read_blob_range_streamed(&d, 0, 100_000, &mut |_| {
+            Err(StoreError::CorruptSpan { layer: d, offset: 0, reason: "injected".into() })
+        });
+        assert!(matches!(e, Err(StoreError::CorruptSpan { .. })), "{e:?}");
+        assert_eq!(log.lock().unwrap().len(), before + 1);
     }
 
     /// A server may answer a range that covers the whole blob with `200` and the blob: that

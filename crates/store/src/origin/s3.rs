@@ -1019,6 +1019,16 @@ impl ChunkSource for S3Store {
         self.http.read_chunk_range(pack, offset, len)
     }
 
+    fn read_stored_streamed(
+        &self,
+        pack: &Sha256Digest,
+        offset: u64,
+        len: u32,
+        sink: &mut crate::source::RangeSink<'_>,
+    ) -> Result<(), StoreError> {
+        self.http.read_blob_range_streamed(pack, offset, u64::from(len), sink)
+    }
+
     fn read_stored_many(
         &self,
         pack: &Sha256Digest,
