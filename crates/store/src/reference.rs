@@ -212,13 +212,32 @@ pub fn stream_span(
     let cp = layer.checkpoints.get(k).ok_or_else(|| bad(0, format!("no checkpoint {k}")))?;
     let len = u32::try_from(cp.span_end - cp.start()).unwrap_or(u32::MAX);
     let mut span = SpanDecoder::new(layer, k)?;
+    let mut published = 0;
+    // The span's next bytes, given its window once known.
+    let mut feed = |span: &mut SpanDecoder<'_>, bytes: &[u8], window: &[u8]| {
+        span.push(bytes, || Ok(window.to_vec()))?;
+        let out = span.output();
+        if out.len() > published {
+            publish(&out[published..]);
+            published = out.len();
+        }
+        Ok::<_, StoreError>(())
+    };
+    let (offset, wlen, digest) = match &cp.window {
+        Window::Inline(w) => {
+            source.read_stored_streamed(&layer.digest, cp.start(), len, &mut |bytes| {
+                feed(&mut span, bytes, w)
+            })?;
+            return span.finish();
+        }
+        Window::Stored { offset, len, digest } => (*offset, *len, digest),
+    };
     let read_window = || -> Result<Vec<u8>, StoreError> {
-        let Window::Stored { offset, len, digest } = &cp.window else { return Ok(Vec::new()) };
-        if *len == 0 {
+        if wlen == 0 {
             return Ok(Vec::new());
         }
         let blob = windows.ok_or_else(|| bad(cp.start(), "a stored window but no windows blob".into()))?;
-        let window = source.read_stored(blob, *offset, *len)?;
+        let window = source.read_stored(blob, offset, wlen)?;
         if blake3::hash(&window).as_bytes() != digest {
             warn!(windows = %blob, offset, "a checkpoint window does not match its blake3; failing the read");
             return Err(bad(
@@ -228,42 +247,44 @@ pub fn stream_span(
         }
         Ok(window)
     };
-    let mut published = 0;
-    let mut feed = |span: &mut SpanDecoder<'_>, bytes: &[u8], window: &mut WindowFn<'_>| {
-        span.push(bytes, window)?;
-        let out = span.output();
-        if out.len() > published {
-            publish(&out[published..]);
-            published = out.len();
-        }
-        Ok(())
+    let joined = |h: std::thread::ScopedJoinHandle<'_, Result<Vec<u8>, StoreError>>| {
+        h.join().unwrap_or_else(|_| Err(bad(cp.start(), "the window reader panicked".into())))
     };
-    match &cp.window {
-        Window::Inline(w) => {
-            source.read_stored_streamed(&layer.digest, cp.start(), len, &mut |bytes| {
-                feed(&mut span, bytes, &mut || Ok(w.clone()))
-            })?;
-        }
-        Window::Stored { .. } => std::thread::scope(|scope| {
-            let mut pending = Some(scope.spawn(read_window));
-            let streamed = source.read_stored_streamed(&layer.digest, cp.start(), len, &mut |bytes| {
-                feed(&mut span, bytes, &mut || match pending.take() {
-                    Some(h) => {
-                        h.join().unwrap_or_else(|_| Err(bad(cp.start(), "the window reader panicked".into())))
+    std::thread::scope(|scope| {
+        let mut pending = Some(scope.spawn(read_window));
+        let mut window: Option<Vec<u8>> = None;
+        // Bytes that came before the window: held, never waited for inside the read (it holds a
+        // connection, and perhaps the origin's Range probe, that the window's read may need).
+        let mut held = Vec::new();
+        let streamed = source.read_stored_streamed(&layer.digest, cp.start(), len, &mut |bytes| {
+            if window.is_none() && pending.as_ref().is_some_and(|h| h.is_finished()) {
+                if let Some(h) = pending.take() {
+                    window = Some(joined(h)?);
+                }
+            }
+            match &window {
+                Some(w) => {
+                    if !held.is_empty() {
+                        feed(&mut span, &std::mem::take(&mut held), w)?;
                     }
-                    None => Err(bad(cp.start(), "the window was asked for twice".into())),
-                })
-            });
-            // The window reader ends before the scope does, whatever happened to the span.
-            drop(pending.take().map(|h| h.join()));
-            streamed
-        })?,
-    }
+                    feed(&mut span, bytes, w)
+                }
+                None => {
+                    held.extend_from_slice(bytes);
+                    Ok(())
+                }
+            }
+        });
+        let waited = pending.take().map(joined);
+        streamed?;
+        if let Some(w) = waited {
+            let w = w?;
+            feed(&mut span, &std::mem::take(&mut held), &w)?;
+        }
+        Ok::<_, StoreError>(())
+    })?;
     span.finish()
 }
-
-/// Gives a checkpoint's stored window, when a span's first bytes need it.
-type WindowFn<'a> = dyn FnMut() -> Result<Vec<u8>, StoreError> + 'a;
 
 /// (layer number, span number).
 type SpanKey = (u32, usize);
@@ -297,8 +318,9 @@ struct Flight {
 struct Progress {
     /// The span's first bytes, decoded (unchecked until the load ends well).
     decoded: Vec<u8>,
-    /// How the load ended: well, or with an error for the reader that started it.
-    end: Option<Result<(), Option<StoreError>>>,
+    /// How the load ended: well (the whole span, checked; `decoded` is then dropped), or with an
+    /// error for the reader that started it.
+    end: Option<Result<Arc<[u8]>, Option<StoreError>>>,
 }
 
 /// Decoded spans kept by bytes (least recently used out first), fetched **once** however many
@@ -328,13 +350,13 @@ impl SpanCache {
     /// error, and a reader that was waiting for it loads again.
     pub(crate) fn bytes(
         self: &Arc<Self>,
-        key: SpanKey,
+        (key, layer): (SpanKey, Sha256Digest),
         (from, to): (usize, usize),
         checked: bool,
         load: impl Fn() -> SpanLoad,
     ) -> Result<Vec<u8>, StoreError> {
         let short = || StoreError::CorruptSpan {
-            layer: tessera_image::Sha256Digest([0; 32]),
+            layer,
             offset: 0,
             reason: format!("span {key:?} decoded to fewer than {to} bytes"),
         };
@@ -364,24 +386,24 @@ impl SpanCache {
                     let f = Arc::clone(&flight);
                     let spawned = std::thread::Builder::new()
                         .name("tessera-span".into())
-                        .spawn(move || cache.run(key, &f, job, true));
+                        .spawn(move || cache.run((key, layer), &f, job, true));
                     if spawned.is_err() {
                         // The system has no thread for it: this reader loads the span itself.
                         self.lock().detached -= 1;
-                        self.run(key, &flight, load(), false);
+                        self.run((key, layer), &flight, load(), false);
                     }
                 } else {
-                    self.run(key, &flight, load(), false);
+                    self.run((key, layer), &flight, load(), false);
                 }
             }
             let mut p = flight.progress.lock().unwrap_or_else(|p| p.into_inner());
             loop {
-                if p.decoded.len() >= to && (!checked || matches!(p.end, Some(Ok(())))) {
+                if !checked && p.decoded.len() >= to {
                     return p.decoded.get(from..to).map(<[u8]>::to_vec).ok_or_else(short);
                 }
                 match &mut p.end {
                     None => p = flight.cv.wait(p).unwrap_or_else(|p| p.into_inner()),
-                    Some(Ok(())) => return Err(short()),
+                    Some(Ok(whole)) => return whole.get(from..to).map(<[u8]>::to_vec).ok_or_else(short),
                     Some(Err(e)) if started.is_some() => {
                         return Err(e.take().unwrap_or_else(short));
                     }
@@ -394,7 +416,7 @@ impl SpanCache {
 
     /// Run `job`, the load of span `key`, publishing its bytes on `flight`; the span goes into
     /// the cache if it loaded well, and the flight ends either way (a panic included).
-    fn run(&self, key: SpanKey, flight: &Flight, job: SpanLoad, detached: bool) {
+    fn run(&self, (key, layer): (SpanKey, Sha256Digest), flight: &Flight, job: SpanLoad, detached: bool) {
         let mut publish = |bytes: &[u8]| {
             flight.progress.lock().unwrap_or_else(|p| p.into_inner()).decoded.extend_from_slice(bytes);
             flight.cv.notify_all();
@@ -402,7 +424,7 @@ impl SpanCache {
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(&mut publish)))
             .unwrap_or_else(|_| {
                 Err(StoreError::CorruptSpan {
-                    layer: tessera_image::Sha256Digest([0; 32]),
+                    layer,
                     offset: 0,
                     reason: format!("the load of span {key:?} panicked"),
                 })
@@ -422,17 +444,16 @@ impl SpanCache {
                         s.bytes += data.len();
                         s.lru.push((key, Arc::clone(&data)));
                     }
-                    let mut p = flight.progress.lock().unwrap_or_else(|p| p.into_inner());
-                    if p.decoded.len() < data.len() {
-                        // A load that published less than it returned (a zstd span: all at the end).
-                        p.decoded = data.to_vec();
-                    }
-                    Ok(())
+                    Ok(data)
                 }
                 Err(e) => Err(Some(e)),
             }
         };
-        flight.progress.lock().unwrap_or_else(|p| p.into_inner()).end = Some(end);
+        {
+            let mut p = flight.progress.lock().unwrap_or_else(|p| p.into_inner());
+            p.end = Some(end);
+            p.decoded = Vec::new();
+        }
         flight.cv.notify_all();
     }
 
@@ -482,13 +503,9 @@ pub(crate) fn fetch_reference_chunk<S: ChunkSource + 'static>(
             let range = range.ok_or_else(|| corrupt("a span is larger than memory"))?;
             let load = || -> SpanLoad {
                 let (image, source) = (Arc::clone(image), Arc::clone(source));
-                let layer_no = loc.layer;
+                let (layer_no, digest) = (loc.layer, layer.digest);
                 Box::new(move |publish| {
-                    let no = |reason: String| StoreError::CorruptSpan {
-                        layer: tessera_image::Sha256Digest([0; 32]),
-                        offset: 0,
-                        reason,
-                    };
+                    let no = |reason: String| StoreError::CorruptSpan { layer: digest, offset: 0, reason };
                     let r = image.reference().ok_or_else(|| no("the image has no reference index".into()))?;
                     let layer = r
                         .index
@@ -499,7 +516,7 @@ pub(crate) fn fetch_reference_chunk<S: ChunkSource + 'static>(
                     stream_span(&*source, layer, k, windows.as_ref(), publish)
                 })
             };
-            out.extend_from_slice(&spans.bytes((loc.layer, k), range, checked, load)?);
+            out.extend_from_slice(&spans.bytes(((loc.layer, k), layer.digest), range, checked, load)?);
         }
         Ok(out)
     };
@@ -522,6 +539,8 @@ mod tests {
     use super::*;
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::time::Duration;
+
+    const D: Sha256Digest = Sha256Digest([0; 32]);
 
     fn injected() -> StoreError {
         StoreError::CorruptSpan {
@@ -552,7 +571,7 @@ mod tests {
                     let (cache, loads) = (&cache, &loads);
                     s.spawn(move || {
                         cache
-                            .bytes((0, 7), (i * 100, i * 100 + 100), false, || {
+                            .bytes(((0, 7), D), (i * 100, i * 100 + 100), false, || {
                                 slow_load(loads, Duration::from_millis(100), 7, 1000)
                             })
                             .unwrap()
@@ -564,9 +583,15 @@ mod tests {
         assert_eq!(loads.load(Ordering::SeqCst), 1, "concurrent readers of one span load it once");
         assert!(got.iter().all(|d| d[..] == [7u8; 100][..]));
         // Another span loads; the first stays cached.
-        cache.bytes((0, 8), (0, 1000), false, || slow_load(&loads, Duration::ZERO, 8, 1000)).unwrap();
-        assert_eq!(cache.bytes((0, 7), (900, 1000), false, || panic!("cached")).unwrap(), vec![7u8; 100]);
-        assert!(cache.bytes((0, 7), (900, 1001), false, || panic!("cached")).is_err(), "past the span's end");
+        cache.bytes(((0, 8), D), (0, 1000), false, || slow_load(&loads, Duration::ZERO, 8, 1000)).unwrap();
+        assert_eq!(
+            cache.bytes(((0, 7), D), (900, 1000), false, || panic!("cached")).unwrap(),
+            vec![7u8; 100]
+        );
+        assert!(
+            cache.bytes(((0, 7), D), (900, 1001), false, || panic!("cached")).is_err(),
+            "past the span's end"
+        );
         assert_eq!(loads.load(Ordering::SeqCst), 2);
     }
 
@@ -589,10 +614,12 @@ mod tests {
             })
         };
         // The reader that starts the load gets its bytes with the gate closed.
-        assert_eq!(cache.bytes((3, 0), (10, 60), false, load).unwrap(), vec![1u8; 50]);
+        assert_eq!(cache.bytes(((3, 0), D), (10, 60), false, load).unwrap(), vec![1u8; 50]);
         std::thread::scope(|s| {
-            let later = s.spawn(|| cache.bytes((3, 0), (90, 200), false, || panic!("in flight")).unwrap());
-            let checked = s.spawn(|| cache.bytes((3, 0), (10, 60), true, || panic!("in flight")).unwrap());
+            let later =
+                s.spawn(|| cache.bytes(((3, 0), D), (90, 200), false, || panic!("in flight")).unwrap());
+            let checked =
+                s.spawn(|| cache.bytes(((3, 0), D), (10, 60), true, || panic!("in flight")).unwrap());
             std::thread::sleep(Duration::from_millis(50));
             assert!(!later.is_finished(), "a reader of bytes not yet decoded waits for them");
             assert!(!checked.is_finished(), "a reader of checked bytes waits for the whole span");
@@ -602,7 +629,7 @@ mod tests {
             assert_eq!(&got[..10], &[1u8; 10]);
             assert_eq!(&got[10..], &[2u8; 100]);
         });
-        assert_eq!(cache.bytes((3, 0), (0, 1000), false, || panic!("cached")).unwrap().len(), 1000);
+        assert_eq!(cache.bytes(((3, 0), D), (0, 1000), false, || panic!("cached")).unwrap().len(), 1000);
     }
 
     #[test]
@@ -630,7 +657,10 @@ mod tests {
                     s.spawn(move || {
                         // One reader starts the load; the others (most likely) join it.
                         std::thread::sleep(Duration::from_millis(if i == 0 { 0 } else { 20 }));
-                        cache.bytes((1, 1), (0, 1000), false, load).map(|b| b == [1u8; 1000]).unwrap_or(false)
+                        cache
+                            .bytes(((1, 1), D), (0, 1000), false, load)
+                            .map(|b| b == [1u8; 1000])
+                            .unwrap_or(false)
                     })
                 })
                 .collect();
@@ -644,7 +674,7 @@ mod tests {
         assert_eq!(loads.load(Ordering::SeqCst), 2, "one waiter loads again, the rest share it");
         cache.settle((1, 1));
         for k in 2..5 {
-            cache.bytes((1, k), (0, 1), false, || slow_load(&loads, Duration::ZERO, 0, 1000)).unwrap();
+            cache.bytes(((1, k), D), (0, 1), false, || slow_load(&loads, Duration::ZERO, 0, 1000)).unwrap();
             // Its reader had its byte as soon as it was published; the load may still be ending.
             cache.settle((1, k));
         }
@@ -657,12 +687,14 @@ mod tests {
     #[test]
     fn a_load_that_panics_fails_its_reader_and_leaves_no_flight() {
         let cache = Arc::new(SpanCache::new(1 << 20));
-        let err =
-            cache.bytes((0, 0), (0, 1), false, || Box::new(|_: &mut dyn FnMut(&[u8])| panic!("injected")));
+        let err = cache
+            .bytes(((0, 0), D), (0, 1), false, || Box::new(|_: &mut dyn FnMut(&[u8])| panic!("injected")));
         assert!(err.is_err());
         assert!(cache.lock().inflight.is_empty());
         assert_eq!(
-            cache.bytes((0, 0), (0, 1), false, || slow_load(&Arc::default(), Duration::ZERO, 3, 5)).unwrap(),
+            cache
+                .bytes(((0, 0), D), (0, 1), false, || slow_load(&Arc::default(), Duration::ZERO, 3, 5))
+                .unwrap(),
             [3]
         );
     }

@@ -1129,7 +1129,7 @@ impl HttpStore {
         }
         // Only the probe holds the lock through its request: a read that waited for it finds the
         // support settled and goes on in parallel with the others.
-        let probe = (support() == RANGE_UNKNOWN)
+        let mut probe = (support() == RANGE_UNKNOWN)
             .then(|| self.inner.range_probe.lock().unwrap_or_else(|p| p.into_inner()))
             .filter(|_| support() == RANGE_UNKNOWN);
         if support() == RANGE_IGNORED {
@@ -1162,17 +1162,19 @@ impl HttpStore {
                 }
                 return self.spool_whole_blob(digest, &url, resp).map(Some);
             }
-            // A 206 settles it: the reads waiting for the probe need not wait for its body.
+            // A 206 settles it: the reads waiting for the probe need not wait for its body (nor
+            // for a sink that may read other ranges before it takes more of this one).
             let _ = self.inner.range_support.compare_exchange(
                 RANGE_UNKNOWN,
                 RANGE_HONORED,
                 Ordering::AcqRel,
                 Ordering::Acquire,
             );
+            drop(probe.take());
             // A 206 body is read to its end (one byte more is asked for): only a body read to
             // the end gives its connection back to the pool for the next request.
             let mut body = resp.into_reader().take(len.saturating_add(1));
-            let mut piece = vec![0u8; (64 << 10).min(usize::try_from(len).unwrap_or(usize::MAX) + 1)];
+            let mut piece = vec![0u8; (64 << 10).min(usize::try_from(len).unwrap_or(usize::MAX).saturating_add(1))];
             let mut got = 0u64;
             loop {
                 let n = match body.read(&mut piece) {
@@ -2089,6 +2091,79 @@ mod multi_range_refusing_server {
         });
         assert!(matches!(e, Err(StoreError::CorruptSpan { .. })), "{e:?}");
         assert_eq!(log.lock().unwrap().len(), before + 1);
+    }
+
+    /// A span of a `--reference-layers` image streams from an origin whose Range support is not
+    /// known yet while its window is read beside it: the span's read must never wait inside its
+    /// body for the window's (which may need the Range probe, or a connection, the span's read
+    /// holds). Each span on a fresh store, so that either read may be the probe.
+    #[test]
+    fn a_span_and_its_window_stream_from_an_origin_not_yet_probed() {
+        use std::io::Write as _;
+        use tessera_image::{RefCheckpoint, RefCodec, RefLayer, Window};
+        // Words in a pseudo-random order: compressible text of many deflate blocks.
+        let words: [&[u8]; 8] =
+            [b"lazy ", b"loading ", b"of ", b"spans ", b"from ", b"gzip ", b"layers\n", b"42 "];
+        let (mut data, mut x) = (Vec::new(), 1u64);
+        while data.len() < 600_000 {
+            x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+            data.extend_from_slice(words[(x >> 61) as usize]);
+            data.push((x >> 40) as u8);
+        }
+        let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::new(6));
+        e.write_all(&data).unwrap();
+        let gz = e.finish().unwrap();
+        let (_, index) = tessera_gzip::index_all(&gz, 32 << 10).unwrap();
+        // One blob holds the layer and, after it, the windows: served at every path.
+        let mut blob = gz.clone();
+        let mut checkpoints = Vec::new();
+        for (k, cp) in index.checkpoints.iter().enumerate() {
+            let span = index.span(k).unwrap();
+            let (s, e) = (span.compressed.0 as usize, span.compressed.1 as usize);
+            let window = Window::Stored {
+                offset: blob.len() as u64,
+                len: cp.window.len() as u32,
+                digest: if cp.window.is_empty() { [0; 32] } else { *blake3::hash(&cp.window).as_bytes() },
+            };
+            blob.extend_from_slice(&cp.window);
+            checkpoints.push(RefCheckpoint {
+                in_offset: cp.in_offset,
+                bits: cp.bits,
+                out_offset: cp.out_offset,
+                span_end: span.compressed.1,
+                span_digest: *blake3::hash(&gz[s..e]).as_bytes(),
+                window,
+            });
+        }
+        let digest = Sha256Digest::of(&blob);
+        let layer = RefLayer {
+            digest,
+            codec: RefCodec::Gzip,
+            compressed_len: gz.len() as u64,
+            uncompressed_len: data.len() as u64,
+            checkpoints,
+        };
+        let (base, _) = serve(blob, Answer::FirstRangeOnly);
+        let spans: Vec<usize> =
+            (1..layer.checkpoints.len()).filter(|&k| !layer.checkpoints[k].window.is_empty()).collect();
+        assert!(spans.len() >= 4, "{} spans with a window", spans.len());
+        for k in spans {
+            let (theirs, base) = (layer.clone(), base.clone());
+            let (tx, rx) = std::sync::mpsc::channel();
+            std::thread::spawn(move || {
+                let store = HttpStore::new(&base, HttpConfig::default());
+                let mut shown = Vec::new();
+                let got = crate::reference::stream_span(&store, &theirs, k, Some(&digest), &mut |b| {
+                    shown.extend_from_slice(b)
+                });
+                let _ = tx.send((got.map_err(|e| e.to_string()), shown));
+            });
+            let (got, shown) = rx.recv_timeout(Duration::from_secs(20)).expect("the span's read hangs");
+            let (s, e) = layer.span_range(k).unwrap();
+            let want = &data[s as usize..e as usize];
+            assert!(got.unwrap() == want, "span {k}: other bytes");
+            assert!(shown == want, "span {k}: the bytes shown as they came differ");
+        }
     }
 
     /// A server may answer a range that covers the whole blob with `200` and the blob: that
