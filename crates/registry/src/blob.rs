@@ -282,28 +282,60 @@ pub(crate) fn get_range(
     start: u64,
     len: u64,
 ) -> Result<Vec<u8>, RegistryError> {
+    let mut out = Vec::with_capacity(usize::try_from(len).unwrap_or(usize::MAX).min(64 << 20));
+    get_range_streamed(client, repo, digest, start, len, &mut |bytes| {
+        out.extend_from_slice(bytes);
+        true
+    })?;
+    Ok(out)
+}
+
+/// [`get_range`], handing the bytes to `sink` as they arrive: in order, each byte once (a retry
+/// after a broken body skips what the sink had). `sink` returning `false` stops the read:
+/// [`RegistryError::Stopped`].
+pub(crate) fn get_range_streamed(
+    client: &Client,
+    repo: &str,
+    digest: &Digest,
+    start: u64,
+    len: u64,
+    sink: &mut dyn FnMut(&[u8]) -> bool,
+) -> Result<(), RegistryError> {
     let end = start.checked_add(len).ok_or_else(|| RegistryError::BadRange {
         url: format!("/v2/{repo}/blobs/{digest}"),
         header: String::new(),
         start,
         end: u64::MAX,
     })?;
-    let cap = usize::try_from(len).unwrap_or(usize::MAX).min(64 << 20);
     let url = blob_url(client, repo, digest)?;
     let headers = range_headers(start, Some(end));
-    let (_, out) = client.send_then(Method::Get, repo, &url, &headers, &[], Access::Pull, |resp| {
+    // What `sink` had, over every attempt (a retry's body starts again at the first byte).
+    let mut fed = tessera_transport::Resume::default();
+    client.send_then(Method::Get, repo, &url, &headers, &[], Access::Pull, |resp| {
         let mut body = body_from(client, repo, &url, resp, start, Some(end))?;
-        let mut out = Vec::with_capacity(cap);
-        if let Err(e) = (&mut body).take(len).read_to_end(&mut out) {
-            warn!(url, error = &e as &dyn std::error::Error, "registry: range read broke");
-            let kind = ErrorKind::of_io(&e);
-            return Err(Failure::retry(kind, RegistryError::Read { url: url.clone(), source: e }));
+        let mut piece = vec![0u8; usize::try_from(len).unwrap_or(usize::MAX).clamp(1, 64 << 10)];
+        let mut got = 0u64;
+        while got < len {
+            let want = usize::try_from(len - got).unwrap_or(usize::MAX).min(piece.len());
+            let n = match body.read(&mut piece[..want]) {
+                Ok(0) => break,
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    warn!(url, error = &e as &dyn std::error::Error, "registry: range read broke");
+                    let kind = ErrorKind::of_io(&e);
+                    return Err(Failure::retry(kind, RegistryError::Read { url: url.clone(), source: e }));
+                }
+            };
+            let unseen = fed.unseen(got, &piece[..n]);
+            got += n as u64;
+            if !unseen.is_empty() && !sink(unseen) {
+                return Err(Failure::uncounted(RegistryError::Stopped { url: url.clone() }));
+            }
         }
-        if out.len() as u64 != len {
-            let source = io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                format!("range ended after {} bytes", out.len()),
-            );
+        if got != len {
+            let source =
+                io::Error::new(io::ErrorKind::UnexpectedEof, format!("range ended after {got} bytes"));
             return Err(Failure::fatal(ErrorKind::Body, RegistryError::Read { url: url.clone(), source }));
         }
         // Reach the end of a 206 body so that its connection goes back to the pool (a body
@@ -313,9 +345,9 @@ pub(crate) fn get_range(
         if !matches!(body.read(&mut probe), Ok(0)) {
             debug!(url, "range answer longer than asked; not reusing the connection");
         }
-        Ok(out)
+        Ok(())
     })?;
-    Ok(out)
+    Ok(())
 }
 
 #[cfg(test)]

@@ -750,6 +750,20 @@ impl Client {
         crate::blob::get_range(self, repo, digest, start, len)
     }
 
+    /// [`Self::get_blob_range`], handing the bytes to `sink` as they arrive (in order, each byte
+    /// once, across retries); `sink` returning `false` stops the read with
+    /// [`RegistryError::Stopped`].
+    pub fn get_blob_range_streamed(
+        &self,
+        repo: &str,
+        digest: &Digest,
+        start: u64,
+        len: u64,
+        sink: &mut dyn FnMut(&[u8]) -> bool,
+    ) -> Result<(), RegistryError> {
+        crate::blob::get_range_streamed(self, repo, digest, start, len, sink)
+    }
+
     /// The size of a blob (`HEAD`), or `None` when the registry does not have it.
     pub fn blob_size(&self, repo: &str, digest: &Digest) -> Result<Option<u64>, RegistryError> {
         let (url, resp) = self.send(Method::Head, repo, &format!("/v2/{repo}/blobs/{digest}"), &[])?;

@@ -18,6 +18,9 @@ pub enum RegistryError {
     Transport { url: String, source: tessera_transport::TransportError },
     #[error("{url}: reading the response")]
     Read { url: String, source: std::io::Error },
+    /// The caller's sink stopped a streamed read ([`crate::Client::get_blob_range_streamed`]).
+    #[error("{url}: the reader stopped the read")]
+    Stopped { url: String },
     #[error("{url}: not found (HTTP 404){detail}")]
     NotFound { url: String, detail: String },
     #[error("{url}: unauthorized (HTTP {status}){detail}: {hint}")]

@@ -36,7 +36,7 @@ use tracing::{debug, info, warn};
 
 pub use config::{BadPem, HttpVersion, Timeouts, TlsOptions, TransportConfig};
 pub use error::{ErrorKind, Failure, FetchError, TimeoutKind, TransportError, TransportErrorKind};
-pub use retry::{retryable_status, RetryBudget, RetryPolicy};
+pub use retry::{retryable_status, Resume, RetryBudget, RetryPolicy};
 pub use stats::{ErrorCounts, Stats};
 
 use stats::{Counters, Limiter};

@@ -221,3 +221,51 @@ mod tests {
         }
     }
 }
+
+/// Where the consumer of a streamed body is, across the attempts of one request: each attempt's
+/// body starts again at the first byte, and the consumer must get each byte once, in order.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Resume {
+    fed: u64,
+}
+
+impl Resume {
+    /// The part of `piece` — the bytes at `at` of this attempt's body — the consumer has not had
+    /// (empty if it had all of it); it counts as had from now on.
+    pub fn unseen<'a>(&mut self, at: u64, piece: &'a [u8]) -> &'a [u8] {
+        let end = at.saturating_add(piece.len() as u64);
+        if end <= self.fed {
+            return &[];
+        }
+        let skip = usize::try_from(self.fed.saturating_sub(at)).unwrap_or(usize::MAX).min(piece.len());
+        self.fed = end;
+        &piece[skip..]
+    }
+
+    /// Bytes the consumer has had.
+    pub fn fed(&self) -> u64 {
+        self.fed
+    }
+}
+
+#[cfg(test)]
+mod resume_tests {
+    use super::Resume;
+
+    #[test]
+    fn a_second_attempt_hands_over_only_what_the_first_did_not() {
+        let body: Vec<u8> = (0..100u8).collect();
+        let mut r = Resume::default();
+        let mut out = Vec::new();
+        // The first attempt breaks after 37 bytes, in pieces of 10.
+        for at in (0..37).step_by(10) {
+            out.extend_from_slice(r.unseen(at as u64, &body[at..(at + 10).min(37)]));
+        }
+        // The second gives the whole body again, in pieces of 16.
+        for at in (0..100).step_by(16) {
+            out.extend_from_slice(r.unseen(at as u64, &body[at..(at + 16).min(100)]));
+        }
+        assert_eq!(out, body);
+        assert_eq!(r.fed(), 100);
+    }
+}

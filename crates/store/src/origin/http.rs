@@ -1143,8 +1143,8 @@ impl HttpStore {
             len,
             blob_len: u64::MAX,
         })?;
-        // Bytes handed to `sink` so far, over every attempt.
-        let mut fed = 0u64;
+        // What `sink` had, over every attempt (a retry's body starts again at the first byte).
+        let mut fed = tessera_transport::Resume::default();
         let out = self.fetch(&url, Some(&range), |mut resp| {
             if self.inner.auth.is_some() && !matches!(resp.status(), 200 | 206) {
                 return Err(self.refused(&url, &mut resp));
@@ -1183,17 +1183,15 @@ impl HttpStore {
                     Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
                     Err(e) => return Err(broken_body(&url, e)),
                 };
-                let (from, to) = (got, got + n as u64);
-                got = to;
+                let at = got;
+                got += n as u64;
                 if got > len {
                     let e = http_err(&url, HttpError::BadLength("the body is longer than the range"));
                     return Err(Failure::fatal(ErrorKind::Body, e));
                 }
-                if to > fed {
-                    // A retry's body starts again at the range's first byte: skip what the sink had.
-                    let skip = usize::try_from(fed.saturating_sub(from)).unwrap_or(usize::MAX).min(n);
-                    sink(&piece[skip..n]).map_err(Failure::uncounted)?;
-                    fed = to;
+                let unseen = fed.unseen(at, &piece[..n]);
+                if !unseen.is_empty() {
+                    sink(unseen).map_err(Failure::uncounted)?;
                 }
             }
             if got < len {
@@ -1213,7 +1211,7 @@ impl HttpStore {
         drop(probe);
         if let Some(path) = out? {
             // The whole blob is on disk: hand over the bytes the sink does not have.
-            let rest = read_file_range(&path, digest, offset + fed, len - fed)?;
+            let rest = read_file_range(&path, digest, offset + fed.fed(), len - fed.fed())?;
             sink(&rest)?;
         }
         trace!(%digest, offset, len, "fetched range");

@@ -308,6 +308,33 @@ impl ChunkSource for RegistryStore {
         Ok(self.inner.client.get_blob_range(&self.inner.repo, &reg_digest(pack), offset, u64::from(len))?)
     }
 
+    fn read_stored_streamed(
+        &self,
+        pack: &Sha256Digest,
+        offset: u64,
+        len: u32,
+        sink: &mut crate::source::RangeSink<'_>,
+    ) -> Result<(), StoreError> {
+        let mut stopped = None;
+        let read = self.inner.client.get_blob_range_streamed(
+            &self.inner.repo,
+            &reg_digest(pack),
+            offset,
+            u64::from(len),
+            &mut |bytes| match sink(bytes) {
+                Ok(()) => true,
+                Err(e) => {
+                    stopped = Some(e);
+                    false
+                }
+            },
+        );
+        match stopped {
+            Some(e) => Err(e),
+            None => Ok(read?),
+        }
+    }
+
     /// Near ranges share one Range GET ([`crate::coalesce`]); separate spans are fetched in
     /// parallel.
     fn read_stored_many(
