@@ -116,7 +116,18 @@ pub fn ref_text(store: &Path, id: &ImageId) -> Result<String> {
         serde_json::from_slice(&fs::read(&path).with_context(|| path.display().to_string())?)?;
     let digest =
         |k: &str| v[k].as_str().map(str::to_owned).with_context(|| format!("{}: {k}", path.display()));
-    Ok(format!("{id}\nprefix {}\npack-index {}\n", digest("prefix")?, digest("pack_index")?))
+    let len = |d: &str| -> Result<u64> {
+        let hex = d.strip_prefix("sha256:").with_context(|| format!("{}: {d}", path.display()))?;
+        let blob = store.join("blobs/sha256").join(hex);
+        Ok(fs::metadata(&blob).with_context(|| blob.display().to_string())?.len())
+    };
+    let (prefix, pack_index) = (digest("prefix")?, digest("pack_index")?);
+    Ok(format!(
+        "{id}\nprefix {prefix}\npack-index {pack_index}\nlengths {} {} {}\n",
+        len(&id.to_string())?,
+        len(&prefix)?,
+        len(&pack_index)?
+    ))
 }
 
 /// Parse build stdout: exactly one line, the image ID.

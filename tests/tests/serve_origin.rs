@@ -152,7 +152,7 @@ fn a_start_by_tag_asks_for_every_part_of_the_image_one_round_trip_after_the_tag(
     };
     let ref_path = f.store.join("refs/demo");
     let current = fs::read_to_string(&ref_path)?;
-    ensure!(current.lines().count() == 3, "refs/demo names the prefix and pack index: {current:?}");
+    ensure!(current.lines().count() == 4, "refs/demo names the prefix, pack index and lengths: {current:?}");
 
     let (parts, entry) = start("ref with its parts")?;
     eprintln!(
@@ -247,7 +247,51 @@ fn a_start_fetches_the_image_parts_in_parallel_pieces_and_rereads_a_bad_one_whol
             .collect()
     };
 
+    // The tag's ref gives the parts' lengths (`build --tag` writes them): every piece goes at
+    // once, tiled from the start (with a length learned from the first answer, the first piece
+    // would be `2 * PIECE`).
+    let log = export("in pieces, lengths known")?;
+    for (what, path, len) in &parts {
+        let asked = ranges(&log, path);
+        let first_at = asked.iter().map(|a| a.1).min().context("nothing asked")?;
+        let mut tiles: Vec<(u64, u64)> = Vec::new();
+        for &(range, _) in &asked {
+            tiles.push(range.with_context(|| format!("the {what} was also asked whole: {asked:?}"))?);
+        }
+        tiles.sort();
+        let count = len.div_ceil(PIECE).min(15);
+        let each = len.div_ceil(count);
+        let mut next = 0;
+        for &(a, b) in &tiles {
+            ensure!(a == next && b >= a && b - a < each, "the {what}'s pieces do not tile it: {tiles:?}");
+            next = b + 1;
+        }
+        ensure!(
+            next == *len && tiles.len() as u64 == count,
+            "the {what}'s {} pieces: {tiles:?}",
+            tiles.len()
+        );
+        // Not waiting for the first answer: a piece on a connection of its own goes one round
+        // trip (the connect) after the first, not two (the answer, then the connect); a few may
+        // wait one more for a slot of the transport's concurrency.
+        let mut after: Vec<Duration> = asked.iter().map(|a| a.1.duration_since(first_at)).collect();
+        after.sort();
+        let median = after[after.len() / 2];
+        ensure!(median < RTT * 3 / 2, "the {what}'s median piece went {median:?} after the first: {asked:?}");
+        ensure!(after.iter().all(|&a| a < RTT * 3), "a piece of the {what} went late: {asked:?}");
+    }
+
+    // A ref without the lengths (written before refs had them): the first piece, then the rest
+    // once its answer gives the length.
+    let ref_path = f.store.join("refs/demo");
+    let text = fs::read_to_string(&ref_path)?;
+    ensure!(
+        text.lines().nth(3).is_some_and(|l| l.starts_with("lengths ")),
+        "the ref names no lengths: {text:?}"
+    );
+    fs::write(&ref_path, text.lines().take(3).map(|l| format!("{l}\n")).collect::<String>())?;
     let log = export("in pieces")?;
+    fs::write(&ref_path, &text)?;
     for (what, path, len) in &parts {
         let asked = ranges(&log, path);
         let Some(&(Some((0, first_last)), first_at)) = asked.first() else {

@@ -85,7 +85,7 @@ pub use reader::{
     DEFAULT_CHUNK_CACHE, MAX_CHUNK_LEN, VERIFY_ATTEMPTS,
 };
 pub use reference::{decode_span, RefImage, DEFAULT_SPAN_CACHE};
-pub use refs::{RefParts, RefText};
+pub use refs::{RefLengths, RefParts, RefText};
 pub use registry_gc::collect_registry;
 pub use source::{ChunkSource, RangeSink};
 pub use tessera_registry::PushOptions;

@@ -601,7 +601,17 @@ impl LocalStore {
             return Err(StoreError::InvalidTag { tag: tag.to_owned() });
         }
         let entry = self.get_entry(id)?;
-        let text = RefText::of(*id, &entry).encode();
+        // The lengths of the blobs a start reads first, so that a remote reader asks for all of
+        // their pieces at once; a blob not here (yet) leaves them out.
+        let len = |d: &Sha256Digest| std::fs::metadata(self.blob_path(d)).ok().map(|m| m.len());
+        let lengths = (|| {
+            Some(crate::RefLengths {
+                record: len(&id.digest())?,
+                prefix: len(&entry.prefix)?,
+                pack_index: len(&entry.pack_index)?,
+            })
+        })();
+        let text = RefText::of(*id, &entry, lengths).encode();
         self.write_atomic(&self.ref_path(tag), text.as_bytes(), "write ref")?;
         debug!(tag, image = %id, "stored ref");
         Ok(())

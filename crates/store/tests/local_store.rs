@@ -163,10 +163,20 @@ fn entries_refs_and_resolve() {
     assert_eq!(store.get_entry(&img.id).unwrap(), img.entry);
     assert_eq!(store.resolve(&img.id.to_string()).unwrap(), img.id);
     assert_eq!(store.resolve("test").unwrap(), img.id);
-    // The ref names the image's prefix and pack index too (docs/formats/store.md, "Refs").
+    // The ref names the image's prefix and pack index too, and the lengths of those and the
+    // record (docs/formats/store.md, "Refs").
+    let len = |d: &tessera_image::Sha256Digest| std::fs::metadata(store.blob_path(d)).unwrap().len();
     assert_eq!(
         std::fs::read_to_string(dir.path().join("refs/test")).unwrap(),
-        format!("{}\nprefix {}\npack-index {}\n", img.id, img.entry.prefix, img.entry.pack_index)
+        format!(
+            "{}\nprefix {}\npack-index {}\nlengths {} {} {}\n",
+            img.id,
+            img.entry.prefix,
+            img.entry.pack_index,
+            len(&img.id.digest()),
+            len(&img.entry.prefix),
+            len(&img.entry.pack_index)
+        )
     );
     // A ref of the ID line alone (written before refs named them) still resolves.
     std::fs::write(dir.path().join("refs/old"), format!("{}\n", img.id)).unwrap();

@@ -505,6 +505,9 @@ struct Inner {
     seen_refs: Mutex<Vec<(String, ImageId)>>,
     /// The prefix and pack index the refs read so far named, by image.
     ref_parts: Mutex<std::collections::HashMap<ImageId, RefParts>>,
+    /// The lengths of blobs the refs read so far named (unchecked: a piece's answer that says
+    /// otherwise makes the blob be read whole).
+    blob_lengths: Mutex<std::collections::HashMap<Sha256Digest, u64>>,
     /// Image entries fetched so far, by ID: an ID names its content, so resolving a reference
     /// and then opening the image fetch the entry once.
     entries: Mutex<std::collections::HashMap<ImageId, ImageEntry>>,
@@ -559,6 +562,7 @@ impl HttpStore {
                 batches: Mutex::new(Default::default()),
                 seen_refs: Mutex::new(Vec::new()),
                 ref_parts: Mutex::default(),
+                blob_lengths: Mutex::default(),
                 entries: Mutex::new(Default::default()),
                 range_support: AtomicU8::new(RANGE_UNKNOWN),
                 range_probe: Mutex::new(()),
@@ -722,13 +726,19 @@ impl HttpStore {
     }
 
     /// Read `refs/<tag>` (`None` on 404). The prefix and pack index it names, if it does, are
-    /// kept for [`Self::ref_parts`].
+    /// kept for [`Self::ref_parts`], and the lengths it gives for reading those blobs in pieces.
     pub fn read_ref(&self, tag: &str) -> Result<Option<ImageId>, StoreError> {
         let url = self.ref_url(tag);
         let Some(text) = self.get_small(&url)? else { return Ok(None) };
         let r = RefText::parse(&text).ok_or(StoreError::BadRef { path: url.into() })?;
         if let Some(parts) = r.parts {
             self.inner.ref_parts.lock().unwrap_or_else(|p| p.into_inner()).insert(r.id, parts);
+            if let Some(l) = r.lengths {
+                let mut known = self.inner.blob_lengths.lock().unwrap_or_else(|p| p.into_inner());
+                known.insert(r.id.digest(), l.record);
+                known.insert(parts.prefix, l.prefix);
+                known.insert(parts.pack_index, l.pack_index);
+            }
         }
         Ok(Some(r.id))
     }
@@ -871,14 +881,19 @@ impl HttpStore {
 
     /// Blob `digest` as parallel ranged GETs ([`HttpConfig::blob_piece`]), fed to `sink` in
     /// order — the piece due next as its bytes arrive, the others once those before them are
-    /// in — and checked against its digest. `false`: not read that way (a piece failed or did
-    /// not fit the plan, or the bytes do not match): the caller reads it whole, which restarts
-    /// `sink` and retries and reports as a single GET does.
+    /// in — and checked against its digest. All pieces go at once when a ref gave the blob's
+    /// length; else the first, and the rest once its answer's head gives the length. `false`:
+    /// not read that way (a piece failed or did not fit the plan, or the bytes do not match):
+    /// the caller reads it whole, which restarts `sink` and retries and reports as a single GET
+    /// does.
     fn read_blob_pieces(&self, digest: &Sha256Digest, sink: &mut dyn BlobSink) -> bool {
         use sha2::Digest;
         let url = self.blob_url(digest);
         let piece = self.inner.config.blob_piece;
-        let first = piece.saturating_mul(2);
+        let known = self.inner.blob_lengths.lock().unwrap_or_else(|p| p.into_inner()).get(digest).copied();
+        let known = known.filter(|&t| t > 0 && t <= MAX_HTTP_BLOB);
+        let first =
+            known.map_or(piece.saturating_mul(2), |t| rest_of_blob(0, t, piece).first().map_or(t, |p| p.1));
         // Set once the blob is to be read whole: the pieces still running stop reading.
         let stop = std::sync::atomic::AtomicBool::new(false);
         sink.restart();
@@ -907,6 +922,26 @@ impl HttpStore {
             // Per piece: bytes held until the pieces before it are in; whether it is in; whether
             // any of its bytes went to the sink.
             let (mut held, mut done, mut streamed) = (vec![Vec::new()], vec![false], vec![false]);
+            // The pieces after the first, on their way: (how many went, whether one could not).
+            let send_rest = |plan: Vec<(u64, u64)>,
+                             held: &mut Vec<Vec<u8>>,
+                             done: &mut Vec<bool>,
+                             streamed: &mut Vec<bool>| {
+                held.resize(1 + plan.len(), Vec::new());
+                done.resize(1 + plan.len(), false);
+                streamed.resize(1 + plan.len(), false);
+                let sent =
+                    plan.iter().enumerate().filter(|&(i, &(offset, len))| spawn(1 + i, offset, len)).count();
+                (sent, sent < plan.len())
+            };
+            if let Some(t) = known {
+                // The rest at once too (the first piece's answer must then say the same length).
+                total = Some(t);
+                let (sent, refused) =
+                    send_rest(rest_of_blob(first, t, first), &mut held, &mut done, &mut streamed);
+                pending += sent;
+                failed |= refused;
+            }
             let (mut next, mut fed, mut hasher) = (0usize, 0u64, sha2::Sha256::new());
             let mut feed = |bytes: &[u8]| {
                 hasher.update(bytes);
@@ -922,16 +957,9 @@ impl HttpStore {
                     PieceNews::Length(t) if total.is_none() => {
                         total = Some(t);
                         let plan = rest_of_blob(first.min(t), t, piece);
-                        held.resize(1 + plan.len(), Vec::new());
-                        done.resize(1 + plan.len(), false);
-                        streamed.resize(1 + plan.len(), false);
-                        for (i, &(offset, len)) in plan.iter().enumerate() {
-                            if spawn(1 + i, offset, len) {
-                                pending += 1;
-                            } else {
-                                failed = true;
-                            }
-                        }
+                        let (sent, refused) = send_rest(plan, &mut held, &mut done, &mut streamed);
+                        pending += sent;
+                        failed |= refused;
                     }
                     PieceNews::Length(t) => failed |= total != Some(t),
                     // A retried piece starts over: only bytes not yet fed can be taken back.
@@ -2179,6 +2207,35 @@ mod multi_range_refusing_server {
         assert_eq!(store.read_blob_range(&d, 1000, 100).unwrap(), blob[1000..1100]);
         let first = format!("bytes=0-{}", 2 * DEFAULT_BLOB_PIECE - 1);
         assert_eq!(*log.lock().unwrap(), ["bytes=10-109", first.as_str(), "bytes=1000-1099"]);
+    }
+
+    /// A blob whose length a ref gave goes in all its pieces at once, tiled as
+    /// [`rest_of_blob`] tiles it from 0; a length that turns out wrong costs a whole read, never
+    /// other bytes.
+    #[test]
+    fn a_blob_of_known_length_asks_for_all_its_pieces_at_once() {
+        let blob: Vec<u8> = (0..300_000u32).map(|i| (i as u8).wrapping_mul(11)).collect();
+        let d = Sha256Digest::of(&blob);
+        let (base, log) = serve(blob.clone(), Answer::FirstRangeOnly);
+        let store = HttpStore::new(&base, HttpConfig::default());
+        assert_eq!(store.read_blob_range(&d, 0, 10).unwrap(), blob[..10], "a 206 settles the support");
+        store.inner.blob_lengths.lock().unwrap().insert(d, blob.len() as u64);
+        log.lock().unwrap().clear();
+        assert_eq!(store.read_blob(&d).unwrap(), blob);
+        let mut asked = log.lock().unwrap().clone();
+        asked.sort();
+        let mut planned: Vec<String> = rest_of_blob(0, blob.len() as u64, DEFAULT_BLOB_PIECE)
+            .iter()
+            .map(|&(o, l)| format!("bytes={o}-{}", o + l - 1))
+            .collect();
+        planned.sort();
+        assert!(planned.len() > 2);
+        assert_eq!(asked, planned, "the pieces, all planned from the length");
+        // A wrong length: the pieces' answers say otherwise, and the blob is read whole.
+        store.inner.blob_lengths.lock().unwrap().insert(d, blob.len() as u64 - 5000);
+        log.lock().unwrap().clear();
+        assert_eq!(store.read_blob(&d).unwrap(), blob);
+        assert!(log.lock().unwrap().iter().any(String::is_empty), "read whole: {:?}", log.lock().unwrap());
     }
 
     #[test]

@@ -963,7 +963,16 @@ impl CopyDest for S3Store {
         if !tessera_image::validate_tag(tag) {
             return Err(StoreError::InvalidTag { tag: tag.to_owned() });
         }
-        self.put(&format!("refs/{tag}"), crate::RefText::of(*id, entry).encode().as_bytes(), false)
+        // The lengths of the blobs a start reads first (HEAD: they were put before the entry),
+        // for a reader to ask for all their pieces at once; left out if one is not there.
+        let len = |d: &Sha256Digest| self.head(&format!("blobs/sha256/{}", d.hex()));
+        let lengths = match (len(&id.digest())?, len(&entry.prefix)?, len(&entry.pack_index)?) {
+            (Some(record), Some(prefix), Some(pack_index)) => {
+                Some(crate::RefLengths { record, prefix, pack_index })
+            }
+            _ => None,
+        };
+        self.put(&format!("refs/{tag}"), crate::RefText::of(*id, entry, lengths).encode().as_bytes(), false)
     }
 }
 
