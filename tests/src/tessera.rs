@@ -109,7 +109,7 @@ pub fn ref_text_id(text: &str) -> Result<ImageId> {
 }
 
 /// What a tag's ref of image `id` in the local store at `store` holds: the ID, then the digests
-/// of the prefix and pack index its entry names.
+/// of the prefix and pack index its entry names, then the lengths of the record and those two.
 pub fn ref_text(store: &Path, id: &ImageId) -> Result<String> {
     let path = store.join("images").join(format!("{}.json", id.hex()));
     let v: serde_json::Value =
@@ -293,7 +293,7 @@ pub fn check_store(store: &Path) -> Result<()> {
             let id = ref_text_id(&s).with_context(|| format!("ref {}", e.path().display()))?;
             ensure!(
                 s == ref_text(store, &id)?,
-                "ref {} holds {s:?}, not the ID and its entry's prefix and pack index",
+                "ref {} holds {s:?}, not the ID, its entry's prefix and pack index and their lengths",
                 e.path().display()
             );
             ensure!(

@@ -291,7 +291,6 @@ fn a_start_fetches_the_image_parts_in_parallel_pieces_and_rereads_a_bad_one_whol
     );
     fs::write(&ref_path, text.lines().take(3).map(|l| format!("{l}\n")).collect::<String>())?;
     let log = export("in pieces")?;
-    fs::write(&ref_path, &text)?;
     for (what, path, len) in &parts {
         let asked = ranges(&log, path);
         let Some(&(Some((0, first_last)), first_at)) = asked.first() else {
@@ -327,6 +326,9 @@ fn a_start_fetches_the_image_parts_in_parallel_pieces_and_rereads_a_bad_one_whol
         }
     }
 
+    // The faults below, still with the ref without lengths: the blob's first request is then
+    // its first piece, the one the proxy's fault hits (with every piece at once, it would hit
+    // whichever came first, perhaps one whose bytes were only held, which its retry replaces).
     // One bit flipped in one piece of the record: the record is read again whole.
     let (_, record, _) = &parts[0];
     proxy.inject(record, Fault::Corrupt { at: 100 }, 1);
@@ -347,6 +349,7 @@ fn a_start_fetches_the_image_parts_in_parallel_pieces_and_rereads_a_bad_one_whol
         asked.iter().filter(|a| a.0.is_none()).count() == 1,
         "the prefix was not read again whole once: {asked:?}"
     );
+    fs::write(&ref_path, &text)?;
     Ok(())
 }
 

@@ -4,7 +4,8 @@
 //! STORE/
 //!   blobs/sha256/<hex>     content-addressed blobs (records, prefixes, packs, pack indexes, …)
 //!   images/<id hex>.json   image entries
-//!   refs/<tag>             `sha256:<64 hex>\n`, then the prefix's and pack index's digests
+//!   refs/<tag>             `sha256:<64 hex>\n`, then the prefix's and pack index's digests,
+//!                          then the three blobs' lengths
 //!   tmp/                   in-progress writes (same filesystem, so rename is atomic)
 //! ```
 //!

@@ -1,5 +1,6 @@
 //! The content of a tag's ref, `refs/<tag>` (docs/formats/store.md, "Refs"): the image ID and,
-//! since refs carry them, the digests of the image's metadata prefix and pack index.
+//! since refs carry them, the digests of the image's metadata prefix and pack index and the
+//! lengths of those and the record.
 //!
 //! Those two are fixed for an image ID (the entry names them, and only its profile and
 //! provenance may change), so a reader that resolves a tag can request them alongside the

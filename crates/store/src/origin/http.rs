@@ -891,13 +891,13 @@ impl HttpStore {
         let url = self.blob_url(digest);
         let piece = self.inner.config.blob_piece;
         let known = self.inner.blob_lengths.lock().unwrap_or_else(|p| p.into_inner()).get(digest).copied();
-        let known = known.filter(|&t| t > 0 && t <= MAX_HTTP_BLOB);
-        let first =
-            known.map_or(piece.saturating_mul(2), |t| rest_of_blob(0, t, piece).first().map_or(t, |p| p.1));
+        // With a length a ref gave, the whole plan: the blob tiled from its first byte.
+        let mut plan = known.filter(|&t| t > 0 && t <= MAX_HTTP_BLOB).map(|t| (t, rest_of_blob(0, t, piece)));
+        let first = plan.as_ref().and_then(|(_, p)| p.first()).map_or(piece.saturating_mul(2), |p| p.1);
         // Set once the blob is to be read whole: the pieces still running stop reading.
         let stop = std::sync::atomic::AtomicBool::new(false);
         sink.restart();
-        std::thread::scope(|s| {
+        let read = std::thread::scope(|s| {
             let (tx, rx) = std::sync::mpsc::channel::<PieceNews>();
             // Whether piece `k` is on its way (a thread the system refuses fails the blob's
             // pieces, not the read). Each ends with its `Done`, a panic included.
@@ -934,11 +934,11 @@ impl HttpStore {
                     plan.iter().enumerate().filter(|&(i, &(offset, len))| spawn(1 + i, offset, len)).count();
                 (sent, sent < plan.len())
             };
-            if let Some(t) = known {
+            if let Some((t, all)) = plan.take() {
                 // The rest at once too (the first piece's answer must then say the same length).
                 total = Some(t);
-                let (sent, refused) =
-                    send_rest(rest_of_blob(first, t, first), &mut held, &mut done, &mut streamed);
+                let rest = all.get(1..).unwrap_or_default().to_vec();
+                let (sent, refused) = send_rest(rest, &mut held, &mut done, &mut streamed);
                 pending += sent;
                 failed |= refused;
             }
@@ -1017,7 +1017,12 @@ impl HttpStore {
             }
             trace!(%digest, len = fed, pieces = done.len(), "fetched blob in pieces");
             true
-        })
+        });
+        if !read && known.is_some() {
+            // A length that did not hold (or pieces that failed): learned from the answer next time.
+            self.inner.blob_lengths.lock().unwrap_or_else(|p| p.into_inner()).remove(digest);
+        }
+        read
     }
 
     /// Piece `k` of a blob read in pieces: at most `len` bytes at `offset`, its bytes told to
@@ -2236,6 +2241,7 @@ mod multi_range_refusing_server {
         log.lock().unwrap().clear();
         assert_eq!(store.read_blob(&d).unwrap(), blob);
         assert!(log.lock().unwrap().iter().any(String::is_empty), "read whole: {:?}", log.lock().unwrap());
+        assert!(store.inner.blob_lengths.lock().unwrap().get(&d).is_none(), "the wrong length is forgotten");
     }
 
     #[test]

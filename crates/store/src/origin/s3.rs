@@ -964,9 +964,12 @@ impl CopyDest for S3Store {
             return Err(StoreError::InvalidTag { tag: tag.to_owned() });
         }
         // The lengths of the blobs a start reads first (HEAD: they were put before the entry),
-        // for a reader to ask for all their pieces at once; left out if one is not there.
-        let len = |d: &Sha256Digest| self.head(&format!("blobs/sha256/{}", d.hex()));
-        let lengths = match (len(&id.digest())?, len(&entry.prefix)?, len(&entry.pack_index)?) {
+        // for a reader to ask for all their pieces at once; a hint, so left out if a HEAD fails
+        // or says nothing, rather than failing the copy at its last step.
+        let len = |d: &Sha256Digest| {
+            self.head(&format!("blobs/sha256/{}", d.hex())).ok().flatten().filter(|&l| l > 0)
+        };
+        let lengths = match (len(&id.digest()), len(&entry.prefix), len(&entry.pack_index)) {
             (Some(record), Some(prefix), Some(pack_index)) => {
                 Some(crate::RefLengths { record, prefix, pack_index })
             }
