@@ -84,7 +84,7 @@ pub use reader::{
     decode_stored_chunk, refetch_if_corrupt, ImageReader, OpenImage, Piece, ReadAt, Visit,
     DEFAULT_CHUNK_CACHE, MAX_CHUNK_LEN, VERIFY_ATTEMPTS,
 };
-pub use reference::{decode_span, RefImage, DEFAULT_SPAN_CACHE};
+pub use reference::{RefImage, DEFAULT_SPAN_CACHE};
 pub use refs::{RefLengths, RefParts, RefText};
 pub use registry_gc::collect_registry;
 pub use source::{ChunkSource, RangeSink};

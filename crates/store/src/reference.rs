@@ -67,14 +67,6 @@ impl RefImage {
     }
 }
 
-/// Check and inflate span `k` of `layer` from its compressed bytes `stored` and its checkpoint's
-/// stored window `window` (the inline one, or the bytes read from the windows blob).
-pub fn decode_span(layer: &RefLayer, k: usize, stored: &[u8], window: &[u8]) -> Result<Vec<u8>, StoreError> {
-    let mut span = SpanDecoder::new(layer, k)?;
-    span.push(stored, || Ok(window.to_vec()))?;
-    span.finish()
-}
-
 /// One span checked and decoded as its compressed bytes arrive: inflated as they come (so the
 /// chunks at its start are readable before its end is in), hashed as they come, and judged
 /// against the checkpoint index at the end. The bytes decoded before that judgement are
