@@ -146,11 +146,12 @@ pub struct ServeArgs {
     /// Connections to open to an http(s):// or s3:// origin at its first request, alongside it
     /// (TCP connects and TLS handshakes, no request), so the start's parallel fetches and the
     /// first misses find them open instead of paying a connect round trip (and TLS handshake)
-    /// each. Those no request took within 10 s are closed. 0 opens none. Default 24: a start
-    /// fetches the image's record, prefix and pack index in parallel pieces of 96 KiB
-    /// (`TESSERA_HTTP_BLOB_PIECE`), about 25 requests at once for an image of 18 000 chunks,
-    /// each best on a connection of its own (docs/benchmarks.md, "Parallel pieces").
-    #[arg(long, value_name = "N", default_value_t = 24, value_parser = clap::value_parser!(u16).range(0..=64))]
+    /// each. Those no request took within 10 s are closed. 0 opens none. Default 40: a start
+    /// fetches the image's record and pack index in parallel pieces of 96 KiB
+    /// (`TESSERA_HTTP_BLOB_PIECE`) and its metadata prefix in pieces of 40 KiB (decompressed
+    /// as they arrive), about 37 requests at once for an image of 18 000 chunks, each best on a
+    /// connection of its own (docs/benchmarks.md, "Parallel pieces").
+    #[arg(long, value_name = "N", default_value_t = 40, value_parser = clap::value_parser!(u16).range(0..=64))]
     preconnect: u16,
     /// Sequential reads within a file fetch up to this many bytes of the file's next chunks
     /// ahead, in the background (0 turns readahead off).

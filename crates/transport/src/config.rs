@@ -74,7 +74,7 @@ pub struct TransportConfig {
     pub timeouts: Timeouts,
     /// Retries (default: 5 attempts, 100 ms doubling to at most 4 s, with jitter).
     pub retry: RetryPolicy,
-    /// Requests in flight at most, across every thread sharing the transport (default 32); more
+    /// Requests in flight at most, across every thread sharing the transport (default 48); more
     /// wait. Also the idle connections kept per host.
     pub max_concurrency: usize,
     /// TLS roots and verification.
@@ -93,7 +93,7 @@ impl Default for TransportConfig {
                 whole: Some(Duration::from_secs(120)),
             },
             retry: RetryPolicy::default(),
-            max_concurrency: 32,
+            max_concurrency: 48,
             tls: TlsOptions::default(),
             http: HttpVersion::default(),
         }
