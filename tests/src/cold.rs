@@ -38,6 +38,10 @@ pub struct ColdRun<'a> {
 pub struct ColdResult {
     pub replay: ReplayReport,
     pub breakdown: Breakdown,
+    /// The proxy's log of this run's requests, in the order they came.
+    pub requests: Vec<crate::proxy::LoggedRequest>,
+    /// When the daemon was spawned (the requests' times are read against it).
+    pub spawned: Instant,
 }
 
 impl ColdRun<'_> {
@@ -85,7 +89,7 @@ impl ColdRun<'_> {
         std::thread::sleep(Duration::from_millis(50)); // settling time, not a synchronization
         let log: Vec<_> = proxy.log().into_iter().skip(logged).collect();
         let breakdown = Breakdown::of(|p| image.classify(p), &log, spawned, ready, end, floor, counts);
-        Ok(ColdResult { replay: report, breakdown })
+        Ok(ColdResult { replay: report, breakdown, requests: log, spawned })
     }
 }
 

@@ -77,6 +77,12 @@ pub struct ColdBench {
     /// Linux's does: what a fresh or idle connection costs on a real path).
     #[arg(long)]
     pub(crate) no_slow_start: bool,
+    /// Print every request of every run, as the proxy saw it: ms after the daemon's spawn when
+    /// it was asked and when its last byte went, body bytes, the client connection (`*`: its
+    /// first request), what it fetched, and the `Range` asked. For finding where a run's time
+    /// went (serial misses, windows, which connection carried what).
+    #[arg(long)]
+    pub(crate) requests: bool,
 }
 
 struct Arm {
@@ -117,6 +123,24 @@ pub(crate) struct Concurrent {
     pub(crate) shared_cache: bool,
     pub(crate) wall: Vec<f64>,
     pub(crate) origin_bytes: Vec<u64>,
+}
+
+/// `--requests`: one line per request of run `r`.
+fn print_requests(r: &tessera_e2e::cold::ColdResult, image: &tessera_e2e::floor::StoreImage) {
+    let ms = |t: std::time::Instant| t.saturating_duration_since(r.spawned).as_secs_f64() * 1e3;
+    for q in &r.requests {
+        let done = q.done.map_or_else(|| "-".to_owned(), |t| format!("{:.1}", ms(t)));
+        println!(
+            "  request {:8.1} {:>8} ms {:>9} B conn {:>3}{} {:<10} {}",
+            ms(q.at),
+            done,
+            q.body_bytes,
+            q.connection,
+            if q.fresh { "*" } else { " " },
+            format!("{:?}", image.classify(&q.path)),
+            q.range.as_deref().unwrap_or("whole"),
+        );
+    }
 }
 
 /// What `measure` found: the floor and every round's breakdown per arm.
@@ -240,6 +264,9 @@ pub(crate) fn measure(opts: &ColdBench) -> Result<ColdResult> {
                 r.breakdown.origin_bytes = proxy.stats().wire_bytes - wire;
             }
             println!("== round {round} {}: replay {}", arm.name, r.replay.summary().replace('\n', "; "));
+            if opts.requests {
+                print_requests(&r, &image);
+            }
             print!("{}", r.breakdown.summary());
             results[i].push(r.breakdown);
         }

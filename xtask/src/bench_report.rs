@@ -744,6 +744,7 @@ impl Ctx<'_> {
             // N daemons at once share the machine as they would a host: none is pinned.
             no_pin: true,
             no_slow_start: false,
+            requests: false,
         };
         let r = bench_cold::measure(&opts)?;
         let floor = r.floor;
