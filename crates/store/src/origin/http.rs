@@ -223,8 +223,9 @@ pub struct HttpConfig {
     /// one new connection takes seven round trips. With the default, 96 KiB (three round trips
     /// on a fresh connection) and a first piece of 192 KiB (four, the first of them overlapping
     /// the rest's wait for its head), a blob of up to 1.6 MB is in after four round trips,
-    /// given a preconnected connection for each piece (`serve --preconnect`). 0: whole blobs
-    /// go in one GET.
+    /// given a preconnected connection for each piece (`serve --preconnect`). A streamed blob
+    /// (the prefix, decompressed as it arrives) goes in pieces of at most
+    /// [`STREAMED_BLOB_PIECE`]. 0: whole blobs go in one GET.
     pub blob_piece: u64,
     /// The HTTP versions spoken (`--http-version`; default HTTP/1.1 only). With
     /// [`HttpVersion::Negotiate`] an `https://` origin that offers HTTP/2 carries every request
@@ -2225,8 +2226,8 @@ mod multi_range_refusing_server {
     }
 
     /// A blob whose length a ref gave goes in all its pieces at once, tiled as
-    /// [`rest_of_blob`] tiles it from 0; a length that turns out wrong costs a whole read, never
-    /// other bytes.
+    /// [`rest_of_blob`] tiles it from 0 — in pieces of at most [`STREAMED_BLOB_PIECE`] when it
+    /// is read streamed; a length that turns out wrong costs a whole read, never other bytes.
     #[test]
     fn a_blob_of_known_length_asks_for_all_its_pieces_at_once() {
         let blob: Vec<u8> = (0..300_000u32).map(|i| (i as u8).wrapping_mul(11)).collect();
