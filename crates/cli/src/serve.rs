@@ -112,7 +112,9 @@ pub struct ServeArgs {
     /// Default: a temporary overlay in --cache-dir (else $TMPDIR), gone with the process.
     #[arg(long, value_name = "FILE")]
     overlay: Option<PathBuf>,
-    /// Memory tier: bytes of decoded chunks kept in memory (e.g. 512M, 2G; 0 keeps none).
+    /// Memory tier: bytes of decoded chunks kept in memory (e.g. 512M, 2G; 0 keeps none). An
+    /// image built with --reference-layers also keeps up to as many bytes of the layer spans it
+    /// fetched, compressed, so that no span crosses the link twice.
     #[arg(long, value_name = "SIZE", default_value = "256M", value_parser = crate::parse_size_arg)]
     mem_cache: u64,
     /// Put the memory tier's chunks of 64 KiB to 2 MiB in 2 MiB mappings advised for
@@ -519,7 +521,9 @@ pub fn run_on(config: ServeConfig, listener: Option<std::os::unix::net::UnixList
         background_bytes_per_sec: config.prefetch_rate,
         ..FetchLimits::for_store(location.local_path().is_none(), Some(config.fetch_jobs))
     };
-    let mut tier = MemTier::new(ImageReader::new(Arc::clone(&image), source), config.mem_cache, limits)?
+    let reader = ImageReader::new(Arc::clone(&image), source)
+        .with_stored_spans(usize::try_from(config.mem_cache).unwrap_or(usize::MAX));
+    let mut tier = MemTier::new(reader, config.mem_cache, limits)?
         .with_readahead(config.readahead)
         .with_huge_pages(config.mem_huge_pages);
     if location.local_path().is_none() {

@@ -18,7 +18,9 @@ use tracing::{debug, trace, warn};
 use crate::error::StoreError;
 use crate::local::LocalStore;
 use crate::prefix::PrefixBuf;
-use crate::reference::{fetch_reference_chunk, RefImage, SpanCache, DEFAULT_SPAN_CACHE};
+use crate::reference::{
+    fetch_reference_chunk, RefImage, SpanCache, DEFAULT_SPAN_CACHE, DEFAULT_STORED_SPANS,
+};
 use crate::source::ChunkSource;
 
 /// Largest chunk the reader accepts (chunk sizes go up to 16 MiB; this leaves room and stops a
@@ -647,13 +649,20 @@ impl<S> ImageReader<S> {
             source: Arc::new(source),
             cache: Mutex::new(ChunkCache::new(DEFAULT_CHUNK_CACHE)),
             refetches: AtomicU64::new(0),
-            spans: Arc::new(SpanCache::new(DEFAULT_SPAN_CACHE)),
+            spans: Arc::new(SpanCache::new(DEFAULT_SPAN_CACHE, DEFAULT_STORED_SPANS)),
         }
     }
 
     /// Keep up to `chunks` decompressed chunks (0 disables the cache).
     pub fn with_cache_capacity(self, chunks: usize) -> Self {
         Self { cache: Mutex::new(ChunkCache::new(chunks)), ..self }
+    }
+
+    /// Keep up to `bytes` of a reference image's fetched spans in their stored form (default
+    /// [`DEFAULT_STORED_SPANS`]; 0 keeps none: a span whose decoded bytes were evicted is
+    /// fetched again).
+    pub fn with_stored_spans(self, bytes: usize) -> Self {
+        Self { spans: Arc::new(SpanCache::new(DEFAULT_SPAN_CACHE, bytes)), ..self }
     }
 
     /// The image.

@@ -19,6 +19,12 @@ use crate::source::ChunkSource;
 /// Bytes of decoded spans kept by an [`crate::ImageReader`] of a reference image (a span is about
 /// 1 MiB: the builder's checkpoint spacing).
 pub const DEFAULT_SPAN_CACHE: usize = 32 << 20;
+/// Bytes of spans kept in their stored (compressed) form ([`Stored`]), so that a span fetched
+/// once is decoded again when a reader comes back to it after its decoded bytes were evicted,
+/// not fetched again: about 800 spans at the usual 3:1, 2.5 GiB of layer data. A reader of
+/// random files meets the same spans again and again: the lazy benchmark's whole-file workload
+/// fetched 219 of its 395 MiB twice or more with the decoded spans alone.
+pub const DEFAULT_STORED_SPANS: usize = 256 << 20;
 
 /// A reference image's index, with each BlockMap chunk's place resolved.
 #[derive(Debug)]
@@ -79,6 +85,23 @@ struct SpanDecoder<'a> {
     received: u64,
     hasher: blake3::Hasher,
     codec: Codec,
+    /// What came, kept as the span's stored form.
+    stored: Stored,
+}
+
+/// A span's compressed bytes and its checkpoint's stored (zstd) window: what a span fetched
+/// once is kept as (about a third of its decoded size) and decoded again from — checked again
+/// against its blake3 — when its decoded bytes are gone.
+#[derive(Debug, Default)]
+pub(crate) struct Stored {
+    bytes: Vec<u8>,
+    window: Vec<u8>,
+}
+
+impl Stored {
+    fn footprint(&self) -> usize {
+        self.bytes.len() + self.window.len()
+    }
 }
 
 enum Codec {
@@ -103,6 +126,7 @@ impl<'a> SpanDecoder<'a> {
             received: 0,
             hasher: blake3::Hasher::new(),
             codec,
+            stored: Stored::default(),
         })
     }
 
@@ -131,8 +155,10 @@ impl<'a> SpanDecoder<'a> {
             );
         }
         self.hasher.update(bytes);
+        self.stored.bytes.extend_from_slice(bytes);
         if let Codec::Waiting = self.codec {
             let window = window()?;
+            self.stored.window.clone_from(&window);
             let window = if window.is_empty() {
                 Vec::new()
             } else {
@@ -165,8 +191,9 @@ impl<'a> SpanDecoder<'a> {
         }
     }
 
-    /// The whole span, once its compressed bytes matched the checkpoint index.
-    fn finish(mut self) -> Result<Vec<u8>, StoreError> {
+    /// The whole span, once its compressed bytes matched the checkpoint index, and its stored
+    /// form.
+    fn finish(mut self) -> Result<(Vec<u8>, Stored), StoreError> {
         if self.received != self.stored_len {
             return Err(self.corrupt(format!(
                 "the source returned {} bytes, the span has {}",
@@ -185,7 +212,8 @@ impl<'a> SpanDecoder<'a> {
             // Only a span of no compressed bytes ends here, and its index says otherwise.
             Codec::Waiting => Err(tessera_gzip::GzipError::ShortSpan { got: 0, expected: self.out_len }),
         };
-        decoded.map_err(|e| self.corrupt(e.to_string()))
+        let decoded = decoded.map_err(|e| self.corrupt(e.to_string()))?;
+        Ok((decoded, std::mem::take(&mut self.stored)))
     }
 }
 
@@ -193,17 +221,26 @@ impl<'a> SpanDecoder<'a> {
 /// to `publish` as they come (a prefix that grows, each byte once); the whole span checked at the
 /// end. A version-2 index's window (in the blob `windows`) is read at the same time as the span,
 /// on a second thread, so it costs no round trip of its own; it is checked against its blake3.
-pub fn stream_span(
+/// With `stored` (the span's stored form, from an earlier fetch) nothing is read: the span is
+/// decoded from it and checked again. Returns the span and its stored form.
+pub(crate) fn stream_span(
     source: &dyn ChunkSource,
     layer: &RefLayer,
     k: usize,
     windows: Option<&Sha256Digest>,
+    stored: Option<Arc<Stored>>,
     publish: &mut dyn FnMut(&[u8]),
-) -> Result<Vec<u8>, StoreError> {
+) -> Result<(Vec<u8>, Arc<Stored>), StoreError> {
     let bad = |offset: u64, reason: String| StoreError::CorruptSpan { layer: layer.digest, offset, reason };
     let cp = layer.checkpoints.get(k).ok_or_else(|| bad(0, format!("no checkpoint {k}")))?;
     let len = u32::try_from(cp.span_end - cp.start()).unwrap_or(u32::MAX);
     let mut span = SpanDecoder::new(layer, k)?;
+    if let Some(stored) = stored {
+        span.push(&stored.bytes, || Ok(stored.window.clone()))?;
+        publish(span.output());
+        let (decoded, _) = span.finish()?;
+        return Ok((decoded, stored));
+    }
     let mut published = 0;
     // The span's next bytes, given its window once known.
     let mut feed = |span: &mut SpanDecoder<'_>, bytes: &[u8], window: &[u8]| {
@@ -220,7 +257,8 @@ pub fn stream_span(
             source.read_stored_streamed(&layer.digest, cp.start(), len, &mut |bytes| {
                 feed(&mut span, bytes, w)
             })?;
-            return span.finish();
+            let (decoded, stored) = span.finish()?;
+            return Ok((decoded, Arc::new(stored)));
         }
         Window::Stored { offset, len, digest } => (*offset, *len, digest),
     };
@@ -275,7 +313,8 @@ pub fn stream_span(
         }
         Ok::<_, StoreError>(())
     })?;
-    span.finish()
+    let (decoded, stored) = span.finish()?;
+    Ok((decoded, Arc::new(stored)))
 }
 
 /// (layer number, span number).
@@ -285,15 +324,22 @@ type SpanKey = (u32, usize);
 /// load runs it itself.
 const MAX_DETACHED_LOADS: usize = 64;
 
-/// A span load: hands the span's decoded bytes to its argument as they come (a growing prefix,
-/// each byte once) and returns the whole span, checked.
-pub(crate) type SpanLoad = Box<dyn FnOnce(&mut dyn FnMut(&[u8])) -> Result<Vec<u8>, StoreError> + Send>;
+/// A span load ([`stream_span`]): given the span's stored form if it has one, hands the span's
+/// decoded bytes to its last argument as they come (a growing prefix, each byte once) and
+/// returns the whole span, checked, and its stored form.
+pub(crate) type SpanLoad = Box<
+    dyn FnOnce(Option<Arc<Stored>>, &mut dyn FnMut(&[u8])) -> Result<(Vec<u8>, Arc<Stored>), StoreError>
+        + Send,
+>;
 
 /// Decoded spans, most recently used last, and the spans being fetched.
 #[derive(Debug, Default)]
 struct Spans {
     lru: Vec<(SpanKey, Arc<[u8]>)>,
     bytes: usize,
+    /// The stored forms of the spans fetched, most recently used last.
+    stored: Vec<(SpanKey, Arc<Stored>)>,
+    stored_bytes: usize,
     inflight: HashMap<SpanKey, Arc<Flight>>,
     /// Loads running on threads of their own.
     detached: usize,
@@ -324,12 +370,14 @@ struct Progress {
 #[derive(Debug)]
 pub(crate) struct SpanCache {
     capacity_bytes: usize,
+    stored_capacity: usize,
     state: Mutex<Spans>,
 }
 
 impl SpanCache {
-    pub(crate) fn new(capacity_bytes: usize) -> Self {
-        Self { capacity_bytes, state: Mutex::new(Spans::default()) }
+    /// At most `capacity_bytes` of decoded spans and `stored_capacity` of stored forms.
+    pub(crate) fn new(capacity_bytes: usize, stored_capacity: usize) -> Self {
+        Self { capacity_bytes, stored_capacity, state: Mutex::new(Spans::default()) }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Spans> {
@@ -368,24 +416,27 @@ impl SpanCache {
                         s.inflight.insert(key, Arc::clone(&f));
                         let detach = s.detached < MAX_DETACHED_LOADS;
                         s.detached += usize::from(detach);
-                        (f, Some(detach))
+                        let stored = s.stored.iter().find(|x| x.0 == key).map(|x| Arc::clone(&x.1));
+                        (f, Some((detach, stored)))
                     }
                 }
             };
-            if let Some(detach) = started {
+            let first = started.is_some();
+            if let Some((detach, stored)) = started {
                 if detach {
                     let (cache, job) = (Arc::clone(self), load());
                     let f = Arc::clone(&flight);
+                    let kept = stored.clone();
                     let spawned = std::thread::Builder::new()
                         .name("tessera-span".into())
-                        .spawn(move || cache.run((key, layer), &f, job, true));
+                        .spawn(move || cache.run((key, layer), &f, job, kept, true));
                     if spawned.is_err() {
                         // The system has no thread for it: this reader loads the span itself.
                         self.lock().detached -= 1;
-                        self.run((key, layer), &flight, load(), false);
+                        self.run((key, layer), &flight, load(), stored, false);
                     }
                 } else {
-                    self.run((key, layer), &flight, load(), false);
+                    self.run((key, layer), &flight, load(), stored, false);
                 }
             }
             let mut p = flight.progress.lock().unwrap_or_else(|p| p.into_inner());
@@ -396,7 +447,7 @@ impl SpanCache {
                 match &mut p.end {
                     None => p = flight.cv.wait(p).unwrap_or_else(|p| p.into_inner()),
                     Some(Ok(whole)) => return whole.get(from..to).map(<[u8]>::to_vec).ok_or_else(short),
-                    Some(Err(e)) if started.is_some() => {
+                    Some(Err(e)) if first => {
                         return Err(e.take().unwrap_or_else(short));
                     }
                     // Another reader's load failed: load again (or wait for whoever does).
@@ -406,14 +457,22 @@ impl SpanCache {
         }
     }
 
-    /// Run `job`, the load of span `key`, publishing its bytes on `flight`; the span goes into
-    /// the cache if it loaded well, and the flight ends either way (a panic included).
-    fn run(&self, (key, layer): (SpanKey, Sha256Digest), flight: &Flight, job: SpanLoad, detached: bool) {
+    /// Run `job`, the load of span `key` (from its stored form `stored` if there is one),
+    /// publishing its bytes on `flight`; the span and its stored form go into the cache if it
+    /// loaded well, and the flight ends either way (a panic included).
+    fn run(
+        &self,
+        (key, layer): (SpanKey, Sha256Digest),
+        flight: &Flight,
+        job: SpanLoad,
+        stored: Option<Arc<Stored>>,
+        detached: bool,
+    ) {
         let mut publish = |bytes: &[u8]| {
             flight.progress.lock().unwrap_or_else(|p| p.into_inner()).decoded.extend_from_slice(bytes);
             flight.cv.notify_all();
         };
-        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(&mut publish)))
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(stored, &mut publish)))
             .unwrap_or_else(|_| {
                 Err(StoreError::CorruptSpan {
                     layer,
@@ -426,7 +485,8 @@ impl SpanCache {
             s.detached -= usize::from(detached);
             s.inflight.remove(&key);
             match result {
-                Ok(data) => {
+                Ok((data, stored)) => {
+                    self.keep_stored(&mut s, key, stored);
                     let data: Arc<[u8]> = data.into();
                     if data.len() <= self.capacity_bytes {
                         while s.bytes + data.len() > self.capacity_bytes && !s.lru.is_empty() {
@@ -447,6 +507,25 @@ impl SpanCache {
             p.decoded = Vec::new();
         }
         flight.cv.notify_all();
+    }
+
+    /// Keep `stored` as span `key`'s stored form, most recently used, evicting the least
+    /// recently used ones beyond the bound.
+    fn keep_stored(&self, s: &mut Spans, key: SpanKey, stored: Arc<Stored>) {
+        if let Some(i) = s.stored.iter().position(|x| x.0 == key) {
+            let (_, old) = s.stored.remove(i);
+            s.stored_bytes -= old.footprint();
+        }
+        let size = stored.footprint();
+        if size == 0 || size > self.stored_capacity {
+            return;
+        }
+        while s.stored_bytes + size > self.stored_capacity && !s.stored.is_empty() {
+            let (_, old) = s.stored.remove(0);
+            s.stored_bytes -= old.footprint();
+        }
+        s.stored_bytes += size;
+        s.stored.push((key, stored));
     }
 
     /// Wait until no load of span `key` is in flight.
@@ -496,7 +575,7 @@ pub(crate) fn fetch_reference_chunk<S: ChunkSource + 'static>(
             let load = || -> SpanLoad {
                 let (image, source) = (Arc::clone(image), Arc::clone(source));
                 let (layer_no, digest) = (loc.layer, layer.digest);
-                Box::new(move |publish| {
+                Box::new(move |stored, publish| {
                     let no = |reason: String| StoreError::CorruptSpan { layer: digest, offset: 0, reason };
                     let r = image.reference().ok_or_else(|| no("the image has no reference index".into()))?;
                     let layer = r
@@ -505,7 +584,7 @@ pub(crate) fn fetch_reference_chunk<S: ChunkSource + 'static>(
                         .get(layer_no as usize)
                         .ok_or_else(|| no(format!("no layer {layer_no} in the reference index")))?;
                     let windows = r.index.windows.as_ref().map(|w| w.digest);
-                    stream_span(&*source, layer, k, windows.as_ref(), publish)
+                    stream_span(&*source, layer, k, windows.as_ref(), stored, publish)
                 })
             };
             out.extend_from_slice(&spans.bytes(((loc.layer, k), layer.digest), range, checked, load)?);
@@ -524,6 +603,55 @@ pub(crate) fn fetch_reference_chunk<S: ChunkSource + 'static>(
         return Err(corrupt("its blake3 does not match the chunk id"));
     }
     Ok(out)
+}
+
+/// Test data: `len` bytes of compressible text (words in a pseudo-random order: many deflate
+/// blocks), gzipped and indexed with checkpoints every `spacing` bytes, and the layer as a
+/// reference index holds it, its windows in a windows blob at offset `windows_at` (the
+/// layer's digest is the gzip's): (the text, the gzip, the windows, the layer).
+#[cfg(test)]
+pub(crate) fn test_layer(len: usize, spacing: u64, windows_at: u64) -> (Vec<u8>, Vec<u8>, Vec<u8>, RefLayer) {
+    use std::io::Write;
+    let words: [&[u8]; 8] =
+        [b"lazy ", b"loading ", b"of ", b"spans ", b"from ", b"gzip ", b"layers\n", b"42 "];
+    let (mut data, mut x) = (Vec::new(), 1u64);
+    while data.len() < len {
+        x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+        data.extend_from_slice(words[(x >> 61) as usize]);
+        data.push((x >> 40) as u8);
+    }
+    let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::new(6));
+    e.write_all(&data).expect("gzip in memory");
+    let gz = e.finish().expect("gzip in memory");
+    let (_, index) = tessera_gzip::index_all(&gz, spacing).expect("index of a good gzip");
+    let (mut windows, mut checkpoints) = (Vec::new(), Vec::new());
+    for (k, cp) in index.checkpoints.iter().enumerate() {
+        let span = index.span(k).expect("a span per checkpoint");
+        let (s, e) = (span.compressed.0 as usize, span.compressed.1 as usize);
+        // The indexer's windows are zstd already, as the builder stores them.
+        let window = Window::Stored {
+            offset: windows_at + windows.len() as u64,
+            len: cp.window.len() as u32,
+            digest: if cp.window.is_empty() { [0; 32] } else { *blake3::hash(&cp.window).as_bytes() },
+        };
+        windows.extend_from_slice(&cp.window);
+        checkpoints.push(tessera_image::RefCheckpoint {
+            in_offset: cp.in_offset,
+            bits: cp.bits,
+            out_offset: cp.out_offset,
+            span_end: span.compressed.1,
+            span_digest: *blake3::hash(&gz[s..e]).as_bytes(),
+            window,
+        });
+    }
+    let layer = RefLayer {
+        digest: Sha256Digest::of(&gz),
+        codec: RefCodec::Gzip,
+        compressed_len: gz.len() as u64,
+        uncompressed_len: data.len() as u64,
+        checkpoints,
+    };
+    (data, gz, windows, layer)
 }
 
 #[cfg(test)]
@@ -545,17 +673,17 @@ mod tests {
     /// A load of `len` bytes of `byte`, published in one piece after `delay`, counted in `loads`.
     fn slow_load(loads: &Arc<AtomicUsize>, delay: Duration, byte: u8, len: usize) -> SpanLoad {
         let loads = Arc::clone(loads);
-        Box::new(move |publish| {
+        Box::new(move |_, publish| {
             loads.fetch_add(1, Ordering::SeqCst);
             std::thread::sleep(delay);
             publish(&vec![byte; len]);
-            Ok(vec![byte; len])
+            Ok((vec![byte; len], Arc::default()))
         })
     }
 
     #[test]
     fn one_load_per_span_however_many_readers_wait() {
-        let cache = Arc::new(SpanCache::new(1 << 20));
+        let cache = Arc::new(SpanCache::new(1 << 20, 0));
         let loads = Arc::new(AtomicUsize::new(0));
         let got: Vec<Vec<u8>> = std::thread::scope(|s| {
             let handles: Vec<_> = (0..8)
@@ -591,18 +719,18 @@ mod tests {
     /// load included — has them while the rest is still on its way.
     #[test]
     fn a_reader_has_its_bytes_before_the_rest_of_the_span_is_in() {
-        let cache = Arc::new(SpanCache::new(1 << 20));
+        let cache = Arc::new(SpanCache::new(1 << 20, 0));
         let (open, gate) = std::sync::mpsc::channel::<()>();
         let gate = Mutex::new(Some(gate));
         let load = || -> SpanLoad {
             let gate = gate.lock().unwrap().take().expect("one load");
-            Box::new(move |publish| {
+            Box::new(move |_, publish| {
                 publish(&[1u8; 100]);
                 gate.recv().map_err(|_| injected())?;
                 publish(&[2u8; 900]);
                 let mut all = vec![1u8; 100];
                 all.extend_from_slice(&[2u8; 900]);
-                Ok(all)
+                Ok((all, Arc::default()))
             })
         };
         // The reader that starts the load gets its bytes with the gate closed.
@@ -626,11 +754,11 @@ mod tests {
 
     #[test]
     fn a_failed_load_is_retried_by_a_waiter_and_the_cache_keeps_to_its_bytes() {
-        let cache = Arc::new(SpanCache::new(2500));
+        let cache = Arc::new(SpanCache::new(2500, 0));
         let loads = Arc::new(AtomicUsize::new(0));
         let load = || -> SpanLoad {
             let loads = Arc::clone(&loads);
-            Box::new(move |publish| {
+            Box::new(move |_, publish| {
                 let n = loads.fetch_add(1, Ordering::SeqCst);
                 std::thread::sleep(Duration::from_millis(50));
                 if n == 0 {
@@ -639,7 +767,7 @@ mod tests {
                     return Err(injected());
                 }
                 publish(&[1u8; 1000]);
-                Ok(vec![1u8; 1000])
+                Ok((vec![1u8; 1000], Arc::default()))
             })
         };
         let results: Vec<bool> = std::thread::scope(|s| {
@@ -678,9 +806,9 @@ mod tests {
 
     #[test]
     fn a_load_that_panics_fails_its_reader_and_leaves_no_flight() {
-        let cache = Arc::new(SpanCache::new(1 << 20));
+        let cache = Arc::new(SpanCache::new(1 << 20, 0));
         let err = cache
-            .bytes(((0, 0), D), (0, 1), false, || Box::new(|_: &mut dyn FnMut(&[u8])| panic!("injected")));
+            .bytes(((0, 0), D), (0, 1), false, || Box::new(|_, _: &mut dyn FnMut(&[u8])| panic!("injected")));
         assert!(err.is_err());
         assert!(cache.lock().inflight.is_empty());
         assert_eq!(
@@ -689,5 +817,102 @@ mod tests {
                 .unwrap(),
             [3]
         );
+    }
+
+    /// Blobs in memory, every range read logged.
+    struct Blobs {
+        blobs: HashMap<Sha256Digest, Vec<u8>>,
+        reads: Mutex<Vec<(Sha256Digest, u64, u32)>>,
+    }
+
+    impl ChunkSource for Blobs {
+        fn read_stored(&self, pack: &Sha256Digest, offset: u64, len: u32) -> Result<Vec<u8>, StoreError> {
+            self.reads.lock().unwrap().push((*pack, offset, len));
+            let blob = self.blobs.get(pack).ok_or_else(injected)?;
+            Ok(blob[offset as usize..offset as usize + len as usize].to_vec())
+        }
+    }
+
+    /// A gzip layer of ~3 MiB of text with ~1 MiB spans (the builder's spacing) and its windows
+    /// in a blob of their own: (the uncompressed bytes, the layer, the windows blob's digest, a
+    /// source holding both blobs).
+    fn layer() -> (Vec<u8>, RefLayer, Sha256Digest, Blobs) {
+        let (data, gz, windows, layer) = test_layer(3 << 20, 1 << 20, 0);
+        let wd = Sha256Digest::of(&windows);
+        let blobs = HashMap::from([(layer.digest, gz), (wd, windows)]);
+        (data, layer, wd, Blobs { blobs, reads: Mutex::default() })
+    }
+
+    /// How many reads `source` made since the last call.
+    fn reads(source: &Blobs) -> usize {
+        std::mem::take(&mut *source.reads.lock().unwrap()).len()
+    }
+
+    /// Bytes `[from, to)` of span `k` through `cache`, loaded from `source`.
+    fn span_bytes(
+        cache: &Arc<SpanCache>,
+        (source, layer, windows): (&Arc<Blobs>, &Arc<RefLayer>, Sha256Digest),
+        k: usize,
+        (from, to): (usize, usize),
+        checked: bool,
+    ) -> Result<Vec<u8>, StoreError> {
+        let load = || -> SpanLoad {
+            let (source, layer) = (Arc::clone(source), Arc::clone(layer));
+            Box::new(move |stored, publish| stream_span(&*source, &layer, k, Some(&windows), stored, publish))
+        };
+        cache.bytes(((0, k), layer.digest), (from, to), checked, load)
+    }
+
+    /// A span whose decoded bytes were evicted is decoded again from its stored form, checked
+    /// again, not fetched again — fetch once; the stored forms keep to their own bound.
+    #[test]
+    fn an_evicted_span_is_decoded_again_from_what_was_fetched() {
+        let (data, layer, windows, source) = layer();
+        let (source, layer) = (Arc::new(source), Arc::new(layer));
+        assert!(layer.checkpoints.len() >= 3, "{} spans", layer.checkpoints.len());
+        let range = |k: usize| {
+            let (s, e) = layer.span_range(k).unwrap();
+            (s as usize, e as usize)
+        };
+        let ctx = (&source, &layer, windows);
+        // Room for one decoded span.
+        let one = range(0).1 + (range(0).1 >> 1);
+        let cache = Arc::new(SpanCache::new(one, 8 << 20));
+        for k in 0..3 {
+            let (s, e) = range(k);
+            assert_eq!(span_bytes(&cache, ctx, k, (0, e - s), false).unwrap(), data[s..e]);
+            cache.settle((0, k));
+        }
+        assert_eq!(reads(&source), 3 + 2, "three spans, and the windows of the two not at the start");
+        {
+            let s = cache.lock();
+            assert_eq!(s.lru.len(), 1, "one span decoded");
+            assert_eq!(s.stored.len(), 3, "all three stored");
+            assert_eq!(s.stored_bytes, s.stored.iter().map(|x| x.1.footprint()).sum::<usize>());
+        }
+        // The evicted spans again, checked and not: the same bytes, nothing read.
+        for k in [0, 1] {
+            let (s, e) = range(k);
+            assert_eq!(span_bytes(&cache, ctx, k, (100, e - s), true).unwrap(), data[s + 100..e]);
+            assert_eq!(span_bytes(&cache, ctx, k, (5, 4096), false).unwrap(), data[s + 5..s + 4096]);
+        }
+        assert_eq!(reads(&source), 0, "decoded again from their stored forms");
+        assert_eq!(cache.lock().stored.len(), 3, "a stored form is kept once");
+
+        // Stored forms keep to their bound: room for one, the least recently used goes.
+        let largest = cache.lock().stored.iter().map(|x| x.1.footprint()).max().unwrap_or(0);
+        let small = Arc::new(SpanCache::new(one, largest));
+        for k in [0, 1] {
+            span_bytes(&small, ctx, k, (0, 10), true).unwrap();
+        }
+        assert_eq!(reads(&source), 2 + 1);
+        span_bytes(&small, ctx, 0, (0, 10), true).unwrap();
+        assert_eq!(
+            reads(&source),
+            1,
+            "span 0 was evicted from both: fetched again (its window is at the start)"
+        );
+        let s = small.lock();
+        assert!(s.stored_bytes <= small.stored_capacity && s.stored.len() == 1, "{} stored", s.stored.len());
     }
 }
