@@ -2,7 +2,9 @@
 //! oci:… --reference-layers` gives the converted build's image ID, stores the layer blobs as they
 //! are (no packs) and a reference pack index, and its export is byte-identical to the converted
 //! image's, e2fsck-clean, with zero differences from `umoci unpack`. A layer blob changed in the
-//! store afterwards makes the export fail, naming the blob, rather than give other bytes.
+//! store afterwards makes the export fail, naming the blob, rather than give other bytes. Served
+//! from a remote origin without a disk cache, the spans fetched are kept compressed in half the
+//! memory budget, each fetched once.
 //!
 //! Needs root and umoci (`cargo xtask test` provides them); run with `--test-threads=1`.
 
@@ -11,9 +13,10 @@ use std::path::Path;
 
 use anyhow::{ensure, Context, Result};
 use tessera_e2e::debian::only_dir_mtimes;
+use tessera_e2e::metrics::{scrape, spawn_with_metrics};
 use tessera_e2e::oci::{build_ok, require_tools, UmociImage};
 use tessera_e2e::pipeline::judge_image;
-use tessera_e2e::testutil::{same_bytes, tmp};
+use tessera_e2e::testutil::{same_bytes, tmp, Killed};
 use tessera_e2e::{fixtures, tessera};
 
 /// Files under `dir`, recursively.
@@ -102,6 +105,36 @@ fn reference_layers_match_the_converted_image_and_umoci_unpack() -> Result<()> {
     ensure!(v["failed_chunks"] == 0 && v["fetched_chunks"].as_u64() > Some(0), "warm: {v}");
     let spans = walkdir_count(&cache.join("v1/spans"))?;
     ensure!(spans as u64 == v["fetched_chunks"].as_u64().unwrap_or(0), "{spans} spans cached: {v}");
+    // From the origin with no disk cache: the daemon keeps the spans it fetched, compressed, in
+    // half of --mem-cache, and fetches each once: the origin's bytes (spans and windows) are
+    // exactly the stored forms' bytes.
+    let remote_socket = t.path().join("remote.sock");
+    let mut cmd = tessera::command(["serve", "t", "--store", &url, "--read-only", "--mem-cache", "64M"]);
+    let (child, addr) =
+        spawn_with_metrics(cmd.arg("--socket").arg(&remote_socket).stdout(std::process::Stdio::null()))?;
+    let serving = Killed(child);
+    let mut c = tessera_e2e::daemon::BlkClient::connect(&remote_socket, 1, true)?;
+    let (device, failed) = c.read_device(1 << 20, 8)?;
+    ensure!(failed.is_empty(), "daemon reads from the origin failed: {failed:?}");
+    ensure!(device == fs::read(&raw_converted)?, "the daemon served other bytes from the origin");
+    drop(c);
+    let m = scrape(&addr)?;
+    drop(serving);
+    let stored = m.value("tessera_memory_span_stored_bytes", &[])?;
+    let origin_bytes = m.value("tessera_tier_bytes_total", &[("tier", "origin")])?;
+    eprintln!("from the origin: {origin_bytes} bytes; spans kept compressed: {stored} bytes");
+    ensure!(stored > 0.0 && stored == origin_bytes, "stored spans {stored} bytes, fetched {origin_bytes}");
+    // At most the layers and the windows blob (one of the store's other blobs).
+    ensure!(
+        stored <= (layer_bytes + other_bytes) as f64,
+        "stored {stored} bytes, more than the {layer_bytes} bytes of layers and {other_bytes} of other blobs"
+    );
+    let decoded = m.value("tessera_memory_span_bytes", &[])?;
+    ensure!(decoded > 0.0 && decoded <= f64::from(32u32 << 20), "decoded spans: {decoded} bytes");
+    ensure!(
+        m.value("tessera_memory_tier_capacity_bytes", &[])? == f64::from(32u32 << 20),
+        "the memory tier keeps the other half"
+    );
     origin.stop();
     let from_cache = t.path().join("cache.raw");
     let out =

@@ -26,6 +26,9 @@ pub fn watch_mem_tier<S: ChunkSource + 'static>(metrics: &Arc<Metrics>, tier: &A
         mirror(&m.memory_tier.fills, stats.fetches.load(Ordering::Relaxed));
         mirror(&m.memory_tier.fill_bytes, stats.fetched_bytes.load(Ordering::Relaxed));
         mirror(&m.memory_tier.refetches, tier.refetches());
+        let (spans, stored) = tier.reader().span_bytes();
+        m.memory_tier.span_bytes.set(gauge_value(spans));
+        m.memory_tier.span_stored_bytes.set(gauge_value(stored));
         mirror(&m.prefetch.readahead_queued, stats.readahead_chunks.load(Ordering::Relaxed));
         mirror(&m.prefetch.profile_queued, stats.prefetch_chunks.load(Ordering::Relaxed));
         mirror(&m.prefetch.whole_file_queued, stats.whole_file_chunks.load(Ordering::Relaxed));

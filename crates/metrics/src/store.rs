@@ -136,6 +136,10 @@ pub struct MemoryTierMetrics {
     pub fill_bytes: IntCounter,
     /// Chunks fetched a second time because the first copy failed verification.
     pub refetches: IntCounter,
+    /// Decoded checkpoint spans of a `--reference-layers` image held.
+    pub span_bytes: IntGauge,
+    /// Checkpoint spans of a `--reference-layers` image kept in their stored form.
+    pub span_stored_bytes: IntGauge,
 }
 
 impl MemoryTierMetrics {
@@ -156,6 +160,14 @@ impl MemoryTierMetrics {
             refetches: r.counter(
                 "tessera_chunk_refetches_total",
                 "Chunks fetched again because the first copy failed verification",
+            ),
+            span_bytes: r.gauge(
+                "tessera_memory_span_bytes",
+                "Decoded checkpoint spans of a --reference-layers image held in memory",
+            ),
+            span_stored_bytes: r.gauge(
+                "tessera_memory_span_stored_bytes",
+                "Checkpoint spans of a --reference-layers image kept compressed in memory so that none is fetched twice (at most --mem-cache)",
             ),
         }
     }

@@ -19,12 +19,6 @@ use crate::source::ChunkSource;
 /// Bytes of decoded spans kept by an [`crate::ImageReader`] of a reference image (a span is about
 /// 1 MiB: the builder's checkpoint spacing).
 pub const DEFAULT_SPAN_CACHE: usize = 32 << 20;
-/// Bytes of spans kept in their stored (compressed) form ([`Stored`]), so that a span fetched
-/// once is decoded again when a reader comes back to it after its decoded bytes were evicted,
-/// not fetched again: about 800 spans at the usual 3:1, 2.5 GiB of layer data. A reader of
-/// random files meets the same spans again and again: the lazy benchmark's whole-file workload
-/// fetched 219 of its 395 MiB twice or more with the decoded spans alone.
-pub const DEFAULT_STORED_SPANS: usize = 256 << 20;
 
 /// A reference image's index, with each BlockMap chunk's place resolved.
 #[derive(Debug)]
@@ -507,6 +501,12 @@ impl SpanCache {
             p.decoded = Vec::new();
         }
         flight.cv.notify_all();
+    }
+
+    /// Bytes held: of decoded spans, and of stored forms.
+    pub(crate) fn held(&self) -> (usize, usize) {
+        let s = self.lock();
+        (s.bytes, s.stored_bytes)
     }
 
     /// Keep `stored` as span `key`'s stored form, most recently used, evicting the least
