@@ -492,7 +492,15 @@ impl SpanCache {
                     }
                     Ok(data)
                 }
-                Err(e) => Err(Some(e)),
+                Err(e) => {
+                    // A stored form that does not decode to its span (it is checked again) goes:
+                    // the next load fetches the span afresh.
+                    if let Some(i) = s.stored.iter().position(|x| x.0 == key) {
+                        let (_, bad) = s.stored.remove(i);
+                        s.stored_bytes -= bad.footprint();
+                    }
+                    Err(Some(e))
+                }
             }
         };
         {
@@ -898,6 +906,26 @@ mod tests {
         }
         assert_eq!(reads(&source), 0, "decoded again from their stored forms");
         assert_eq!(cache.lock().stored.len(), 3, "a stored form is kept once");
+
+        // A stored form whose bytes changed fails its check (never other bytes) and goes: the
+        // read after it fetches the span afresh.
+        span_bytes(&cache, ctx, 2, (0, 10), false).unwrap();
+        {
+            let mut s = cache.lock();
+            assert!(!s.lru.iter().any(|x| x.0 == (0, 0)), "span 0 is not held decoded");
+            let entry = s.stored.iter_mut().find(|x| x.0 == (0, 0)).unwrap();
+            let mut bytes = entry.1.bytes.clone();
+            bytes[100] ^= 0x08;
+            entry.1 = Arc::new(Stored { bytes, window: entry.1.window.clone() });
+        }
+        let (s0, e0) = range(0);
+        assert!(matches!(
+            span_bytes(&cache, ctx, 0, (0, e0 - s0), true),
+            Err(StoreError::CorruptSpan { .. })
+        ));
+        assert!(!cache.lock().stored.iter().any(|x| x.0 == (0, 0)), "the bad stored form is dropped");
+        assert_eq!(span_bytes(&cache, ctx, 0, (0, e0 - s0), true).unwrap(), data[s0..e0]);
+        assert_eq!(reads(&source), 1, "fetched afresh");
 
         // Stored forms keep to their bound: room for one, the least recently used goes.
         let largest = cache.lock().stored.iter().map(|x| x.1.footprint()).max().unwrap_or(0);
