@@ -118,7 +118,18 @@ fn reference_layers_match_the_converted_image_and_umoci_unpack() -> Result<()> {
     ensure!(failed.is_empty(), "daemon reads from the origin failed: {failed:?}");
     ensure!(device == fs::read(&raw_converted)?, "the daemon served other bytes from the origin");
     drop(c);
-    let m = scrape(&addr)?;
+    // A read returns once its bytes are decoded, a moment before its span's load is counted and
+    // kept: scrape until the two agree (or 5 s pass, and the check below fails).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let m = loop {
+        let m = scrape(&addr)?;
+        let settled = m.value("tessera_memory_span_stored_bytes", &[])?
+            == m.value("tessera_tier_bytes_total", &[("tier", "origin")])?;
+        if settled || std::time::Instant::now() > deadline {
+            break m;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50)); // polling interval
+    };
     drop(serving);
     let stored = m.value("tessera_memory_span_stored_bytes", &[])?;
     let origin_bytes = m.value("tessera_tier_bytes_total", &[("tier", "origin")])?;

@@ -167,7 +167,7 @@ impl MemoryTierMetrics {
             ),
             span_stored_bytes: r.gauge(
                 "tessera_memory_span_stored_bytes",
-                "Checkpoint spans of a --reference-layers image kept compressed in memory so that none is fetched twice (at most --mem-cache)",
+                "Checkpoint spans of a --reference-layers image kept compressed in memory so that none is fetched twice (at most half of --mem-cache)",
             ),
         }
     }
