@@ -615,10 +615,10 @@ pub(crate) fn fetch_reference_chunk<S: ChunkSource + 'static>(
 
 /// Test data: `len` bytes of compressible text (words in a pseudo-random order: many deflate
 /// blocks), gzipped and indexed with checkpoints every `spacing` bytes, and the layer as a
-/// reference index holds it, its windows in a windows blob at offset `windows_at` (the
-/// layer's digest is the gzip's): (the text, the gzip, the windows, the layer).
+/// reference index holds it, its windows back to back in a windows blob (the layer's digest is
+/// the gzip's): (the text, the gzip, the windows, the layer).
 #[cfg(test)]
-pub(crate) fn test_layer(len: usize, spacing: u64, windows_at: u64) -> (Vec<u8>, Vec<u8>, Vec<u8>, RefLayer) {
+pub(crate) fn test_layer(len: usize, spacing: u64) -> (Vec<u8>, Vec<u8>, Vec<u8>, RefLayer) {
     use std::io::Write;
     let words: [&[u8]; 8] =
         [b"lazy ", b"loading ", b"of ", b"spans ", b"from ", b"gzip ", b"layers\n", b"42 "];
@@ -638,7 +638,7 @@ pub(crate) fn test_layer(len: usize, spacing: u64, windows_at: u64) -> (Vec<u8>,
         let (s, e) = (span.compressed.0 as usize, span.compressed.1 as usize);
         // The indexer's windows are zstd already, as the builder stores them.
         let window = Window::Stored {
-            offset: windows_at + windows.len() as u64,
+            offset: windows.len() as u64,
             len: cp.window.len() as u32,
             digest: if cp.window.is_empty() { [0; 32] } else { *blake3::hash(&cp.window).as_bytes() },
         };
@@ -845,7 +845,7 @@ mod tests {
     /// in a blob of their own: (the uncompressed bytes, the layer, the windows blob's digest, a
     /// source holding both blobs).
     fn layer() -> (Vec<u8>, RefLayer, Sha256Digest, Blobs) {
-        let (data, gz, windows, layer) = test_layer(3 << 20, 1 << 20, 0);
+        let (data, gz, windows, layer) = test_layer(3 << 20, 1 << 20);
         let wd = Sha256Digest::of(&windows);
         let blobs = HashMap::from([(layer.digest, gz), (wd, windows)]);
         (data, layer, wd, Blobs { blobs, reads: Mutex::default() })

@@ -2142,7 +2142,7 @@ mod multi_range_refusing_server {
     #[test]
     fn a_span_and_its_window_stream_from_an_origin_not_yet_probed() {
         // One blob holds the layer and, after it, the windows: served at every path.
-        let (data, gz, windows, mut layer) = crate::reference::test_layer(600_000, 32 << 10, 0);
+        let (data, gz, windows, mut layer) = crate::reference::test_layer(600_000, 32 << 10);
         let mut blob = gz.clone();
         for cp in &mut layer.checkpoints {
             if let tessera_image::Window::Stored { offset, .. } = &mut cp.window {
