@@ -496,7 +496,7 @@ fn complete<M: GuestMemory + ?Sized>(
             (e.status(), 0)
         }
     };
-    if mem.write_obj(status.byte(), status_addr).is_err() {
+    if !crate::guest::write(mem, status_addr, &[status.byte()]) {
         // parse() checked the address; memory cannot shrink under a held guard.
         return Completion { used_len: 0, status: None, kind, bytes: 0, sector, len };
     }

@@ -42,6 +42,7 @@ pub mod backend;
 pub mod config;
 pub mod error;
 pub mod execute;
+pub mod guest;
 pub mod inflight;
 pub mod log_limit;
 pub mod plan;
