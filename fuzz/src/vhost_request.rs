@@ -28,6 +28,7 @@ use std::sync::Arc;
 use tessera_engine::{BlockDevice, ReadError};
 use tessera_image::{ImageId, Sha256Digest};
 use tessera_overlay::{Mode as OverlayMode, Overlay, OverlayParams};
+use tessera_vhost::inflight::Walk;
 use tessera_vhost::plan::{plan, Plan};
 use tessera_vhost::request::{
     parse, GuestSeg, Parsed, RequestKind, HEADER_LEN, MAX_DESCRIPTORS, SECTOR_SIZE,
@@ -209,8 +210,17 @@ pub fn run(data: &[u8]) {
         let q = MockSplitQueue::new(&mem, QUEUE_SIZE);
         let raw: Vec<RawDescriptor> = case.descs.iter().map(|&d| RawDescriptor::from(desc(d))).collect();
         let Ok(chain) = q.build_multiple_desc_chains(&raw) else { return };
+        let head = chain.head_index();
         // The walk itself is bounded by the queue size (or the indirect table's length).
         let v: Vec<Descriptor> = chain.collect();
+        // The daemon's own walker reads what virtio-queue's does.
+        let fields = |d: &Descriptor| (d.addr().0, d.len(), d.flags(), d.next());
+        let ours: Vec<Descriptor> = Walk::new(&mem, q.desc_table_addr(), QUEUE_SIZE, head).collect();
+        assert_eq!(
+            ours.iter().map(fields).collect::<Vec<_>>(),
+            v.iter().map(fields).collect::<Vec<_>>(),
+            "inflight::Walk and DescriptorChain disagree"
+        );
         // (an indirect table holds at most 2^16 descriptors).
         assert!(v.len() <= usize::from(QUEUE_SIZE) + 65536, "chain walk not bounded: {}", v.len());
         v

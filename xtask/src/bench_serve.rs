@@ -373,15 +373,11 @@ pub fn run(opts: &ServeBench) -> Result<()> {
 /// Run the serve benchmark: every round's figures (see [`ServeResult`]).
 pub(crate) fn measure(opts: &ServeBench) -> Result<ServeResult> {
     fixtures::require_root()?;
-    let mut tools = vec!["qemu-storage-daemon", "taskset"];
+    let mut tools = vec![("qemu-storage-daemon", "qemu-utils"), ("taskset", "util-linux")];
     if !opts.no_writes {
-        tools.push("fio");
+        tools.push(("fio", "fio"));
     }
-    for tool in tools {
-        if Command::new("which").arg(tool).stdout(Stdio::null()).status().map_or(true, |s| !s.success()) {
-            bail!("{tool} is missing (apt-get install qemu-utils fio util-linux)");
-        }
-    }
+    super::ensure_tools(&tools)?;
     let variants = opts.qsd.iter().map(|s| QsdVariant::parse(s)).collect::<Result<Vec<_>>>()?;
     if variants.is_empty() {
         bail!("--qsd: at least one configuration");

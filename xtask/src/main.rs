@@ -588,6 +588,39 @@ fn install_guest_packages() -> Result<()> {
     Ok(())
 }
 
+/// Make sure the commands of `tools` (`(command, Debian package)`) are on `PATH`, installing the
+/// packages of those that are not (as root; otherwise a clear error naming them). For what a
+/// benchmark alone needs (fio, …): `setup` installs the test suite's packages and nothing else.
+pub(crate) fn ensure_tools(tools: &[(&str, &str)]) -> Result<()> {
+    let on_path = |tool: &str| {
+        Command::new("which")
+            .arg(tool)
+            .stdout(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    let mut missing: Vec<&str> = tools.iter().filter(|(t, _)| !on_path(t)).map(|(_, p)| *p).collect();
+    missing.dedup();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    if !fixtures::is_root() {
+        bail!("missing {missing:?} and not root: apt-get install {}", missing.join(" "));
+    }
+    eprintln!("installing {} (needed by this benchmark)", missing.join(" "));
+    status(Command::new("apt-get").args(["-q", "update"]).env("DEBIAN_FRONTEND", "noninteractive"))?;
+    status(
+        Command::new("apt-get")
+            .args(["-q", "-y", "install", "--no-install-recommends"])
+            .args(&missing)
+            .env("DEBIAN_FRONTEND", "noninteractive"),
+    )?;
+    match tools.iter().find(|(t, _)| !on_path(t)) {
+        Some((t, p)) => bail!("{t} is still missing after installing {p}"),
+        None => Ok(()),
+    }
+}
+
 fn install_missing_packages() -> Result<()> {
     let missing: Vec<&str> = PACKAGES.iter().copied().filter(|p| !installed(p)).collect();
     if missing.is_empty() {
