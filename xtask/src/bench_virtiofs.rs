@@ -286,23 +286,11 @@ pub fn virtiofsd() -> Result<PathBuf> {
     if bin.is_file() {
         return Ok(bin);
     }
-    let missing: Vec<&str> = ["libseccomp-dev", "libcap-ng-dev"]
-        .into_iter()
-        .filter(|p| {
-            !Command::new("dpkg-query")
-                .args(["-W", "-f=${Status}", p])
-                .output()
-                .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("install ok installed"))
-        })
-        .collect();
+    let missing: Vec<&str> =
+        ["libseccomp-dev", "libcap-ng-dev"].into_iter().filter(|p| !super::installed(p)).collect();
     if !missing.is_empty() {
         fixtures::require_root()?;
-        super::status(
-            Command::new("apt-get")
-                .args(["-q", "-y", "install", "--no-install-recommends"])
-                .args(&missing)
-                .env("DEBIAN_FRONTEND", "noninteractive"),
-        )?;
+        super::apt_install(&missing)?;
     }
     eprintln!("installing virtiofsd {VIRTIOFSD_VERSION} into {} (once per machine)", root.display());
     super::status(

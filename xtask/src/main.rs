@@ -435,7 +435,7 @@ const PACKAGES: &[&str] = &[
     "time",
 ];
 
-fn installed(pkg: &str) -> bool {
+pub(crate) fn installed(pkg: &str) -> bool {
     Command::new("dpkg-query")
         .args(["-W", "-f=${Status}", pkg])
         .output()
@@ -496,8 +496,6 @@ fn install_referrers_registry() -> Result<()> {
     if !fixtures::is_root() {
         bail!("the referrers registry ({}) is missing and we are not root", bin.display());
     }
-    let apt =
-        |args: &[&str]| status(Command::new("apt-get").args(args).env("DEBIAN_FRONTEND", "noninteractive"));
     if !installed("golang-go") {
         apt(&["-q", "-y", "install", "--no-install-recommends", "golang-go"])?;
     }
@@ -549,8 +547,6 @@ fn install_guest_packages() -> Result<()> {
     if !fixtures::is_root() {
         bail!("the guest tests need qemu-system-x86 (bookworm-backports) and busybox-static, and we are not root");
     }
-    let apt =
-        |args: &[&str]| status(Command::new("apt-get").args(args).env("DEBIAN_FRONTEND", "noninteractive"));
     if !have_qemu {
         if !Path::new(BACKPORTS_SOURCES).exists() {
             let uri = std::fs::read_to_string("/etc/apt/sources.list.d/debian.sources")
@@ -608,13 +604,7 @@ pub(crate) fn ensure_tools(tools: &[(&str, &str)]) -> Result<()> {
         bail!("missing {missing:?} and not root: apt-get install {}", missing.join(" "));
     }
     eprintln!("installing {} (needed by this benchmark)", missing.join(" "));
-    status(Command::new("apt-get").args(["-q", "update"]).env("DEBIAN_FRONTEND", "noninteractive"))?;
-    status(
-        Command::new("apt-get")
-            .args(["-q", "-y", "install", "--no-install-recommends"])
-            .args(&missing)
-            .env("DEBIAN_FRONTEND", "noninteractive"),
-    )?;
+    apt_install(&missing)?;
     match tools.iter().find(|(t, _)| !on_path(t)) {
         Some((t, p)) => bail!("{t} is still missing after installing {p}"),
         None => Ok(()),
@@ -633,13 +623,18 @@ fn install_missing_packages() -> Result<()> {
             missing.join(" ")
         );
     }
-    status(Command::new("apt-get").args(["-q", "update"]).env("DEBIAN_FRONTEND", "noninteractive"))?;
-    status(
-        Command::new("apt-get")
-            .args(["-q", "-y", "install", "--no-install-recommends"])
-            .args(&missing)
-            .env("DEBIAN_FRONTEND", "noninteractive"),
-    )
+    apt_install(&missing)
+}
+
+/// `apt-get ARGS`, non-interactive.
+fn apt(args: &[&str]) -> Result<()> {
+    status(Command::new("apt-get").args(args).env("DEBIAN_FRONTEND", "noninteractive"))
+}
+
+/// Refresh the package lists, then install `packages` (without recommends).
+pub(crate) fn apt_install(packages: &[&str]) -> Result<()> {
+    apt(&["-q", "update"])?;
+    apt(&[&["-q", "-y", "install", "--no-install-recommends"], packages].concat())
 }
 
 /// The cargo-deny release the gate runs (installed once with `cargo install --locked` into
