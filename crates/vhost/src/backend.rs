@@ -22,6 +22,7 @@ use crate::inflight::{self, InflightArea, QueueInflight};
 use crate::log_limit::LogLimit;
 use crate::poll::PollWindow;
 use crate::record::RequestRecorder;
+use crate::used::{self, Published, UsedRing};
 use tessera_overlay::FlushDone;
 
 /// Guest memory as the framework hands it over (no dirty-page bitmap).
@@ -75,6 +76,8 @@ struct QueueState {
     /// Whether the guest has been signalled on this connection yet: the first serve of a ring
     /// signals unconditionally (see [`BlkBackend::serve_queue`]).
     signalled: AtomicBool,
+    /// Completions published since the guest was last considered for a signal.
+    published: Published,
 }
 
 /// What a queue's worker keeps between wake-ups.
@@ -150,6 +153,7 @@ impl BlkBackend {
                     event: EventFd::new(EFD_NONBLOCK)?,
                     vring: Mutex::new(None),
                     signalled: AtomicBool::new(false),
+                    published: Published::default(),
                 })
             })
             .collect::<io::Result<Vec<_>>>()?;
@@ -345,10 +349,13 @@ impl BlkBackend {
                                 if let Some(r) = &self.inner.recorder {
                                     r.record(queue, &done, taken);
                                 }
+                                let q = state.get_queue_mut();
+                                let used = UsedRing::new(&**mem, q);
                                 inflight::add_used(
                                     track.as_ref(),
-                                    state.get_queue_mut(),
-                                    &**mem,
+                                    q,
+                                    &used,
+                                    &qs.published,
                                     head,
                                     done.used_len,
                                 )?;
@@ -369,7 +376,7 @@ impl BlkBackend {
                     }
                     if served > 0 {
                         trace!(queue, served, "batch");
-                        signal(&mut state, &atomic.memory(), queue)?;
+                        signal(&mut state, &atomic.memory(), &qs.published, queue)?;
                     }
                     let window = poll.current();
                     if window.is_zero() {
@@ -418,8 +425,10 @@ impl BlkBackend {
         let _ = qs.event.read();
         let done = std::mem::take(&mut lock(&qs.completions).done);
         let mem = atomic.memory();
+        let q = state.get_queue_mut();
+        let used = UsedRing::new(&*mem, q);
         for &(head, len) in &done {
-            inflight::add_used(track, state.get_queue_mut(), &*mem, head, len)?;
+            inflight::add_used(track, q, &used, &qs.published, head, len)?;
         }
         if !done.is_empty() {
             trace!(completed = done.len(), "out-of-order completions");
@@ -501,6 +510,7 @@ impl BlkBackend {
         if done.is_empty() {
             return;
         }
+        let Some(qs) = self.inner.queues.get(queue) else { return };
         let Some(atomic) = lock(&self.inner.mem).clone() else {
             return;
         };
@@ -509,11 +519,13 @@ impl BlkBackend {
         let area = self.inner.inflight_area();
         let track = area.as_ref().and_then(|a| a.queue(queue));
         let result = (|| -> Result<(), virtio_queue::Error> {
+            let q = state.get_queue_mut();
+            let used = UsedRing::new(&*mem, q);
             for &(head, len) in done {
-                inflight::add_used(track.as_ref(), state.get_queue_mut(), &*mem, head, len)?;
+                inflight::add_used(track.as_ref(), q, &used, &qs.published, head, len)?;
             }
             trace!(queue, completed = done.len(), "out-of-order completions");
-            signal(&mut state, &mem, queue)
+            signal(&mut state, &mem, &qs.published, queue)
         })();
         if let Err(e) = result {
             warn!(queue, error = &e as &dyn std::error::Error, "virtqueue error adding completions");
@@ -562,13 +574,15 @@ impl Inner {
     }
 }
 
-/// Signal the guest that used buffers were added, if it asked to be told.
+/// Signal the guest that used buffers were added (`published` since the last decision), if it
+/// asked to be told.
 fn signal(
     state: &mut VringState<GuestMem>,
     mem: &GuestMemoryMmap<()>,
+    published: &Published,
     queue: usize,
 ) -> Result<(), virtio_queue::Error> {
-    if state.get_queue_mut().needs_notification(mem)? {
+    if used::needs_signal(state.get_queue_mut(), mem, published)? {
         if let Err(e) = state.signal_used_queue() {
             warn!(queue, error = &e as &dyn std::error::Error, "cannot signal the guest");
         }
@@ -751,6 +765,9 @@ impl VhostUserBackend for BlkBackend {
     /// resubmitted requests first — as soon as it watches the kick.
     fn vring_ready(&self, queue_index: u16, vring: &Self::Vring) -> io::Result<()> {
         let mut state = vring.get_mut();
+        if let Some(qs) = self.inner.queues.get(usize::from(queue_index)) {
+            qs.published.reset();
+        }
         let area = self.inner.inflight_area();
         let mem = lock(&self.inner.mem).clone();
         if let (Some(track), Some(atomic)) =

@@ -37,6 +37,7 @@ use virtio_queue::desc::split::Descriptor;
 use virtio_queue::{Queue, QueueT};
 
 use crate::backend::GuestMem;
+use crate::used::{Published, UsedRing};
 use vm_memory::bitmap::BS;
 use vm_memory::{
     Address, Bytes, FileOffset, GuestAddress, GuestMemory, MmapRegion, Permissions, VolatileMemory,
@@ -178,19 +179,20 @@ impl QueueInflight<'_> {
         self.store(1u8, d + DESC_OFF_INFLIGHT);
     }
 
-    /// Publish the used element of `head` on `queue` (`QueueT::add_used`), recording the
-    /// completion in the region around it.
-    pub fn add_used<Q: QueueT, M: GuestMemory>(
+    /// Publish the used element of `head` on `queue` through `used` ([`UsedRing::add`]),
+    /// recording the completion in the region around it.
+    pub fn add_used<Q: QueueT, M: GuestMemory + ?Sized>(
         &self,
         queue: &mut Q,
-        mem: &M,
+        used: &UsedRing<'_, M>,
+        published: &Published,
         head: u16,
         len: u32,
     ) -> Result<(), virtio_queue::Error> {
-        let Some(d) = self.desc(head) else { return queue.add_used(mem, head, len) };
+        let Some(d) = self.desc(head) else { return used.add(queue, published, head, len) };
         self.store(head, OFF_LAST_BATCH_HEAD);
         fence(Ordering::SeqCst);
-        queue.add_used(mem, head, len)?;
+        used.add(queue, published, head, len)?;
         fence(Ordering::SeqCst);
         self.store(0u8, d + DESC_OFF_INFLIGHT);
         fence(Ordering::SeqCst);
@@ -378,17 +380,19 @@ pub fn next_chain<'m, M: GuestMemory>(
     Some((head, Walk::new(mem, table, queue.size(), head)))
 }
 
-/// Publish the used element of `head`, through `track` when the front-end shares an area.
-pub fn add_used<Q: QueueT, M: GuestMemory>(
+/// Publish the used element of `head` through `used`, through `track` when the front-end
+/// shares an area.
+pub fn add_used<Q: QueueT, M: GuestMemory + ?Sized>(
     track: Option<&QueueInflight<'_>>,
     queue: &mut Q,
-    mem: &M,
+    used: &UsedRing<'_, M>,
+    published: &Published,
     head: u16,
     len: u32,
 ) -> Result<(), virtio_queue::Error> {
     match track {
-        Some(t) => t.add_used(queue, mem, head, len),
-        None => queue.add_used(mem, head, len),
+        Some(t) => t.add_used(queue, used, published, head, len),
+        None => used.add(queue, published, head, len),
     }
 }
 
@@ -469,8 +473,10 @@ mod tests {
             q.popped(head);
         }
         assert!(q.is_inflight(3) && q.is_inflight(6));
-        q.add_used(&mut queue, &mem, 0, 512).expect("add_used");
-        q.add_used(&mut queue, &mem, 1, 512).expect("add_used");
+        let published = Published::default();
+        let used = UsedRing::new(&mem, &queue);
+        q.add_used(&mut queue, &used, &published, 0, 512).expect("add_used");
+        q.add_used(&mut queue, &used, &published, 1, 512).expect("add_used");
         assert!(!q.is_inflight(0) && !q.is_inflight(1));
         assert_eq!(q.load::<u16>(OFF_USED_IDX), 2);
         drop(a);

@@ -50,6 +50,7 @@ pub mod poll;
 pub mod record;
 pub mod request;
 pub mod server;
+pub mod used;
 
 pub use backend::{BlkBackend, GuestMem, DRAIN_TIMEOUT};
 pub use config::{serial_for, DeviceConfig, MAX_QUEUES, MAX_QUEUE_SIZE};
