@@ -12,6 +12,8 @@
 //!
 //! All three are rewritten after every part, so a run stopped half-way leaves what it measured.
 //! A part that fails is recorded as failed and the others still run; the command then fails.
+//! A run of some parts (`--only`) is merged into the report the JSON file holds
+//! (`report::merge`): its parts replace those of the same names and name the run they come from.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -41,9 +43,15 @@ pub struct ReportBench {
     #[arg(long, value_name = "PATH")]
     pub tessera: Option<PathBuf>,
     /// Only these parts, comma-separated: build, oci, serve, lazy, cold, scale, devices, mounts, and with
-    /// --guest boot-profile, virtiofs.
+    /// --guest boot-profile, virtiofs. They are merged into the report already in the JSON file
+    /// (--json): each replaces the part of the same name, which then names the run it comes from,
+    /// and the other parts stay as they were.
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
+    /// With --only: start the report afresh (the page and the JSON file then hold these parts
+    /// alone) instead of merging them into the earlier report.
+    #[arg(long, requires = "only")]
+    pub replace: bool,
     /// The page whose generated section is rewritten (relative to the workspace root).
     #[arg(long, default_value = "docs/benchmarks.md")]
     pub docs: PathBuf,
@@ -1241,6 +1249,19 @@ pub fn run(o: &ReportBench) -> Result<()> {
             bail!("--only {n}: a guest part, run only with --guest");
         }
     }
+    // The earlier report a run of some parts is merged into.
+    let base: Option<Report> = if o.only.is_empty() || o.replace {
+        None
+    } else {
+        let json = crate::workspace_root().join(&o.json);
+        match std::fs::read_to_string(&json) {
+            Ok(text) => Some(serde_json::from_str(&text).with_context(|| {
+                format!("{}: cannot merge into this report (--replace starts afresh)", json.display())
+            })?),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+            Err(e) => return Err(e).with_context(|| format!("{}", json.display())),
+        }
+    };
     crate::fixtures::require_root()?;
     let start = Instant::now();
     let started = output(Command::new("date").args(["-u", "+%FT%TZ"]));
@@ -1306,6 +1327,7 @@ pub fn run(o: &ReportBench) -> Result<()> {
             plots: vec![],
             notes: vec![],
             error: None,
+            run: None,
         };
         let t = Instant::now();
         let res = match name {
@@ -1329,7 +1351,10 @@ pub fn run(o: &ReportBench) -> Result<()> {
         eprintln!("==== bench report: {name} took {:.0} s", p.seconds);
         r.parts.push(p);
         r.seconds = start.elapsed().as_secs_f64();
-        write_outputs(o, &mut r, true)?;
+        match &base {
+            Some(b) => write_outputs(o, &mut report::merge(b.clone(), &r, &PARTS.map(|p| p.0)), true)?,
+            None => write_outputs(o, &mut r, true)?,
+        }
     }
     let failed: Vec<&str> = r.parts.iter().filter(|p| p.error.is_some()).map(|p| p.name.as_str()).collect();
     eprintln!(

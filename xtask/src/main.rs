@@ -9,10 +9,11 @@
 //!   (`tests/src/replay.rs`); with `--store`, also print its link floor (`tests/src/floor.rs`).
 //! - `cargo xtask record-requests IMAGE --store DIR --out FILE -- CMD` — record the virtio
 //!   requests of CMD run in the QEMU guest (TCG) as a request trace.
-//! - `cargo xtask bench [--quick] [--guest] [--tessera PATH] [--only PART,...]` — every comparison
-//!   below in one run, medians and spreads of the ratios, the machine and the load: the generated
-//!   section of `docs/benchmarks.md`, `docs/benchmarks.json` (raw samples) and `docs/plots/*.svg`
-//!   (`bench_report.rs`).
+//! - `cargo xtask bench [--quick] [--guest] [--tessera PATH] [--only PART,... [--replace]]` — every
+//!   comparison below in one run, medians and spreads of the ratios, the machine and the load: the
+//!   generated section of `docs/benchmarks.md`, `docs/benchmarks.json` (raw samples) and
+//!   `docs/plots/*.svg` (`bench_report.rs`); `--only` measures some parts again and merges them
+//!   into the report those files hold.
 //! - `cargo xtask bench build` — `tessera build` vs `mkfs.ext4 -d` on a 20 000-file tree.
 //! - `cargo xtask bench serve` — `tessera serve` vs `qemu-storage-daemon` (`bench_serve.rs`).
 //! - `cargo xtask bench lazy` — five real workloads on a Debian package-set image, recorded once

@@ -67,6 +67,49 @@ pub struct Part {
     pub notes: Vec<String>,
     /// Why the part failed, if it did (the others still run).
     pub error: Option<String>,
+    /// The run this part comes from, when it is not the report's own: a part measured again on
+    /// its own (`--only`) and merged into the report of an earlier run ([`merge`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run: Option<RunOf>,
+}
+
+/// Where a merged part was measured.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunOf {
+    pub command: String,
+    pub started: String,
+    pub machine: Machine,
+}
+
+/// `base` with the parts of `newer` (a run of some parts only, `--only`) in place of its parts
+/// of the same names, each marked with the run it comes from; a part `base` lacks goes where
+/// `order` (the parts' names in the order a full run takes them) puts it. The report's own run
+/// (command, start, machine) stays `base`'s; so do its parts `newer` did not measure, with
+/// whatever run they already name.
+pub fn merge(mut base: Report, newer: &Report, order: &[&str]) -> Report {
+    let rank = |name: &str| order.iter().position(|o| *o == name).unwrap_or(order.len());
+    for part in &newer.parts {
+        let mut part = part.clone();
+        if part.run.is_none() {
+            part.run = Some(RunOf {
+                command: newer.command.clone(),
+                started: newer.started.clone(),
+                machine: newer.machine.clone(),
+            });
+        }
+        match base.parts.iter_mut().find(|p| p.name == part.name) {
+            Some(slot) => *slot = part,
+            None => {
+                let at = base
+                    .parts
+                    .iter()
+                    .position(|p| rank(&p.name) > rank(&part.name))
+                    .unwrap_or(base.parts.len());
+                base.parts.insert(at, part);
+            }
+        }
+    }
+    base
 }
 
 /// Which way is better for a figure.
@@ -262,6 +305,25 @@ pub fn render_markdown(r: &Report, plots_dir: &str) -> String {
     );
     for p in &r.parts {
         s += &format!("\n### {}\n\n", p.title);
+        if let Some(run) = &p.run {
+            let m = &run.machine;
+            s += &format!(
+                "Measured again on its own: `{}`, started {}; `{}` (`{}`, checkout {}).\n",
+                run.command, run.started, m.tessera_version, m.tessera, m.commit
+            );
+            if (&m.cpu, m.cores, m.memory_bytes, &m.kernel, &m.os)
+                != (&r.machine.cpu, r.machine.cores, r.machine.memory_bytes, &r.machine.kernel, &r.machine.os)
+            {
+                s += &format!(
+                    "On another machine: {} ({} cores, {:.1} GiB, {}, kernel {}).\n",
+                    m.cpu,
+                    m.cores,
+                    m.memory_bytes as f64 / f64::from(1u32 << 30),
+                    m.os,
+                    m.kernel
+                );
+            }
+        }
         s += &format!(
             "{:.0} s; load average before {}, after {}.\n",
             p.seconds,
@@ -491,8 +553,75 @@ mod tests {
                 }],
                 notes: vec!["A note.".into()],
                 error: None,
+                run: None,
             }],
         }
+    }
+
+    /// A run of some parts merged into an earlier full run: those parts replaced and marked
+    /// with their run, the others and the report's own run kept, a new part in the run's order.
+    #[test]
+    fn a_partial_run_merges_into_the_earlier_report() {
+        let part = |name: &str, what: &str| {
+            let mut p = report().parts[0].clone();
+            p.name = name.into();
+            p.title = format!("Part {name}");
+            p.comparisons[0].what = what.into();
+            p
+        };
+        let mut base = report();
+        base.parts = vec![part("build", "old build"), part("serve", "old serve"), part("lazy", "old lazy")];
+        let mut newer = report();
+        newer.command = "cargo xtask bench --only serve,oci".into();
+        newer.started = "2026-12-06T04:00:00Z".into();
+        newer.machine.commit = "def5678".into();
+        newer.parts = vec![part("oci", "new oci"), part("serve", "new serve")];
+        let order = ["build", "oci", "serve", "lazy"];
+        let merged = merge(base.clone(), &newer, &order);
+        let names: Vec<&str> = merged.parts.iter().map(|p| p.name.as_str()).collect();
+        assert_eq!(names, ["build", "oci", "serve", "lazy"]);
+        let whats: Vec<&str> = merged.parts.iter().map(|p| p.comparisons[0].what.as_str()).collect();
+        assert_eq!(whats, ["old build", "new oci", "new serve", "old lazy"]);
+        assert_eq!(
+            (&merged.command, &merged.started, &merged.machine),
+            (&base.command, &base.started, &base.machine)
+        );
+        assert_eq!(merged.parts[0].run, None);
+        assert_eq!(merged.parts[3].run, None);
+        for p in &merged.parts[1..3] {
+            let run = p.run.as_ref().expect("the run of a merged part");
+            assert_eq!(
+                (run.command.as_str(), run.started.as_str()),
+                (newer.command.as_str(), newer.started.as_str())
+            );
+            assert_eq!(run.machine.commit, "def5678");
+        }
+        // Merged again with a later run of build alone: serve keeps the run it names.
+        let mut later = newer.clone();
+        later.started = "2026-12-06T05:00:00Z".into();
+        later.parts = vec![part("build", "newest build")];
+        let again = merge(merged.clone(), &later, &order);
+        assert_eq!(again.parts[0].run.as_ref().map(|r| r.started.as_str()), Some("2026-12-06T05:00:00Z"));
+        assert_eq!(again.parts[2].run.as_ref().map(|r| r.started.as_str()), Some("2026-12-06T04:00:00Z"));
+        // The page names the run of each merged part, and the machine when it differs.
+        let md = render_markdown(&merged, "plots");
+        assert!(
+            md.contains(
+                "### Part serve\n\nMeasured again on its own: `cargo xtask bench --only serve,oci`, started \
+             2026-12-06T04:00:00Z; `tessera 0.1.0` (`/t/release/tessera`, checkout def5678).\n"
+            ),
+            "{md}"
+        );
+        assert!(md.contains("### Part build\n\n30 s;"), "{md}");
+        assert!(!md.contains("On another machine"), "{md}");
+        let mut elsewhere = newer.clone();
+        elsewhere.machine.cores = 4;
+        assert!(render_markdown(&merge(base, &elsewhere, &order), "plots")
+            .contains("On another machine: Test CPU (4 cores"));
+        // The JSON keeps the run; a report without runs reads as before.
+        let text = serde_json::to_string(&merged).expect("json");
+        assert_eq!(serde_json::from_str::<Report>(&text).expect("parse"), merged);
+        assert!(!serde_json::to_string(&report()).expect("json").contains("\"run\""));
     }
 
     #[test]
