@@ -404,6 +404,36 @@ impl Ctx<'_> {
                     "≤ 2×",
                 ));
             }
+            // The floor of a QD1 read in this layout, and each daemon's time per QD1 request
+            // above it (round by round: the floor moves with the machine's moment).
+            let floor: Vec<f64> =
+                get(l, bench_serve::WAKEUP, "wakeup.iops").iter().map(|r| 1e6 / r).collect();
+            if !floor.is_empty() {
+                p.figures.push(fig(
+                    format!(
+                        "4 KiB QD1 floor: an empty request's round trip (`blkbench wakeup`: a client blocking \
+                         for its completion, a peer polling on the daemon's CPU), {where_}"
+                    ),
+                    "µs",
+                    floor.clone(),
+                ));
+                let above = |daemon: &str| -> Vec<f64> {
+                    get(l, daemon, "randread4k_qd1.iops")
+                        .iter()
+                        .zip(&floor)
+                        .map(|(r, f)| 1e6 / r - f)
+                        .collect()
+                };
+                if let Some(peer) = r.names.iter().find(|n| *n == "qsd tuned") {
+                    p.comparisons.push(cmp(
+                        format!("4 KiB random read QD1, time per request above the floor, {where_}"),
+                        "µs",
+                        Better::Lower,
+                        ("tessera", above("tessera")),
+                        (peer, above(peer)),
+                    ));
+                }
+            }
             let memcpy = get(l, "memcpy", "memcpy1m.mbps");
             p.comparisons.push(target(
                 cmp(

@@ -2,8 +2,10 @@
 //! the raw image) in its tuned configuration (an iothread, `aio=io_uring`) and its defaults, side
 //! by side in one run, with the same libblkio client (`crates/vhost/examples/blkbench.rs`, which
 //! checks the bytes it reads against the raw export) and the same CPU layout; a same-size
-//! single-thread memcpy as the bound of a warm 1 MiB read; 1, 2 and 4 queues at QD32 per queue;
-//! and a 4 KiB write + FLUSH p99 against fio's fdatasync p99 on the same disk.
+//! single-thread memcpy as the bound of a warm 1 MiB read; an empty QD1 round trip (`blkbench
+//! wakeup`: a blocking client, a polling peer on the daemon's CPU) as the floor of a QD1 read;
+//! 1, 2 and 4 queues at QD32 per queue; and a 4 KiB write + FLUSH p99 against fio's fdatasync
+//! p99 on the same disk.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -324,6 +326,9 @@ pub(crate) struct LayoutRun {
 pub(crate) const FIO: &str = "fio";
 pub(crate) const FIO_P50: &str = "fdatasync.p50_us";
 pub(crate) const FIO_P99: &str = "fdatasync.p99_us";
+/// The entry of a round's [`Results`] holding `blkbench wakeup`: the round trip of a QD1 request
+/// with no request in it, client and peer on the layout's CPUs (`wakeup.iops`, `wakeup.p50_us`).
+pub(crate) const WAKEUP: &str = "wakeup";
 
 /// The median fio fdatasync (p50, p99 µs) over `rounds`; `None` when no round ran fio.
 fn fio_median<'a>(rounds: impl Iterator<Item = &'a Results>) -> Option<(f64, f64)> {
@@ -559,6 +564,12 @@ pub(crate) fn measure(opts: &ServeBench) -> Result<ServeResult> {
             cmd.args(["--secs", &opts.secs.to_string(), "--lo", &lo.to_string(), "--hi", &hi.to_string()]);
             cmd.arg("memcpy");
             results.insert("memcpy".into(), run_client(cmd)?);
+            // The floor of a QD1 read in this layout: a request's round trip with nothing in it
+            // (a client blocking for its completion, a peer polling on the daemon's CPU).
+            let mut cmd = Command::new("nice");
+            cmd.args(["-n", "-20"]).arg(&client_bin).args(["--cpu", &l.client.to_string()]);
+            cmd.args(["--peer-cpu", &l.daemon.to_string(), "--secs", &opts.secs.to_string(), "wakeup"]);
+            results.insert(WAKEUP.into(), run_client(cmd)?);
             // Every daemon once, starting with a different one each round.
             for k in 0..names.len() {
                 let i = (k + round) % names.len();
@@ -771,6 +782,21 @@ fn report(layout: &str, kind: &str, r: &Stats, names: &[String], queues: &[u16],
             _ => String::new(),
         };
         println!("| {what} | {} | {ratio} | {target} |", cells.join(" | "));
+    }
+    // The floor of a QD1 read, and each daemon's time per QD1 request above it.
+    if let Some(w) = get(WAKEUP, "wakeup.iops") {
+        let floor_us = 1e6 / w.median;
+        let above: Vec<String> = names
+            .iter()
+            .map(|n| {
+                get(n, "randread4k_qd1.iops")
+                    .map_or("–".into(), |r| format!("{:.2} µs", 1e6 / r.median - floor_us))
+            })
+            .collect();
+        println!(
+            "| 4 KiB QD1: µs per request above the floor of an empty round trip ({floor_us:.2} µs) | {} | | |",
+            above.join(" | ")
+        );
     }
     // The bound of a warm 1 MiB read: the same-size single-thread memcpy of this layout's rounds.
     if let Some(m) = get("memcpy", "memcpy1m.mbps") {

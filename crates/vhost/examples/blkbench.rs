@@ -5,8 +5,8 @@
 //! ```text
 //! blkbench [--socket SOCK] [--cpu N] [--secs S] [--lo BYTES --hi BYTES] [--queues N]
 //!          [--queue-size N] [--poll-queues] [--verify RAW [--check sample|full|none]]
-//!          [--daemon-pid PID] [--rate IOPS] TEST...
-//! TEST: warm | randread:QD[/full] | seqread:QD[/full] | writeflush | memcpy
+//!          [--daemon-pid PID] [--rate IOPS] [--peer-cpu N] TEST...
+//! TEST: warm | randread:QD[/full] | seqread:QD[/full] | writeflush | memcpy | wakeup
 //! ```
 //!
 //! Random and sequential reads stay within `[lo, hi)` (e.g. the image's file-data region).
@@ -45,6 +45,15 @@
 //! source into eight 1 MiB destination slots (as a 1 MiB QD8 read test uses them): the memory
 //! speed a warm 1 MiB read (one copy into guest memory) is bounded by. Needs no socket.
 //!
+//! `wakeup`: the round trip of a QD1 request with no request in it — the floor of `randread:1`
+//! on this machine and layout. A client thread (on `--cpu`) publishes a request number and
+//! blocks reading an eventfd, as an interrupt-driven client waits for its completion; a peer
+//! thread (on `--peer-cpu`, the daemon's CPU) polls for the number, yielding the CPU between
+//! looks as a polling daemon's worker does, and writes the eventfd. Per round trip: the peer's
+//! wake-up of the client, the switches between them on one CPU (or the cross-CPU wake-up of a
+//! client whose CPU went idle) and the system calls — what every daemon pays at QD1 whatever
+//! its own work. Needs no socket.
+//!
 //! Each test prints one line `result name=… ops=… secs=… iops=… mbps=… p50_us=… p99_us=… p1_us=…
 //! p10_us=… p25_us=… p75_us=… p90_us=… p95_us=… p999_us=… …` (p999: the 99.9th percentile).
 #![allow(clippy::unwrap_used)]
@@ -78,6 +87,7 @@ struct Args {
     check: Check,
     daemon_pid: Option<u32>,
     rate: Option<f64>,
+    peer_cpu: Option<usize>,
     tests: Vec<String>,
 }
 
@@ -95,6 +105,7 @@ fn parse_args() -> Result<Args, String> {
         check: Check::Sample,
         daemon_pid: None,
         rate: None,
+        peer_cpu: None,
         tests: Vec::new(),
     };
     let mut it = std::env::args().skip(1);
@@ -130,11 +141,14 @@ fn parse_args() -> Result<Args, String> {
                 }
                 a.rate = Some(r);
             }
+            "--peer-cpu" => {
+                a.peer_cpu = Some(value("--peer-cpu")?.parse().map_err(|e| format!("--peer-cpu: {e}"))?)
+            }
             t if !t.starts_with('-') => a.tests.push(t.to_owned()),
             other => return Err(format!("unknown option {other}")),
         }
     }
-    if a.socket.is_empty() && a.tests.iter().any(|t| t != "memcpy") {
+    if a.socket.is_empty() && a.tests.iter().any(|t| t != "memcpy" && t != "wakeup") {
         return Err("--socket is required".into());
     }
     if a.verify.is_some()
@@ -527,6 +541,59 @@ fn memcpy(span: u64, secs: f64) -> Figures {
     f
 }
 
+/// `wakeup`: round trips between a client blocking on an eventfd (on `client_cpu`) and a peer
+/// polling for its requests (on `peer_cpu`, yielding between looks), for `secs`.
+fn wakeup(client_cpu: Option<usize>, peer_cpu: Option<usize>, secs: f64) -> Figures {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    // SAFETY: eventfd takes no pointers; the descriptor is checked and closed below.
+    let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+    assert!(efd >= 0, "eventfd: {}", std::io::Error::last_os_error());
+    let request = AtomicU64::new(0);
+    let stop = AtomicBool::new(false);
+    let mut f = Figures::default();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            if let Some(cpu) = peer_cpu {
+                pin(cpu);
+            }
+            let mut served = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                if request.load(Ordering::Acquire) > served {
+                    served += 1;
+                    let one = 1u64;
+                    // SAFETY: writes the 8 bytes of `one` to the eventfd.
+                    let n = unsafe { libc::write(efd, (&one as *const u64).cast(), 8) };
+                    assert_eq!(n, 8, "eventfd write: {}", std::io::Error::last_os_error());
+                } else {
+                    std::thread::yield_now();
+                }
+            }
+        });
+        if let Some(cpu) = client_cpu {
+            pin(cpu);
+        }
+        let t0 = Instant::now();
+        let deadline = t0 + Duration::from_secs_f64(secs);
+        let mut sent = 0u64;
+        while Instant::now() < deadline {
+            let t = Instant::now();
+            sent += 1;
+            request.store(sent, Ordering::Release);
+            let mut got = 0u64;
+            // SAFETY: reads 8 bytes into `got`; blocks until the peer writes.
+            let n = unsafe { libc::read(efd, (&mut got as *mut u64).cast(), 8) };
+            assert_eq!(n, 8, "eventfd read: {}", std::io::Error::last_os_error());
+            f.lat_ns.push(t.elapsed().as_nanos() as u64);
+            f.ops += 1;
+        }
+        f.secs = t0.elapsed().as_secs_f64();
+        stop.store(true, Ordering::Relaxed);
+    });
+    // SAFETY: `efd` is ours and no thread uses it any more.
+    unsafe { libc::close(efd) };
+    f
+}
+
 fn main() {
     let args = match parse_args() {
         Ok(a) => a,
@@ -539,10 +606,13 @@ fn main() {
         pin(cpu);
     }
     if args.socket.is_empty() {
-        // Only memcpy tests (parse_args checked).
+        // Only tests without a device (parse_args checked).
         let span = args.hi.unwrap_or(256 << 20) - args.lo.unwrap_or(0);
-        for _ in &args.tests {
-            memcpy(span, args.secs).print("memcpy1m", None);
+        for test in &args.tests {
+            match test.as_str() {
+                "wakeup" => wakeup(args.cpu, args.peer_cpu, args.secs).print("wakeup", None),
+                _ => memcpy(span, args.secs).print("memcpy1m", None),
+            }
         }
         return;
     }
@@ -647,6 +717,7 @@ fn main() {
                 f.print("write4k_flush", used);
             }
             "memcpy" => memcpy(hi - lo, args.secs).print("memcpy1m", None),
+            "wakeup" => wakeup(args.cpu, args.peer_cpu, args.secs).print("wakeup", None),
             other => panic!("unknown test {other}"),
         }
     }
