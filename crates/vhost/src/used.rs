@@ -221,6 +221,49 @@ mod tests {
         }
     }
 
+    /// Rings a guest placed partly or wholly outside its memory, or at the top of the address
+    /// space: the same errors, the same bytes and the same index as virtio-queue's own calls.
+    #[test]
+    fn rings_outside_memory_fail_as_virtio_queue_fails() {
+        const SIZE: u16 = 16;
+        let ring_len = USED_HEADER + USED_ELEMENT * u64::from(SIZE);
+        for (used, avail) in [
+            (0x1000 - 40, 0x100),  // the last elements past the end of memory
+            (0x1000 - 4, 0x100),   // every element past the end
+            (0x3000, 0x100),       // wholly outside
+            (0x100, 0x1000 - 6),   // used_event past the end
+            (u64::MAX - 3, 0x100), // the addresses wrap
+            (0x100, u64::MAX - 1),
+        ] {
+            let mem_a = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 0x1000)]).expect("memory");
+            let mem_b = GuestMemoryMmap::<()>::from_ranges(&[(GuestAddress(0), 0x1000)]).expect("memory");
+            let queue = || {
+                let mut q = Queue::new(SIZE).expect("queue");
+                q.set_size(SIZE);
+                q.try_set_used_ring_address(GuestAddress(used)).expect("aligned");
+                q.try_set_avail_ring_address(GuestAddress(avail)).expect("aligned");
+                q.set_event_idx(true);
+                q
+            };
+            let (mut qa, mut qb) = (queue(), queue());
+            let published = Published::default();
+            for head in 0..SIZE + 2 {
+                let ring = UsedRing::new(&mem_b, &qb);
+                let theirs = qa.add_used(&mem_a, head, 512);
+                let ours = ring.add(&mut qb, &published, head, 512);
+                assert_eq!(format!("{theirs:?}"), format!("{ours:?}"), "used {used:#x}: add_used({head})");
+                assert_eq!(qa.next_used(), qb.next_used(), "used {used:#x}");
+                let theirs = qa.needs_notification(&mem_a);
+                let ours = needs_signal(&qb, &mem_b, &published);
+                assert_eq!(format!("{theirs:?}"), format!("{ours:?}"), "used {used:#x}: signal after {head}");
+            }
+            let (mut a, mut b) = (vec![0u8; 0x1000], vec![0u8; 0x1000]);
+            mem_a.read_slice(&mut a, GuestAddress(0)).expect("memory");
+            mem_b.read_slice(&mut b, GuestAddress(0)).expect("memory");
+            assert!(a == b, "used {used:#x}: memory differs (ring of {ring_len} bytes)");
+        }
+    }
+
     /// A tally left from before the ring restarted can only add signals, never lose one.
     #[test]
     fn a_stale_tally_never_loses_a_signal() {
