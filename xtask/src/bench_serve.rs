@@ -261,7 +261,7 @@ impl Client<'_> {
     }
 }
 
-fn run_client(mut cmd: Command) -> Result<BTreeMap<String, f64>> {
+pub(crate) fn run_client(mut cmd: Command) -> Result<BTreeMap<String, f64>> {
     eprintln!("+ {cmd:?}");
     let out = cmd.stderr(Stdio::inherit()).output()?;
     if !out.status.success() {
@@ -392,34 +392,13 @@ pub(crate) fn measure(opts: &ServeBench) -> Result<ServeResult> {
         eprintln!("warning: --rounds {} (the figures to report need at least 3)", opts.rounds);
     }
     let target = target_dir()?;
-    let bin = if let Some(b) = &opts.bin {
-        status(cargo().args(["build", "--release", "-p", "tessera-vhost", "--example", "blkbench"]))?;
-        b.clone()
-    } else {
-        // One invocation: built apart, the two resolve features differently and rebuild each other.
-        status(cargo().args(["build", "--release", "-p", "tessera-cli", "-p", "tessera-vhost"]).args([
-            "--bin",
-            "tessera",
-            "--example",
-            "blkbench",
-        ]))?;
-        target.join("release").join("tessera")
-    };
-    let client_bin = target.join("release").join("examples").join("blkbench");
+    let (bin, client_bin) = build_release(opts.bin.as_deref())?;
     let dir = target.join("bench-serve");
     std::fs::create_dir_all(&dir)?;
 
     // The image: a generated tree, built and exported raw (fresh every run).
     let llc = last_level_cache()?;
-    let files = opts.files.unwrap_or_else(|| files_for_span(4 * llc));
-    let tree = dir.join("tree");
-    let recipe = format!("bench-tree v1 files={files}\n");
-    let marker = dir.join("tree.recipe");
-    if std::fs::read_to_string(&marker).ok().as_deref() != Some(recipe.as_str()) {
-        println!("==> generating the tree ({files} files) at {}", tree.display());
-        fixtures::generate_bench_tree(&tree, files)?;
-        std::fs::write(&marker, &recipe)?;
-    }
+    let (tree, files) = bench_tree(opts.files)?;
     let store = dir.join("store");
     let _ = std::fs::remove_dir_all(&store);
     let BuiltImage { id, lo, hi, size, files: file_count } = build_image(&bin, &tree, &store)?;
@@ -491,19 +470,12 @@ pub(crate) fn measure(opts: &ServeBench) -> Result<ServeResult> {
         let overlay = dir.join("bench.overlay");
         let _ = std::fs::remove_file(&overlay);
         let mut cmd = Command::new("nice");
-        cmd.args(["-n", "-20", "taskset", "-c", &cpu.to_string()])
-            .arg(bin)
-            .args(["serve", &id, "--store"])
-            .arg(&store)
-            .arg("--socket")
-            .arg(&sock)
-            .arg("--overlay")
-            .arg(&overlay)
-            .args(["--queues", &max_queues.to_string()]);
+        cmd.args(["-n", "-20", "taskset", "-c", &cpu.to_string()]);
+        serve_args(&mut cmd, bin, &id, &store, &sock, &overlay).args(["--queues", &max_queues.to_string()]);
         match opts.mem_cache.as_str() {
             "none" => {}
             "auto" => {
-                cmd.args(["--mem-cache", &format!("{}M", (hi - lo).div_ceil(1 << 20) * 5 / 4)]);
+                cmd.args(["--mem-cache", &mem_cache_for(lo, hi)]);
             }
             size => {
                 cmd.args(["--mem-cache", size]);
@@ -663,6 +635,11 @@ impl Daemon {
             std::thread::sleep(Duration::from_millis(10));
         }
         Ok(d)
+    }
+
+    /// The daemon's process id.
+    pub(crate) fn pid(&self) -> u32 {
+        self.child.id()
     }
 
     pub(crate) fn stop(mut self) -> Result<()> {
@@ -848,6 +825,71 @@ fn report(layout: &str, kind: &str, r: &Stats, names: &[String], queues: &[u16],
 }
 
 /// An image built from a tree: its ID, the bytes `[lo, hi)` of its file-data region, its size.
+/// The serve bench's generated tree (`target/bench-serve/tree`, made again only when `files`
+/// changes): `files` files, by default enough for a file-data region of 4× the last-level cache.
+/// The tree and its file count.
+pub(crate) fn bench_tree(files: Option<u64>) -> Result<(PathBuf, u64)> {
+    let dir = target_dir()?.join("bench-serve");
+    std::fs::create_dir_all(&dir)?;
+    let files = match files {
+        Some(f) => f,
+        None => files_for_span(4 * last_level_cache()?),
+    };
+    let tree = dir.join("tree");
+    let recipe = format!("bench-tree v1 files={files}\n");
+    let marker = dir.join("tree.recipe");
+    if std::fs::read_to_string(&marker).ok().as_deref() != Some(recipe.as_str()) {
+        println!("==> generating the tree ({files} files) at {}", tree.display());
+        fixtures::generate_bench_tree(&tree, files)?;
+        std::fs::write(&marker, &recipe)?;
+    }
+    Ok((tree, files))
+}
+
+/// The release `blkbench`, and `bin` or else the release `tessera` built with it: the daemon's
+/// binary and the client's.
+pub(crate) fn build_release(bin: Option<&Path>) -> Result<(PathBuf, PathBuf)> {
+    let release = target_dir()?.join("release");
+    let bin = if let Some(b) = bin {
+        status(cargo().args(["build", "--release", "-p", "tessera-vhost", "--example", "blkbench"]))?;
+        b.to_path_buf()
+    } else {
+        // One invocation: built apart, the two resolve features differently and rebuild each other.
+        status(cargo().args(["build", "--release", "-p", "tessera-cli", "-p", "tessera-vhost"]).args([
+            "--bin",
+            "tessera",
+            "--example",
+            "blkbench",
+        ]))?;
+        release.join("tessera")
+    };
+    Ok((bin, release.join("examples").join("blkbench")))
+}
+
+/// `BIN serve ID --store STORE --socket SOCK --overlay OVERLAY`, appended to `cmd`.
+pub(crate) fn serve_args<'c>(
+    cmd: &'c mut Command,
+    bin: &Path,
+    id: &str,
+    store: &Path,
+    sock: &Path,
+    overlay: &Path,
+) -> &'c mut Command {
+    cmd.arg(bin)
+        .args(["serve", id, "--store"])
+        .arg(store)
+        .arg("--socket")
+        .arg(sock)
+        .arg("--overlay")
+        .arg(overlay)
+}
+
+/// `--mem-cache` large enough for every read of `[lo, hi)` to hit the memory tier after a warm
+/// pass: the span and a quarter more.
+pub(crate) fn mem_cache_for(lo: u64, hi: u64) -> String {
+    format!("{}M", (hi - lo).div_ceil(1 << 20) * 5 / 4)
+}
+
 pub(crate) struct BuiltImage {
     pub(crate) id: String,
     pub(crate) lo: u64,

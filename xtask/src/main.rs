@@ -15,6 +15,8 @@
 //!   `docs/plots/*.svg` (`bench_report.rs`); `--only` measures some parts again and merges them
 //!   into the report those files hold.
 //! - `cargo xtask bench build` — `tessera build` vs `mkfs.ext4 -d` on a 20 000-file tree.
+//! - `cargo xtask bench instructions [--bin BIN]... [--test T]` — callgrind's count of the
+//!   instructions `tessera serve` executes per request (`bench_instructions.rs`).
 //! - `cargo xtask bench serve` — `tessera serve` vs `qemu-storage-daemon` (`bench_serve.rs`).
 //! - `cargo xtask bench lazy` — five real workloads on a Debian package-set image, recorded once
 //!   in the guest and replayed against lazy Tessera (cold, profile, warmed cache, local store) and
@@ -45,6 +47,7 @@ mod bench_cold;
 mod bench_devices;
 mod bench_export;
 mod bench_http;
+mod bench_instructions;
 mod bench_lazy;
 mod bench_mounts;
 mod bench_oci;
@@ -204,6 +207,11 @@ enum Bench {
     },
     /// `tessera serve` vs `qemu-storage-daemon`, same libblkio client, same CPU layout.
     Serve(bench_serve::ServeBench),
+    /// Instructions `tessera serve` executes per request (callgrind), for one or more binaries:
+    /// the figure that compares two builds when timings are noisy.
+    ///
+    /// Example: cargo xtask bench instructions --bin /tmp/tessera-old --bin target/release/tessera
+    Instructions(bench_instructions::InstructionsBench),
     /// `tessera build oci:…` vs `umoci unpack` + `mkfs.ext4 -d` on the layered Debian image.
     BuildOci(bench_oci::OciBench),
     /// Real workloads on a Debian package-set image, replayed (20 ms RTT; 200 Mbit/s and 1 Gbit/s)
@@ -269,6 +277,7 @@ fn main() -> ExitCode {
         Cmd::Bench { what: None, report } => bench_report::run(&report),
         Cmd::Bench { what: Some(Bench::Build { files, runs, cold }), .. } => bench_build(files, runs, cold),
         Cmd::Bench { what: Some(Bench::Serve(opts)), .. } => bench_serve::run(&opts),
+        Cmd::Bench { what: Some(Bench::Instructions(opts)), .. } => bench_instructions::run(&opts),
         Cmd::Bench { what: Some(Bench::BuildOci(opts)), .. } => bench_oci::run(&opts),
         Cmd::Bench { what: Some(Bench::Lazy(opts)), .. } => bench_lazy::run(&opts),
         Cmd::Bench { what: Some(Bench::Cold(opts)), .. } => bench_cold::run(&opts),
