@@ -824,7 +824,6 @@ fn report(layout: &str, kind: &str, r: &Stats, names: &[String], queues: &[u16],
     }
 }
 
-/// An image built from a tree: its ID, the bytes `[lo, hi)` of its file-data region, its size.
 /// The serve bench's generated tree (`target/bench-serve/tree`, made again only when `files`
 /// changes): `files` files, by default enough for a file-data region of 4× the last-level cache.
 /// The tree and its file count.
@@ -890,6 +889,7 @@ pub(crate) fn mem_cache_for(lo: u64, hi: u64) -> String {
     format!("{}M", (hi - lo).div_ceil(1 << 20) * 5 / 4)
 }
 
+/// An image built from a tree: its ID, the bytes `[lo, hi)` of its file-data region, its size.
 pub(crate) struct BuiltImage {
     pub(crate) id: String,
     pub(crate) lo: u64,

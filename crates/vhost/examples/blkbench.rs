@@ -545,9 +545,9 @@ fn memcpy(span: u64, secs: f64) -> Figures {
 /// polling for its requests (on `peer_cpu`, yielding between looks), for `secs`.
 fn wakeup(client_cpu: Option<usize>, peer_cpu: Option<usize>, secs: f64) -> Figures {
     use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-    // SAFETY: eventfd takes no pointers; the descriptor is checked and closed below.
-    let efd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
-    assert!(efd >= 0, "eventfd: {}", std::io::Error::last_os_error());
+    use vmm_sys_util::eventfd::EventFd;
+    // Blocking: the client's read waits for the peer's write.
+    let efd = EventFd::new(0).expect("eventfd");
     let request = AtomicU64::new(0);
     let stop = AtomicBool::new(false);
     let mut f = Figures::default();
@@ -560,10 +560,7 @@ fn wakeup(client_cpu: Option<usize>, peer_cpu: Option<usize>, secs: f64) -> Figu
             while !stop.load(Ordering::Relaxed) {
                 if request.load(Ordering::Acquire) > served {
                     served += 1;
-                    let one = 1u64;
-                    // SAFETY: writes the 8 bytes of `one` to the eventfd.
-                    let n = unsafe { libc::write(efd, (&one as *const u64).cast(), 8) };
-                    assert_eq!(n, 8, "eventfd write: {}", std::io::Error::last_os_error());
+                    efd.write(1).expect("eventfd write");
                 } else {
                     std::thread::yield_now();
                 }
@@ -579,18 +576,13 @@ fn wakeup(client_cpu: Option<usize>, peer_cpu: Option<usize>, secs: f64) -> Figu
             let t = Instant::now();
             sent += 1;
             request.store(sent, Ordering::Release);
-            let mut got = 0u64;
-            // SAFETY: reads 8 bytes into `got`; blocks until the peer writes.
-            let n = unsafe { libc::read(efd, (&mut got as *mut u64).cast(), 8) };
-            assert_eq!(n, 8, "eventfd read: {}", std::io::Error::last_os_error());
+            efd.read().expect("eventfd read");
             f.lat_ns.push(t.elapsed().as_nanos() as u64);
             f.ops += 1;
         }
         f.secs = t0.elapsed().as_secs_f64();
         stop.store(true, Ordering::Relaxed);
     });
-    // SAFETY: `efd` is ours and no thread uses it any more.
-    unsafe { libc::close(efd) };
     f
 }
 
