@@ -20,6 +20,7 @@ use crate::config::{DeviceConfig, MAX_QUEUE_SIZE};
 use crate::execute::{start_chain, Completion, DeferredFlush, DeferredRead, Disk, Started};
 use crate::inflight::{self, InflightArea, QueueInflight};
 use crate::log_limit::LogLimit;
+use crate::notify::{involuntary_switches, EarlySignals};
 use crate::poll::PollWindow;
 use crate::record::RequestRecorder;
 use crate::used::{self, Published, UsedRing};
@@ -88,6 +89,9 @@ struct Worker {
     /// When the worker last started to wait (the start of the poll window that found nothing,
     /// or when it went to sleep): the next wake-up adapts the window from it.
     idle_since: Option<Instant>,
+    /// Whether completions are signalled as the driver asks for them or only once the ring is
+    /// drained (`notify`).
+    early: EarlySignals,
 }
 
 /// Reads finished on the read engine's threads, waiting to be added to the used ring.
@@ -146,6 +150,7 @@ impl BlkBackend {
                         bounce: Vec::new(),
                         poll: PollWindow::new(poll),
                         idle_since: None,
+                        early: EarlySignals::default(),
                     }),
                     completions: Mutex::new(Completions::default()),
                     pending: AtomicBool::new(false),
@@ -260,7 +265,7 @@ impl BlkBackend {
         if self.inner.detached.load(Ordering::SeqCst) {
             return;
         }
-        let Worker { bounce, poll, idle_since } = &mut *worker;
+        let Worker { bounce, poll, idle_since, early } = &mut *worker;
         if let Some(since) = idle_since.take() {
             poll.waited(since.elapsed());
         }
@@ -361,6 +366,9 @@ impl BlkBackend {
                                 )?;
                                 served += 1;
                                 finished = Some(now);
+                                if q.event_idx_enabled() && early.allowed(now) {
+                                    signal_early(&mut state, mem, &qs.published, queue, early, now)?;
+                                }
                             }
                             Started::Deferred(d) => {
                                 self.defer(queue, head, d, mem.clone().into_inner(), taken);
@@ -585,6 +593,36 @@ fn signal(
     if used::needs_signal(state.get_queue_mut(), mem, published)? {
         if let Err(e) = state.signal_used_queue() {
             warn!(queue, error = &e as &dyn std::error::Error, "cannot signal the guest");
+        }
+    }
+    Ok(())
+}
+
+/// Signal the driver now if it asked to hear of the completions published so far (its
+/// `used_event`, with `VIRTIO_F_EVENT_IDX`), rather than once the ring is drained; every so often
+/// count whether that cost the worker its CPU (the driver runs on this CPU), which pauses early
+/// signals (`notify`).
+fn signal_early(
+    state: &mut VringState<GuestMem>,
+    mem: &GuestMemoryMmap<()>,
+    published: &Published,
+    queue: usize,
+    early: &mut EarlySignals,
+    now: Instant,
+) -> Result<(), virtio_queue::Error> {
+    if !used::needs_signal(state.get_queue_mut(), mem, published)? {
+        return Ok(());
+    }
+    let before = if early.check_this_one() { involuntary_switches() } else { None };
+    if let Err(e) = state.signal_used_queue() {
+        warn!(queue, error = &e as &dyn std::error::Error, "cannot signal the guest");
+    }
+    if let Some(before) = before {
+        if early.checked(now, before, involuntary_switches().unwrap_or(before)) {
+            debug!(
+                queue,
+                "a signal preempted the queue worker: the driver shares its CPU; early signals paused"
+            );
         }
     }
     Ok(())

@@ -45,6 +45,7 @@ pub mod execute;
 pub mod guest;
 pub mod inflight;
 pub mod log_limit;
+pub mod notify;
 pub mod plan;
 pub mod poll;
 pub mod record;
