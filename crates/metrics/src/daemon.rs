@@ -113,12 +113,16 @@ impl TypeMetrics {
 
 /// virtio-blk requests: `tessera_requests_total{type,status}`,
 /// `tessera_request_bytes_total{type}`, `tessera_request_duration_seconds{type}`,
-/// `tessera_requests_in_flight`.
+/// `tessera_requests_in_flight`, `tessera_early_signals_total`, `tessera_early_signal_pauses_total`.
 #[derive(Clone, Debug)]
 pub struct RequestMetrics {
     types: [TypeMetrics; 8],
     /// Requests taken off a ring and not completed yet.
     pub in_flight: IntGauge,
+    /// Signals sent to a driver before its ring was drained (`tessera_vhost::notify`).
+    pub early_signals: IntCounter,
+    /// Times a queue paused early signals because one preempted its worker.
+    pub early_signal_pauses: IntCounter,
 }
 
 impl RequestMetrics {
@@ -145,7 +149,15 @@ impl RequestMetrics {
         });
         let in_flight =
             r.gauge("tessera_requests_in_flight", "Requests taken off a ring and not completed yet");
-        Self { types, in_flight }
+        let early_signals = r.counter(
+            "tessera_early_signals_total",
+            "Signals sent to a driver before its ring was drained, as it was about to run dry",
+        );
+        let early_signal_pauses = r.counter(
+            "tessera_early_signal_pauses_total",
+            "Times a queue paused early signals for a second because one preempted its worker (the driver shares its CPU)",
+        );
+        Self { types, in_flight, early_signals, early_signal_pauses }
     }
 
     /// The handles of type `t`.

@@ -20,6 +20,8 @@ fn every_family_is_rendered_with_help_and_type() {
         "tessera_request_bytes_total",
         "tessera_request_duration_seconds",
         "tessera_requests_in_flight",
+        "tessera_early_signals_total",
+        "tessera_early_signal_pauses_total",
         "tessera_deferred_reads_total",
         "tessera_fetch_queue_depth",
         "tessera_fetch_threads",

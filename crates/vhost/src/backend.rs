@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
 
-use tessera_metrics::Metrics;
+use tessera_metrics::{Metrics, RequestMetrics};
 use tracing::{debug, debug_span, info, trace, warn};
 use vhost::vhost_user::message::{VhostUserInflight, VhostUserProtocolFeatures};
 use vhost_user_backend::{VhostUserBackend, VringRwLock, VringState, VringT};
@@ -366,8 +366,19 @@ impl BlkBackend {
                                 )?;
                                 served += 1;
                                 finished = Some(now);
-                                if q.event_idx_enabled() && early.allowed(now) {
-                                    signal_early(&mut state, mem, &qs.published, queue, early, now)?;
+                                early.served(now.saturating_duration_since(taken));
+                                let queued =
+                                    batch.as_ref().map_or(0, |(end, _)| end.wrapping_sub(q.next_avail()));
+                                if q.event_idx_enabled() && early.due(queued, now) {
+                                    signal_early(
+                                        &mut state,
+                                        mem,
+                                        &qs.published,
+                                        queue,
+                                        early,
+                                        now,
+                                        requests,
+                                    )?;
                                 }
                             }
                             Started::Deferred(d) => {
@@ -609,16 +620,19 @@ fn signal_early(
     queue: usize,
     early: &mut EarlySignals,
     now: Instant,
+    metrics: &RequestMetrics,
 ) -> Result<(), virtio_queue::Error> {
     if !used::needs_signal(state.get_queue_mut(), mem, published)? {
         return Ok(());
     }
+    metrics.early_signals.inc();
     let before = if early.check_this_one() { involuntary_switches() } else { None };
     if let Err(e) = state.signal_used_queue() {
         warn!(queue, error = &e as &dyn std::error::Error, "cannot signal the guest");
     }
     if let Some(before) = before {
         if early.checked(now, before, involuntary_switches().unwrap_or(before)) {
+            metrics.early_signal_pauses.inc();
             debug!(
                 queue,
                 "a signal preempted the queue worker: the driver shares its CPU; early signals paused"
