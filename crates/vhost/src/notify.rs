@@ -17,9 +17,11 @@
 //! preempts the worker) and each batch is split into many: same-CPU 4 KiB QD32 fell from ~0.95 M
 //! to ~0.48 M IOPS with early signals. A worker cannot see where its driver runs, but it can see
 //! that a signal cost it its CPU: the thread's count of involuntary context switches moves across
-//! the `write`. When it does, early signals stop for [`OFF_FOR`] (the ring-drained signal
-//! stays), then are tried again. The count is a system call, so it is read around one early
-//! signal in [`CHECK_EVERY`] and around the first after every pause.
+//! the `write`. When it does for two checked signals in a row (one alone may be another thread's
+//! preemption that happened to fall there), early signals stop for [`OFF_FOR`] (the ring-drained
+//! signal stays), then are tried again. The count is a system call, so it is read around one
+//! early signal in [`CHECK_EVERY`], around the next after one that preempted, and around the
+//! first after every pause.
 
 use std::time::{Duration, Instant};
 
@@ -40,6 +42,8 @@ pub struct EarlySignals {
     off_until: Option<Instant>,
     /// Early signals sent since the last check (a check is due at 0).
     since_check: u32,
+    /// The last checked signal preempted the worker.
+    struck: bool,
     /// The worker's time per request, a moving average (ns; 0 before the first).
     service_ns: u64,
 }
@@ -69,6 +73,7 @@ impl EarlySignals {
             Some(_) => {
                 self.off_until = None;
                 self.since_check = 0;
+                self.struck = false;
                 true
             }
             None => true,
@@ -84,13 +89,19 @@ impl EarlySignals {
     }
 
     /// A checked signal sent at `now` moved the worker's involuntary switch count from `before`
-    /// to `after`: if it preempted the worker, early signals stop for [`OFF_FOR`]. Whether it did.
+    /// to `after`. If it preempted the worker, the next early signal is checked too; if that one
+    /// did as well, early signals stop for [`OFF_FOR`]. Whether they stopped.
     pub fn checked(&mut self, now: Instant, before: u64, after: u64) -> bool {
         let preempted = after != before;
-        if preempted {
+        let pause = preempted && self.struck;
+        self.struck = preempted && !pause;
+        if self.struck {
+            self.since_check = 0;
+        }
+        if pause {
             self.off_until = Some(now + OFF_FOR);
         }
-        preempted
+        pause
     }
 
     /// Whether early signals are paused at `now`.
@@ -150,9 +161,27 @@ mod tests {
         let t0 = Instant::now();
         let mut e = EarlySignals::default();
         assert!(e.check_this_one());
-        assert!(e.checked(t0, 1, 2));
+        assert!(!e.checked(t0, 1, 2));
+        assert!(e.check_this_one());
+        assert!(e.checked(t0, 2, 3));
         assert!(!e.due(1, t0 + Duration::from_millis(999)));
         assert!(e.due(1, t0 + OFF_FOR));
+    }
+
+    #[test]
+    fn a_preemption_between_checks_that_did_not_preempt_is_forgiven() {
+        let t0 = Instant::now();
+        let mut e = EarlySignals::default();
+        assert!(e.check_this_one());
+        assert!(!e.checked(t0, 1, 2), "struck once");
+        assert!(e.check_this_one(), "the next is checked");
+        assert!(!e.checked(t0, 2, 2), "and did not preempt: forgiven");
+        for _ in 1..CHECK_EVERY {
+            assert!(!e.check_this_one());
+        }
+        assert!(e.check_this_one());
+        assert!(!e.checked(t0, 2, 3), "one preemption again: no pause");
+        assert!(!e.paused(t0));
     }
 
     #[test]
@@ -182,7 +211,11 @@ mod tests {
             assert!(!e.check_this_one());
         }
         assert!(e.check_this_one());
-        assert!(e.checked(t0, 7, 8));
+        assert!(!e.checked(t0, 7, 8), "one preemption alone does not pause");
+        assert!(e.allowed(t0) && !e.paused(t0));
+        // ... but the next early signal is checked too, and a second preemption in a row does.
+        assert!(e.check_this_one());
+        assert!(e.checked(t0, 8, 9));
         assert!(e.paused(t0));
         assert!(!e.allowed(t0 + OFF_FOR - Duration::from_millis(1)));
         // After the pause the first early signal is checked again.
