@@ -121,7 +121,7 @@ pub struct RequestMetrics {
     pub in_flight: IntGauge,
     /// Signals sent to a driver before its ring was drained (`tessera_vhost::notify`).
     pub early_signals: IntCounter,
-    /// Times a queue paused early signals because one preempted its worker.
+    /// Times a queue paused early signals because two in a row preempted its worker.
     pub early_signal_pauses: IntCounter,
 }
 
@@ -155,7 +155,7 @@ impl RequestMetrics {
         );
         let early_signal_pauses = r.counter(
             "tessera_early_signal_pauses_total",
-            "Times a queue paused early signals for a second because one preempted its worker (the driver shares its CPU)",
+            "Times a queue paused early signals for a second because two in a row preempted its worker (the driver shares its CPU)",
         );
         Self { types, in_flight, early_signals, early_signal_pauses }
     }
