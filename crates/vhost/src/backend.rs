@@ -279,9 +279,7 @@ impl BlkBackend {
         // and the daemon noticing it), and a driver waiting for those would wait forever. A
         // spurious interrupt only makes the driver look at the used ring.
         if state.get_call().is_some() && !qs.signalled.swap(true, Ordering::AcqRel) {
-            if let Err(e) = state.signal_used_queue() {
-                warn!(queue, error = &e as &dyn std::error::Error, "cannot signal the guest");
-            }
+            send_signal(&mut state, queue);
         }
         let mut polled_from = None;
         let area = self.inner.inflight_area();
@@ -602,11 +600,17 @@ fn signal(
     queue: usize,
 ) -> Result<(), virtio_queue::Error> {
     if used::needs_signal(state.get_queue_mut(), mem, published)? {
-        if let Err(e) = state.signal_used_queue() {
-            warn!(queue, error = &e as &dyn std::error::Error, "cannot signal the guest");
-        }
+        send_signal(state, queue);
     }
     Ok(())
+}
+
+/// Write the queue's call eventfd (a failure is logged: the driver will find the completions on
+/// its next look at the ring).
+fn send_signal(state: &mut VringState<GuestMem>, queue: usize) {
+    if let Err(e) = state.signal_used_queue() {
+        warn!(queue, error = &e as &dyn std::error::Error, "cannot signal the guest");
+    }
 }
 
 /// Signal the driver now if it asked to hear of the completions published so far (its
@@ -627,9 +631,7 @@ fn signal_early(
     }
     metrics.early_signals.inc();
     let before = if early.check_this_one() { involuntary_switches() } else { None };
-    if let Err(e) = state.signal_used_queue() {
-        warn!(queue, error = &e as &dyn std::error::Error, "cannot signal the guest");
-    }
+    send_signal(state, queue);
     if let Some(before) = before {
         if early.checked(now, before, involuntary_switches().unwrap_or(before)) {
             metrics.early_signal_pauses.inc();

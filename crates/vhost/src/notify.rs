@@ -105,7 +105,8 @@ impl EarlySignals {
     }
 
     /// Whether early signals are paused at `now`.
-    pub fn paused(&self, now: Instant) -> bool {
+    #[cfg(test)]
+    fn paused(&self, now: Instant) -> bool {
         self.off_until.is_some_and(|until| now < until)
     }
 }
