@@ -5,13 +5,15 @@
 //! requests in flight wait for all of them, then idles while the driver wakes up, reaps and
 //! issues the next ones. With `VIRTIO_F_EVENT_IDX` the driver says in its `used_event` which
 //! completion it wants to hear of; a signal sent when the requests still queued would keep the
-//! worker busy for less than the driver's turnaround ([`DRIVER_TURNAROUND`]) brings its next
-//! requests before the worker runs dry, and costs no more signals where the queued work is long
-//! (1 MiB reads: a signal at every completion the driver asked for lost 14 % of their
-//! throughput). Measured with the serve bench's client on another CPU (4 KiB random reads,
-//! interrupt-driven libblkio, daemon on CPU 1, client on CPU 0, medians of 3 interleaved rounds
-//! of 2 s): QD8 457 k → 547 k IOPS, QD16 463 k → 683 k, QD32 721 k → 981 k; 1 MiB QD8
-//! unchanged (21.1 → 21.6 GB/s).
+//! worker busy for less than the driver's turnaround ([`DRIVER_TURNAROUND`]) after the next
+//! completion brings its next requests before the worker runs dry. Where requests are long that
+//! is one signal at the completion before the last (1 MiB reads: a signal at every completion
+//! the driver asked for lost 14 % of their throughput; one at the drained ring only left the
+//! worker idle through every refill, 7 % of its time). Measured with the serve bench's client
+//! on another CPU (interrupt-driven libblkio, daemon on CPU 1, client on CPU 0, medians of
+//! interleaved rounds of 2 s): 4 KiB random reads QD8 457 k → 547 k IOPS, QD16 463 k → 683 k,
+//! QD32 721 k → 981 k (3 rounds, with a signal only once fewer than 16 µs were queued);
+//! 1 MiB sequential QD8 21.5 k → 23.4 k (5 rounds, with the signal before the last).
 //!
 //! When the driver shares the worker's CPU, the same signal hands it the CPU (the woken driver
 //! preempts the worker) and each batch is split into many: same-CPU 4 KiB QD32 fell from ~0.95 M
@@ -31,8 +33,8 @@ pub const OFF_FOR: Duration = Duration::from_secs(1);
 pub const CHECK_EVERY: u32 = 64;
 
 /// The time a driver woken by a signal needs before its next requests reach the ring (wake-up,
-/// reaping, issuing): a signal is sent early once the requests still queued would keep the
-/// worker busy for less than this.
+/// reaping, issuing): a signal is sent early once the requests queued behind the next one would
+/// keep the worker busy for less than this.
 pub const DRIVER_TURNAROUND: Duration = Duration::from_micros(16);
 
 /// One queue's choice of signalling early, across its worker's wake-ups.
@@ -58,12 +60,15 @@ impl EarlySignals {
     }
 
     /// Whether to signal at a completion at `now` with `queued` requests still waiting in the
-    /// ring, rather than only once the ring is drained: when they would keep the worker busy for
-    /// less than [`DRIVER_TURNAROUND`], so the driver's next requests arrive before it runs dry.
-    /// Never with none queued: the ring-drained signal follows at once.
+    /// ring, rather than only once the ring is drained: when waiting for the next completion
+    /// would leave less than [`DRIVER_TURNAROUND`] of queued work, so the driver's next requests
+    /// arrive before the worker runs dry. With long requests that is the completion before the
+    /// last one (1 MiB reads: the driver refills while the last is copied). Never with none
+    /// queued: the ring-drained signal follows at once.
     pub fn due(&mut self, queued: u16, now: Instant) -> bool {
-        let ahead = u64::from(queued).saturating_mul(self.service_ns);
-        queued > 0 && ahead < DRIVER_TURNAROUND.as_nanos() as u64 && self.allowed(now)
+        let Some(after_next) = queued.checked_sub(1) else { return false };
+        let ahead = u64::from(after_next).saturating_mul(self.service_ns);
+        ahead < DRIVER_TURNAROUND.as_nanos() as u64 && self.allowed(now)
     }
 
     /// Whether early signals are allowed at `now` (not paused after one preempted the worker).
@@ -132,15 +137,17 @@ mod tests {
         let mut e = EarlySignals::default();
         // Before any request was timed what is queued counts as nothing: early.
         assert!(e.due(32, now));
-        // 1 µs a request: 15 queued are 15 µs (early), 16 are 16 µs (not); none queued: the
-        // ring-drained signal follows.
+        // 1 µs a request: with 16 queued, the next completion leaves 15 µs (early); with 17,
+        // 16 µs (not yet); none queued: the ring-drained signal follows.
         e.served(Duration::from_micros(1));
-        assert!(e.due(1, now) && e.due(15, now));
-        assert!(!e.due(16, now) && !e.due(u16::MAX, now) && !e.due(0, now));
-        // 45 µs a request (1 MiB reads): never early.
+        assert!(e.due(1, now) && e.due(16, now));
+        assert!(!e.due(17, now) && !e.due(u16::MAX, now) && !e.due(0, now));
+        // 45 µs a request (1 MiB reads): at the completion before the last only, so the driver
+        // refills while the last is served.
         let mut big = EarlySignals::default();
         big.served(Duration::from_micros(45));
-        assert!(!big.due(1, now) && !big.due(0, now));
+        assert!(big.due(1, now));
+        assert!(!big.due(2, now) && !big.due(0, now));
     }
 
     #[test]
