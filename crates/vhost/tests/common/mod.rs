@@ -92,8 +92,12 @@ impl Running {
     }
 
     pub fn serve(socket: &Path, device: DeviceConfig, disk: Disk) -> Running {
-        let socket = socket.to_owned();
-        let server = Server::bind(&socket, DEFAULT_SOCKET_MODE, device, disk).unwrap();
+        Self::run(Server::bind(socket, DEFAULT_SOCKET_MODE, device, disk).unwrap())
+    }
+
+    /// Run a bound (and configured) server on its own thread.
+    pub fn run(server: Server) -> Running {
+        let socket = server.path().to_owned();
         let stop = server.stop_handle();
         let thread = std::thread::spawn(move || server.run());
         Running { socket, stop, thread: Some(thread) }
