@@ -190,6 +190,15 @@ impl Slots {
     }
 }
 
+/// What one read's lookups ([`Core::held_quiet`]) leave for [`Core::report`].
+#[derive(Default)]
+struct Heard {
+    /// Hits the policy must hear of.
+    report: Vec<u32>,
+    hits: u64,
+    misses: u64,
+}
+
 /// A chunk a read copies from: borrowed from its slot (a hit) or owned (just fetched).
 enum Held<'a> {
     Slot(SlotGuard<'a>),
@@ -307,24 +316,32 @@ impl<S: ChunkSource + 'static> Core<S> {
 
     /// Chunk `index` borrowed for a copy, if it is in memory, without telling the policy: the
     /// caller may hold other slots (a moka call may evict one of them, and eviction takes that
-    /// slot's write lock), so a hit the policy must hear of is pushed to `report`, for
-    /// [`Self::report`] once every slot is let go.
-    fn held_quiet(&self, index: u32, report: &mut Vec<u32>) -> Option<Held<'_>> {
-        let held = self.slots.hold(index).map(|(g, tell)| {
-            if tell {
-                report.push(index);
-            }
-            g
-        });
-        let counter = if held.is_some() { &self.stats.hits } else { &self.stats.misses };
-        counter.fetch_add(1, Ordering::Relaxed);
-        held.map(Held::Slot)
+    /// slot's write lock), so a hit the policy must hear of is noted in `heard`, for
+    /// [`Self::report`] once every slot is let go. The hit or miss is counted there too: one
+    /// shared counter update per read, not one per chunk.
+    fn held_quiet(&self, index: u32, heard: &mut Heard) -> Option<Held<'_>> {
+        let Some((held, tell)) = self.slots.hold(index) else {
+            heard.misses += 1;
+            return None;
+        };
+        heard.hits += 1;
+        if tell {
+            heard.report.push(index);
+        }
+        Some(Held::Slot(held))
     }
 
-    /// Tell the policy of the hits [`Self::held_quiet`] deferred. No slot may be held.
-    fn report(&self, report: &[u32]) {
-        for index in report {
+    /// Tell the policy of the hits [`Self::held_quiet`] deferred, and count them. No slot may be
+    /// held.
+    fn report(&self, heard: &Heard) {
+        for index in &heard.report {
             let _ = self.cache.get(index);
+        }
+        if heard.hits > 0 {
+            self.stats.hits.fetch_add(heard.hits, Ordering::Relaxed);
+        }
+        if heard.misses > 0 {
+            self.stats.misses.fetch_add(heard.misses, Ordering::Relaxed);
         }
     }
 
@@ -876,7 +893,7 @@ impl<S: ChunkSource + 'static> BlockDevice for MemTier<S> {
         // Readahead looks at reads of file data only, on their first visit (the queue thread's,
         // without `fetch`; a deferred read's second visit must not count twice).
         let mut noted = fetch;
-        let mut report = Vec::new();
+        let mut heard = Heard::default();
         let chunk = |chunk: u32, at: u64| {
             if !noted {
                 noted = true;
@@ -888,7 +905,7 @@ impl<S: ChunkSource + 'static> BlockDevice for MemTier<S> {
             let data = if fetch {
                 Held::Owned(self.core.chunk(chunk).map_err(|source| ReadError::Store { offset: at, source })?)
             } else {
-                match self.core.held_quiet(chunk, &mut report) {
+                match self.core.held_quiet(chunk, &mut heard) {
                     Some(d) => d,
                     None => return Ok(None),
                 }
@@ -903,7 +920,7 @@ impl<S: ChunkSource + 'static> BlockDevice for MemTier<S> {
             Piece::Bytes(b) => sink.put(b).map_err(ReadError::from),
             Piece::Zeros(n) => sink.zeros(n).map_err(ReadError::from),
         });
-        self.core.report(&report);
+        self.core.report(&heard);
         visited
     }
 
