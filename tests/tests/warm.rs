@@ -377,6 +377,64 @@ fn record_profile_warm_round_trip_then_serve_with_the_origin_stopped() -> Result
     Ok(())
 }
 
+/// `serve --fill-cache`: while the guest reads, the daemon fetches the rest of the image into its
+/// disk cache (each byte of the pack asked of the origin once, demand and fill together); the
+/// origin can then go away and the same daemon still serves every block.
+#[test]
+fn serve_fill_cache_fetches_the_whole_image_in_the_background() -> Result<()> {
+    let f = fixture("serve-fill", "serve-fill")?;
+    let mut origin = tessera_e2e::nginx::Nginx::serve(&f.store, "store")?;
+    let url = origin.url();
+    let cache = f.t.path().join("cache");
+    // Usage: a cache to fill, of a remote store.
+    let socket = f.t.path().join("fill.sock");
+    let usage = |o: Output, want: &str| -> Result<()> {
+        ensure!(o.status.code() == Some(2) && stderr(&o).contains(want), "{}", stderr(&o));
+        Ok(())
+    };
+    let sock = s(&socket)?;
+    usage(
+        tessera::run(["serve", "demo", "--store", &url, "--socket", sock, "--fill-cache"])?,
+        "--cache-dir",
+    )?;
+    let local = ["serve", "demo", "--store", s(&f.store)?, "--socket", sock, "--fill-cache"];
+    usage(tessera::run(local.iter().chain(&["--cache-dir", s(&cache)?]))?, "local store")?;
+
+    let d =
+        Daemon::start("demo", &url, &socket, &["--read-only", "--cache-dir", s(&cache)?, "--fill-cache"])?;
+    let mut c = BlkClient::connect(d.socket(), 1, true)?;
+    let at = f.data.0 as usize + 5 * CHUNK as usize;
+    let got = c.read(at as u64, 8192)?.map_err(|e| anyhow::anyhow!("read: errno {e}"))?;
+    ensure!(got[..] == f.raw[at..at + 8192], "a read while filling: wrong bytes");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while (cached_chunks(&cache)? as u64) < f.chunks {
+        ensure!(
+            std::time::Instant::now() < deadline,
+            "the fill cached {} of {} chunks in 60 s",
+            cached_chunks(&cache)?,
+            f.chunks
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20)); // polling interval
+    }
+    // `tessera warm` finds the whole image there, and the origin was asked for each byte once.
+    let v = warm_json(warm("demo", &url, &cache, &[])?, "warm after the fill")?;
+    ensure!(field(&v, "present_chunks")? == f.chunks && field(&v, "fetched_chunks")? == 0, "{v}");
+    let log = origin.access_log();
+    let ranges = pack_requests(&log, &f.store)
+        .iter()
+        .filter_map(|l| range_of(l))
+        .collect::<Result<Vec<_>>>()?
+        .concat();
+    ensure_disjoint_totalling(&ranges, field(&v, "bytes")?)?;
+    // Origin gone: the daemon that filled its cache serves every block from it.
+    origin.stop();
+    let (device, failed) = c.read_device(1 << 20, 8)?;
+    ensure!(failed.is_empty(), "reads failed with the origin stopped: {failed:?}");
+    ensure!(device == f.raw, "the daemon served other bytes from its filled cache");
+    drop(c);
+    d.stop()
+}
+
 #[test]
 fn warm_resumes_after_kill_9_and_fails_on_bad_chunks() -> Result<()> {
     use tessera_e2e::proxy::{Proxy, ProxyConfig};

@@ -47,6 +47,7 @@ pub struct ColdBench {
     /// with its own `--store S` serves from S instead of the origin (e.g. the local store);
     /// `--store origin:DIR` serves the store DIR beside `--store`'s through the same origin and
     /// link (e.g. the same image built with `--reference-layers`; the floor stays `--store`'s).
+    /// An arm's `--cache-dir DIR` is emptied before each of its runs: every run starts cold.
     #[arg(long)]
     pub(crate) arm: Vec<String>,
     /// The `tessera` binary of arms that name none (default: the release build, built now).
@@ -257,6 +258,11 @@ pub(crate) fn measure(opts: &ColdBench) -> Result<ColdResult> {
                 raw: opts.raw.clone(),
                 placement,
             };
+            if let Some(dir) =
+                arm.args.iter().position(|a| a == "--cache-dir").and_then(|i| arm.args.get(i + 1))
+            {
+                let _ = std::fs::remove_dir_all(dir);
+            }
             let wire = proxy.stats().wire_bytes;
             let mut r = run.run(&trace, &proxy, &image, link)?;
             if opts.tls {

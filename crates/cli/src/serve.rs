@@ -196,6 +196,18 @@ pub struct ServeArgs {
     /// Do not prefetch the chunks of the image's prefetch profile.
     #[arg(long)]
     no_prefetch: bool,
+    /// With --cache-dir: fetch the whole image into the disk cache in the background, as
+    /// `tessera warm` would, while serving: a guest that keeps reading data nothing foresaw (a
+    /// random reader of whole files pays a round trip per file) finds more and more of it on
+    /// this host. Its requests (runs of up to 1 MiB stored, --fill-jobs at a time) go out only
+    /// while none of the guest's fetches — demand, readahead or profile prefetch — is pending,
+    /// so they take the link when the guest leaves it idle. Skipped, with a warning, when the
+    /// image's stored bytes exceed --cache-size (it would evict what the guest reads).
+    #[arg(long)]
+    fill_cache: bool,
+    /// Requests of --fill-cache in flight at once.
+    #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=64))]
+    fill_jobs: u16,
     /// Number of virtqueues offered, each served by its own thread (1 to 64).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=i64::from(MAX_QUEUES)))]
     queues: u16,
@@ -379,6 +391,8 @@ pub struct ServeConfig {
     pub stretch_size: u64,
     /// Prefetch the image's profile, if it has one.
     pub prefetch: bool,
+    /// `--fill-cache`: requests in flight of the background fill (`None`: no fill).
+    pub fill_jobs: Option<usize>,
     /// `--metrics HOST:PORT`.
     pub metrics: Option<String>,
     pub record_trace: Option<PathBuf>,
@@ -406,6 +420,16 @@ impl ServeConfig {
                 Writes::Temporary(args.cache.cache_dir.clone().unwrap_or_else(std::env::temp_dir))
             }
         };
+        if args.fill_cache {
+            if args.store.local_path().is_some() {
+                bail!(UsageError(
+                    "--fill-cache: a local store is read directly and needs no cache; it fills the --cache-dir of an http(s)://, docker:// or s3:// store".into()
+                ));
+            }
+            if args.cache.cache_dir.is_none() {
+                bail!(UsageError("--fill-cache needs --cache-dir DIR: the cache to fill".into()));
+            }
+        }
         let default_jobs = if args.store.local_path().is_some() {
             DEFAULT_LOCAL_FETCH_JOBS
         } else {
@@ -442,6 +466,7 @@ impl ServeConfig {
             stretch_after: args.stretch_after,
             stretch_size: args.stretch_size,
             prefetch: !args.no_prefetch,
+            fill_jobs: args.fill_cache.then_some(usize::from(args.fill_jobs)),
             metrics: args.metrics,
             record_trace: args.record_trace,
             record_requests: args.record_requests,
@@ -550,6 +575,10 @@ pub fn run_on(config: ServeConfig, listener: Option<std::os::unix::net::UnixList
         start_prefetch(digest, bytes, &image, &tier);
     }
     let reader = Arc::new(tier);
+    let fill = match (config.fill_jobs, &opened.cache) {
+        (Some(jobs), Some(cache)) => Some((jobs, cache.clone(), Arc::downgrade(&reader))),
+        _ => None,
+    };
     watch_mem_tier(&metrics, &reader);
     watch_store(&metrics, &opened);
     let device = DeviceConfig::new(&id, reader.device_bytes(), config.queues, config.writes.read_only());
@@ -629,6 +658,10 @@ pub fn run_on(config: ServeConfig, listener: Option<std::os::unix::net::UnixList
             stop.stop();
         }
     });
+    // The socket is bound: the fill starts with the guest's first reads (and yields to them).
+    if let Some((jobs, cache, tier)) = fill {
+        start_fill(&config, &image, cache, jobs, tier)?;
+    }
     if let Some(mut f) = config.ready {
         writeln!(f, "ready {}", config.socket.display()).context("writing to --ready-fd")?;
         if let Some(e) = &exporter {
@@ -650,6 +683,48 @@ pub fn run_on(config: ServeConfig, listener: Option<std::os::unix::net::UnixList
     recorded?;
     Ok(())
 }
+
+/// `--fill-cache`: the whole image into the disk cache `cache` in the background, each request
+/// waiting while the memory tier `tier` has fetches pending — unless the image does not fit
+/// the cache's bound.
+fn start_fill<S: ChunkSource + 'static>(
+    config: &ServeConfig,
+    image: &OpenImage,
+    cache: tessera_store::DiskCache,
+    jobs: usize,
+    tier: std::sync::Weak<MemTier<S>>,
+) -> Result<()> {
+    let chunks = u32::try_from(image.record().block_map.chunks().len()).unwrap_or(u32::MAX);
+    let stored: u64 = (0..chunks)
+        .filter_map(|i| image.chunk_location(i))
+        .map(|(_, _, loc)| u64::from(loc.stored_len))
+        .sum();
+    if let Some(max) = config.cache.as_ref().and_then(|c| c.max_bytes).filter(|&max| stored > max) {
+        tracing::warn!(
+            "--fill-cache skipped: the image's chunks ({}) exceed --cache-size ({}); filling would evict what the guest reads",
+            indicatif::HumanBytes(stored),
+            indicatif::HumanBytes(max)
+        );
+        return Ok(());
+    }
+    let wait_turn: tessera_engine::WaitTurn = Arc::new(move || {
+        while tier.upgrade().is_some_and(|t| t.pending_fetches() > 0) {
+            std::thread::sleep(FILL_WAIT);
+        }
+    });
+    crate::warm::fill_in_background(
+        config.store.clone(),
+        config.origin.clone(),
+        cache,
+        *image.id(),
+        jobs,
+        wait_turn,
+    )
+}
+
+/// How long a background-fill request waits before it looks again whether the guest's fetches
+/// are done.
+const FILL_WAIT: Duration = Duration::from_millis(2);
 
 /// Queue the chunks of the image's prefetch profile, if the entry names one, for background
 /// fetching. A profile that cannot be read or does not fit the image is logged and ignored: it

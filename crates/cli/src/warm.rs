@@ -3,13 +3,17 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 use indicatif::HumanBytes;
 use serde::Serialize;
 use tessera_builder::Progress;
-use tessera_engine::{warm, WarmOptions, WarmReport, DEFAULT_WARM_JOBS};
-use tessera_store::{CachedStore, DiskCache, HttpStore, Origin, RegistryStore, S3Store, StoreLocation};
+use tessera_engine::{warm, WaitTurn, WarmOptions, WarmReport, DEFAULT_WARM_JOBS};
+use tessera_image::ImageId;
+use tessera_store::{
+    CachedStore, DiskCache, HttpStore, Origin, OriginOptions, RegistryStore, S3Store, StoreError,
+    StoreLocation,
+};
 
 use crate::cache_args::CacheArgs;
 use crate::progress::Bar;
@@ -86,27 +90,24 @@ pub fn run(args: WarmArgs) -> Result<()> {
     let Some(config) = args.cache.config() else {
         bail!(UsageError("tessera warm needs --cache-dir DIR: the cache to fill".into()));
     };
-    let options = WarmOptions { profile_only: args.profile_only, jobs: args.jobs };
-    let report = match &args.store {
-        StoreLocation::Local(path) => bail!(UsageError(format!(
+    let options = WarmOptions { profile_only: args.profile_only, jobs: args.jobs, wait_turn: None };
+    if let StoreLocation::Local(path) = &args.store {
+        bail!(UsageError(format!(
             "store {}: a local store is read directly and needs no cache; warm an http(s)://, docker:// or s3:// store",
             path.display()
-        ))),
-        StoreLocation::Http(url) => {
-            let origin = HttpStore::new(url, args.origin.options()?.http);
-            warm_with(CachedStore::new(origin, DiskCache::open(&config)?), &args.image, options)?
-        }
-        StoreLocation::Registry(repo) => {
-            let origin = RegistryStore::new(repo, args.origin.registry())?;
-            warm_with(CachedStore::new(origin, DiskCache::open(&config)?), &args.image, options)?
-        }
-        StoreLocation::S3(location) => {
-            let o = args.origin.options()?;
-            let cache = DiskCache::open(&config)?;
-            let origin = S3Store::new(location, &o.s3, o.http, Some(cache.clone()));
-            warm_with(CachedStore::new(origin, cache), &args.image, options)?
-        }
-    };
+        )));
+    }
+    let bar = Bar::new("warming");
+    let report = warm_location(
+        &args.store,
+        &args.origin.options()?,
+        DiskCache::open(&config)?,
+        &args.image,
+        options,
+        &|total| bar.start(total),
+        &|bytes| bar.advance(bytes),
+    )?;
+    bar.finish();
     if let Some(max) = config.max_bytes.filter(|&max| report.bytes > max) {
         // The cache keeps the most recently used entries within its bound: part of what was just
         // warmed has been evicted again.
@@ -158,14 +159,81 @@ pub fn run(args: WarmArgs) -> Result<()> {
     Ok(())
 }
 
-fn warm_with<O: Origin + 'static>(
-    store: CachedStore<O>,
+/// Warm `image` from the remote store at `location` (reached with `origin`'s settings) into
+/// `cache`. A local store has nothing to warm: [`StoreError::Unsupported`].
+fn warm_location(
+    location: &StoreLocation,
+    origin: &OriginOptions,
+    cache: DiskCache,
     image: &str,
     options: WarmOptions,
-) -> Result<WarmReport> {
-    let bar = Bar::new("warming");
-    let report =
-        warm(&Arc::new(store), image, options, &|total| bar.start(total), &|bytes| bar.advance(bytes))?;
-    bar.finish();
-    Ok(report)
+    start: &(dyn Fn(u64) + Sync),
+    progress: &dyn Fn(u64),
+) -> Result<WarmReport, StoreError> {
+    fn with<O: Origin + 'static>(
+        origin: O,
+        cache: DiskCache,
+        trust: tessera_store::CacheTrust,
+        image: &str,
+        options: WarmOptions,
+        start: &(dyn Fn(u64) + Sync),
+        progress: &dyn Fn(u64),
+    ) -> Result<WarmReport, StoreError> {
+        let store = Arc::new(CachedStore::new(origin, cache).with_trust(trust));
+        warm(&store, image, options, start, progress)
+    }
+    let trust = origin.trust;
+    match location {
+        StoreLocation::Local(_) => {
+            Err(StoreError::Unsupported { location: location.to_string(), kind: "local" })
+        }
+        StoreLocation::Http(url) => {
+            let o = HttpStore::new(url, origin.http.clone());
+            with(o, cache, trust, image, options, start, progress)
+        }
+        StoreLocation::Registry(repo) => {
+            let o = RegistryStore::new(repo, origin.registry.clone())?;
+            with(o, cache, trust, image, options, start, progress)
+        }
+        StoreLocation::S3(l) => {
+            let o = S3Store::new(l, &origin.s3, origin.http.clone(), Some(cache.clone()));
+            with(o, cache, trust, image, options, start, progress)
+        }
+    }
+}
+
+/// `serve --fill-cache`: warm image `id` into `cache` on a thread of its own, `jobs` requests at
+/// a time, each request waiting its turn (`wait_turn`: while the daemon's own fetches are
+/// pending). Logs what it did; a failure costs nothing but the fill (the daemon fetches on
+/// demand as without it).
+pub fn fill_in_background(
+    location: StoreLocation,
+    origin: OriginOptions,
+    cache: DiskCache,
+    id: ImageId,
+    jobs: usize,
+    wait_turn: WaitTurn,
+) -> Result<()> {
+    let options = WarmOptions { profile_only: false, jobs, wait_turn: Some(wait_turn) };
+    std::thread::Builder::new()
+        .name("cache-fill".into())
+        .spawn(move || {
+            tracing::info!(image = %id, jobs, "filling the disk cache with the image in the background");
+            match warm_location(&location, &origin, cache, &id.to_string(), options, &|_| {}, &|_| {}) {
+                Ok(r) => tracing::info!(
+                    chunks = r.chunks,
+                    present = r.present_chunks,
+                    fetched = r.fetched_chunks,
+                    fetched_bytes = r.fetched_bytes,
+                    failed = r.failed.len(),
+                    seconds = r.elapsed.as_secs_f64(),
+                    "disk cache filled ({} fetched in {:.1?})",
+                    HumanBytes(r.fetched_bytes),
+                    r.elapsed
+                ),
+                Err(e) => tracing::warn!(error = %crate::error_text(e), "the background fill stopped"),
+            }
+        })
+        .context("starting the cache-fill thread")?;
+    Ok(())
 }
