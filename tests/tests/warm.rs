@@ -233,6 +233,11 @@ fn pack_requests<'a>(log: &'a str, store: &Path) -> Vec<&'a str> {
     data_requests(log).into_iter().filter(|l| !parts.iter().any(|p| l.contains(p.as_str()))).collect()
 }
 
+/// The byte ranges of every [`pack_requests`] line of `log`, each as `[A, B]`.
+fn pack_ranges(log: &str, store: &Path) -> Result<Vec<(u64, u64)>> {
+    Ok(pack_requests(log, store).iter().filter_map(|l| range_of(l)).collect::<Result<Vec<_>>>()?.concat())
+}
+
 /// The ranges `bytes=A-B[,C-D…]` in a request (log line or header), each as `[A, B]`.
 fn range_of(text: &str) -> Option<Result<Vec<(u64, u64)>>> {
     let spec = text.split("bytes=").nth(1)?;
@@ -291,11 +296,7 @@ fn record_profile_warm_round_trip_then_serve_with_the_origin_stopped() -> Result
     ensure!(cached_chunks(&cache)? as u64 == profiled, "cache holds {} chunks", cached_chunks(&cache)?);
     let log = origin.access_log();
     // Each chunk's bytes asked for exactly once (adjacent chunks may share one ranged GET).
-    let ranges = pack_requests(&log, &f.store)
-        .iter()
-        .filter_map(|l| range_of(l))
-        .collect::<Result<Vec<_>>>()?
-        .concat();
+    let ranges = pack_ranges(&log, &f.store)?;
     ensure!(!ranges.is_empty() && ranges.len() as u64 <= profiled, "{log}");
     ensure_disjoint_totalling(&ranges, field(&v, "fetched_bytes")?)?;
 
@@ -320,11 +321,7 @@ fn record_profile_warm_round_trip_then_serve_with_the_origin_stopped() -> Result
     ensure!(field(&v, "fetched_chunks")? == f.chunks - profiled, "{v}");
     let log = origin.access_log();
     let new: Vec<&str> = log.lines().skip(before).collect();
-    let ranges = pack_requests(&new.join("\n"), &f.store)
-        .iter()
-        .filter_map(|l| range_of(l))
-        .collect::<Result<Vec<_>>>()?
-        .concat();
+    let ranges = pack_ranges(&new.join("\n"), &f.store)?;
     ensure!(
         !ranges.is_empty() && ranges.len() as u64 <= profiled + 1,
         "{} ranged GETs for {} chunks: {new:?}",
@@ -420,11 +417,7 @@ fn serve_fill_cache_fetches_the_whole_image_in_the_background() -> Result<()> {
     let v = warm_json(warm("demo", &url, &cache, &[])?, "warm after the fill")?;
     ensure!(field(&v, "present_chunks")? == f.chunks && field(&v, "fetched_chunks")? == 0, "{v}");
     let log = origin.access_log();
-    let ranges = pack_requests(&log, &f.store)
-        .iter()
-        .filter_map(|l| range_of(l))
-        .collect::<Result<Vec<_>>>()?
-        .concat();
+    let ranges = pack_ranges(&log, &f.store)?;
     ensure_disjoint_totalling(&ranges, field(&v, "bytes")?)?;
     // Origin gone: the daemon that filled its cache serves every block from it.
     origin.stop();
