@@ -47,7 +47,8 @@ pub struct ColdBench {
     /// with its own `--store S` serves from S instead of the origin (e.g. the local store);
     /// `--store origin:DIR` serves the store DIR beside `--store`'s through the same origin and
     /// link (e.g. the same image built with `--reference-layers`; the floor stays `--store`'s).
-    /// An arm's `--cache-dir DIR` is emptied before each of its runs: every run starts cold.
+    /// An arm's `--cache-dir DIR` becomes `DIR/run-ROUND`, which must not exist: every run
+    /// starts cold, and no cache is removed while the bench runs (remove DIR afterwards).
     #[arg(long)]
     pub(crate) arm: Vec<String>,
     /// The `tessera` binary of arms that name none (default: the release build, built now).
@@ -249,20 +250,30 @@ pub(crate) fn measure(opts: &ColdBench) -> Result<ColdResult> {
     let mut results: Vec<Vec<tessera_e2e::floor::Breakdown>> = arms.iter().map(|_| Vec::new()).collect();
     for round in 0..opts.rounds {
         for (i, arm) in arms.iter().enumerate() {
+            // A fresh cache directory per run, none removed before the last run: unlinking a
+            // cache's thousands of files makes ext4 slow to create files for minutes after
+            // (its inode allocator skips recently freed inodes one by one), which the next run
+            // would pay.
+            let mut args = arm.args.clone();
+            if let Some(dir) = args.iter().position(|a| a == "--cache-dir").and_then(|i| args.get_mut(i + 1))
+            {
+                let fresh = Path::new(dir.as_str()).join(format!("run-{round}"));
+                anyhow::ensure!(
+                    !fresh.exists(),
+                    "{}: remove it first (a run must start cold)",
+                    fresh.display()
+                );
+                *dir = fresh.display().to_string();
+            }
             let run = ColdRun {
                 bin: &arm.bin,
                 store_url: arm_url(arm),
                 image: &opts.image,
-                serve_args: &arm.args,
+                serve_args: &args,
                 socket: work.join("cold.sock"),
                 raw: opts.raw.clone(),
                 placement,
             };
-            if let Some(dir) =
-                arm.args.iter().position(|a| a == "--cache-dir").and_then(|i| arm.args.get(i + 1))
-            {
-                let _ = std::fs::remove_dir_all(dir);
-            }
             let wire = proxy.stats().wire_bytes;
             let mut r = run.run(&trace, &proxy, &image, link)?;
             if opts.tls {

@@ -196,13 +196,13 @@ pub struct ServeArgs {
     /// Do not prefetch the chunks of the image's prefetch profile.
     #[arg(long)]
     no_prefetch: bool,
-    /// With --cache-dir: fetch the whole image into the disk cache in the background, as
-    /// `tessera warm` would, while serving: a guest that keeps reading data nothing foresaw (a
-    /// random reader of whole files pays a round trip per file) finds more and more of it on
-    /// this host. Its requests (runs of up to 1 MiB stored, --fill-jobs at a time) go out only
-    /// while none of the guest's fetches — demand, readahead or profile prefetch — is pending,
-    /// so they take the link when the guest leaves it idle. Skipped, with a warning, when the
-    /// image's stored bytes exceed --cache-size (it would evict what the guest reads).
+    /// With --cache-dir: fetch the whole image into the disk cache in the background while
+    /// serving, as `tessera warm` would (runs of up to 1 MiB stored, --fill-jobs at a time), so
+    /// a guest that keeps reading what nothing foresaw (a reader of many whole files pays a round
+    /// trip for each) finds more and more of it on this host. The fill shares the link with the
+    /// guest's own misses: at 20 ms and 1 Gbit/s it took a whole-file reader from 15.6 to 10.2 s
+    /// and a python start from 1.6 to 2.1 s (docs/warming.md). Skipped, with a warning, when the
+    /// image's stored bytes exceed --cache-size.
     #[arg(long)]
     fill_cache: bool,
     /// Requests of --fill-cache in flight at once.
@@ -575,10 +575,7 @@ pub fn run_on(config: ServeConfig, listener: Option<std::os::unix::net::UnixList
         start_prefetch(digest, bytes, &image, &tier);
     }
     let reader = Arc::new(tier);
-    let fill = match (config.fill_jobs, &opened.cache) {
-        (Some(jobs), Some(cache)) => Some((jobs, cache.clone(), Arc::downgrade(&reader))),
-        _ => None,
-    };
+    let fill = config.fill_jobs.zip(opened.cache.clone());
     watch_mem_tier(&metrics, &reader);
     watch_store(&metrics, &opened);
     let device = DeviceConfig::new(&id, reader.device_bytes(), config.queues, config.writes.read_only());
@@ -659,8 +656,8 @@ pub fn run_on(config: ServeConfig, listener: Option<std::os::unix::net::UnixList
         }
     });
     // The socket is bound: the fill starts with the guest's first reads (and yields to them).
-    if let Some((jobs, cache, tier)) = fill {
-        start_fill(&config, &image, cache, jobs, tier)?;
+    if let Some((jobs, cache)) = fill {
+        start_fill(&config, &image, cache, jobs)?;
     }
     if let Some(mut f) = config.ready {
         writeln!(f, "ready {}", config.socket.display()).context("writing to --ready-fd")?;
@@ -684,15 +681,13 @@ pub fn run_on(config: ServeConfig, listener: Option<std::os::unix::net::UnixList
     Ok(())
 }
 
-/// `--fill-cache`: the whole image into the disk cache `cache` in the background, each request
-/// waiting while the memory tier `tier` has fetches pending — unless the image does not fit
-/// the cache's bound.
-fn start_fill<S: ChunkSource + 'static>(
+/// `--fill-cache`: the whole image into the disk cache `cache` in the background — unless it
+/// does not fit the cache's bound.
+fn start_fill(
     config: &ServeConfig,
     image: &OpenImage,
     cache: tessera_store::DiskCache,
     jobs: usize,
-    tier: std::sync::Weak<MemTier<S>>,
 ) -> Result<()> {
     let chunks = u32::try_from(image.record().block_map.chunks().len()).unwrap_or(u32::MAX);
     let stored: u64 = (0..chunks)
@@ -707,24 +702,8 @@ fn start_fill<S: ChunkSource + 'static>(
         );
         return Ok(());
     }
-    let wait_turn: tessera_engine::WaitTurn = Arc::new(move || {
-        while tier.upgrade().is_some_and(|t| t.pending_fetches() > 0) {
-            std::thread::sleep(FILL_WAIT);
-        }
-    });
-    crate::warm::fill_in_background(
-        config.store.clone(),
-        config.origin.clone(),
-        cache,
-        *image.id(),
-        jobs,
-        wait_turn,
-    )
+    crate::warm::fill_in_background(config.store.clone(), config.origin.clone(), cache, *image.id(), jobs)
 }
-
-/// How long a background-fill request waits before it looks again whether the guest's fetches
-/// are done.
-const FILL_WAIT: Duration = Duration::from_millis(2);
 
 /// Queue the chunks of the image's prefetch profile, if the entry names one, for background
 /// fetching. A profile that cannot be read or does not fit the image is logged and ignored: it

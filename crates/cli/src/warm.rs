@@ -8,7 +8,7 @@ use clap::Args;
 use indicatif::HumanBytes;
 use serde::Serialize;
 use tessera_builder::Progress;
-use tessera_engine::{warm, WaitTurn, WarmOptions, WarmReport, DEFAULT_WARM_JOBS};
+use tessera_engine::{warm, WarmOptions, WarmReport, DEFAULT_WARM_JOBS};
 use tessera_image::ImageId;
 use tessera_store::{
     CachedStore, DiskCache, HttpStore, Origin, OriginOptions, RegistryStore, S3Store, StoreError,
@@ -90,7 +90,7 @@ pub fn run(args: WarmArgs) -> Result<()> {
     let Some(config) = args.cache.config() else {
         bail!(UsageError("tessera warm needs --cache-dir DIR: the cache to fill".into()));
     };
-    let options = WarmOptions { profile_only: args.profile_only, jobs: args.jobs, wait_turn: None };
+    let options = WarmOptions { profile_only: args.profile_only, jobs: args.jobs };
     if let StoreLocation::Local(path) = &args.store {
         bail!(UsageError(format!(
             "store {}: a local store is read directly and needs no cache; warm an http(s)://, docker:// or s3:// store",
@@ -203,18 +203,16 @@ fn warm_location(
 }
 
 /// `serve --fill-cache`: warm image `id` into `cache` on a thread of its own, `jobs` requests at
-/// a time, each request waiting its turn (`wait_turn`: while the daemon's own fetches are
-/// pending). Logs what it did; a failure costs nothing but the fill (the daemon fetches on
-/// demand as without it).
+/// a time. Logs what it did; a failure costs nothing but the fill (the daemon fetches on demand
+/// as without it).
 pub fn fill_in_background(
     location: StoreLocation,
     origin: OriginOptions,
     cache: DiskCache,
     id: ImageId,
     jobs: usize,
-    wait_turn: WaitTurn,
 ) -> Result<()> {
-    let options = WarmOptions { profile_only: false, jobs, wait_turn: Some(wait_turn) };
+    let options = WarmOptions { profile_only: false, jobs };
     std::thread::Builder::new()
         .name("cache-fill".into())
         .spawn(move || {

@@ -54,4 +54,4 @@ pub use hugebuf::ChunkBuf;
 pub use tessera_store::Visit;
 pub use tier::{Chunk, MemTier, TierStats, DEFAULT_MEM_CACHE, DEFAULT_READAHEAD, WHOLE_FILE_MAX_BYTES};
 pub use trace::{TraceError, TraceRecorder};
-pub use warm::{warm, WaitTurn, WarmFailure, WarmOptions, WarmReport, DEFAULT_WARM_JOBS, WARM_RUN_BYTES};
+pub use warm::{warm, WarmFailure, WarmOptions, WarmReport, DEFAULT_WARM_JOBS, WARM_RUN_BYTES};

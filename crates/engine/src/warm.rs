@@ -30,35 +30,18 @@ pub const DEFAULT_WARM_JOBS: usize = 8;
 /// chunks are cached as soon as its request ends.
 pub const WARM_RUN_BYTES: u64 = 1 << 20;
 
-/// Blocks until a warm request may go out (see [`WarmOptions::wait_turn`]).
-pub type WaitTurn = Arc<dyn Fn() + Send + Sync>;
-
 /// What to warm.
-#[derive(Clone)]
+#[derive(Debug, Clone, Copy)]
 pub struct WarmOptions {
     /// Only the chunks of the image's prefetch profile (the image must have one).
     pub profile_only: bool,
     /// Chunk fetches in flight at once (at least 1).
     pub jobs: usize,
-    /// Called before each request (a run of chunks), returning when it may go out: a daemon's
-    /// background fill (`serve --fill-cache`) waits while its guest's fetches are pending, so
-    /// it only uses the link when they do not. `None`: never waits.
-    pub wait_turn: Option<WaitTurn>,
 }
 
 impl Default for WarmOptions {
     fn default() -> Self {
-        Self { profile_only: false, jobs: DEFAULT_WARM_JOBS, wait_turn: None }
-    }
-}
-
-impl std::fmt::Debug for WarmOptions {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("WarmOptions")
-            .field("profile_only", &self.profile_only)
-            .field("jobs", &self.jobs)
-            .field("wait_turn", &self.wait_turn.is_some())
-            .finish()
+        Self { profile_only: false, jobs: DEFAULT_WARM_JOBS }
     }
 }
 
@@ -183,7 +166,6 @@ pub fn warm<O: Origin + 'static>(
     let (tx, rx) = mpsc::channel::<u64>();
     let fetcher = {
         let (store, targets, results) = (Arc::clone(store), Arc::clone(&targets), Arc::clone(&results));
-        let wait_turn = options.wait_turn.clone();
         let limits = FetchLimits {
             batch_bytes: WARM_RUN_BYTES,
             sparse_demand: true,
@@ -197,9 +179,6 @@ pub fn warm<O: Origin + 'static>(
         ChunkFetcher::start_in_order(
             limits,
             move |batch, _| {
-                if let Some(wait) = &wait_turn {
-                    wait();
-                }
                 let run: Vec<&Target> = batch.iter().filter_map(|&i| targets.get(i as usize)).collect();
                 for (&i, outcome) in batch.iter().zip(warm_run(&store, &run)) {
                     if let Some(t) = targets.get(i as usize) {
