@@ -374,9 +374,10 @@ fn record_profile_warm_round_trip_then_serve_with_the_origin_stopped() -> Result
     Ok(())
 }
 
-/// `serve --fill-cache`: while the guest reads, the daemon fetches the rest of the image into its
-/// disk cache (each byte of the pack asked of the origin once, demand and fill together); the
-/// origin can then go away and the same daemon still serves every block.
+/// `serve --fill-cache`: once a VM connected (and `--fill-after`), the daemon fetches the rest of
+/// the image into its disk cache while the guest reads (each byte of the pack asked of the origin
+/// once, demand and fill together); the origin can then go away and the same daemon still serves
+/// every block.
 #[test]
 fn serve_fill_cache_fetches_the_whole_image_in_the_background() -> Result<()> {
     let f = fixture("serve-fill", "serve-fill")?;
@@ -397,8 +398,11 @@ fn serve_fill_cache_fetches_the_whole_image_in_the_background() -> Result<()> {
     let local = ["serve", "demo", "--store", s(&f.store)?, "--socket", sock, "--fill-cache"];
     usage(tessera::run(local.iter().chain(&["--cache-dir", s(&cache)?]))?, "local store")?;
 
-    let d =
-        Daemon::start("demo", &url, &socket, &["--read-only", "--cache-dir", s(&cache)?, "--fill-cache"])?;
+    let args = ["--read-only", "--cache-dir", s(&cache)?, "--fill-cache", "--fill-after", "1s"];
+    let d = Daemon::start("demo", &url, &socket, &args)?;
+    // The fill waits for a VM, and then --fill-after.
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    ensure!(cached_chunks(&cache)? == 0, "the fill started before a VM connected");
     let mut c = BlkClient::connect(d.socket(), 1, true)?;
     let at = f.data.0 as usize + 5 * CHUNK as usize;
     let got = c.read(at as u64, 8192)?.map_err(|e| anyhow::anyhow!("read: errno {e}"))?;

@@ -196,18 +196,23 @@ pub struct ServeArgs {
     /// Do not prefetch the chunks of the image's prefetch profile.
     #[arg(long)]
     no_prefetch: bool,
-    /// With --cache-dir: fetch the whole image into the disk cache in the background while
-    /// serving, as `tessera warm` would (runs of up to 1 MiB stored, --fill-jobs at a time), so
-    /// a guest that keeps reading what nothing foresaw (a reader of many whole files pays a round
-    /// trip for each) finds more and more of it on this host. The fill shares the link with the
-    /// guest's own misses: at 20 ms and 1 Gbit/s it took a whole-file reader from 15.6 to 10.2 s
-    /// and a python start from 1.6 to 2.1 s (docs/warming.md). Skipped, with a warning, when the
-    /// image's stored bytes exceed --cache-size.
+    /// With --cache-dir: fetch the whole image into the disk cache in the background, as
+    /// `tessera warm` would (runs of up to 1 MiB stored, --fill-jobs at a time), starting
+    /// --fill-after the first VM connects. A guest that keeps reading what nothing foresaw (a
+    /// reader of many whole files pays a round trip for each) then finds more and more of it on
+    /// this host. The fill shares the link with the guest's own misses, hence the delay: a boot
+    /// is not slowed by it. At 20 ms and 1 Gbit/s a whole-file reader went from 15.6 to 10.2 s
+    /// with the fill from the start (docs/warming.md). Skipped, with a warning, when the image's
+    /// stored bytes exceed --cache-size.
     #[arg(long)]
     fill_cache: bool,
     /// Requests of --fill-cache in flight at once.
     #[arg(long, value_name = "N", default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=64))]
     fill_jobs: u16,
+    /// How long after the first VM connects --fill-cache starts: 0, or numbers with units s, m,
+    /// h (e.g. 3s, 1m).
+    #[arg(long, value_name = "DURATION", value_parser = crate::store_cmd::parse_duration, default_value = "3s")]
+    fill_after: std::time::Duration,
     /// Number of virtqueues offered, each served by its own thread (1 to 64).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=i64::from(MAX_QUEUES)))]
     queues: u16,
@@ -393,6 +398,8 @@ pub struct ServeConfig {
     pub prefetch: bool,
     /// `--fill-cache`: requests in flight of the background fill (`None`: no fill).
     pub fill_jobs: Option<usize>,
+    /// `--fill-after`: from the first connection to the fill's start.
+    pub fill_after: Duration,
     /// `--metrics HOST:PORT`.
     pub metrics: Option<String>,
     pub record_trace: Option<PathBuf>,
@@ -467,6 +474,7 @@ impl ServeConfig {
             stretch_size: args.stretch_size,
             prefetch: !args.no_prefetch,
             fill_jobs: args.fill_cache.then_some(usize::from(args.fill_jobs)),
+            fill_after: args.fill_after,
             metrics: args.metrics,
             record_trace: args.record_trace,
             record_requests: args.record_requests,
@@ -655,9 +663,8 @@ pub fn run_on(config: ServeConfig, listener: Option<std::os::unix::net::UnixList
             stop.stop();
         }
     });
-    // The socket is bound: the fill starts with the guest's first reads (and yields to them).
     if let Some((jobs, cache)) = fill {
-        start_fill(&config, &image, cache, jobs)?;
+        start_fill(&config, &image, cache, jobs, server.connection_counter())?;
     }
     if let Some(mut f) = config.ready {
         writeln!(f, "ready {}", config.socket.display()).context("writing to --ready-fd")?;
@@ -681,13 +688,14 @@ pub fn run_on(config: ServeConfig, listener: Option<std::os::unix::net::UnixList
     Ok(())
 }
 
-/// `--fill-cache`: the whole image into the disk cache `cache` in the background — unless it
-/// does not fit the cache's bound.
+/// `--fill-cache`: the whole image into the disk cache `cache` in the background, `--fill-after`
+/// the first of the server's `connections` — unless it does not fit the cache's bound.
 fn start_fill(
     config: &ServeConfig,
     image: &OpenImage,
     cache: tessera_store::DiskCache,
     jobs: usize,
+    connections: Arc<std::sync::atomic::AtomicU64>,
 ) -> Result<()> {
     let chunks = u32::try_from(image.record().block_map.chunks().len()).unwrap_or(u32::MAX);
     let stored: u64 = (0..chunks)
@@ -702,7 +710,21 @@ fn start_fill(
         );
         return Ok(());
     }
-    crate::warm::fill_in_background(config.store.clone(), config.origin.clone(), cache, *image.id(), jobs)
+    let after = config.fill_after;
+    let start = move || {
+        while connections.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        std::thread::sleep(after);
+    };
+    crate::warm::fill_in_background(
+        config.store.clone(),
+        config.origin.clone(),
+        cache,
+        *image.id(),
+        jobs,
+        start,
+    )
 }
 
 /// Queue the chunks of the image's prefetch profile, if the entry names one, for background

@@ -203,19 +203,21 @@ fn warm_location(
 }
 
 /// `serve --fill-cache`: warm image `id` into `cache` on a thread of its own, `jobs` requests at
-/// a time. Logs what it did; a failure costs nothing but the fill (the daemon fetches on demand
-/// as without it).
+/// a time, once `start` returns. Logs what it did; a failure costs nothing but the fill (the
+/// daemon fetches on demand as without it).
 pub fn fill_in_background(
     location: StoreLocation,
     origin: OriginOptions,
     cache: DiskCache,
     id: ImageId,
     jobs: usize,
+    start: impl FnOnce() + Send + 'static,
 ) -> Result<()> {
     let options = WarmOptions { profile_only: false, jobs };
     std::thread::Builder::new()
         .name("cache-fill".into())
         .spawn(move || {
+            start();
             tracing::info!(image = %id, jobs, "filling the disk cache with the image in the background");
             match warm_location(&location, &origin, cache, &id.to_string(), options, &|_| {}, &|_| {}) {
                 Ok(r) => tracing::info!(
