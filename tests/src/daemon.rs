@@ -69,6 +69,12 @@ impl Daemon {
         Ok(d)
     }
 
+    /// A `tessera serve` started otherwise (e.g. [`crate::metrics::spawn_with_metrics`]) whose
+    /// socket is `socket`: stopped and checked as [`Self::start`]'s.
+    pub fn adopt(child: Child, socket: &Path) -> Self {
+        Daemon { child: Some(child), socket: socket.to_owned() }
+    }
+
     /// The socket path.
     pub fn socket(&self) -> &Path {
         &self.socket

@@ -4,10 +4,11 @@
 
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::Output;
+use std::process::{Output, Stdio};
 
 use anyhow::{ensure, Context, Result};
 use tessera_e2e::daemon::{BlkClient, Daemon};
+use tessera_e2e::metrics::{scrape, spawn_with_metrics};
 use tessera_e2e::prng::Prng;
 use tessera_e2e::tessera::{self, ImageId};
 use tessera_e2e::testutil::tmp;
@@ -398,38 +399,55 @@ fn serve_fill_cache_fetches_the_whole_image_in_the_background() -> Result<()> {
     let local = ["serve", "demo", "--store", s(&f.store)?, "--socket", sock, "--fill-cache"];
     usage(tessera::run(local.iter().chain(&["--cache-dir", s(&cache)?]))?, "local store")?;
 
-    let args = ["--read-only", "--cache-dir", s(&cache)?, "--fill-cache", "--fill-after", "1s"];
-    let d = Daemon::start("demo", &url, &socket, &args)?;
+    let mut cmd = tessera::command(["serve", "demo", "--store", &url, "--socket", sock, "--read-only"]);
+    cmd.args(["--cache-dir", s(&cache)?, "--fill-cache", "--fill-after", "1s"]).stdout(Stdio::null());
+    let (child, addr) = spawn_with_metrics(&mut cmd)?;
+    let daemon = Daemon::adopt(child, &socket);
+    let progress = || -> Result<(f64, f64)> {
+        let m = scrape(&addr)?;
+        Ok((
+            m.value("tessera_disk_cache_fill_target_bytes", &[])?,
+            m.value("tessera_disk_cache_fill_done_bytes", &[])?,
+        ))
+    };
     // The fill waits for a VM, and then --fill-after.
     std::thread::sleep(std::time::Duration::from_millis(1500));
     ensure!(cached_chunks(&cache)? == 0, "the fill started before a VM connected");
-    let mut c = BlkClient::connect(d.socket(), 1, true)?;
+    ensure!(progress()? == (0.0, 0.0), "fill progress before a VM connected: {:?}", progress()?);
+    let mut c = BlkClient::connect(&socket, 1, true)?;
     let at = f.data.0 as usize + 5 * CHUNK as usize;
     let got = c.read(at as u64, 8192)?.map_err(|e| anyhow::anyhow!("read: errno {e}"))?;
     ensure!(got[..] == f.raw[at..at + 8192], "a read while filling: wrong bytes");
+    // Done when the metrics say so; then the cache holds every chunk.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    while (cached_chunks(&cache)? as u64) < f.chunks {
-        ensure!(
-            std::time::Instant::now() < deadline,
-            "the fill cached {} of {} chunks in 60 s",
-            cached_chunks(&cache)?,
-            f.chunks
-        );
+    loop {
+        let (target, done) = progress()?;
+        if target > 0.0 && done == target {
+            break;
+        }
+        ensure!(std::time::Instant::now() < deadline, "the fill did {done} of {target} bytes in 60 s");
         std::thread::sleep(std::time::Duration::from_millis(20)); // polling interval
     }
+    ensure!(
+        cached_chunks(&cache)? as u64 == f.chunks,
+        "{} of {} chunks cached",
+        cached_chunks(&cache)?,
+        f.chunks
+    );
     // `tessera warm` finds the whole image there, and the origin was asked for each byte once.
     let v = warm_json(warm("demo", &url, &cache, &[])?, "warm after the fill")?;
     ensure!(field(&v, "present_chunks")? == f.chunks && field(&v, "fetched_chunks")? == 0, "{v}");
     let log = origin.access_log();
     let ranges = pack_ranges(&log, &f.store)?;
     ensure_disjoint_totalling(&ranges, field(&v, "bytes")?)?;
+    ensure!(progress()?.0 == field(&v, "bytes")? as f64, "fill target {:?} against {v}", progress()?);
     // Origin gone: the daemon that filled its cache serves every block from it.
     origin.stop();
     let (device, failed) = c.read_device(1 << 20, 8)?;
     ensure!(failed.is_empty(), "reads failed with the origin stopped: {failed:?}");
     ensure!(device == f.raw, "the daemon served other bytes from its filled cache");
     drop(c);
-    d.stop()
+    daemon.stop()
 }
 
 #[test]

@@ -583,7 +583,11 @@ pub fn run_on(config: ServeConfig, listener: Option<std::os::unix::net::UnixList
         start_prefetch(digest, bytes, &image, &tier);
     }
     let reader = Arc::new(tier);
-    let fill = config.fill_jobs.zip(opened.cache.clone());
+    let fill = config.fill_jobs.zip(opened.cache.clone()).map(|(jobs, cache)| {
+        let gauges =
+            (metrics.disk_cache.fill_target_bytes.clone(), metrics.disk_cache.fill_done_bytes.clone());
+        (jobs, cache, gauges)
+    });
     watch_mem_tier(&metrics, &reader);
     watch_store(&metrics, &opened);
     let device = DeviceConfig::new(&id, reader.device_bytes(), config.queues, config.writes.read_only());
@@ -663,8 +667,8 @@ pub fn run_on(config: ServeConfig, listener: Option<std::os::unix::net::UnixList
             stop.stop();
         }
     });
-    if let Some((jobs, cache)) = fill {
-        start_fill(&config, &image, cache, jobs, server.connection_counter())?;
+    if let Some((jobs, cache, gauges)) = fill {
+        start_fill(&config, &image, cache, jobs, server.connection_counter(), gauges)?;
     }
     if let Some(mut f) = config.ready {
         writeln!(f, "ready {}", config.socket.display()).context("writing to --ready-fd")?;
@@ -696,6 +700,7 @@ fn start_fill(
     cache: tessera_store::DiskCache,
     jobs: usize,
     connections: Arc<std::sync::atomic::AtomicU64>,
+    gauges: (tessera_metrics::IntGauge, tessera_metrics::IntGauge),
 ) -> Result<()> {
     let chunks = u32::try_from(image.record().block_map.chunks().len()).unwrap_or(u32::MAX);
     let stored: u64 = (0..chunks)
@@ -724,6 +729,7 @@ fn start_fill(
         *image.id(),
         jobs,
         start,
+        gauges,
     )
 }
 

@@ -10,6 +10,7 @@ use serde::Serialize;
 use tessera_builder::Progress;
 use tessera_engine::{warm, WarmOptions, WarmReport, DEFAULT_WARM_JOBS};
 use tessera_image::ImageId;
+use tessera_metrics::IntGauge;
 use tessera_store::{
     CachedStore, DiskCache, HttpStore, Origin, OriginOptions, RegistryStore, S3Store, StoreError,
     StoreLocation,
@@ -203,8 +204,8 @@ fn warm_location(
 }
 
 /// `serve --fill-cache`: warm image `id` into `cache` on a thread of its own, `jobs` requests at
-/// a time, once `start` returns. Logs what it did; a failure costs nothing but the fill (the
-/// daemon fetches on demand as without it).
+/// a time, once `start` returns; `target` and `done` gauges show its progress (stored bytes). Logs what
+/// it did; a failure costs nothing but the fill (the daemon fetches on demand as without it).
 pub fn fill_in_background(
     location: StoreLocation,
     origin: OriginOptions,
@@ -212,6 +213,7 @@ pub fn fill_in_background(
     id: ImageId,
     jobs: usize,
     start: impl FnOnce() + Send + 'static,
+    (target, done): (IntGauge, IntGauge),
 ) -> Result<()> {
     let options = WarmOptions { profile_only: false, jobs };
     std::thread::Builder::new()
@@ -219,7 +221,9 @@ pub fn fill_in_background(
         .spawn(move || {
             start();
             tracing::info!(image = %id, jobs, "filling the disk cache with the image in the background");
-            match warm_location(&location, &origin, cache, &id.to_string(), options, &|_| {}, &|_| {}) {
+            let on_total = |bytes: u64| target.set(i64::try_from(bytes).unwrap_or(i64::MAX));
+            let on_done = |bytes: u64| done.add(i64::try_from(bytes).unwrap_or(i64::MAX));
+            match warm_location(&location, &origin, cache, &id.to_string(), options, &on_total, &on_done) {
                 Ok(r) => tracing::info!(
                     chunks = r.chunks,
                     present = r.present_chunks,

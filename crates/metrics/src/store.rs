@@ -188,6 +188,10 @@ pub struct DiskCacheMetrics {
     pub corrupt: IntCounter,
     /// Entries not written because the cache's filesystem was full.
     pub full_skips: IntCounter,
+    /// `serve --fill-cache`: the stored bytes the fill covers (0 until it starts, or without).
+    pub fill_target_bytes: IntGauge,
+    /// Of those, the bytes done so far (found in the cache, fetched, or failed).
+    pub fill_done_bytes: IntGauge,
 }
 
 impl DiskCacheMetrics {
@@ -208,6 +212,14 @@ impl DiskCacheMetrics {
             full_skips: r.counter(
                 "tessera_disk_cache_full_skips_total",
                 "Disk cache writes skipped because the cache's filesystem was full",
+            ),
+            fill_target_bytes: r.gauge(
+                "tessera_disk_cache_fill_target_bytes",
+                "Stored bytes of the image the background fill (--fill-cache) covers; 0 until it starts",
+            ),
+            fill_done_bytes: r.gauge(
+                "tessera_disk_cache_fill_done_bytes",
+                "Bytes of the background fill done so far: found in the cache, fetched, or failed",
             ),
         }
     }
