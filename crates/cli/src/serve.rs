@@ -201,9 +201,10 @@ pub struct ServeArgs {
     /// --fill-after the first VM connects. A guest that keeps reading what nothing foresaw (a
     /// reader of many whole files pays a round trip for each) then finds more and more of it on
     /// this host. The fill shares the link with the guest's own misses, hence the delay: a boot
-    /// is not slowed by it. At 20 ms and 1 Gbit/s a whole-file reader went from 15.6 to 10.2 s
-    /// with the fill from the start (docs/warming.md). Skipped, with a warning, when the image's
-    /// stored bytes exceed --cache-size.
+    /// is not slowed by it. At 20 ms and 1 Gbit/s, with the default delay, a whole-file reader
+    /// went from 15.7 to 12.2 s and a python start was untouched (docs/warming.md). Progress:
+    /// the tessera_disk_cache_fill_* metrics. Skipped, with a warning, when the image's stored
+    /// bytes exceed --cache-size.
     #[arg(long)]
     fill_cache: bool,
     /// Requests of --fill-cache in flight at once.
