@@ -30,7 +30,8 @@
 //! reader.read_at(0, &mut first_block)?;
 //! # Ok(()) }
 //! ```
-#![forbid(unsafe_code)]
+// No unsafe code but the one CPU prefetch hint of the read path (`reader::prefetch`), allowed there.
+#![deny(unsafe_code)]
 
 pub mod artifact;
 mod cache;
