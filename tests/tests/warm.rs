@@ -451,6 +451,62 @@ fn serve_fill_cache_fetches_the_whole_image_in_the_background() -> Result<()> {
 }
 
 #[test]
+fn warm_rate_and_fill_rate_cap_the_bandwidth() -> Result<()> {
+    let f = fixture("warm-rate", "warm-rate")?;
+    let origin = tessera_e2e::nginx::Nginx::serve(&f.store, "store")?;
+    let url = origin.url();
+    // Uncapped, the image's ~1.3 MB come from a local nginx in a fraction of a second; capped at
+    // RATE, everything past the first second's worth waits for its tokens.
+    const RATE: u64 = 400 << 10;
+    let v = warm_json(warm("demo", &url, &f.t.path().join("fast"), &[])?, "uncapped warm")?;
+    let bytes = field(&v, "bytes")?;
+    ensure!(bytes > 3 * RATE, "the fixture should take seconds at the cap: {bytes} bytes");
+    // The cap lets a second's worth and one run (64 KiB at this rate) go early, no more.
+    let least = bytes.saturating_sub(RATE + (64 << 10)) as f64 / RATE as f64;
+    let fast = v["seconds"].as_f64().context("seconds")?;
+    ensure!(fast < least / 2.0, "the uncapped warm took {fast} s: too slow to tell a cap from it");
+    let v = warm_json(warm("demo", &url, &f.t.path().join("capped"), &["--rate", "400K"])?, "capped warm")?;
+    let took = v["seconds"].as_f64().context("seconds")?;
+    ensure!(field(&v, "fetched_chunks")? == f.chunks, "{v}");
+    ensure!(took >= least, "warm --rate 400K of {bytes} bytes took {took} s, under {least} s");
+    let o = warm("demo", &url, &f.t.path().join("zero"), &["--rate", "0"])?;
+    ensure!(o.status.code() == Some(2) && stderr(&o).contains("never finish"), "{}", stderr(&o));
+
+    // The daemon's fill, paced the same way: from its start (a VM connected, --fill-after 0)
+    // to its last byte.
+    let socket = f.t.path().join("fill.sock");
+    let (sock, cache) = (s(&socket)?, f.t.path().join("fill-cache"));
+    let o = tessera::run(["serve", "demo", "--store", &url, "--socket", sock, "--fill-rate", "1M"])?;
+    ensure!(o.status.code() == Some(2) && stderr(&o).contains("--fill-cache"), "{}", stderr(&o));
+    let mut cmd = tessera::command(["serve", "demo", "--store", &url, "--socket", sock, "--read-only"]);
+    cmd.args(["--cache-dir", s(&cache)?, "--fill-cache", "--fill-after", "0s", "--fill-rate", "400K"]);
+    let (child, addr) = spawn_with_metrics(cmd.stdout(Stdio::null()))?;
+    let daemon = Daemon::adopt(child, &socket);
+    let c = BlkClient::connect(&socket, 1, true)?;
+    let began = std::time::Instant::now();
+    let deadline = began + std::time::Duration::from_secs(60);
+    loop {
+        let m = scrape(&addr)?;
+        let target = m.value("tessera_disk_cache_fill_target_bytes", &[])?;
+        if target > 0.0 && m.value("tessera_disk_cache_fill_done_bytes", &[])? == target {
+            break;
+        }
+        ensure!(std::time::Instant::now() < deadline, "the fill did not finish in 60 s");
+        std::thread::sleep(std::time::Duration::from_millis(20)); // polling interval
+    }
+    let took = began.elapsed().as_secs_f64();
+    ensure!(took >= least, "--fill-rate 400K filled {bytes} bytes in {took} s, under {least} s");
+    ensure!(
+        cached_chunks(&cache)? as u64 == f.chunks,
+        "{} of {} chunks cached",
+        cached_chunks(&cache)?,
+        f.chunks
+    );
+    drop(c);
+    daemon.stop()
+}
+
+#[test]
 fn warm_resumes_after_kill_9_and_fails_on_bad_chunks() -> Result<()> {
     use tessera_e2e::proxy::{Proxy, ProxyConfig};
     let f = fixture("warm-resume", "warm-resume")?;

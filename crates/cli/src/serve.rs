@@ -12,7 +12,9 @@ use clap::Args;
 use signal_hook::consts::{SIGINT, SIGTERM};
 use signal_hook::iterator::Signals;
 use tessera_engine::metrics::watch_mem_tier;
-use tessera_engine::{FetchLimits, MemTier, DEFAULT_LOCAL_FETCH_JOBS, DEFAULT_REMOTE_FETCH_JOBS};
+use tessera_engine::{
+    FetchLimits, MemTier, WarmOptions, DEFAULT_LOCAL_FETCH_JOBS, DEFAULT_REMOTE_FETCH_JOBS,
+};
 use tessera_image::Profile;
 use tessera_image::{ImageId, RequestTraceHeader, Sha256Digest, BLOCK_SIZE};
 use tessera_metrics::{Exporter, Metrics, Tier};
@@ -214,6 +216,11 @@ pub struct ServeArgs {
     /// h (e.g. 3s, 1m).
     #[arg(long, value_name = "DURATION", value_parser = crate::store_cmd::parse_duration, default_value = "3s")]
     fill_after: std::time::Duration,
+    /// At most this many stored bytes per second for --fill-cache (e.g. 20M), so that a fill
+    /// leaves room on a link other VMs or hosts share (up to a second's worth at once, then
+    /// paced). Default: no cap (--fill-jobs bounds it).
+    #[arg(long, value_name = "SIZE", value_parser = crate::warm::parse_rate)]
+    fill_rate: Option<u64>,
     /// Number of virtqueues offered, each served by its own thread (1 to 64).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=i64::from(MAX_QUEUES)))]
     queues: u16,
@@ -401,6 +408,8 @@ pub struct ServeConfig {
     pub fill_jobs: Option<usize>,
     /// `--fill-after`: from the first connection to the fill's start.
     pub fill_after: Duration,
+    /// `--fill-rate`: the fill's cap in stored bytes per second.
+    pub fill_rate: Option<u64>,
     /// `--metrics HOST:PORT`.
     pub metrics: Option<String>,
     pub record_trace: Option<PathBuf>,
@@ -437,6 +446,8 @@ impl ServeConfig {
             if args.cache.cache_dir.is_none() {
                 bail!(UsageError("--fill-cache needs --cache-dir DIR: the cache to fill".into()));
             }
+        } else if args.fill_rate.is_some() {
+            bail!(UsageError("--fill-rate paces --fill-cache, which is not given".into()));
         }
         let default_jobs = if args.store.local_path().is_some() {
             DEFAULT_LOCAL_FETCH_JOBS
@@ -476,6 +487,7 @@ impl ServeConfig {
             prefetch: !args.no_prefetch,
             fill_jobs: args.fill_cache.then_some(usize::from(args.fill_jobs)),
             fill_after: args.fill_after,
+            fill_rate: args.fill_rate,
             metrics: args.metrics,
             record_trace: args.record_trace,
             record_requests: args.record_requests,
@@ -728,7 +740,7 @@ fn start_fill(
         config.origin.clone(),
         cache,
         *image.id(),
-        jobs,
+        WarmOptions { profile_only: false, jobs, rate: config.fill_rate },
         start,
         gauges,
     )

@@ -58,9 +58,21 @@ pub struct WarmArgs {
     /// Chunk fetches in flight at once (1 to 256).
     #[arg(long, value_name = "N", default_value_t = DEFAULT_WARM_JOBS, value_parser = parse_jobs)]
     jobs: usize,
+    /// At most this many stored bytes per second (e.g. 20M): a warm that leaves room on a link
+    /// the host's VMs share (up to a second's worth at once, then paced). Default: no cap.
+    #[arg(long, value_name = "SIZE", value_parser = parse_rate)]
+    rate: Option<u64>,
     /// Print the summary as JSON.
     #[arg(long)]
     json: bool,
+}
+
+/// A bandwidth cap: a size per second, more than 0.
+pub(crate) fn parse_rate(s: &str) -> Result<u64, String> {
+    match crate::parse_size_arg(s)? {
+        0 => Err(format!("{s}: a rate of 0 would never finish; give bytes per second, e.g. 20M")),
+        n => Ok(n),
+    }
 }
 
 fn parse_jobs(s: &str) -> Result<usize, String> {
@@ -91,7 +103,7 @@ pub fn run(args: WarmArgs) -> Result<()> {
     let Some(config) = args.cache.config() else {
         bail!(UsageError("tessera warm needs --cache-dir DIR: the cache to fill".into()));
     };
-    let options = WarmOptions { profile_only: args.profile_only, jobs: args.jobs };
+    let options = WarmOptions { profile_only: args.profile_only, jobs: args.jobs, rate: args.rate };
     if let StoreLocation::Local(path) = &args.store {
         bail!(UsageError(format!(
             "store {}: a local store is read directly and needs no cache; warm an http(s)://, docker:// or s3:// store",
@@ -203,24 +215,25 @@ fn warm_location(
     }
 }
 
-/// `serve --fill-cache`: warm image `id` into `cache` on a thread of its own, `jobs` requests at
-/// a time, once `start` returns; `target` and `done` gauges show its progress (stored bytes). Logs what
-/// it did; a failure costs nothing but the fill (the daemon fetches on demand as without it).
+/// `serve --fill-cache`: warm image `id` into `cache` on a thread of its own with `options`
+/// (requests at a time, bandwidth cap), once `start` returns; `target` and `done` gauges show
+/// its progress (stored bytes). Logs what it did; a failure costs nothing but the fill (the
+/// daemon fetches on demand as without it).
 pub fn fill_in_background(
     location: StoreLocation,
     origin: OriginOptions,
     cache: DiskCache,
     id: ImageId,
-    jobs: usize,
+    options: WarmOptions,
     start: impl FnOnce() + Send + 'static,
     (target, done): (IntGauge, IntGauge),
 ) -> Result<()> {
-    let options = WarmOptions { profile_only: false, jobs };
+    let jobs = options.jobs;
     std::thread::Builder::new()
         .name("cache-fill".into())
         .spawn(move || {
             start();
-            tracing::info!(image = %id, jobs, "filling the disk cache with the image in the background");
+            tracing::info!(image = %id, jobs, rate = ?options.rate, "filling the disk cache with the image in the background");
             let on_total = |bytes: u64| target.set(i64::try_from(bytes).unwrap_or(i64::MAX));
             let on_done = |bytes: u64| done.add(i64::try_from(bytes).unwrap_or(i64::MAX));
             match warm_location(&location, &origin, cache, &id.to_string(), options, &on_total, &on_done) {

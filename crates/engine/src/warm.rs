@@ -37,11 +37,15 @@ pub struct WarmOptions {
     pub profile_only: bool,
     /// Chunk fetches in flight at once (at least 1).
     pub jobs: usize,
+    /// At most this many stored bytes per second start fetching (`None`: as fast as the link
+    /// and `jobs` allow), through the fetcher's bandwidth cap for background fetches
+    /// ([`FetchLimits::background_bytes_per_sec`]: up to a second's worth at once, then paced).
+    pub rate: Option<u64>,
 }
 
 impl Default for WarmOptions {
     fn default() -> Self {
-        Self { profile_only: false, jobs: DEFAULT_WARM_JOBS }
+        Self { profile_only: false, jobs: DEFAULT_WARM_JOBS, rate: None }
     }
 }
 
@@ -166,10 +170,21 @@ pub fn warm<O: Origin + 'static>(
     let (tx, rx) = mpsc::channel::<u64>();
     let fetcher = {
         let (store, targets, results) = (Arc::clone(store), Arc::clone(&targets), Arc::clone(&results));
-        let limits = FetchLimits {
-            batch_bytes: WARM_RUN_BYTES,
-            sparse_demand: true,
-            ..FetchLimits::new(options.jobs.clamp(1, targets.len().max(1)))
+        let jobs = options.jobs.clamp(1, targets.len().max(1));
+        // A paced warm queues its targets as background fetches, which the cap applies to, on
+        // one thread more than `jobs` (the fetcher keeps one for demand, here never used), in
+        // runs of at most an eighth of a second's worth (at least 64 KiB): the link sees the cap
+        // as a steady rate, not as 1 MiB bursts.
+        let limits = match options.rate {
+            None => {
+                FetchLimits { batch_bytes: WARM_RUN_BYTES, sparse_demand: true, ..FetchLimits::new(jobs) }
+            }
+            Some(rate) => FetchLimits {
+                batch_bytes: WARM_RUN_BYTES.min((rate / 8).max(64 << 10)),
+                background_jobs: jobs,
+                background_bytes_per_sec: Some(rate.max(1)),
+                ..FetchLimits::new(jobs + 1)
+            },
         };
         let place = {
             let targets = Arc::clone(&targets);
@@ -201,7 +216,8 @@ pub fn warm<O: Origin + 'static>(
     let origin_store = Arc::clone(store);
     fetcher.set_ranges_per_request(move || origin_store.origin().ranges_per_request());
     let all: Vec<u32> = (0..u32::try_from(targets.len()).unwrap_or(u32::MAX)).collect();
-    fetcher.fetch(&all, Priority::Demand, None);
+    let priority = if options.rate.is_some() { Priority::Prefetch } else { Priority::Demand };
+    fetcher.fetch(&all, priority, None);
     // Every target reports once (single flight); progress is reported on this thread.
     for bytes in rx.iter().take(targets.len()) {
         progress(bytes);
