@@ -269,6 +269,28 @@ fn cached_chunks(cache: &Path) -> Result<usize> {
     Ok(n)
 }
 
+/// The fill's progress gauges of the daemon whose metrics are at `addr`: (target, done) bytes.
+fn fill_progress(addr: &str) -> Result<(f64, f64)> {
+    let m = scrape(addr)?;
+    Ok((
+        m.value("tessera_disk_cache_fill_target_bytes", &[])?,
+        m.value("tessera_disk_cache_fill_done_bytes", &[])?,
+    ))
+}
+
+/// Wait (at most 60 s) until the gauges say the fill is done.
+fn wait_filled(addr: &str) -> Result<()> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        let (target, done) = fill_progress(addr)?;
+        if target > 0.0 && done == target {
+            return Ok(());
+        }
+        ensure!(std::time::Instant::now() < deadline, "the fill did {done} of {target} bytes in 60 s");
+        std::thread::sleep(std::time::Duration::from_millis(20)); // polling interval
+    }
+}
+
 fn field(v: &serde_json::Value, k: &str) -> Result<u64> {
     v[k].as_u64().with_context(|| format!("{k} missing: {v}"))
 }
@@ -403,13 +425,7 @@ fn serve_fill_cache_fetches_the_whole_image_in_the_background() -> Result<()> {
     cmd.args(["--cache-dir", s(&cache)?, "--fill-cache", "--fill-after", "1s"]).stdout(Stdio::null());
     let (child, addr) = spawn_with_metrics(&mut cmd)?;
     let daemon = Daemon::adopt(child, &socket);
-    let progress = || -> Result<(f64, f64)> {
-        let m = scrape(&addr)?;
-        Ok((
-            m.value("tessera_disk_cache_fill_target_bytes", &[])?,
-            m.value("tessera_disk_cache_fill_done_bytes", &[])?,
-        ))
-    };
+    let progress = || fill_progress(&addr);
     // The fill waits for a VM, and then --fill-after.
     std::thread::sleep(std::time::Duration::from_millis(1500));
     ensure!(cached_chunks(&cache)? == 0, "the fill started before a VM connected");
@@ -419,15 +435,7 @@ fn serve_fill_cache_fetches_the_whole_image_in_the_background() -> Result<()> {
     let got = c.read(at as u64, 8192)?.map_err(|e| anyhow::anyhow!("read: errno {e}"))?;
     ensure!(got[..] == f.raw[at..at + 8192], "a read while filling: wrong bytes");
     // Done when the metrics say so; then the cache holds every chunk.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    loop {
-        let (target, done) = progress()?;
-        if target > 0.0 && done == target {
-            break;
-        }
-        ensure!(std::time::Instant::now() < deadline, "the fill did {done} of {target} bytes in 60 s");
-        std::thread::sleep(std::time::Duration::from_millis(20)); // polling interval
-    }
+    wait_filled(&addr)?;
     ensure!(
         cached_chunks(&cache)? as u64 == f.chunks,
         "{} of {} chunks cached",
@@ -484,16 +492,7 @@ fn warm_rate_and_fill_rate_cap_the_bandwidth() -> Result<()> {
     let daemon = Daemon::adopt(child, &socket);
     let c = BlkClient::connect(&socket, 1, true)?;
     let began = std::time::Instant::now();
-    let deadline = began + std::time::Duration::from_secs(60);
-    loop {
-        let m = scrape(&addr)?;
-        let target = m.value("tessera_disk_cache_fill_target_bytes", &[])?;
-        if target > 0.0 && m.value("tessera_disk_cache_fill_done_bytes", &[])? == target {
-            break;
-        }
-        ensure!(std::time::Instant::now() < deadline, "the fill did not finish in 60 s");
-        std::thread::sleep(std::time::Duration::from_millis(20)); // polling interval
-    }
+    wait_filled(&addr)?;
     let took = began.elapsed().as_secs_f64();
     ensure!(took >= least, "--fill-rate 400K filled {bytes} bytes in {took} s, under {least} s");
     ensure!(

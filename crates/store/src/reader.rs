@@ -471,11 +471,7 @@ impl OpenImage {
                 _ => None,
             })
             .zip(bytes.iter())
-            .map(|((within, len), data)| {
-                let start = usize::try_from(within).unwrap_or(usize::MAX).min(data.len());
-                let end = start.saturating_add(usize::try_from(len).unwrap_or(usize::MAX)).min(data.len());
-                &data[start..end]
-            });
+            .map(|((within, len), data)| chunk_piece(data, within, len));
         ahead.next();
         for piece in ahead.by_ref().take(PREFETCH_AHEAD) {
             prefetch(piece);
@@ -521,13 +517,12 @@ impl OpenImage {
                 out(Piece::Bytes(bytes))
             }
             (SegmentSource::Chunk { offset: within, .. }, Some(data)) => {
-                let start = usize::try_from(within).unwrap_or(usize::MAX).min(data.len());
-                let avail = (data.len() - start).min(usize::try_from(seg.len).unwrap_or(usize::MAX));
-                if avail > 0 {
-                    out(Piece::Bytes(&data[start..start + avail]))?;
+                let piece = chunk_piece(data, within, seg.len);
+                if !piece.is_empty() {
+                    out(Piece::Bytes(piece))?;
                 }
-                if (avail as u64) < seg.len {
-                    out(Piece::Zeros(seg.len - avail as u64))?;
+                if (piece.len() as u64) < seg.len {
+                    out(Piece::Zeros(seg.len - piece.len() as u64))?;
                 }
                 Ok(())
             }
@@ -539,14 +534,22 @@ impl OpenImage {
     }
 }
 
+/// The bytes of chunk `data` a segment reading `len` bytes from `within` copies (what lies past
+/// the chunk's end reads as zeros).
+fn chunk_piece(data: &[u8], within: u64, len: u64) -> &[u8] {
+    let start = usize::try_from(within).unwrap_or(usize::MAX).min(data.len());
+    let avail = (data.len() - start).min(usize::try_from(len).unwrap_or(usize::MAX));
+    &data[start..start + avail]
+}
+
 /// How many chunk segments ahead of the one being copied [`OpenImage::walk`] prefetches.
 ///
 /// A warm read of many small files is a copy per file (a 1 MiB read of the bench's data region
-/// copies from ~60 chunk buffers, most of them a few KiB), each from its own buffer, so each starts with a
-/// cache miss the hardware prefetcher cannot foresee, and a copy of 2 KiB from memory costs about
-/// as much as its latency. Asked for a few pieces ahead, those misses overlap the copies before
-/// them: a warm 1 MiB QD8 read +10–14 % (docs/benchmarks.md, "Small copies prefetched"); 2 to 16
-/// pieces ahead and 1 to 16 KiB per piece measured alike, no prefetch 12 % slower.
+/// copies from ~60 chunk buffers, most of them a few KiB), each from its own buffer, so each
+/// starts with a cache miss the hardware prefetcher cannot foresee, and a copy of 2 KiB from
+/// memory costs about as much as its latency. Asked for a few pieces ahead, those misses overlap
+/// the copies before them: a warm 1 MiB QD8 read +10–16 % (docs/benchmarks.md, "Small copies
+/// prefetched"); 2 to 8 pieces ahead and 1 to 4 KiB per piece measured alike.
 const PREFETCH_AHEAD: usize = 4;
 /// At most this many leading bytes of a piece are prefetched (beyond them the hardware
 /// prefetcher has caught on).
