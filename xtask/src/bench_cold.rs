@@ -3,6 +3,9 @@
 //! and print every run's link floor and where its time went (`tessera_e2e::floor`). With several
 //! `--arm`s (other serve arguments, or another binary) the rounds interleave the arms, so that a
 //! shared machine's noise falls on all of them, and the medians are compared (issue 15, point 4).
+//! Each round starts one arm further on ([`round_order`]): on a VM that hands free memory back
+//! to its host, a cold run depends on what the run before it freed (docs/benchmarks.md, "Cold
+//! runs on this VM depend on the run before"), so no arm may always follow the same one.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -39,7 +42,7 @@ pub struct ColdBench {
     /// Bandwidth of the modelled network, in Mbit/s.
     #[arg(long, default_value_t = 200)]
     pub(crate) mbit: u64,
-    /// Rounds (each runs every arm once, in turn).
+    /// Rounds (each runs every arm once, in turn, starting one arm further on than the last).
     #[arg(long, default_value_t = 3)]
     pub(crate) rounds: usize,
     /// An arm: `NAME=SERVE ARGS` (space-separated `tessera serve` arguments) or
@@ -249,7 +252,8 @@ pub(crate) fn measure(opts: &ColdBench) -> Result<ColdResult> {
     };
     let mut results: Vec<Vec<tessera_e2e::floor::Breakdown>> = arms.iter().map(|_| Vec::new()).collect();
     for round in 0..opts.rounds {
-        for (i, arm) in arms.iter().enumerate() {
+        for i in round_order(round, arms.len()) {
+            let arm = &arms[i];
             // A fresh cache directory per run, none removed before the last run: unlinking a
             // cache's thousands of files makes ext4 slow to create files for minutes after
             // (its inode allocator skips recently freed inodes one by one), which the next run
@@ -348,4 +352,25 @@ pub(crate) fn measure(opts: &ColdBench) -> Result<ColdResult> {
         concurrent.push(c);
     }
     Ok(ColdResult { floor, arms: arms.iter().map(|a| a.name.clone()).zip(results).collect(), concurrent })
+}
+
+/// The arms' order in round `round` of `arms`: every arm once, starting at arm `round mod arms`,
+/// so that over the rounds each arm runs after each of the others.
+fn round_order(round: usize, arms: usize) -> impl Iterator<Item = usize> {
+    (0..arms).map(move |k| (round + k) % arms)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::round_order;
+
+    #[test]
+    fn rounds_rotate_which_arm_comes_first() {
+        let order: Vec<Vec<usize>> = (0..4).map(|r| round_order(r, 3).collect()).collect();
+        assert_eq!(order, [[0, 1, 2], [1, 2, 0], [2, 0, 1], [0, 1, 2]]);
+        // Two arms: each runs first in alternate rounds, so each follows the other and itself.
+        let two: Vec<usize> = (0..3).flat_map(|r| round_order(r, 2)).collect();
+        assert_eq!(two, [0, 1, 1, 0, 0, 1]);
+        assert_eq!(round_order(5, 1).collect::<Vec<_>>(), [0]);
+    }
 }
