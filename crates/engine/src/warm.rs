@@ -288,21 +288,25 @@ fn warm_run<O: Origin>(store: &CachedStore<O>, run: &[&Target]) -> Vec<Result<Ou
         let members: Vec<(ChunkRef, PackLocation)> =
             missing.iter().map(|&k| (run[k].chunk, run[k].loc)).collect();
         let origin = store.origin();
-        let fetched = cache.fetch_chunks(&pack, &members, |wanted| {
+        let fetched = cache.fetch_chunks_decoded(&pack, &members, |wanted| {
             let ranges: Vec<(u64, u32)> =
                 wanted.iter().map(|&w| (members[w].1.offset, members[w].1.stored_len)).collect();
             origin.read_stored_many(&pack, &ranges)
         });
         match fetched {
             Ok(stored) => {
-                for (&k, bytes) in missing.iter().zip(stored) {
+                for (&k, (bytes, data)) in missing.iter().zip(stored) {
                     let t = run[k];
                     // What the origin sent must decode to its id (the cache keeps only bytes
-                    // that check out, but hands back what it got); a chunk that does not is
-                    // fetched on its own under the read path's refetch policy: the run's copy
-                    // was its first.
-                    let first =
-                        decode_stored_chunk(&t.chunk, &t.pack, &t.loc, &bytes).map(|_| Outcome::Fetched);
+                    // that check out, but hands back what it got: `data` is what its check
+                    // decoded); a chunk that does not is fetched on its own under the read
+                    // path's refetch policy: the run's copy was its first.
+                    let first = match data {
+                        Some(_) => Ok(Outcome::Fetched),
+                        None => {
+                            decode_stored_chunk(&t.chunk, &t.pack, &t.loc, &bytes).map(|_| Outcome::Fetched)
+                        }
+                    };
                     out[k] = Some(refetch_if_corrupt(first, || warm_once(store, t)));
                 }
             }
@@ -347,13 +351,18 @@ fn warm_once<O: Origin>(store: &CachedStore<O>, t: &Target) -> Result<Outcome, S
         return Ok(Outcome::Present);
     }
     let origin = store.origin();
-    let stored = cache.fetch_chunk(&t.chunk, &t.pack, &t.loc, || {
-        origin.read_stored(&t.pack, t.loc.offset, t.loc.stored_len)
+    let got = cache.fetch_chunks_decoded(&t.pack, &[(t.chunk, t.loc)], |_| {
+        Ok(vec![origin.read_stored(&t.pack, t.loc.offset, t.loc.stored_len)?])
     })?;
     // The cache keeps only bytes that check out, but hands back what the origin sent: a chunk
-    // that does not decode to its id is a failure, not a warmed chunk.
-    decode_stored_chunk(&t.chunk, &t.pack, &t.loc, &stored)?;
-    Ok(Outcome::Fetched)
+    // that does not decode to its id (no data from the check) is a failure, not a warmed chunk.
+    match got.into_iter().next() {
+        Some((_, Some(_))) => Ok(Outcome::Fetched),
+        Some((stored, None)) => {
+            decode_stored_chunk(&t.chunk, &t.pack, &t.loc, &stored).map(|_| Outcome::Fetched)
+        }
+        None => Err(crate::fetcher::no_outcome()),
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

@@ -60,14 +60,6 @@ impl<S: ChunkSource> ChunkSource for Metered<S> {
         result
     }
 
-    /// A verified copy counts as one read, of its stored length.
-    fn read_verified(&self, chunk: &ChunkRef, pack: &Sha256Digest, loc: &PackLocation) -> Option<Vec<u8>> {
-        let start = Instant::now();
-        let data = self.inner.read_verified(chunk, pack, loc)?;
-        self.metrics.hit(u64::from(loc.stored_len), start.elapsed());
-        Some(data)
-    }
-
     /// Forwarded whole (a remote source fetches near ranges in one request, far ones in
     /// parallel: the default one-by-one loop would make a batch serial), each range counted as
     /// one read that took the whole call.

@@ -19,7 +19,7 @@ use crate::error::StoreError;
 use crate::local::LocalStore;
 use crate::prefix::PrefixBuf;
 use crate::reference::{fetch_reference_chunk, RefImage, SpanCache, DEFAULT_SPAN_CACHE};
-use crate::source::ChunkSource;
+use crate::source::{ChunkSource, SourcedChunk};
 
 /// Largest chunk the reader accepts (chunk sizes go up to 16 MiB; this leaves room and stops a
 /// hostile pack index from making us allocate gigabytes).
@@ -847,11 +847,10 @@ impl<S: ChunkSource + 'static> ImageReader<S> {
             return fetch_reference_chunk(&self.image, r, &chunk, index, &self.spans, &self.source);
         }
         trace!(index, chunk = %chunk.id, %pack, offset = loc.offset, len = loc.stored_len, "fetch chunk");
-        if let Some(data) = self.source.read_verified(&chunk, &pack, &loc) {
-            return Ok(data);
+        match self.source.read_chunk(&chunk, &pack, &loc)? {
+            SourcedChunk::Verified(data) => Ok(data),
+            SourcedChunk::Stored(stored) => decode_stored_chunk(&chunk, &pack, &loc, &stored),
         }
-        let stored = self.source.read_stored(&pack, loc.offset, loc.stored_len)?;
-        decode_stored_chunk(&chunk, &pack, &loc, &stored)
     }
 
     /// [`refetch_if_corrupt`] for chunk `index`, counted in [`Self::refetches`].
@@ -873,7 +872,8 @@ impl<S: ChunkSource + 'static> ImageReader<S> {
     }
 
     /// Fetch, decompress and verify the chunks `indexes` (bypassing the cache), asking the
-    /// source for the chunks of each pack in one call ([`ChunkSource::read_stored_many`]).
+    /// source for the chunks of each pack in one call ([`ChunkSource::read_chunks`]: a disk cache
+    /// hands over the data its checks decoded, nothing is decoded twice).
     /// One outcome per chunk, in the order asked: a request that failed fails the chunks of its
     /// pack (they share the error), a chunk failing verification is fetched once more, as in
     /// [`Self::fetch_chunk`], and fails alone.
@@ -886,10 +886,7 @@ impl<S: ChunkSource + 'static> ImageReader<S> {
         let mut located = Vec::with_capacity(indexes.len());
         for (k, &i) in indexes.iter().enumerate() {
             match self.locate(i) {
-                Ok((chunk, pack, loc)) => match self.source.read_verified(&chunk, &pack, &loc) {
-                    Some(data) => out[k] = Some(Ok(data)),
-                    None => located.push((k, (chunk, pack, loc))),
-                },
+                Ok(place) => located.push((k, place)),
                 Err(e) => out[k] = Some(Err(Arc::new(e))),
             }
         }
@@ -899,10 +896,10 @@ impl<S: ChunkSource + 'static> ImageReader<S> {
         for pack in packs {
             let members: Vec<&(usize, (ChunkRef, Sha256Digest, PackLocation))> =
                 located.iter().filter(|(_, (_, p, _))| *p == pack).collect();
-            let ranges: Vec<(u64, u32)> =
-                members.iter().map(|(_, (_, _, loc))| (loc.offset, loc.stored_len)).collect();
-            trace!(%pack, chunks = ranges.len(), "fetch chunks");
-            let stored = self.source.read_stored_many(&pack, &ranges).and_then(|stored| {
+            let chunks: Vec<(ChunkRef, PackLocation)> =
+                members.iter().map(|(_, (chunk, _, loc))| (*chunk, *loc)).collect();
+            trace!(%pack, chunks = chunks.len(), "fetch chunks");
+            let stored = self.source.read_chunks(&pack, &chunks).and_then(|stored| {
                 if stored.len() == members.len() {
                     Ok(stored)
                 } else {
@@ -911,8 +908,11 @@ impl<S: ChunkSource + 'static> ImageReader<S> {
             });
             match stored {
                 Ok(stored) => {
-                    for (&&(k, (ref chunk, ref pack, ref loc)), bytes) in members.iter().zip(stored) {
-                        let first = decode_stored_chunk(chunk, pack, loc, &bytes);
+                    for (&&(k, (ref chunk, ref pack, ref loc)), got) in members.iter().zip(stored) {
+                        let first = match got {
+                            SourcedChunk::Verified(data) => Ok(data),
+                            SourcedChunk::Stored(bytes) => decode_stored_chunk(chunk, pack, loc, &bytes),
+                        };
                         out[k] = Some(self.refetch_if_corrupt(indexes[k], first).map_err(Arc::new));
                     }
                 }

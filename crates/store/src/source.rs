@@ -10,6 +10,16 @@ use crate::error::StoreError;
 /// stops the read and is its result.
 pub type RangeSink<'a> = dyn FnMut(&[u8]) -> Result<(), StoreError> + 'a;
 
+/// A chunk as [`ChunkSource::read_chunks`] hands it over.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SourcedChunk {
+    /// Its stored bytes, for the reader to decode and verify.
+    Stored(Vec<u8>),
+    /// Its data, decoded and verified against its id by the source on the way (the disk cache
+    /// checks every entry it reads or keeps by decoding it): nothing left to decode.
+    Verified(Vec<u8>),
+}
+
 /// A source of stored (possibly compressed) chunk bytes: a byte range of a pack.
 ///
 /// The local store implements it with `pread`; HTTP, registry and cache tiers implement it later
@@ -45,12 +55,30 @@ pub trait ChunkSource: Send + Sync {
         ranges.iter().map(|&(offset, len)| self.read_stored(pack, offset, len)).collect()
     }
 
-    /// Chunk `chunk`, stored at `loc` in `pack`, already decompressed and verified, when this
-    /// source holds a copy it checks by decoding anyway (the disk cache checks every entry it
-    /// reads): the reader then decodes it once, not twice. `None` (the default): read the
-    /// stored bytes. Never returns bytes that did not verify.
-    fn read_verified(&self, _chunk: &ChunkRef, _pack: &Sha256Digest, _loc: &PackLocation) -> Option<Vec<u8>> {
-        None
+    /// Chunks `members` of pack `pack` (each stored at its location), in the order asked. The
+    /// default reads their ranges with [`Self::read_stored_many`]; a source that decodes what it
+    /// hands over anyway (the disk cache) gives the decoded data, so the reader does not decode
+    /// it a second time.
+    fn read_chunks(
+        &self,
+        pack: &Sha256Digest,
+        members: &[(ChunkRef, PackLocation)],
+    ) -> Result<Vec<SourcedChunk>, StoreError> {
+        let ranges: Vec<(u64, u32)> = members.iter().map(|(_, loc)| (loc.offset, loc.stored_len)).collect();
+        Ok(self.read_stored_many(pack, &ranges)?.into_iter().map(SourcedChunk::Stored).collect())
+    }
+
+    /// Chunk `chunk`, stored at `loc` in `pack`: its stored bytes (the default reads them with
+    /// [`Self::read_stored`]), or — from a source that decodes what it hands over anyway (the
+    /// disk cache checks every entry it reads or keeps by decoding it) — its data, decoded and
+    /// verified, so that the reader decodes it once, not twice.
+    fn read_chunk(
+        &self,
+        _chunk: &ChunkRef,
+        pack: &Sha256Digest,
+        loc: &PackLocation,
+    ) -> Result<SourcedChunk, StoreError> {
+        Ok(SourcedChunk::Stored(self.read_stored(pack, loc.offset, loc.stored_len)?))
     }
 
     /// How many separate ranges of one pack [`Self::read_stored_many`] fetches in one request
@@ -95,8 +123,16 @@ macro_rules! forward_chunk_source {
                 (**self).read_stored_many(pack, ranges)
             }
 
-            fn read_verified(&self, chunk: &ChunkRef, pack: &Sha256Digest, loc: &PackLocation) -> Option<Vec<u8>> {
-                (**self).read_verified(chunk, pack, loc)
+            fn read_chunks(
+                &self,
+                pack: &Sha256Digest,
+                members: &[(ChunkRef, PackLocation)],
+            ) -> Result<Vec<SourcedChunk>, StoreError> {
+                (**self).read_chunks(pack, members)
+            }
+
+            fn read_chunk(&self, chunk: &ChunkRef, pack: &Sha256Digest, loc: &PackLocation) -> Result<SourcedChunk, StoreError> {
+                (**self).read_chunk(chunk, pack, loc)
             }
 
             fn ranges_per_request(&self) -> usize {

@@ -46,7 +46,11 @@ use crate::origin::http::{parse_ref, resolve_with, HttpError, HttpStore};
 type Check<'a> = dyn Fn(&[u8]) -> bool + 'a;
 use crate::read_store::ReadStore;
 use crate::reader::{decode_stored_chunk, OpenImage};
-use crate::source::{ChunkSource, RangeSink};
+use crate::source::{ChunkSource, RangeSink, SourcedChunk};
+
+/// A chunk's stored bytes, and its data if the check of those bytes decoded it
+/// ([`DiskCache::fetch_chunks_decoded`]).
+pub type CheckedChunk = (Vec<u8>, Option<Vec<u8>>);
 
 /// The layout version directory under the cache root.
 const VERSION_DIR: &str = "v1";
@@ -343,26 +347,6 @@ impl DiskCache {
         self.read_checked(&chunk_key(chunk, loc), &|b| decode_stored_chunk(chunk, pack, loc, b).is_ok())
     }
 
-    /// A cached chunk in the stored form `loc` describes, decoded and checked: the bytes its
-    /// check decodes anyway ([`Self::get_chunk`] throws them away). A corrupt entry is removed:
-    /// `None`.
-    pub fn get_chunk_decoded(
-        &self,
-        chunk: &ChunkRef,
-        pack: &Sha256Digest,
-        loc: &PackLocation,
-    ) -> Option<Vec<u8>> {
-        let decoded = std::cell::RefCell::new(None);
-        self.read_checked(&chunk_key(chunk, loc), &|b| match decode_stored_chunk(chunk, pack, loc, b) {
-            Ok(d) => {
-                *decoded.borrow_mut() = Some(d);
-                true
-            }
-            Err(_) => false,
-        })?;
-        decoded.into_inner()
-    }
-
     /// Cache stored chunk bytes, only if they check out (bad bytes from the origin never enter).
     pub fn put_chunk(&self, chunk: &ChunkRef, pack: &Sha256Digest, loc: &PackLocation, stored: &[u8]) {
         if decode_stored_chunk(chunk, pack, loc, stored).is_ok() {
@@ -641,10 +625,32 @@ impl DiskCache {
         members: &[(ChunkRef, PackLocation)],
         fetch: impl FnOnce(&[usize]) -> Result<Vec<Vec<u8>>, StoreError>,
     ) -> Result<Vec<Vec<u8>>, StoreError> {
+        Ok(self.fetch_chunks_decoded(pack, members, fetch)?.into_iter().map(|(stored, _)| stored).collect())
+    }
+
+    /// [`Self::fetch_chunks`], each chunk also with its data when its check decoded it: a cached
+    /// entry (checked when read), or fetched bytes that checked out (checked before they are
+    /// kept). `None` for fetched bytes that did not decode to the chunk's id.
+    pub fn fetch_chunks_decoded(
+        &self,
+        pack: &Sha256Digest,
+        members: &[(ChunkRef, PackLocation)],
+        fetch: impl FnOnce(&[usize]) -> Result<Vec<Vec<u8>>, StoreError>,
+    ) -> Result<Vec<CheckedChunk>, StoreError> {
+        // A check that passes leaves the data it decoded here (each check of an entry overwrites
+        // what an earlier one left; the last one run is the one whose bytes are returned).
+        let decoded: Vec<std::cell::RefCell<Option<Vec<u8>>>> =
+            members.iter().map(|_| Default::default()).collect();
         let checks: Vec<Box<Check<'_>>> = members
             .iter()
-            .map(|(chunk, loc)| {
-                Box::new(move |b: &[u8]| decode_stored_chunk(chunk, pack, loc, b).is_ok()) as Box<Check<'_>>
+            .zip(&decoded)
+            .map(|((chunk, loc), slot)| {
+                Box::new(move |b: &[u8]| {
+                    let data = decode_stored_chunk(chunk, pack, loc, b).ok();
+                    let ok = data.is_some();
+                    *slot.borrow_mut() = data;
+                    ok
+                }) as Box<Check<'_>>
             })
             .collect();
         let entries: Vec<(EntryKey, &Check<'_>)> = members
@@ -652,7 +658,9 @@ impl DiskCache {
             .zip(&checks)
             .map(|((chunk, loc), check)| (chunk_key(chunk, loc), &**check))
             .collect();
-        self.get_or_fetch_many(&entries, fetch)
+        let stored = self.get_or_fetch_many(&entries, fetch)?;
+        drop(checks);
+        Ok(stored.into_iter().zip(decoded).map(|(s, d)| (s, d.into_inner())).collect())
     }
 
     /// A valid entry, counted as a hit (and a use for the LRU order); an invalid one is removed
@@ -1070,7 +1078,7 @@ pub struct CachedSource<S> {
     image: Arc<OpenImage>,
     /// The image's chunks by where they are stored, (pack number, offset, chunk index) sorted,
     /// for ranges asked of the origin (`read_stored*`): built at the first such read (17 940
-    /// chunks: ~0.4 ms), so a warmed daemon, whose reads are answered by `read_verified`, never
+    /// chunks: ~0.4 ms), so a warmed daemon, whose reads name their chunks (`read_chunk`, `read_chunks`), never
     /// builds it. (A map built at start cost a warmed start ~5 ms; built on a thread of its own it
     /// slowed a workload of prefix reads by half on 2 CPUs: `stat` 30 → 50 ms.) Empty for a
     /// `--reference-layers` image.
@@ -1185,13 +1193,54 @@ impl<S: ChunkSource> ChunkSource for CachedSource<S> {
         }
     }
 
-    /// A chunk the cache holds, decoded by its check (its bytes must hash to its id, so no
-    /// lookup in the image is needed). A `--reference-layers` image caches spans, not chunks.
-    fn read_verified(&self, chunk: &ChunkRef, pack: &Sha256Digest, loc: &PackLocation) -> Option<Vec<u8>> {
+    /// The chunk from the cache, else from the origin (once per host), decoded by the check that
+    /// read or admitted it (its bytes must hash to its id, so no lookup in the image is needed);
+    /// fetched bytes that fail it come as they are, for the reader's check and refetch. A
+    /// `--reference-layers` image caches spans, not chunks: [`Self::read_stored`].
+    fn read_chunk(
+        &self,
+        chunk: &ChunkRef,
+        pack: &Sha256Digest,
+        loc: &PackLocation,
+    ) -> Result<SourcedChunk, StoreError> {
         if self.image.reference().is_some() {
-            return None;
+            return Ok(SourcedChunk::Stored(self.read_stored(pack, loc.offset, loc.stored_len)?));
         }
-        self.cache.get_chunk_decoded(chunk, pack, loc)
+        let got = self.cache.fetch_chunks_decoded(pack, &[(*chunk, *loc)], |_| {
+            Ok(vec![self.origin.read_stored(pack, loc.offset, loc.stored_len)?])
+        })?;
+        let (stored, data) = got.into_iter().next().ok_or_else(|| StoreError::Io {
+            op: "cache fetch",
+            path: self.cache.chunk_path(chunk, loc),
+            source: std::io::Error::other("the fetch returned nothing"),
+        })?;
+        Ok(data.map_or(SourcedChunk::Stored(stored), SourcedChunk::Verified))
+    }
+
+    /// The chunks the cache holds, decoded by their checks; the others fetched from the origin in
+    /// one call and handed over decoded by the check that admitted them to the cache — each chunk
+    /// decoded once on its way to the reader (fetched bytes that fail it come as they are, for
+    /// the reader's own check and refetch). A `--reference-layers` image caches spans, not
+    /// chunks: its ranges as [`ChunkSource::read_stored_many`] reads them.
+    fn read_chunks(
+        &self,
+        pack: &Sha256Digest,
+        members: &[(ChunkRef, PackLocation)],
+    ) -> Result<Vec<SourcedChunk>, StoreError> {
+        if self.image.reference().is_some() {
+            let ranges: Vec<(u64, u32)> =
+                members.iter().map(|(_, loc)| (loc.offset, loc.stored_len)).collect();
+            return Ok(self.read_stored_many(pack, &ranges)?.into_iter().map(SourcedChunk::Stored).collect());
+        }
+        let got = self.cache.fetch_chunks_decoded(pack, members, |missing| {
+            let wanted: Vec<(u64, u32)> =
+                missing.iter().map(|&i| (members[i].1.offset, members[i].1.stored_len)).collect();
+            self.origin.read_stored_many(pack, &wanted)
+        })?;
+        Ok(got
+            .into_iter()
+            .map(|(stored, data)| data.map_or(SourcedChunk::Stored(stored), SourcedChunk::Verified))
+            .collect())
     }
 
     /// The origin's: the ranges the cache lacks go to it in one call.
@@ -1283,6 +1332,31 @@ mod tests {
     }
 
     #[test]
+    fn a_batch_hands_over_what_its_checks_decoded_and_nothing_that_failed() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = DiskCache::open(&CacheConfig::new(dir.path())).unwrap();
+        let pack = Sha256Digest::of(b"pack");
+        let datas: Vec<Vec<u8>> =
+            (1..=3u32).map(|n| (0..6000u32).map(|i| (i * n % 241) as u8).collect()).collect();
+        let members: Vec<(ChunkRef, PackLocation, Vec<u8>)> = datas.iter().map(|d| chunk(d)).collect();
+        let refs: Vec<(ChunkRef, PackLocation)> = members.iter().map(|(c, l, _)| (*c, *l)).collect();
+        cache.put_chunk(&members[0].0, &pack, &members[0].1, &members[0].2);
+        let mut bad = members[2].2.clone();
+        let n = bad.len();
+        bad[n / 2] ^= 0x40;
+        let got = cache
+            .fetch_chunks_decoded(&pack, &refs, |missing| {
+                assert_eq!(missing, [1, 2]);
+                Ok(vec![members[1].2.clone(), bad.clone()])
+            })
+            .unwrap();
+        assert_eq!(got[0], (members[0].2.clone(), Some(datas[0].clone())), "a hit, decoded by its check");
+        assert_eq!(got[1], (members[1].2.clone(), Some(datas[1].clone())), "fetched, decoded by its check");
+        assert_eq!(got[2], (bad, None), "bytes that fail come as they are, with no data");
+        assert!(!cache.chunk_path(&members[2].0, &members[2].1).exists());
+    }
+
+    #[test]
     fn chunks_are_verified_on_the_way_in_and_out() {
         let dir = tempfile::tempdir().unwrap();
         let cache = DiskCache::open(&CacheConfig::new(dir.path())).unwrap();
@@ -1304,23 +1378,27 @@ mod tests {
     }
 
     #[test]
-    fn a_decoded_read_returns_what_its_check_decoded_and_drops_a_corrupt_entry() {
+    fn a_decoded_read_returns_what_its_check_decoded_and_refetches_a_corrupt_entry() {
         let dir = tempfile::tempdir().unwrap();
         let cache = DiskCache::open(&CacheConfig::new(dir.path())).unwrap();
         let pack = Sha256Digest::of(b"pack");
         let data: Vec<u8> = (0..20_000u32).map(|i| (i * 7 % 251) as u8).collect();
         let (c, loc, z) = chunk(&data);
-        assert!(cache.get_chunk_decoded(&c, &pack, &loc).is_none(), "a miss");
+        let read = |fetch: &dyn Fn() -> Vec<u8>| {
+            cache.fetch_chunks_decoded(&pack, &[(c, loc)], |_| Ok(vec![fetch()])).unwrap().remove(0)
+        };
         cache.put_chunk(&c, &pack, &loc, &z);
-        assert_eq!(cache.get_chunk_decoded(&c, &pack, &loc).unwrap(), data, "the uncompressed bytes");
+        let no_fetch = || -> Vec<u8> { panic!("a hit must not fetch") };
+        assert_eq!(read(&no_fetch), (z.clone(), Some(data.clone())), "the uncompressed bytes");
         let hits = cache.stats().hits;
         let mut bad = z.clone();
         let n = bad.len();
         bad[n / 2] ^= 0x10;
         fs::write(cache.chunk_path(&c, &loc), &bad).unwrap();
-        assert!(cache.get_chunk_decoded(&c, &pack, &loc).is_none(), "never bytes that fail");
-        assert!(!cache.chunk_path(&c, &loc).exists(), "the corrupt entry is removed");
+        assert_eq!(read(&|| z.clone()), (z.clone(), Some(data)), "a corrupt entry is fetched again");
         assert_eq!(cache.stats().hits, hits, "a corrupt entry is no hit");
+        assert_eq!(cache.stats().corrupt, 1, "it was dropped");
+        assert_eq!(fs::read(cache.chunk_path(&c, &loc)).unwrap(), z, "and replaced by the good copy");
     }
 
     #[test]
