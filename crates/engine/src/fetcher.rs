@@ -44,8 +44,11 @@ pub type FetchDone = Box<dyn FnOnce(FetchResult) + Send>;
 pub type Job = Box<dyn FnOnce() + Send>;
 
 /// [`FetchLimits::batch_bytes`] for a remote store: stored bytes one fetch (one request) may
-/// bring.
-pub const DEFAULT_BATCH_BYTES: u64 = 4 << 20;
+/// bring. 1 MiB: a profile's prefetch goes out over more of the connections the start has
+/// opened up instead of a few long runs on one connection each (python's 8.6 MiB at 1 Gbit/s
+/// took 13 requests, the last two of 1.8 and 2.0 MB ending 30 ms after the others; with 1 MiB
+/// batches 10 ms sooner, shell 23 ms: docs/benchmarks.md).
+pub const DEFAULT_BATCH_BYTES: u64 = 1 << 20;
 
 /// Most stored bytes of a background batch that takes runs apart in its pack (a source that
 /// fetches several ranges in one request: [`ChunkFetcher::set_ranges_per_request`]): about one
