@@ -44,11 +44,16 @@ pub type FetchDone = Box<dyn FnOnce(FetchResult) + Send>;
 pub type Job = Box<dyn FnOnce() + Send>;
 
 /// [`FetchLimits::batch_bytes`] for a remote store: stored bytes one fetch (one request) may
-/// bring. 1 MiB: a profile's prefetch goes out over more of the connections the start has
-/// opened up instead of a few long runs on one connection each (python's 8.6 MiB at 1 Gbit/s
-/// took 13 requests, the last two of 1.8 and 2.0 MB ending 30 ms after the others; with 1 MiB
-/// batches 10 ms sooner, shell 23 ms: docs/benchmarks.md).
-pub const DEFAULT_BATCH_BYTES: u64 = 1 << 20;
+/// bring.
+pub const DEFAULT_BATCH_BYTES: u64 = 4 << 20;
+
+/// The cap on a batch a prefetch (profile) chunk starts, within [`FetchLimits::batch_bytes`]: a
+/// profile's prefetch goes out over more of the connections the start has opened up instead of a
+/// few long runs on one connection each (python's 8.6 MiB at 1 Gbit/s took 13 requests, the
+/// last two of 1.8 and 2.0 MB ending 30 ms after the others: docs/benchmarks.md). Readahead keeps
+/// the whole cap: 1 MiB for every batch cost a cold gcc start at 1 Gbit/s ~3 % (its whole-file
+/// readahead in more parallel requests, sharing the link with the guest's misses).
+pub const PREFETCH_BATCH_BYTES: u64 = 1 << 20;
 
 /// Most stored bytes of a background batch that takes runs apart in its pack (a source that
 /// fetches several ranges in one request: [`ChunkFetcher::set_ranges_per_request`]): about one
@@ -667,8 +672,13 @@ impl Shared {
         }
         let Some(start) = (self.place)(first) else { return batch };
         let mut bytes = u64::from(start.stored_len);
+        let cap = if queue == Priority::Prefetch.queue() {
+            self.limits.batch_bytes.min(PREFETCH_BATCH_BYTES)
+        } else {
+            self.limits.batch_bytes
+        };
         if let Some(order) = &self.order {
-            batch = self.run_around(st, order, queue, first, start, &mut bytes, self.limits.batch_bytes);
+            batch = self.run_around(st, order, queue, first, start, &mut bytes, cap);
             let ranges = self.ranges.get().map_or(1, |f| f());
             if ranges > 1 && (queue != 0 || self.limits.sparse_demand) {
                 self.add_runs_apart(st, order, queue, start.pack, ranges, &mut batch, &mut bytes);
@@ -683,9 +693,7 @@ impl Shared {
                     Some(e) if e.priority.queue() != queue => break,
                     Some(_) => {
                         let Some(place) = (self.place)(next) else { break };
-                        if !last.followed_by(&place)
-                            || bytes + u64::from(place.stored_len) > self.limits.batch_bytes
-                        {
+                        if !last.followed_by(&place) || bytes + u64::from(place.stored_len) > cap {
                             break;
                         }
                         claim(st, next);
@@ -1252,6 +1260,26 @@ mod tests {
         );
         assert_eq!(f.stats().batched.load(Ordering::Relaxed), 6);
         assert_eq!(f.stats().demand.load(Ordering::Relaxed), 11);
+    }
+
+    #[test]
+    fn a_batch_a_prefetch_chunk_starts_stays_within_the_prefetch_cap() {
+        // Eight chunks of 300 000 bytes back to back: three fit in 1 MiB, all eight in 4 MiB.
+        let place =
+            |c: u32| Some(ChunkPlace { pack: 0, offset: u64::from(c) * 300_000, stored_len: 300_000 });
+        let cases = [
+            (Priority::Prefetch, vec![vec![0, 1, 2], vec![3, 4, 5], vec![6, 7]]),
+            (Priority::Readahead, vec![(0..8).collect()]),
+        ];
+        for (priority, expected) in cases {
+            let log = Arc::new(Mutex::new(Vec::new()));
+            let limits = FetchLimits { batch_bytes: DEFAULT_BATCH_BYTES, ..FetchLimits::new(1) };
+            let f = ChunkFetcher::start(limits, recording(&log), place).unwrap();
+            let (done, rx) = done_channel();
+            f.fetch(&(0..8).collect::<Vec<_>>(), priority, Some(done));
+            assert!(rx.recv_timeout(Duration::from_secs(10)).unwrap().is_ok());
+            assert_eq!(*log.lock().unwrap(), expected, "{priority:?}");
+        }
     }
 
     #[test]
