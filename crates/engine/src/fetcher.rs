@@ -663,7 +663,8 @@ impl Shared {
     /// pack — or, given the pack order, every queued chunk of the same kind (demand, or
     /// background in either background queue) not started that is stored right before or after
     /// the run — while the batch stays within
-    /// [`FetchLimits::batch_bytes`]. Claims them; returns them in pack order.
+    /// [`FetchLimits::batch_bytes`] ([`PREFETCH_BATCH_BYTES`] at most for a batch a prefetch chunk
+    /// starts). Claims them; returns them in pack order.
     fn gather(&self, st: &mut State, queue: usize, first: u32) -> Vec<u32> {
         let mut batch = vec![first];
         if self.limits.batch_bytes == 0 {
