@@ -1078,8 +1078,8 @@ pub struct CachedSource<S> {
     image: Arc<OpenImage>,
     /// The image's chunks by where they are stored, (pack number, offset, chunk index) sorted,
     /// for ranges asked of the origin (`read_stored*`): built at the first such read (17 940
-    /// chunks: ~0.4 ms), so a warmed daemon, whose reads name their chunks (`read_chunk`, `read_chunks`), never
-    /// builds it. (A map built at start cost a warmed start ~5 ms; built on a thread of its own it
+    /// chunks: ~0.4 ms), so a warmed daemon, whose reads name their chunks (`read_chunk`,
+    /// `read_chunks`), never builds it. (A map built at start cost a warmed start ~5 ms; built on a thread of its own it
     /// slowed a workload of prefix reads by half on 2 CPUs: `stat` 30 → 50 ms.) Empty for a
     /// `--reference-layers` image.
     chunks: OnceLock<Vec<(u32, u64, u32)>>,
