@@ -28,7 +28,7 @@ mod stats;
 
 use std::io::{self, Read};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use tessera_metrics::Histogram;
@@ -120,6 +120,10 @@ struct Shared {
     /// Requests in a row that spent their attempts on retryable failures (reset by any answer):
     /// the origin is failing from [`RetryPolicy::failing_after`] on.
     exhausted: AtomicU32,
+    /// Wakes the requests waiting out a backoff when the origin starts counting as failing
+    /// (their next attempt is their last, and it goes at once); the mutex orders the check of
+    /// [`Self::failing`] before a wait against the wake-up.
+    backoffs: (Mutex<()>, Condvar),
     /// The origin's head latency, for [`RetryPolicy::resend_late`].
     head: late::HeadLatency,
     /// Immediate retries left.
@@ -140,6 +144,10 @@ impl Shared {
     fn exhausted(&self) {
         let after = self.config.retry.failing_after;
         if after > 0 && self.exhausted.fetch_add(1, Ordering::Relaxed) + 1 == after {
+            {
+                let _order = self.backoffs.0.lock().unwrap_or_else(|e| e.into_inner());
+                self.backoffs.1.notify_all();
+            }
             warn!(
                 requests = after,
                 "the origin is failing (requests in a row spent their retries): one attempt per request, \
@@ -159,6 +167,15 @@ impl Shared {
         {
             info!("the origin answers again: requests are retried as usual");
         }
+    }
+
+    /// Wait `wait` before a retry, or less: a request backing off when the origin starts
+    /// counting as failing makes its last attempt at once, as a request starting then would
+    /// (a guest read that joined it waits one attempt, not the rest of a backoff).
+    fn back_off(&self, wait: Duration, probe: bool) {
+        let guard = self.backoffs.0.lock().unwrap_or_else(|e| e.into_inner());
+        let until_failing = |_: &mut ()| probe || !self.failing();
+        drop(self.backoffs.1.wait_timeout_while(guard, wait, until_failing));
     }
 }
 
@@ -338,6 +355,7 @@ impl Transport {
                 counters: Counters::default(),
                 latency: tessera_metrics::origin_latency_histogram(),
                 exhausted: AtomicU32::new(0),
+                backoffs: (Mutex::new(()), Condvar::new()),
                 head: late::HeadLatency::default(),
                 budget: RetryBudget::new(),
                 answers: AtomicU64::new(0),
@@ -575,7 +593,7 @@ impl Transport {
                 "retrying"
             );
             if !wait.is_zero() {
-                std::thread::sleep(wait);
+                shared.back_off(wait, req.probe);
             }
         }
     }
@@ -786,6 +804,45 @@ mod tests {
         t.send(&Request::get(&url)).unwrap().into_reader().read_to_string(&mut body).unwrap();
         let s = t.stats();
         assert_eq!((body.as_str(), s.requests, s.retries, s.single_attempts), ("ok", 12, 5, 4));
+    }
+
+    #[test]
+    fn a_request_backing_off_when_the_origin_starts_failing_makes_its_last_attempt_at_once() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}/x", l.local_addr().unwrap());
+        drop(l);
+        // Backoffs of at least 2 s: a request whose wait is cut short shows it by far.
+        let slow = TransportConfig {
+            retry: RetryPolicy {
+                attempts: 5,
+                base: Duration::from_secs(4),
+                max: Duration::from_secs(8),
+                ..RetryPolicy::default()
+            },
+            ..TransportConfig::default()
+        };
+        let t = Transport::new(slow);
+        let (waiting, u) = (t.clone(), url.clone());
+        let started = Instant::now();
+        let request = std::thread::spawn(move || {
+            let r = waiting.send(&Request::get(&u));
+            (r.is_err(), started.elapsed())
+        });
+        // Its first attempt is refused at once; it backs off. Two other requests spend their
+        // attempts meanwhile (what a pool of fetchers does when the origin goes): it is failing.
+        while t.stats().requests == 0 {
+            std::thread::sleep(Duration::from_millis(1)); // polling, not a fixed wait
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        t.shared.exhausted();
+        assert!(!t.is_failing());
+        t.shared.exhausted();
+        assert!(t.is_failing());
+        let (failed, took) = request.join().unwrap();
+        assert!(failed);
+        assert!(took < Duration::from_millis(1500), "the backing-off request took {took:?}");
+        // Two attempts: the first and the last, none in between.
+        assert_eq!((t.stats().requests, t.stats().retries), (2, 1));
     }
 
     #[test]

@@ -26,7 +26,8 @@ pub struct RetryPolicy {
     pub max: Duration,
     /// Requests in a row that spent every attempt on retryable failures, none answered in
     /// between, after which the origin counts as failing (default 2; 0: never): from then on
-    /// every request makes one attempt, without backoff, until one is answered. An origin that
+    /// every request makes one attempt, without backoff, until one is answered (a request
+    /// backing off at that moment makes its last attempt at once). An origin that
     /// is gone then costs a read one attempt instead of the whole retry cycle, and a read
     /// succeeds again as soon as the origin is back; an origin failing a share of requests
     /// (a storm of 5xx and resets) almost never spends two requests' attempts in a row.
