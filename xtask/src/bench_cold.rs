@@ -51,7 +51,9 @@ pub struct ColdBench {
     /// `--store origin:DIR` serves the store DIR beside `--store`'s through the same origin and
     /// link (e.g. the same image built with `--reference-layers`; the floor stays `--store`'s).
     /// An arm's `--cache-dir DIR` becomes `DIR/run-ROUND`, which must not exist: every run
-    /// starts cold, and no cache is removed while the bench runs (remove DIR afterwards).
+    /// starts cold, and no cache is removed while the bench runs (remove DIR afterwards);
+    /// `--cache-dir=DIR` (one argument) is passed as it is: every run of the arm uses DIR, e.g.
+    /// a cache `tessera warm` filled (with `--tag-max-age 1h`, as `bench lazy`'s warmed runs).
     #[arg(long)]
     pub(crate) arm: Vec<String>,
     /// The `tessera` binary of arms that name none (default: the release build, built now).
