@@ -822,14 +822,17 @@ mod tests {
             ..TransportConfig::default()
         };
         let t = Transport::new(slow);
-        let (waiting, u) = (t.clone(), url.clone());
+        let waiting = t.clone();
         let started = Instant::now();
         let request = std::thread::spawn(move || {
-            let r = waiting.send(&Request::get(&u));
+            let r = waiting.send(&Request::get(&url));
             (r.is_err(), started.elapsed())
         });
-        // Its first attempt is refused at once; it backs off. Two other requests spend their
-        // attempts meanwhile (what a pool of fetchers does when the origin goes): it is failing.
+        // Its first attempt is refused at once; it backs off. Meanwhile two other requests spend
+        // their attempts (what a pool of fetchers does when the origin goes; counted here
+        // directly): the origin is failing. The 50 ms let it reach its wait first, so the
+        // wake-up is what ends it (had the origin been failing before it waited, its wait would
+        // have ended at once too).
         while t.stats().requests == 0 {
             std::thread::sleep(Duration::from_millis(1)); // polling, not a fixed wait
         }
