@@ -1,6 +1,7 @@
 //! The directory source: walk a tree without following symlinks into a [`Tree`].
 
 use std::collections::HashMap;
+use std::ffi::OsString;
 use std::fs::{self, File, Metadata};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
@@ -79,6 +80,12 @@ pub(crate) fn open_noatime(path: &Path) -> Result<File, BuildError> {
 
 /// Walk `root` depth-first, names sorted bytewise. Node ids follow that order, so a directory's
 /// children are numbered together and data is laid out in the order a guest tends to read it.
+///
+/// Two phases: the directories are listed and every entry is stat'ed and read (xattrs, holes,
+/// symlink target) in parallel, a level of the tree at a time — one task per entry, so a wide
+/// directory spreads over the CPUs as well as many small ones, with no recursion however deep
+/// the tree —; then one thread numbers the nodes in the order above and joins hard links. The
+/// tree, and the first error in that order, are those a walk on one thread gives.
 pub fn walk_dir(root: &Path) -> Result<SourceTree, BuildError> {
     let root_md = fs::symlink_metadata(root).map_err(BuildError::io(root, "stat"))?;
     if !root_md.is_dir() {
@@ -88,57 +95,149 @@ pub fn walk_dir(root: &Path) -> Result<SourceTree, BuildError> {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos() as i128);
     let trusted_before = started - RACY_WINDOW_NS;
-    let mut out = SourceTree::default();
-    out.stamps.push(Fingerprint::NONE);
-    out.tree.nodes.push(Node {
+    let root_node = Node {
         meta: meta_of(&root_md),
         kind: NodeKind::Directory { entries: Vec::new() },
         xattrs: read_xattrs(root)?,
-    });
-    out.files.push(NO_PATH);
+    };
+    number_nodes(root_node, list_tree(root, trusted_before))
+}
 
+/// A directory as [`list_tree`] found it: its path and its entries, names sorted bytewise (or
+/// why it could not be read).
+struct Listing {
+    path: PathBuf,
+    entries: Result<Vec<Listed>, BuildError>,
+}
+
+/// One directory entry, stat'ed and read: its node, or why not (reported when its turn comes).
+struct Listed {
+    name: OsString,
+    stat: Result<Stat, BuildError>,
+}
+
+struct Stat {
+    /// `(dev, ino)` of a non-directory with more than one link: its later links share the node.
+    link: Option<(u64, u64)>,
+    /// The node, or why it could not be read (not reported for a link whose node exists).
+    node: Result<Node, BuildError>,
+    /// A regular file's source index fingerprint ([`Fingerprint::NONE`] for other nodes).
+    stamp: Fingerprint,
+    /// A directory's listing (index in [`list_tree`]'s result).
+    listing: Option<usize>,
+}
+
+/// The first phase of [`walk_dir`]: every directory under `root` (`root` itself at index 0)
+/// listed, and its entries stat'ed and read, in parallel a level at a time.
+fn list_tree(root: &Path, trusted_before: i128) -> Vec<Listing> {
+    use rayon::prelude::*;
+    let mut listings: Vec<Listing> = Vec::new();
+    let mut level: Vec<PathBuf> = vec![root.to_owned()];
+    while !level.is_empty() {
+        let names: Vec<Result<Vec<OsString>, BuildError>> =
+            level.par_iter().map(|dir| sorted_names(dir)).collect();
+        let jobs: Vec<(usize, &OsString)> = names
+            .iter()
+            .enumerate()
+            .filter_map(|(d, names)| Some(d).zip(names.as_ref().ok()))
+            .flat_map(|(d, names)| names.iter().map(move |name| (d, name)))
+            .collect();
+        let mut stats = jobs
+            .into_par_iter()
+            .map(|(d, name)| stat_entry(&level[d].join(name), trusted_before))
+            .collect::<Vec<_>>()
+            .into_iter();
+        // This level's listings go at `listings.len()..`, the next level's after them.
+        let next_first = listings.len() + level.len();
+        let mut next = Vec::new();
+        for (path, names) in level.into_iter().zip(names) {
+            let entries = names.map(|names| {
+                // `stats` holds one result per name, in this order.
+                names
+                    .into_iter()
+                    .zip(stats.by_ref())
+                    .map(|(name, mut stat)| {
+                        if let Ok(Stat { listing: listing @ Some(_), .. }) = &mut stat {
+                            *listing = Some(next_first + next.len());
+                            next.push(path.join(&name));
+                        }
+                        Listed { name, stat }
+                    })
+                    .collect()
+            });
+            listings.push(Listing { path, entries });
+        }
+        level = next;
+    }
+    listings
+}
+
+/// The names in directory `dir`, sorted bytewise.
+fn sorted_names(dir: &Path) -> Result<Vec<OsString>, BuildError> {
+    let mut names: Vec<OsString> = fs::read_dir(dir)
+        .map_err(BuildError::io(dir, "read directory"))?
+        .map(|e| e.map(|e| e.file_name()))
+        .collect::<Result<_, _>>()
+        .map_err(BuildError::io(dir, "read directory"))?;
+    names.sort_by(|a, b| a.as_bytes().cmp(b.as_bytes()));
+    Ok(names)
+}
+
+/// Stat and read the entry at `path`. A directory's listing is `Some(0)` until [`list_tree`]
+/// places it.
+fn stat_entry(path: &Path, trusted_before: i128) -> Result<Stat, BuildError> {
+    let md = fs::symlink_metadata(path).map_err(BuildError::io(path, "stat"))?;
+    let node = node_of(path, &md);
+    let is_file = matches!(node, Ok(Node { kind: NodeKind::Regular { .. }, .. }));
+    Ok(Stat {
+        link: (!md.is_dir() && md.nlink() > 1).then(|| (md.dev(), md.ino())),
+        node,
+        stamp: if is_file { stat_key(&md).fingerprint(trusted_before) } else { Fingerprint::NONE },
+        listing: md.is_dir().then_some(0),
+    })
+}
+
+/// The second phase of [`walk_dir`]: number the listed nodes depth-first (a directory's entries
+/// together, when the directory's turn comes), joining hard links, into a [`SourceTree`].
+fn number_nodes(root: Node, mut listings: Vec<Listing>) -> Result<SourceTree, BuildError> {
+    let mut out = SourceTree::default();
+    out.stamps.push(Fingerprint::NONE);
+    out.tree.nodes.push(root);
+    out.files.push(NO_PATH);
     let mut hard_links: HashMap<(u64, u64), NodeId> = HashMap::new();
-    let mut stack: Vec<(NodeId, PathBuf)> = vec![(NodeId(0), root.to_owned())];
-    while let Some((dir_id, dir_path)) = stack.pop() {
+    let mut stack: Vec<(NodeId, usize)> = vec![(NodeId(0), 0)];
+    while let Some((dir_id, listing)) = stack.pop() {
+        let taken = Listing { path: PathBuf::new(), entries: Ok(Vec::new()) };
+        let Some(Listing { path: dir_path, entries: listed }) =
+            listings.get_mut(listing).map(|l| std::mem::replace(l, taken))
+        else {
+            continue;
+        };
         let dir_index =
             u32::try_from(out.dirs.len()).map_err(|_| BuildError::TooManyNodes { path: dir_path.clone() })?;
-        let mut names: Vec<std::ffi::OsString> = fs::read_dir(&dir_path)
-            .map_err(BuildError::io(&dir_path, "read directory"))?
-            .map(|e| e.map(|e| e.file_name()))
-            .collect::<Result<_, _>>()
-            .map_err(BuildError::io(&dir_path, "read directory"))?;
-        names.sort_by(|a, b| a.as_bytes().cmp(b.as_bytes()));
-
-        let mut entries = Vec::with_capacity(names.len());
+        let listed = listed?;
+        let mut entries = Vec::with_capacity(listed.len());
         let mut subdirs = Vec::new();
-        for name in names {
-            let path = dir_path.join(&name);
-            let md = fs::symlink_metadata(&path).map_err(BuildError::io(&path, "stat"))?;
-            let link_key = (md.dev(), md.ino());
-            let reuse =
-                if !md.is_dir() && md.nlink() > 1 { hard_links.get(&link_key).copied() } else { None };
-            let id = match reuse {
+        for Listed { name, stat } in listed {
+            let stat = stat?;
+            let id = match stat.link.and_then(|key| hard_links.get(&key).copied()) {
                 Some(id) => id,
                 None => {
                     let id = NodeId(
                         u32::try_from(out.tree.nodes.len())
-                            .map_err(|_| BuildError::TooManyNodes { path: path.clone() })?,
+                            .map_err(|_| BuildError::TooManyNodes { path: dir_path.join(&name) })?,
                     );
-                    let node = node_of(&path, &md)?;
+                    let node = stat.node?;
                     let is_file = matches!(node.kind, NodeKind::Regular { .. });
                     out.tree.nodes.push(node);
                     // `entries.len()` < the node count, which fits in u32.
                     out.files.push(if is_file { (dir_index, entries.len() as u32) } else { NO_PATH });
-                    out.stamps.push(if is_file {
-                        stat_key(&md).fingerprint(trusted_before)
-                    } else {
-                        Fingerprint::NONE
-                    });
-                    if !md.is_dir() && md.nlink() > 1 {
-                        hard_links.insert(link_key, id);
+                    out.stamps.push(stat.stamp);
+                    if let Some(key) = stat.link {
+                        hard_links.insert(key, id);
                     }
-                    if md.is_dir() {
-                        subdirs.push((id, path));
+                    if let Some(listing) = stat.listing {
+                        subdirs.push((id, listing));
                     }
                     id
                 }
@@ -369,6 +468,85 @@ mod tests {
         // atime and ctime follow mtime for directory sources
         assert_eq!(nodes[file].meta.atime, nodes[file].meta.mtime);
         assert_eq!(nodes[file].meta.ctime, nodes[file].meta.mtime);
+    }
+
+    #[test]
+    fn nodes_are_numbered_depth_first_and_a_hard_link_keeps_its_first_path_in_that_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        // "a/b/c/file" comes first depth-first, though "z/link" is found a level-at-a-time first.
+        fs::create_dir_all(root.join("a/b/c")).unwrap();
+        fs::create_dir(root.join("z")).unwrap();
+        fs::write(root.join("a/b/c/file"), b"x").unwrap();
+        fs::hard_link(root.join("a/b/c/file"), root.join("z/link")).unwrap();
+        fs::write(root.join("a/b/two"), b"y").unwrap();
+        fs::write(root.join("a/one"), b"z").unwrap();
+        let src = walk_dir(root).unwrap();
+        // Each directory's entries numbered together when the directory's turn comes.
+        let mut order = Vec::new();
+        for (id, _) in src.tree.nodes.iter().enumerate() {
+            let path = (0..src.tree.nodes.len())
+                .find_map(|d| match &src.tree.nodes[d].kind {
+                    NodeKind::Directory { entries } => entries
+                        .iter()
+                        .find(|e| e.node.0 as usize == id)
+                        .map(|e| (d, String::from_utf8_lossy(&e.name).into_owned())),
+                    _ => None,
+                })
+                .map_or_else(|| "/".to_owned(), |(d, name)| format!("{d}/{name}"));
+            order.push(path);
+        }
+        // (Node 7 is in two directories: the test's search finds it in z, node 2, first.)
+        assert_eq!(order, ["/", "0/a", "0/z", "1/b", "1/one", "3/c", "3/two", "2/link"]);
+        let file = 7;
+        let NodeKind::Directory { entries } = &src.tree.nodes[5].kind else { panic!("c is not a dir") };
+        assert_eq!(entries[0].node.0 as usize, file, "a/b/c/file is node 7");
+        assert_eq!(src.file_path(file), Some(root.join("a/b/c/file")));
+        let NodeKind::Directory { entries } = &src.tree.nodes[2].kind else { panic!("z is not a dir") };
+        assert_eq!(entries[0].node.0 as usize, file, "the later link shares the node");
+    }
+
+    #[test]
+    fn the_first_error_depth_first_is_reported() {
+        let failed = |what: &str| BuildError::UnsupportedType { path: PathBuf::from(what) };
+        let t = Timestamp { sec: 0, nsec: 0 };
+        let meta = Meta { mode: 0o755, uid: 0, gid: 0, atime: t, mtime: t, ctime: t };
+        let dir = |listing| Stat {
+            link: None,
+            node: Ok(Node { meta, kind: NodeKind::Directory { entries: Vec::new() }, xattrs: Vec::new() }),
+            stamp: Fingerprint::NONE,
+            listing: Some(listing),
+        };
+        let listed = |name: &str, stat| Listed { name: name.into(), stat };
+        let root = Node { meta, kind: NodeKind::Directory { entries: Vec::new() }, xattrs: Vec::new() };
+        let reported = |listings| match number_nodes(root.clone(), listings) {
+            Err(BuildError::UnsupportedType { path }) => path,
+            other => panic!("{other:?}"),
+        };
+        // root: a/ (whose entry x fails), b (fails): root's entries are read before a's, as on
+        // one thread, so b's failure is the one reported.
+        let listings = vec![
+            Listing {
+                path: "/r".into(),
+                entries: Ok(vec![listed("a", Ok(dir(1))), listed("b", Err(failed("b")))]),
+            },
+            Listing { path: "/r/a".into(), entries: Ok(vec![listed("x", Err(failed("a/x")))]) },
+        ];
+        assert_eq!(reported(listings), Path::new("b"));
+        // root: a/ (x fails), c/ (y fails, and c/d/ cannot be read): a comes first.
+        let listings = vec![
+            Listing {
+                path: "/r".into(),
+                entries: Ok(vec![listed("a", Ok(dir(1))), listed("c", Ok(dir(2)))]),
+            },
+            Listing { path: "/r/a".into(), entries: Ok(vec![listed("x", Err(failed("a/x")))]) },
+            Listing {
+                path: "/r/c".into(),
+                entries: Ok(vec![listed("d", Ok(dir(3))), listed("y", Err(failed("c/y")))]),
+            },
+            Listing { path: "/r/c/d".into(), entries: Err(failed("c/d")) },
+        ];
+        assert_eq!(reported(listings), Path::new("a/x"));
     }
 
     #[test]
