@@ -30,7 +30,8 @@
 //! reader.read_at(0, &mut first_block)?;
 //! # Ok(()) }
 //! ```
-// No unsafe code but the one CPU prefetch hint of the read path (`reader::prefetch`), allowed there.
+// No unsafe code but the one CPU prefetch hint of the read path (`reader::prefetch`) and a blob
+// writer's `sync_file_range` (`local::BlobWriter::start_writeback`), allowed there.
 #![deny(unsafe_code)]
 
 pub mod artifact;
