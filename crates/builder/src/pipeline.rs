@@ -302,67 +302,79 @@ struct Prefix {
     stored: Sha256Digest,
 }
 
-/// Takes the metadata runs as ext4 renders them, in device order, and hashes and zstd-compresses
-/// each at once into a blob of the store: neither the uncompressed prefix (256 bytes per inode
-/// plus every directory block) nor the compressed one (~70 MB at a million entries) is held,
-/// only where each run goes.
+/// Takes the metadata runs as ext4 renders them, in device order, and hands them to a thread that
+/// hashes and zstd-compresses each into a blob of the store while the synthesis goes on: neither
+/// the uncompressed prefix (256 bytes per inode plus every directory block) nor the compressed one
+/// (~70 MB at a million entries) is held, only where each run goes and the runs on their way
+/// (at most [`PREFIX_RUNS_QUEUED`] beside the one being compressed).
 struct PrefixSink<'a> {
     store: &'a Path,
-    z: zstd::stream::Encoder<'static, BlobWriter>,
-    sha: sha2::Sha256,
+    runs_tx: Option<std::sync::mpsc::SyncSender<Vec<u8>>>,
+    compressor: Option<std::thread::JoinHandle<std::io::Result<(Sha256Digest, BlobWriter)>>>,
     /// (first device block, blocks, first prefix block) of each run.
     runs: Vec<(u64, u64, u64)>,
     blocks: u64,
-    /// The first failure (of the compressor); later runs are ignored.
-    failed: Option<std::io::Error>,
 }
+
+/// Metadata runs (each at most the ext4 renderer's run size) waiting for the prefix's compressor.
+const PREFIX_RUNS_QUEUED: usize = 2;
 
 impl<'a> PrefixSink<'a> {
     fn new(store: &'a LocalStore) -> Result<Self, BuildError> {
-        use sha2::Digest as _;
-        let z = zstd::stream::Encoder::new(store.blob_writer()?, PREFIX_ZSTD_LEVEL)
+        let mut z = zstd::stream::Encoder::new(store.blob_writer()?, PREFIX_ZSTD_LEVEL)
             .map_err(BuildError::io(store.root(), "compress prefix"))?;
+        let (runs_tx, runs) = std::sync::mpsc::sync_channel::<Vec<u8>>(PREFIX_RUNS_QUEUED);
+        let compressor = std::thread::Builder::new()
+            .name("prefix".into())
+            .spawn(move || {
+                use sha2::Digest as _;
+                use std::io::Write as _;
+                let mut sha = sha2::Sha256::new();
+                // On a failure the receiver goes: the sink stops sending, and `finish` reports it.
+                for run in runs {
+                    sha.update(&run);
+                    z.write_all(&run)?;
+                }
+                Ok((Sha256Digest(sha.finalize().into()), z.finish()?))
+            })
+            .map_err(BuildError::io(store.root(), "start the prefix compressor"))?;
         Ok(Self {
             store: store.root(),
-            z,
-            sha: sha2::Sha256::new(),
+            runs_tx: Some(runs_tx),
+            compressor: Some(compressor),
             runs: Vec::new(),
             blocks: 0,
-            failed: None,
         })
     }
 
     /// Map the prefix runs into `map` and finish the compressed prefix.
-    fn finish(self, map: &mut BlockMapBuilder) -> Result<Prefix, BuildError> {
-        use sha2::Digest as _;
+    fn finish(mut self, map: &mut BlockMapBuilder) -> Result<Prefix, BuildError> {
         // The compressor writes straight into the prefix's blob: a full or read-only store is
         // told as such (`StoreError::write` classifies the errno), as `put_blob` did.
         let store = self.store;
         let failed = |e| BuildError::from(tessera_store::StoreError::write("write prefix", store, e));
-        if let Some(e) = self.failed {
-            return Err(failed(e));
-        }
+        drop(self.runs_tx.take());
+        let (digest, blob) = match self.compressor.take().map(std::thread::JoinHandle::join) {
+            Some(Ok(done)) => done.map_err(failed)?,
+            _ => return Err(BuildError::Internal { what: "the prefix compressor panicked", chunk: None }),
+        };
         for &(start, blocks, at) in &self.runs {
             map.push_prefix(start, blocks, at)?;
         }
-        let stored = self.z.finish().map_err(failed)?.commit()?;
-        Ok(Prefix { digest: Sha256Digest(self.sha.finalize().into()), blocks: self.blocks, stored })
+        Ok(Prefix { digest, blocks: self.blocks, stored: blob.commit()? })
     }
 }
 
 impl tessera_ext4::MetadataSink for PrefixSink<'_> {
     fn put(&mut self, run: MetadataRun) {
-        use sha2::Digest as _;
-        use std::io::Write as _;
-        if self.failed.is_some() {
-            return;
-        }
         let blocks = run.data.len() as u64 / BlockSize::U64;
         self.runs.push((run.start_block, blocks, self.blocks));
         self.blocks += blocks;
-        self.sha.update(&run.data);
-        if let Err(e) = self.z.write_all(&run.data) {
-            self.failed = Some(e);
+        if let Some(tx) = &self.runs_tx {
+            if tx.send(run.data).is_err() {
+                // The compressor failed; `finish` says why.
+                self.runs_tx = None;
+            }
         }
     }
 }
