@@ -199,6 +199,40 @@ fn full_store() -> Result<()> {
     Ok(())
 }
 
+/// The store fills up while the metadata prefix is written (on the compressor's own thread, as
+/// ext4 is synthesized): no file data, so the prefix — each inode carrying an incompressible
+/// in-inode xattr — is the build's first large write.
+#[test]
+fn full_store_while_the_prefix_is_written() -> Result<()> {
+    fixtures::require_root()?;
+    let fs = TmpfsMount::new("256K")?;
+    let t = tmp("err-full-prefix")?;
+    let src = t.path().join("src");
+    std::fs::create_dir_all(&src)?;
+    let mut rng = tessera_e2e::prng::Prng::from_label("full-prefix");
+    // ~500 KB of random xattr values against 256 KiB of space.
+    for i in 0..8000 {
+        let file = src.join(format!("empty{i:04}"));
+        std::fs::write(&file, b"")?;
+        rustix::fs::lsetxattr(&file, "user.noise", &rng.bytes(64), rustix::fs::XattrFlags::empty())?;
+    }
+    let store = fs.path().join("store");
+    let o = tessera::run(build_args(&src, &store))?;
+    // (Where the prefix's last bytes fail — in the compressor's writes, or in the flush of its
+    // blob's buffer at the commit — decides whether it says "write prefix" or "write blob".)
+    expect(&o, 1, &[], "full store while the prefix is written")?;
+    let e = stderr(&o);
+    ensure!(
+        e.contains(&*fs.path().to_string_lossy()) && e.to_lowercase().contains("full"),
+        "the message names neither the store nor that it is full: {e}"
+    );
+    let n = std::fs::read_dir(store.join("images")).map(|d| d.count()).unwrap_or(0);
+    ensure!(n == 0, "a failed build left {n} image entries in the full store");
+    let left: Vec<_> = std::fs::read_dir(store.join("tmp"))?.collect::<Result<_, _>>()?;
+    ensure!(left.is_empty(), "a failed build left temp files: {left:?}");
+    Ok(())
+}
+
 #[test]
 fn read_only_store() -> Result<()> {
     fixtures::require_root()?;
