@@ -999,6 +999,10 @@ fn drop_caches() -> Result<()> {
 }
 
 fn timed(cmd: &mut Command) -> Result<(Duration, Vec<u8>)> {
+    // Untimed: what the machine left dirty before (the previous run's output removed, a build
+    // elsewhere) is written back now, not by the timed sync below (a first run after removing a
+    // CI clone's target/ took 1.9x: docs/benchmarks.md, "The walk in parallel").
+    status(&mut Command::new("sync"))?;
     let t = Instant::now();
     let out =
         cmd.stderr(std::process::Stdio::inherit()).output().with_context(|| format!("spawn {cmd:?}"))?;
