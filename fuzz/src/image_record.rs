@@ -19,8 +19,9 @@
 //! inside the prefix and their chunks, and refuses out-of-range reads.
 
 use tessera_image::{
-    BlockMap, BuildOptions, ChunkId, Compression, Geometry, ImageEntry, ImageRecord, ImageStats, PackIndex,
-    PackLocation, PrefixInfo, RefIndex, RuntimeConfig, Segment, SegmentSource, Sha256Digest,
+    BlockMap, BuildOptions, ChunkId, ChunkRef, Compression, Geometry, ImageEntry, ImageRecord, ImageStats,
+    PackIndex, PackIndexBlob, PackIndexEncoder, PackLocation, PrefixInfo, RefIndex, RuntimeConfig, Segment,
+    SegmentSource, Sha256Digest,
 };
 
 use crate::Input;
@@ -75,7 +76,9 @@ fn record(bytes: &[u8]) {
 }
 
 fn pack_index(bytes: &[u8]) {
-    let Ok(idx) = PackIndex::decode(bytes) else { return };
+    let Ok(blob) = PackIndexBlob::decode(bytes) else { return };
+    assert!(blob.encode() == bytes, "pack index decode/encode is not the identity");
+    let PackIndexBlob::Keyed(idx) = blob else { return };
     assert!(idx.encode() == bytes, "pack index decode/encode is not the identity");
     for (id, loc) in idx.entries() {
         let (pack, got) = idx.get(id).expect("an indexed chunk is not found");
@@ -221,6 +224,28 @@ fn structured_pack_index(data: &[u8]) {
             (id, loc)
         })
         .collect();
+    // The same locations as a version-2 index, aligned with the entries' ids as a list (each
+    // id once, its first location).
+    let mut list = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    let mut aligned = Vec::new();
+    for &(id, loc) in &entries {
+        if seen.insert(id) {
+            list.push(ChunkRef { id, len: loc.raw_len });
+            aligned.push(loc);
+        }
+    }
+    let mut e = PackIndexEncoder::new(&packs, list.len());
+    let taken = list.iter().zip(&aligned).all(|(c, l)| e.entry(*c, *l).is_ok());
+    if taken {
+        let bytes = e.finish().expect("every announced entry was given");
+        let back = PackIndexBlob::decode(&bytes)
+            .unwrap_or_else(|e| panic!("an aligned index the encoder took does not decode: {e}"));
+        let located = back.locate(&list).expect("an aligned index does not locate its own list");
+        let want: Vec<_> = aligned.iter().map(|l| (packs[l.pack as usize], *l)).collect();
+        assert_eq!(located, want);
+        pack_index(&bytes);
+    }
     let idx = PackIndex::new(packs, entries);
     let valid = idx.entries().iter().all(|(_, l)| {
         (l.pack as usize) < idx.packs().len()

@@ -27,8 +27,8 @@ use tessera_engine::BlockDevice as _;
 use tessera_fuzz::overlay_replay::MemIo;
 use tessera_fuzz::vhost_request::SectorPattern;
 use tessera_image::{
-    ChunkId, DecodeError, ImageEntry, ImageId, ImageRecord, PackIndex, Profile, RefIndex, RequestOp,
-    RequestStatus, RequestTrace, RequestTraceHeader, Sha256Digest, Trace, TraceEntry,
+    ChunkId, DecodeError, ImageEntry, ImageId, ImageRecord, PackIndex, PackIndexBlob, Profile, RefIndex,
+    RequestOp, RequestStatus, RequestTrace, RequestTraceHeader, Sha256Digest, Trace, TraceEntry,
 };
 use tessera_overlay::format::{Header, HEADER_LEN};
 use tessera_overlay::{Mode as OverlayMode, Overlay, OverlayError, OverlayParams};
@@ -186,6 +186,26 @@ fn pack_index_tesspix() {
         false,
     );
     refuses_next_version("pack index", &bytes, PackIndex::decode);
+}
+
+/// Version 2, which builds write: aligned with its image's chunk list. Version 1 stays readable
+/// (the fixture above; `PackIndexBlob::decode` reads both).
+#[test]
+fn pack_index_tesspix_v2() {
+    let (made, list) = tessera_fuzz::pack_index::aligned_example();
+    let bytes = fixture("pack-index.v2.bin", || made.clone());
+    assert_eq!(made, bytes);
+    let blob = PackIndexBlob::decode(&bytes).unwrap();
+    assert_eq!(blob.keyed(&list).unwrap(), pack_index());
+    assert_eq!(PackIndexBlob::decode(&pack_index().encode()).unwrap(), PackIndexBlob::Keyed(pack_index()));
+    corruptions(
+        "pack index v2",
+        &bytes,
+        &|b| PackIndexBlob::decode(b).map_err(|e| e.to_string()),
+        &|v| v.encode(),
+        false,
+    );
+    refuses_next_version("pack index v2", &bytes, PackIndexBlob::decode);
 }
 
 #[test]

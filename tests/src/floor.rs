@@ -33,8 +33,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
 use tessera_image::{
-    BlockMap, ImageEntry, ImageId, ImageRecord, PackIndex, RequestOp, RequestTrace, SegmentSource,
-    Sha256Digest,
+    BlockMap, ImageEntry, ImageId, ImageRecord, PackIndex, PackIndexBlob, RequestOp, RequestTrace,
+    SegmentSource, Sha256Digest,
 };
 
 use crate::proxy::LoggedRequest;
@@ -115,7 +115,7 @@ impl StoreImage {
         let record_bytes = blob(&entry.record)?;
         let record = ImageRecord::decode(&record_bytes)?;
         let pack_index_bytes = blob(&entry.pack_index)?;
-        let pack_index = PackIndex::decode(&pack_index_bytes)?;
+        let pack_index = PackIndexBlob::decode(&pack_index_bytes)?.keyed(record.block_map.chunks())?;
         let prefix = fs::metadata(store.join("blobs").join("sha256").join(entry.prefix.hex()))?.len();
         let metadata = MetadataBytes {
             tag,

@@ -205,7 +205,7 @@ fn a_start_by_tag_asks_for_every_part_of_the_image_one_round_trip_after_the_tag(
 #[test]
 fn a_start_fetches_the_image_parts_in_parallel_pieces_and_rereads_a_bad_one_whole() -> Result<()> {
     const RTT: Duration = Duration::from_millis(60);
-    const PIECE: u64 = 128;
+    const PIECE: u64 = 64;
     let f = fixture("start-pieces")?;
     let origin = Nginx::serve(&f.store, "store")?;
     let proxy = Proxy::start(origin.addr(), ProxyConfig::rtt(RTT))?;
@@ -584,10 +584,10 @@ fn wait_for_ranged(origin: &Nginx, mark: usize, bytes: u64) -> Vec<(String, u64,
 
 /// Stored bytes of all the image's chunks (its pack index).
 fn stored_chunk_bytes(store: &Path, id: &ImageId) -> Result<u64> {
-    use tessera_image::{ImageEntry, PackIndex};
+    use tessera_image::{ImageEntry, PackIndexBlob};
     let entry = ImageEntry::from_json(&fs::read(store.join("images").join(format!("{}.json", id.hex())))?)?;
-    let index = PackIndex::decode(&fs::read(store.join("blobs/sha256").join(entry.pack_index.hex()))?)?;
-    Ok(index.entries().iter().map(|(_, loc)| u64::from(loc.stored_len)).sum())
+    let index = PackIndexBlob::decode(&fs::read(store.join("blobs/sha256").join(entry.pack_index.hex()))?)?;
+    Ok(index.stored_bytes())
 }
 
 /// Attach a prefetch profile to image `id` in the local store: merge `trace`, store it as a
@@ -859,7 +859,7 @@ fn a_file_read_at_random_is_fetched_whole_after_its_misses() -> Result<()> {
 /// byte once), and reads of its other files fetch nothing; with 0 only what was read is fetched.
 #[test]
 fn files_stored_near_several_missed_ones_are_fetched_with_their_stretch() -> Result<()> {
-    use tessera_image::{ChunkId, ImageEntry, PackIndex};
+    use tessera_image::{ChunkId, ImageEntry, ImageRecord, PackIndexBlob};
     let t = tmp("serve-stretch")?;
     let (src, store) = (t.path().join("src"), t.path().join("store"));
     fs::create_dir_all(src.join("mods"))?;
@@ -877,7 +877,9 @@ fn files_stored_near_several_missed_ones_are_fetched_with_their_stretch() -> Res
     // Each file's stretch (128 KiB of its pack, aligned) and stored bytes, from the pack index.
     let stretch = 128u64 << 10;
     let entry = ImageEntry::from_json(&fs::read(store.join("images").join(format!("{}.json", id.hex())))?)?;
-    let index = PackIndex::decode(&fs::read(store.join("blobs/sha256").join(entry.pack_index.hex()))?)?;
+    let record = ImageRecord::decode(&fs::read(store.join("blobs/sha256").join(entry.record.hex()))?)?;
+    let index = PackIndexBlob::decode(&fs::read(store.join("blobs/sha256").join(entry.pack_index.hex()))?)?
+        .keyed(record.block_map.chunks())?;
     let placed: Vec<((String, u64), u64)> = files
         .iter()
         .map(|(path, data)| {

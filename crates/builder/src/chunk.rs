@@ -122,11 +122,6 @@ impl ChunkHomes {
             self.sealed = true;
         }
     }
-
-    /// Every chunk and its home, by id once sealed.
-    pub(crate) fn iter(&self) -> impl Iterator<Item = &(ChunkId, ChunkHome)> {
-        self.list.iter()
-    }
 }
 
 /// What chunking produced.
@@ -604,7 +599,10 @@ mod tests {
         check(&homes);
         homes.seal();
         check(&homes);
-        assert!(homes.iter().zip(homes.iter().skip(1)).all(|(a, b)| a.0 < b.0), "sealed: sorted by id");
+        assert!(
+            homes.list.iter().zip(homes.list.iter().skip(1)).all(|(a, b)| a.0 < b.0),
+            "sealed: sorted by id"
+        );
         assert!(homes.insert(ChunkId::of(b"late"), home(0)).is_err(), "no insert once sealed");
     }
 }

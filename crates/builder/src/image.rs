@@ -23,7 +23,7 @@ use std::sync::atomic::AtomicU64;
 use std::sync::mpsc;
 use std::sync::Arc;
 
-use tessera_image::{ChunkId, PackIndex, PackLocation, Sha256Digest};
+use tessera_image::{ChunkId, PackIndexBlob, PackLocation, Sha256Digest};
 use tessera_store::{KnownChunks, LayerRecord, LocalStore};
 use tracing::{debug, info, warn};
 
@@ -70,11 +70,9 @@ pub fn build_image(
     let mut reused_bytes = 0u64;
     for blob in &source.layers {
         let found = reusable(store, blob, config.chunk_size)?;
-        layers.push(found.map(|(record, manifest, index)| {
-            for &(id, loc) in index.entries() {
-                if let Some(pack) = index.packs().get(loc.pack as usize) {
-                    homes.insert(id, (*pack, loc));
-                }
+        layers.push(found.map(|(record, manifest, located)| {
+            for (id, pack, loc) in located {
+                homes.entry(id).or_insert((pack, loc));
             }
             reused_bytes += record.tar_bytes;
             Layer { manifest, tar_bytes: record.tar_bytes, reused: Some(record) }
@@ -148,6 +146,9 @@ fn diff_digest(blob: &LayerBlob) -> Option<Sha256Digest> {
     blob.diff_id.as_ref().and_then(|d| d.to_string().parse().ok())
 }
 
+/// Where each chunk of a stored layer manifest is: its id, pack and place there.
+type Located = Vec<(ChunkId, Sha256Digest, PackLocation)>;
+
 /// The stored manifest of `blob`, if the store holds a usable one: made by these tar rules, every
 /// chunk in its pack index with the right length, every pack present. Anything else is logged
 /// and the layer is read instead.
@@ -155,30 +156,27 @@ fn reusable(
     store: &LocalStore,
     blob: &LayerBlob,
     chunk_size: u32,
-) -> Result<Option<(LayerRecord, ContentManifest, PackIndex)>, BuildError> {
+) -> Result<Option<(LayerRecord, ContentManifest, Located)>, BuildError> {
     let Some(diff_id) = diff_digest(blob) else { return Ok(None) };
     let Some(record) = store.layer_record(&diff_id, chunk_size)? else { return Ok(None) };
     if record.reader != LAYER_READER_VERSION {
         debug!(layer = %blob.name, reader = record.reader, "layer manifest made by other tar rules");
         return Ok(None);
     }
-    let load = || -> Result<(ContentManifest, PackIndex), String> {
+    let load = || -> Result<(ContentManifest, Located), String> {
         let bytes = store.read_blob(&record.manifest).map_err(|e| e.to_string())?;
         let manifest = ContentManifest::decode(&bytes).map_err(|e| e.to_string())?;
         let bytes = store.read_blob(&record.pack_index).map_err(|e| e.to_string())?;
-        let index = PackIndex::decode(&bytes).map_err(|e| e.to_string())?;
-        for (id, len) in manifest.chunk_ids() {
-            match index.get(&id) {
-                Some((_, loc)) if loc.raw_len == len => {}
-                _ => return Err(format!("chunk {id} is not in its pack index")),
-            }
-        }
+        let index = PackIndexBlob::decode(&bytes).map_err(|e| e.to_string())?;
+        let list = manifest.chunk_list();
+        let places = index.locate(&list).map_err(|e| e.to_string())?;
         for pack in index.packs() {
             if !store.has_blob(pack).map_err(|e| e.to_string())? {
                 return Err(format!("pack {pack} is missing"));
             }
         }
-        Ok((manifest, index))
+        let homes = list.iter().zip(places).map(|(c, (pack, loc))| (c.id, pack, loc)).collect();
+        Ok((manifest, homes))
     };
     match load() {
         Ok((manifest, index)) => {
@@ -202,7 +200,7 @@ fn record_layer(
     chunk_size: u32,
 ) -> Result<(), BuildError> {
     let Some(diff_id) = diff_digest(blob) else { return Ok(()) };
-    let pack_index = write_pack_index(layer.manifest.chunk_ids().map(|(id, _)| id), chunks, store)?;
+    let pack_index = write_pack_index(layer.manifest.chunk_ids(), chunks, store)?;
     let record =
         LayerRecord { reader: LAYER_READER_VERSION, manifest, pack_index, tar_bytes: layer.tar_bytes };
     store.put_layer_record(&diff_id, chunk_size, &record)?;

@@ -9,7 +9,7 @@
 
 use tessera_ext4::{DataRange, DataRanges, Meta, Timestamp, Xattr};
 use tessera_image::codec::{Reader, Writer};
-use tessera_image::{BlockSize, ChunkId, DecodeError};
+use tessera_image::{BlockSize, ChunkId, ChunkRef, DecodeError};
 
 use crate::seed::FileChunks;
 use crate::source::{EntryKind, LayerEntry};
@@ -51,6 +51,12 @@ impl ContentManifest {
     /// Every chunk the manifest names (with repeats).
     pub fn chunk_ids(&self) -> impl Iterator<Item = (ChunkId, u32)> + '_ {
         self.files.iter().flatten().map(|&(_, id, len)| (id, len))
+    }
+
+    /// Each chunk once, in order of first use: the list a layer's pack index is aligned with.
+    pub fn chunk_list(&self) -> Vec<ChunkRef> {
+        let mut seen = std::collections::HashSet::new();
+        self.chunk_ids().filter(|(id, _)| seen.insert(*id)).map(|(id, len)| ChunkRef { id, len }).collect()
     }
 
     /// The canonical encoding (the same manifest always gives the same bytes).

@@ -6,8 +6,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use tessera_ext4::{MetadataRun, NodeKind, Options, PlacedExtent, SizePolicy, Tree};
 use tessera_image::{
-    BlockMap, BlockMapBuilder, BlockSize, BuildOptions, ChunkId, Geometry, ImageEntry, ImageId, ImageRecord,
-    ImageStats, PackIndexEncoder, PrefixInfo, RuntimeConfig, Sha256Digest,
+    BlockMap, BlockMapBuilder, BlockSize, BuildOptions, ChunkId, ChunkRef, Geometry, ImageEntry, ImageId,
+    ImageRecord, ImageStats, PackIndexEncoder, PrefixInfo, RuntimeConfig, Sha256Digest,
 };
 use tessera_store::{BlobWriter, LocalStore};
 use tracing::{debug, info};
@@ -225,7 +225,7 @@ pub(crate) fn image_pack_index(
     store: &LocalStore,
 ) -> Result<Sha256Digest, BuildError> {
     chunks.homes.seal();
-    write_pack_index(chunks.files.iter().flatten().map(|c| c.1), chunks, store)
+    write_pack_index(chunks.files.iter().flatten().map(|c| (c.1, c.2)), chunks, store)
 }
 
 /// Plan the image (ext4 layout, block map, record, pack index), then write its blobs and entry.
@@ -414,11 +414,12 @@ fn push_file_data(
     Ok(())
 }
 
-/// Write the pack index of the chunks `ids` (repeats allowed) into `store` and give its digest:
-/// packs numbered by first use in `ids`' order, entries streamed in id order from the sealed homes
-/// (a million-chunk index is ~50 MB: never held whole).
+/// Write the pack index of the chunks `ids` (with their lengths; repeats allowed) into `store`
+/// and give its digest: a version-2 index, aligned with the list of those chunks in order of first
+/// use (the image record's chunk list, or a layer manifest's), packs numbered by first use (a
+/// million-chunk index is a few MB: streamed, never held whole).
 pub(crate) fn write_pack_index(
-    ids: impl Iterator<Item = ChunkId>,
+    ids: impl Iterator<Item = (ChunkId, u32)>,
     chunks: &ChunkOutput,
     store: &LocalStore,
 ) -> Result<Sha256Digest, BuildError> {
@@ -429,15 +430,16 @@ pub(crate) fn write_pack_index(
         return Err(BuildError::Internal { what: "a pack index written from unsealed homes", chunk: None });
     }
     let mut used = vec![false; homes.len()];
-    let mut count = 0usize;
+    // Each chunk's home and length, in order of first use.
+    let mut order: Vec<(u32, u32)> = Vec::new();
     let mut packs: Vec<Sha256Digest> = Vec::new();
     let mut pack_no: HashMap<Sha256Digest, u32> = HashMap::new();
-    for id in ids {
+    for (id, len) in ids {
         let Some(i) = homes.position(&id) else { return Err(missing_chunk(id)) };
         if std::mem::replace(&mut used[i], true) {
             continue;
         }
-        count += 1;
+        order.push((u32::try_from(i).map_err(|_| missing_chunk(id))?, len));
         let digest =
             homes.at(i).and_then(|(_, home)| chunks.pack_of(home)).ok_or_else(|| missing_chunk(id))?;
         pack_no.entry(digest).or_insert_with(|| {
@@ -445,13 +447,18 @@ pub(crate) fn write_pack_index(
             (packs.len() - 1) as u32
         });
     }
-    let mut encoder = PackIndexEncoder::new(&packs, count);
+    drop(used);
+    let mut encoder = PackIndexEncoder::new(&packs, order.len());
     let mut blob = store.blob_writer()?;
-    for ((id, home), _) in homes.iter().zip(&used).filter(|(_, &u)| u) {
+    for (i, len) in order {
+        let (id, home) = homes.at(i as usize).ok_or(BuildError::Internal {
+            what: "a chunk's home vanished while its pack index was written",
+            chunk: None,
+        })?;
         let mut loc = home.location();
         loc.pack =
             chunks.pack_of(home).and_then(|d| pack_no.get(&d).copied()).ok_or_else(|| missing_chunk(*id))?;
-        encoder.entry(*id, loc)?;
+        encoder.entry(ChunkRef { id: *id, len }, loc)?;
         if encoder.buffered() >= PIECE {
             blob.append(&encoder.take())?;
         }

@@ -31,6 +31,14 @@ impl Writer {
     pub fn len(&mut self, n: usize) {
         self.u32(u32::try_from(n).unwrap_or(u32::MAX));
     }
+    /// LEB128: seven bits a byte, low bits first, the top bit set on every byte but the last.
+    pub fn varint(&mut self, mut v: u64) {
+        while v >= 0x80 {
+            self.buf.push((v as u8 & 0x7f) | 0x80);
+            v >>= 7;
+        }
+        self.buf.push(v as u8);
+    }
 }
 
 #[derive(Debug)]
@@ -79,6 +87,26 @@ impl<'a> Reader<'a> {
     pub fn u64(&mut self) -> Result<u64, DecodeError> {
         Ok(u64::from_le_bytes(self.array()?))
     }
+    /// A LEB128 value as [`Writer::varint`] writes it: the shortest form only (no final zero
+    /// byte after the first), at most 64 bits.
+    pub fn varint(&mut self, field: &'static str) -> Result<u64, DecodeError> {
+        let mut v = 0u64;
+        for i in 0..10 {
+            let b = self.u8()?;
+            let bits = u64::from(b & 0x7f);
+            if i == 9 && bits > 1 {
+                return Err(self.not_canonical(field, "varint longer than 64 bits"));
+            }
+            v |= bits << (7 * i);
+            if b & 0x80 == 0 {
+                if b == 0 && i > 0 {
+                    return Err(self.not_canonical(field, "varint not in its shortest form"));
+                }
+                return Ok(v);
+            }
+        }
+        Err(self.not_canonical(field, "varint longer than 64 bits"))
+    }
     pub fn blob(&mut self) -> Result<&'a [u8], DecodeError> {
         let n = self.u32()? as usize;
         self.take(n)
@@ -101,6 +129,10 @@ impl<'a> Reader<'a> {
         }
         Ok(n)
     }
+    /// Bytes not read yet.
+    pub fn remaining(&self) -> usize {
+        self.buf.len() - self.pos
+    }
     pub fn finish(self) -> Result<(), DecodeError> {
         let rest = self.buf.len() - self.pos;
         if rest != 0 {
@@ -110,5 +142,34 @@ impl<'a> Reader<'a> {
     }
     pub fn not_canonical(&self, field: &'static str, reason: &'static str) -> DecodeError {
         DecodeError::NotCanonical { what: self.what, field, reason }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn varints_round_trip_and_only_their_shortest_form_decodes() {
+        for v in [0, 1, 0x7f, 0x80, 0x3fff, 0x4000, u64::from(u32::MAX), u64::MAX - 1, u64::MAX] {
+            let mut w = Writer::default();
+            w.varint(v);
+            let mut r = Reader::new(&w.buf, "test");
+            assert_eq!(r.varint("v").unwrap(), v);
+            r.finish().unwrap();
+            let mut cut = Reader::new(&w.buf[..w.buf.len() - 1], "test");
+            assert!(cut.varint("v").is_err(), "{v} cut short");
+        }
+        let decode = |b: &[u8]| Reader::new(b, "test").varint("v");
+        // Zero and one padded with a continuation byte, and an eleven-byte form.
+        assert!(decode(&[0x80, 0x00]).is_err());
+        assert!(decode(&[0x81, 0x00]).is_err());
+        assert!(decode(&[0xff; 10]).is_err());
+        // u64::MAX is nine 0xff bytes and a 1; a 2 in the tenth byte overflows.
+        let mut max = vec![0xff; 9];
+        max.push(0x01);
+        assert_eq!(decode(&max).unwrap(), u64::MAX);
+        *max.last_mut().unwrap() = 0x02;
+        assert!(decode(&max).is_err());
     }
 }

@@ -42,7 +42,10 @@ pub use blockmap::{BlockMap, BlockMapBuilder, ChunkRef, Run, RunSource, Segment,
 pub use digest::{ChunkId, ImageId, Sha256Digest};
 pub use entry::ImageEntry;
 pub use error::{DecodeError, Error};
-pub use packindex::{Compression, PackIndex, PackIndexEncoder, PackLocation};
+pub use packindex::{
+    AlignedIndex, ChunkListHasher, Compression, IndexMismatch, PackIndex, PackIndexBlob, PackIndexEncoder,
+    PackLocation,
+};
 pub use profile::{
     default_min_runs, Coverage, Profile, ProfileEntry, ProfileError, Trace, TraceEntry, PROFILE_VERSION,
 };

@@ -398,7 +398,7 @@ impl RefIndex {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum AnyPackIndex {
     /// Chunks in the store's packs (`docs/formats/pack-index.md`).
-    Packs(crate::PackIndex),
+    Packs(crate::PackIndexBlob),
     /// Chunks in the source image's layers (`docs/formats/reference-index.md`).
     Reference(RefIndex),
 }
@@ -408,7 +408,7 @@ impl AnyPackIndex {
         if RefIndex::sniff(bytes) {
             RefIndex::decode(bytes).map(Self::Reference)
         } else {
-            crate::PackIndex::decode(bytes).map(Self::Packs)
+            crate::PackIndexBlob::decode(bytes).map(Self::Packs)
         }
     }
 

@@ -22,7 +22,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use sha2::{Digest as _, Sha256};
-use tessera_image::{validate_tag, ChunkId, ImageEntry, ImageId, PackIndex, PackLocation, Sha256Digest};
+use tessera_image::{
+    validate_tag, ChunkId, ImageEntry, ImageId, ImageRecord, PackIndexBlob, PackLocation, Sha256Digest,
+};
 use tracing::{debug, trace, warn};
 
 use crate::error::StoreError;
@@ -699,8 +701,8 @@ impl LocalStore {
     /// The chunks already stored, gathered from the pack index of every image in the store, so a
     /// new build can reuse them instead of storing them again.
     ///
-    /// Cost: reads and verifies every image's entry and pack index (≈53 bytes per chunk) and stats
-    /// each pack once, so it is linear in the number of chunks in the store — fine for stores of
+    /// Cost: reads and verifies every image's entry, pack index and record (whose chunk list a
+    /// version-2 index follows; ≈45 bytes per chunk in all) and stats each pack once, so it is linear in the number of chunks in the store — fine for stores of
     /// a few hundred images; a persistent store-wide index can replace it later. Images whose
     /// entry or pack index cannot be read, and chunks whose pack is missing, are skipped with a
     /// warning: deduplication is an optimization, never a reason to fail a build.
@@ -708,31 +710,40 @@ impl LocalStore {
         let mut out = KnownChunks::new();
         let mut pack_present: HashMap<Sha256Digest, bool> = HashMap::new();
         for id in self.list_images()? {
-            let index = match self
-                .get_entry(&id)
-                .and_then(|e| Ok((e.pack_index, self.read_blob_as(&e.pack_index, "pack index")?)))
-                .and_then(|(d, bytes)| {
-                    if tessera_image::RefIndex::sniff(&bytes) {
-                        // A --reference-layers image: its chunks are in layer blobs, not packs.
-                        return Ok(PackIndex::default());
-                    }
-                    PackIndex::decode(&bytes).map_err(|source| StoreError::Decode {
-                        what: "pack index",
-                        digest: d,
-                        source,
-                    })
-                }) {
-                Ok(index) => index,
+            let located = self.get_entry(&id).and_then(|e| {
+                let bytes = self.read_blob_as(&e.pack_index, "pack index")?;
+                if tessera_image::RefIndex::sniff(&bytes) {
+                    // A --reference-layers image: its chunks are in layer blobs, not packs.
+                    return Ok(Vec::new());
+                }
+                let index = PackIndexBlob::decode(&bytes).map_err(|source| StoreError::Decode {
+                    what: "pack index",
+                    digest: e.pack_index,
+                    source,
+                })?;
+                let record = self.read_blob_as(&e.record, "image record")?;
+                let record = ImageRecord::decode(&record).map_err(|source| StoreError::Decode {
+                    what: "image record",
+                    digest: e.record,
+                    source,
+                })?;
+                let chunks = record.block_map.chunks();
+                let places = index
+                    .locate(chunks)
+                    .map_err(|m| StoreError::Inconsistent { image: id, reason: m.to_string() })?;
+                Ok(chunks.iter().map(|c| c.id).zip(places).collect())
+            });
+            let located: Vec<(ChunkId, (Sha256Digest, PackLocation))> = match located {
+                Ok(l) => l,
                 Err(e) => {
                     warn!(image = %id, error = &e as &dyn std::error::Error, "skipping an image whose pack index cannot be read");
                     continue;
                 }
             };
-            for (chunk, loc) in index.entries() {
-                if out.contains_key(chunk) {
+            for (chunk, (pack, loc)) in located {
+                if out.contains_key(&chunk) {
                     continue;
                 }
-                let Some(pack) = index.packs().get(loc.pack as usize).copied() else { continue };
                 let present = match pack_present.get(&pack) {
                     Some(&p) => p,
                     None => {
@@ -745,7 +756,7 @@ impl LocalStore {
                     }
                 };
                 if present {
-                    out.insert(*chunk, (pack, *loc));
+                    out.insert(chunk, (pack, loc));
                 }
             }
         }

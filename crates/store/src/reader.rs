@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use tessera_image::{
-    ChunkId, ChunkRef, Compression, ImageEntry, ImageId, ImageRecord, PackIndex, PackLocation, RefIndex,
+    ChunkId, ChunkRef, Compression, ImageEntry, ImageId, ImageRecord, PackIndexBlob, PackLocation, RefIndex,
     Segment, SegmentSource, Sha256Digest, BLOCK_SIZE,
 };
 use tracing::{debug, trace, warn};
@@ -36,12 +36,13 @@ pub struct OpenImage {
     entry: ImageEntry,
     record: ImageRecord,
     prefix: PrefixBuf,
-    pack_index: PackIndex,
+    /// The packs the pack index names, in its order (empty for a `--reference-layers` image).
+    packs: Vec<Sha256Digest>,
     /// Pack and location of each BlockMap chunk, by chunk index.
     locations: Vec<(Sha256Digest, PackLocation)>,
     /// BlockMap chunk index of each chunk id (its first use), built on first need.
     index_of: OnceLock<HashMap<ChunkId, u32>>,
-    /// For a `--reference-layers` image: its reference pack index (then `pack_index` is empty
+    /// For a `--reference-layers` image: its reference pack index (then `packs` is empty
     /// and `locations` give each chunk's first span range in its layer blob).
     reference: Option<RefImage>,
 }
@@ -49,7 +50,7 @@ pub struct OpenImage {
 /// A decoded pack index: of packs, or (a `--reference-layers` image) of spans of the source
 /// image's layer blobs.
 pub(crate) enum Index {
-    Packs(PackIndex),
+    Packs(PackIndexBlob),
     Reference(RefIndex),
 }
 
@@ -247,7 +248,7 @@ impl OpenImage {
                 source,
             });
         }
-        PackIndex::decode(bytes).map(Index::Packs).map_err(|source| StoreError::Decode {
+        PackIndexBlob::decode(bytes).map(Index::Packs).map_err(|source| StoreError::Decode {
             what: "pack index",
             digest: *digest,
             source,
@@ -275,31 +276,22 @@ impl OpenImage {
             Index::Packs(p) => p,
             Index::Reference(r) => return Self::assemble_reference(id, entry, record, prefix, r),
         };
-        let mut locations = Vec::with_capacity(record.block_map.chunks().len());
-        for (i, c) in record.block_map.chunks().iter().enumerate() {
-            let (pack, loc) = pack_index
-                .get(&c.id)
-                .ok_or_else(|| inconsistent(&id, format!("chunk #{i} {} is not in the pack index", c.id)))?;
-            if loc.raw_len != c.len {
-                return Err(inconsistent(
-                    &id,
-                    format!("chunk #{i} {} is {} bytes, the pack index says {}", c.id, c.len, loc.raw_len),
-                ));
-            }
+        let locations =
+            pack_index.locate(record.block_map.chunks()).map_err(|e| inconsistent(&id, e.to_string()))?;
+        for (i, (c, (_, loc))) in record.block_map.chunks().iter().zip(&locations).enumerate() {
             if c.len > MAX_CHUNK_LEN || loc.stored_len > MAX_CHUNK_LEN {
                 return Err(inconsistent(
                     &id,
                     format!("chunk #{i} {} is larger than {MAX_CHUNK_LEN} bytes", c.id),
                 ));
             }
-            locations.push((pack, loc));
         }
         Ok(Self {
             id,
             entry,
             record,
             prefix,
-            pack_index,
+            packs: pack_index.packs().to_vec(),
             locations,
             index_of: OnceLock::new(),
             reference: None,
@@ -343,7 +335,7 @@ impl OpenImage {
             entry,
             record,
             prefix,
-            pack_index: PackIndex::default(),
+            packs: Vec::new(),
             locations,
             index_of: OnceLock::new(),
             reference: Some(reference),
@@ -375,9 +367,9 @@ impl OpenImage {
         &self.prefix
     }
 
-    /// The pack index.
-    pub fn pack_index(&self) -> &PackIndex {
-        &self.pack_index
+    /// The packs its pack index names, in the index's order.
+    pub fn packs(&self) -> &[Sha256Digest] {
+        &self.packs
     }
 
     /// Device size in bytes.

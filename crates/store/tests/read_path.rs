@@ -9,7 +9,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use common::{build_image, Rng, BS};
-use tessera_image::{ImageEntry, ImageId, PackIndex, Sha256Digest};
+use tessera_image::{
+    ImageEntry, ImageId, ImageRecord, PackIndex, PackIndexBlob, PackIndexEncoder, Sha256Digest,
+};
 use tessera_store::{ChunkSource, ImageReader, LocalStore, OpenImage, ReadStore, StoreError};
 
 /// Counts fetches, to prove the chunk cache works.
@@ -131,9 +133,39 @@ fn open_checks_the_parts_agree() {
         Err(StoreError::Corrupt { what: "metadata prefix", .. })
     ));
 
-    // A pack index missing a chunk.
-    let index = PackIndex::decode(&pix).unwrap();
-    let fewer = PackIndex::new(index.packs().to_vec(), index.entries()[1..].to_vec());
+    // A pack index made for another chunk list (two chunks swapped: same count, other order).
+    let record = ImageRecord::decode(&rec).unwrap();
+    let chunks = record.block_map.chunks();
+    let index = PackIndexBlob::decode(&pix).unwrap();
+    assert!(matches!(index, PackIndexBlob::Aligned(_)));
+    let want = index.locate(chunks).unwrap();
+    let mut located = want.clone();
+    located.swap(0, 1);
+    let mut swapped = chunks.to_vec();
+    swapped.swap(0, 1);
+    let mut other = PackIndexEncoder::new(index.packs(), chunks.len());
+    for (c, (_, loc)) in swapped.iter().zip(&located) {
+        other.entry(*c, *loc).unwrap();
+    }
+    let entry =
+        ImageEntry { pack_index: store.put_blob(&other.finish().unwrap()).unwrap(), ..img.entry.clone() };
+    store.put_entry(&img.id, &entry).unwrap();
+    match OpenImage::open(&store, &img.id) {
+        Err(StoreError::Inconsistent { reason, .. }) => {
+            assert!(reason.contains("another chunk list"), "{reason}")
+        }
+        other => panic!("opened with another list's index: {other:?}"),
+    }
+
+    // A version-1 index (stores written before version 2) opens, and one missing a chunk does not.
+    let keyed = index.keyed(chunks).unwrap();
+    let entry = ImageEntry { pack_index: store.put_blob(&keyed.encode()).unwrap(), ..img.entry.clone() };
+    store.put_entry(&img.id, &entry).unwrap();
+    let opened = OpenImage::open(&store, &img.id).unwrap();
+    let got: Vec<_> = (0..chunks.len() as u32).map(|i| opened.chunk_location(i).unwrap()).collect();
+    let want: Vec<_> = chunks.iter().zip(&want).map(|(c, (pack, loc))| (*c, *pack, *loc)).collect();
+    assert_eq!(got, want);
+    let fewer = PackIndex::new(keyed.packs().to_vec(), keyed.entries()[1..].to_vec());
     let entry = ImageEntry { pack_index: store.put_blob(&fewer.encode()).unwrap(), ..img.entry.clone() };
     store.put_entry(&img.id, &entry).unwrap();
     assert!(matches!(OpenImage::open(&store, &img.id), Err(StoreError::Inconsistent { .. })));

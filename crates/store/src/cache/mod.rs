@@ -1130,7 +1130,7 @@ impl<S: ChunkSource> CachedSource<S> {
 
     /// The chunk of the image stored at `offset` of `pack`, as `len` stored bytes.
     fn chunk_at(&self, pack: &Sha256Digest, offset: u64, len: u32) -> Option<(ChunkRef, PackLocation)> {
-        let number = u32::try_from(self.image.pack_index().packs().iter().position(|p| p == pack)?).ok()?;
+        let number = u32::try_from(self.image.packs().iter().position(|p| p == pack)?).ok()?;
         let map = self.chunks.get_or_init(|| chunk_map(&self.image));
         let found = map.binary_search_by(|e| (e.0, e.1).cmp(&(number, offset))).ok()?;
         let (chunk, stored_in, loc) = self.image.chunk_location(map[found].2)?;

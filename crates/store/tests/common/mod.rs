@@ -5,8 +5,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use tessera_image::{
-    BlockMap, BuildOptions, ChunkId, Compression, Geometry, ImageEntry, ImageId, ImageRecord, ImageStats,
-    PackIndex, PackLocation, PrefixInfo, RuntimeConfig, Sha256Digest, BLOCK_SIZE,
+    BlockMap, BuildOptions, ChunkId, ChunkRef, Compression, Geometry, ImageEntry, ImageId, ImageRecord,
+    ImageStats, PackIndexEncoder, PackLocation, PrefixInfo, RuntimeConfig, Sha256Digest, BLOCK_SIZE,
 };
 use tessera_store::{ChunkSource, LocalStore, StoreError};
 
@@ -114,8 +114,12 @@ pub fn build_image(store: &LocalStore, device_blocks: u64) -> TestImage {
         }
         packs.push(digest);
     }
-    let index = PackIndex::new(packs, chunks.iter().map(|c| (c.id, c.loc)).collect());
-    let pack_index = store.put_blob(&index.encode()).unwrap();
+    // A version-2 index (what builds write): the chunks in the BlockMap's order, added below.
+    let mut index = PackIndexEncoder::new(&packs, chunks.len());
+    for c in &chunks {
+        index.entry(ChunkRef { id: c.id, len: c.data.len() as u32 }, c.loc).unwrap();
+    }
+    let pack_index = store.put_blob(&index.finish().unwrap()).unwrap();
 
     let mut m = BlockMap::builder(device_blocks);
     m.push_prefix(0, 2, 0).unwrap();
