@@ -59,8 +59,25 @@ pub fn run(data: &[u8]) {
 fn ref_index(bytes: &[u8]) {
     let Ok(idx) = RefIndex::decode(bytes) else { return };
     assert!(idx.encode() == bytes, "reference index decode/encode is not the identity");
-    for (id, loc) in idx.entries() {
-        assert_eq!(idx.get(id), Some(*loc), "an indexed chunk is not found");
+    // A keyed index's chunks, in id order, as the list an aligned one is checked against; an
+    // aligned index against a list of its length made up here (any lengths it accepts must
+    // put every chunk inside its layer).
+    let list: Vec<ChunkRef> = if idx.keyed_entries().is_empty() {
+        (0..idx.len() as u32)
+            .map(|i| ChunkRef { id: ChunkId::of(&i.to_le_bytes()), len: 1 + i % 7 })
+            .collect()
+    } else {
+        idx.keyed_entries().iter().map(|(id, loc)| ChunkRef { id: *id, len: loc.len }).collect()
+    };
+    let Ok(located) = idx.locate(&list) else {
+        assert!(idx.keyed_entries().is_empty(), "a keyed index does not locate its own chunks");
+        return;
+    };
+    if !idx.keyed_entries().is_empty() {
+        let keyed: Vec<_> = idx.keyed_entries().iter().map(|e| e.1).collect();
+        assert_eq!(located, keyed, "a keyed index locates its chunks elsewhere");
+    }
+    for loc in located {
         let layer = &idx.layers[loc.layer as usize];
         let (first, last) =
             layer.spans_covering(loc.offset, u64::from(loc.len)).expect("a chunk has no spans");

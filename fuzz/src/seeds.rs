@@ -181,6 +181,13 @@ pub fn image_record() -> Seeds {
             &tessera_image::RefIndex::example().split_windows().0.encode(),
         ),
     ));
+    out.push((
+        "ref-index-v3".into(),
+        with_mode(
+            crate::image_record::MODE_REF_INDEX,
+            &tessera_image::RefIndex::example_aligned().0.encode(),
+        ),
+    ));
     let r = ImageRecord::example();
     out.push(("record".into(), with_mode(MODE_RECORD, &r.encode())));
     let mut empty = r.clone();

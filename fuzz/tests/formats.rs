@@ -233,7 +233,21 @@ fn reference_index_tessrix() {
         &|v| v.encode(),
         false,
     );
-    refuses_next_version("ref index v2", &bytes, RefIndex::decode);
+    // Version 3 follows the record's chunk list: versions 1 and 2 stay readable.
+    let (v3, list) = RefIndex::example_aligned();
+    let bytes = fixture("ref-index.v3.bin", || v3.encode());
+    let back = RefIndex::decode(&bytes).unwrap();
+    assert_eq!(back, v3);
+    assert_eq!(v3.encode(), bytes);
+    assert_eq!(back.locate(&list).unwrap(), v2.locate(&list).unwrap());
+    corruptions(
+        "ref index v3",
+        &bytes,
+        &|b| RefIndex::decode(b).map_err(|e| e.to_string()),
+        &|v| v.encode(),
+        false,
+    );
+    refuses_next_version("ref index v3", &bytes, RefIndex::decode);
 }
 
 #[test]

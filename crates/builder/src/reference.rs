@@ -107,24 +107,20 @@ pub(crate) fn build_referenced(
         source.config.clone(),
         provenance,
         |record, id| {
-            let index = RefIndex::new(id, ref_layers, entries);
-            for c in record.block_map.chunks() {
-                if index.get(&c.id).is_none_or(|l| l.len != c.len) {
-                    return Err(BuildError::Internal {
-                        what: "a chunk of the image is in no layer",
-                        chunk: Some(c.id),
-                    });
-                }
-            }
             // The windows in a blob of their own (version 2): a reader opening the image fetches
-            // the index without them, and each window with its span.
-            let (index, windows) = index.split_windows();
+            // the index without them, and each window with its span. The entries follow the
+            // record's chunk list (version 3): no chunk id is repeated.
+            let (index, windows) = RefIndex::new(id, ref_layers, entries).split_windows();
+            let index = index.align(record.block_map.chunks()).map_err(|why| {
+                tracing::error!(%why, "the reference index does not hold the image's chunks");
+                BuildError::Internal { what: "a chunk of the image is in no layer", chunk: None }
+            })?;
             if let Some(w) = &windows {
                 store.put_blob(w)?;
             }
             info!(
                 layers = index.layers.len(),
-                chunks = index.entries().len(),
+                chunks = index.len(),
                 window_bytes = index.window_bytes(),
                 "reference pack index"
             );

@@ -35,18 +35,9 @@ impl RefImage {
         if index.image != *id {
             return Err(format!("its reference pack index belongs to image {}", index.image));
         }
-        let mut locs = Vec::with_capacity(chunks.len());
-        for (i, c) in chunks.iter().enumerate() {
-            let loc = index
-                .get(&c.id)
-                .ok_or_else(|| format!("chunk #{i} {} is not in the reference index", c.id))?;
-            if loc.len != c.len || c.len > MAX_CHUNK_LEN {
-                return Err(format!(
-                    "chunk #{i} {} is {} bytes, the reference index says {}",
-                    c.id, c.len, loc.len
-                ));
-            }
-            locs.push(loc);
+        let locs = index.locate(chunks)?;
+        if let Some((i, c)) = chunks.iter().enumerate().find(|(_, c)| c.len > MAX_CHUNK_LEN) {
+            return Err(format!("chunk #{i} {} is larger than {MAX_CHUNK_LEN} bytes", c.id));
         }
         for l in &index.layers {
             for k in 0..l.checkpoints.len() {
