@@ -168,7 +168,7 @@ fn reusable(
         let manifest = ContentManifest::decode(&bytes).map_err(|e| e.to_string())?;
         let bytes = store.read_blob(&record.pack_index).map_err(|e| e.to_string())?;
         let index = PackIndexBlob::decode(&bytes).map_err(|e| e.to_string())?;
-        let list = manifest.chunk_list();
+        let list = manifest.chunk_list()?;
         let places = index.locate(&list).map_err(|e| e.to_string())?;
         for pack in index.packs() {
             if !store.has_blob(pack).map_err(|e| e.to_string())? {

@@ -54,9 +54,20 @@ impl ContentManifest {
     }
 
     /// Each chunk once, in order of first use: the list a layer's pack index is aligned with.
-    pub fn chunk_list(&self) -> Vec<ChunkRef> {
-        let mut seen = std::collections::HashSet::new();
-        self.chunk_ids().filter(|(id, _)| seen.insert(*id)).map(|(id, len)| ChunkRef { id, len }).collect()
+    /// A chunk given two lengths (the manifest is not what a build wrote) is an error.
+    pub fn chunk_list(&self) -> Result<Vec<ChunkRef>, String> {
+        let mut seen = std::collections::HashMap::new();
+        let mut list = Vec::new();
+        for (id, len) in self.chunk_ids() {
+            match seen.insert(id, len) {
+                None => list.push(ChunkRef { id, len }),
+                Some(first) if first != len => {
+                    return Err(format!("chunk {id} is {first} bytes in one place and {len} in another"))
+                }
+                Some(_) => {}
+            }
+        }
+        Ok(list)
     }
 
     /// The canonical encoding (the same manifest always gives the same bytes).
@@ -284,6 +295,18 @@ mod tests {
 
     fn entry(path: &str, kind: EntryKind) -> LayerEntry {
         example_entry(path, kind)
+    }
+
+    #[test]
+    fn the_chunk_list_holds_each_chunk_once_in_order_of_first_use() {
+        let mut m = ContentManifest::example();
+        let (a, b) = (ChunkId::of(b"a"), ChunkId::of(b"b"));
+        m.files[2] = tessera_ext4::smallvec::smallvec![(0, b, 75_712), (75_776, a, 524_288)];
+        let list = m.chunk_list().unwrap();
+        assert_eq!(list, [ChunkRef { id: a, len: 524_288 }, ChunkRef { id: b, len: 75_712 }]);
+        // The same chunk with another length: not a manifest a build wrote.
+        m.files[2][0].2 = 4096;
+        assert!(m.chunk_list().unwrap_err().contains("4096"));
     }
 
     #[test]

@@ -702,10 +702,11 @@ impl LocalStore {
     /// new build can reuse them instead of storing them again.
     ///
     /// Cost: reads and verifies every image's entry, pack index and record (whose chunk list a
-    /// version-2 index follows; ≈45 bytes per chunk in all) and stats each pack once, so it is linear in the number of chunks in the store — fine for stores of
-    /// a few hundred images; a persistent store-wide index can replace it later. Images whose
-    /// entry or pack index cannot be read, and chunks whose pack is missing, are skipped with a
-    /// warning: deduplication is an optimization, never a reason to fail a build.
+    /// version-2 index follows; ≈45 bytes per chunk in all) and stats each pack once, so it is
+    /// linear in the number of chunks in the store — fine for stores of a few hundred images; a
+    /// persistent store-wide index can replace it later. Images whose entry, pack index or record
+    /// cannot be read, and chunks whose pack is missing, are skipped with a warning:
+    /// deduplication is an optimization, never a reason to fail a build.
     pub fn known_chunks(&self) -> Result<KnownChunks, StoreError> {
         let mut out = KnownChunks::new();
         let mut pack_present: HashMap<Sha256Digest, bool> = HashMap::new();
