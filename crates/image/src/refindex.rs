@@ -159,14 +159,12 @@ impl RefIndex {
     /// the windows in a blob of their own ([`Self::split_windows`] first; an index without
     /// window bytes gets an empty windows blob). An aligned index is returned as it is.
     pub fn align(mut self, chunks: &[ChunkRef]) -> Result<Self, String> {
-        let RefEntries::Keyed(keyed) = &self.entries else { return Ok(self) };
-        let get = |id: &ChunkId| keyed.binary_search_by(|e| e.0.cmp(id)).ok().map(|i| keyed[i].1);
+        if matches!(self.entries, RefEntries::Aligned(_)) {
+            return Ok(self);
+        }
         let mut ends = vec![0u64; self.layers.len()];
         let mut aligned = Vec::with_capacity(chunks.len());
-        for (i, c) in chunks.iter().enumerate() {
-            let loc = get(&c.id).filter(|l| l.len == c.len).ok_or_else(|| {
-                format!("chunk #{i} {} is not in the reference index with its {} bytes", c.id, c.len)
-            })?;
+        for loc in self.locate(chunks)? {
             let end = ends.get_mut(loc.layer as usize).ok_or("layer number out of range")?;
             let delta = i64::try_from(i128::from(loc.offset) - i128::from(*end))
                 .map_err(|_| "a chunk's offset is too far from the one before it")?;
