@@ -34,8 +34,11 @@ pub fn watch_store(metrics: &Arc<Metrics>, store: &OpenedStore) {
             mirror(&origin.bytes, c.fetch_bytes);
             mirror(&m.disk_cache.full_skips, c.full_skips);
             m.disk_cache.capacity_bytes.set(gauge_value(cache.max_bytes().unwrap_or(0)));
-            match cache.size() {
-                Ok((bytes, _entries)) => m.disk_cache.bytes.set(gauge_value(bytes)),
+            // Never waits for the cache-wide lock (another process's `cache gc` may hold it for
+            // minutes): while it is busy the gauge keeps the last size read.
+            match cache.size_now() {
+                Ok(Some((bytes, _entries))) => m.disk_cache.bytes.set(gauge_value(bytes)),
+                Ok(None) => {}
                 Err(e) => tracing::debug!(error = %e, "disk cache size"),
             }
         }

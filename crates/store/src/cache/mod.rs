@@ -222,6 +222,13 @@ impl DiskCache {
         self.inner.journal.totals()
     }
 
+    /// [`Self::size`] without waiting: while another process holds the cache-wide lock (a long
+    /// `tessera cache gc`), the size this process last read, or `None` if it never read it. For
+    /// metrics scrapes.
+    pub fn size_now(&self) -> std::io::Result<Option<(u64, usize)>> {
+        self.inner.journal.totals_now()
+    }
+
     /// Evict least recently used entries (chunks first, metadata last) until the cache holds at
     /// most `bound` bytes.
     pub fn trim(&self, bound: u64) -> std::io::Result<Evicted> {
