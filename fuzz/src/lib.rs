@@ -12,6 +12,7 @@ pub mod boot_trace;
 pub mod byteranges;
 pub mod cache_index;
 pub mod content_manifest;
+pub mod elf_deps;
 pub mod ext4_roundtrip;
 pub mod gzip_index;
 pub mod image_record;

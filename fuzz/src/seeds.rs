@@ -25,7 +25,7 @@ pub type Seeds = Vec<(String, Vec<u8>)>;
 
 /// Seeds of the named target (`vhost_request`, `image_record`, `overlay_replay`, `oci_layers`,
 /// `content_manifest`, `source_index`, `gzip_index`, `pack_index`, `cache_index`, `profile`, `boot_trace`,
-/// `request_trace`, `ext4_roundtrip`, `byteranges`).
+/// `request_trace`, `ext4_roundtrip`, `byteranges`, `elf_deps`).
 pub fn for_target(target: &str) -> Seeds {
     match target {
         "vhost_request" => vhost_request(),
@@ -42,11 +42,12 @@ pub fn for_target(target: &str) -> Seeds {
         "request_trace" => crate::request_trace::seeds(),
         "ext4_roundtrip" => crate::ext4_roundtrip::seeds(),
         "byteranges" => crate::byteranges::seeds(),
+        "elf_deps" => crate::elf_deps::seeds(),
         other => panic!("unknown fuzz target {other}"),
     }
 }
 
-pub const TARGETS: [&str; 14] = [
+pub const TARGETS: [&str; 15] = [
     "vhost_request",
     "image_record",
     "overlay_replay",
@@ -61,6 +62,7 @@ pub const TARGETS: [&str; 14] = [
     "request_trace",
     "ext4_roundtrip",
     "byteranges",
+    "elf_deps",
 ];
 
 const CAP: u64 = 4 << 20;

@@ -21,6 +21,7 @@ fn run(target: &str, data: &[u8]) {
         "request_trace" => tessera_fuzz::request_trace::run(data),
         "ext4_roundtrip" => tessera_fuzz::ext4_roundtrip::run(data),
         "byteranges" => tessera_fuzz::byteranges::run(data),
+        "elf_deps" => tessera_fuzz::elf_deps::run(data),
         _ => unreachable!(),
     }
 }
@@ -145,6 +146,11 @@ fn ext4_roundtrip_seeds() {
 #[test]
 fn byteranges_seeds() {
     seeds("byteranges");
+}
+
+#[test]
+fn elf_deps_seeds() {
+    seeds("elf_deps");
 }
 
 #[test]

@@ -176,6 +176,12 @@ pub struct ServeArgs {
     /// serial round trips to 33 (2.9 to 2.0 s at 20 ms and 200 Mbit/s) for 1 % more bytes.
     #[arg(long, value_name = "N", default_value_t = 3)]
     whole_file_after: u32,
+    /// Fetch the shared libraries a program or library needs (its ELF DT_NEEDED entries, looked
+    /// up in the image's library directories) whole, in the background, as soon as its dynamic
+    /// section is in memory after a miss: the dynamic loader opens them one after another, each
+    /// first read a round trip of its own, which this turns into one. Remote stores only.
+    #[arg(long, value_name = "BOOL", default_value_t = true, action = clap::ArgAction::Set)]
+    elf_deps: bool,
     /// Fetch a stretch of a pack (--stretch-size stored bytes, aligned) whole, in the
     /// background, once reads of N distinct files stored in it missed memory and went to the
     /// origin: the builder packs in tree order, so a stretch holds neighbouring files of one
@@ -399,6 +405,8 @@ pub struct ServeConfig {
     pub pack_readahead: u64,
     /// `--whole-file-after`: origin misses of a file that make it fetched whole (0: off).
     pub whole_file_after: u32,
+    /// `--elf-deps`.
+    pub elf_deps: bool,
     /// Dense-stretch readahead: files missed, and the stretch size (remote stores only).
     pub stretch_after: u32,
     pub stretch_size: u64,
@@ -482,6 +490,7 @@ impl ServeConfig {
             readahead: args.readahead,
             pack_readahead: args.pack_readahead,
             whole_file_after: args.whole_file_after,
+            elf_deps: args.elf_deps,
             stretch_after: args.stretch_after,
             stretch_size: args.stretch_size,
             prefetch: !args.no_prefetch,
@@ -587,6 +596,7 @@ pub fn run_on(config: ServeConfig, listener: Option<std::os::unix::net::UnixList
         tier = tier
             .with_pack_readahead(config.pack_readahead)
             .with_whole_files(config.whole_file_after, tessera_engine::WHOLE_FILE_MAX_BYTES)
+            .with_elf_deps(config.elf_deps, tessera_engine::WHOLE_FILE_MAX_BYTES)
             .with_dense_stretches(config.stretch_after, config.stretch_size);
     }
     if let Some(t) = &trace {

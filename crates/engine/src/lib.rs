@@ -32,6 +32,7 @@
 //! ```
 
 pub mod device;
+pub mod elfdeps;
 pub mod error;
 pub mod export;
 pub mod fetcher;

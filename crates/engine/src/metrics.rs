@@ -33,6 +33,7 @@ pub fn watch_mem_tier<S: ChunkSource + 'static>(metrics: &Arc<Metrics>, tier: &A
         mirror(&m.prefetch.profile_queued, stats.prefetch_chunks.load(Ordering::Relaxed));
         mirror(&m.prefetch.whole_file_queued, stats.whole_file_chunks.load(Ordering::Relaxed));
         mirror(&m.prefetch.stretch_queued, stats.stretch_chunks.load(Ordering::Relaxed));
+        mirror(&m.prefetch.elf_deps_queued, stats.elf_dep_chunks.load(Ordering::Relaxed));
         mirror(&m.prefetch.chunks, stats.prefetched_chunks.load(Ordering::Relaxed));
         mirror(&m.prefetch.bytes, stats.prefetched_bytes.load(Ordering::Relaxed));
         mirror(&m.prefetch.used_bytes, stats.prefetch_used_bytes.load(Ordering::Relaxed));

@@ -5,11 +5,13 @@
 
 #[path = "../../store/tests/common/mod.rs"]
 mod common;
+mod engine_common;
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use common::{build_image, Counting};
+use engine_common::read_first_byte_of;
 use tessera_engine::{FetchLimits, MemTier};
 use tessera_store::{ImageReader, LocalStore, OpenImage};
 
@@ -103,29 +105,6 @@ fn pack_order(image: &OpenImage) -> Vec<(u32, u64, u32)> {
         .collect();
     order.sort();
     order
-}
-
-/// Ask the tier for a one-byte read of chunk `chunk`'s first block (missing only that chunk);
-/// whether it succeeded within 10 s.
-fn read_first_byte_of(tier: &impl tessera_engine::BlockDevice, image: &OpenImage, chunk: u32) -> bool {
-    use tessera_image::RunSource;
-    let run = image
-        .record()
-        .block_map
-        .runs()
-        .iter()
-        .find(|r| r.source == RunSource::Chunk { chunk, block: 0 })
-        .copied()
-        .unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    tier.fetch_ahead(
-        run.start * 4096,
-        1,
-        Box::new(move |r| {
-            let _ = tx.send(r.is_ok());
-        }),
-    );
-    rx.recv_timeout(std::time::Duration::from_secs(10)).unwrap()
 }
 
 #[test]

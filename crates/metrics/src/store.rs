@@ -307,6 +307,8 @@ pub struct PrefetchMetrics {
     /// Chunks queued because their pack stretch is fetched whole (reads missed in several of
     /// its files).
     pub stretch_queued: IntCounter,
+    /// Chunks queued because a program that missed needs the shared library they belong to.
+    pub elf_deps_queued: IntCounter,
     /// Chunks fetched ahead of demand.
     pub chunks: IntCounter,
     /// Bytes fetched ahead of demand (decoded).
@@ -331,6 +333,7 @@ impl PrefetchMetrics {
             profile_queued: queued.with_label_values(&["profile"]),
             whole_file_queued: queued.with_label_values(&["whole_file"]),
             stretch_queued: queued.with_label_values(&["stretch"]),
+            elf_deps_queued: queued.with_label_values(&["elf_deps"]),
             chunks: r.counter("tessera_prefetch_chunks_total", "Chunks fetched ahead of demand"),
             bytes: r.counter("tessera_prefetch_bytes_total", "Bytes fetched ahead of demand"),
             used_bytes: r

@@ -728,6 +728,11 @@ impl<S> ImageReader<S> {
         &self.image
     }
 
+    /// The open image, shared.
+    pub fn shared_image(&self) -> &Arc<OpenImage> {
+        &self.image
+    }
+
     /// The chunk source.
     pub fn source(&self) -> &S {
         &self.source

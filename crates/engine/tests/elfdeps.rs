@@ -1,0 +1,143 @@
+//! `MemTier::with_elf_deps` on a built image: when the dynamic loader is at work (a program's
+//! header and dynamic section missed, then one of its libraries), the program's other libraries,
+//! and theirs once they arrive, are fetched in the background; a reader of an ELF file's bytes
+//! that moves on to something else fetches none of its libraries.
+#![allow(clippy::unwrap_used)]
+
+#[path = "../../store/tests/common/mod.rs"]
+mod common;
+mod engine_common;
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use engine_common::read_first_byte_of;
+use tessera_builder::{build_dir, BuildConfig, NoProgress};
+use tessera_engine::elfdeps::sample_elf;
+use tessera_engine::{FetchLimits, MemTier};
+use tessera_ext4::SizePolicy;
+use tessera_store::{ImageReader, LocalStore, OpenImage};
+
+/// `len` bytes no other file shares (so that no chunk is deduplicated between files).
+fn noise(seed: u64, len: usize) -> Vec<u8> {
+    common::Rng::new(seed).bytes(len)
+}
+
+/// An ELF file needing `names`, padded with noise to `len` bytes.
+fn elf(seed: u64, interp: Option<&str>, names: &[&str], len: usize) -> Vec<u8> {
+    let mut f = sample_elf(interp, names);
+    let pad = len - f.len();
+    f.extend(noise(seed, pad));
+    f
+}
+
+fn write(root: &Path, rel: &str, bytes: &[u8]) {
+    let path = root.join(rel);
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    std::fs::write(path, bytes).unwrap();
+}
+
+/// The chunk holding the file whose bytes are `bytes` (each file here is one chunk), found by
+/// content, independently of the ext4 lookup under test.
+fn chunk_of(image: &OpenImage, store: &LocalStore, bytes: &[u8]) -> u32 {
+    let reader = ImageReader::new(OpenImage::open(store, image.id()).unwrap(), store.clone());
+    let chunks = image.record().block_map.chunks().len() as u32;
+    let mut found: Vec<u32> = (0..chunks).filter(|&c| reader.fetch_chunk(c).unwrap() == bytes).collect();
+    assert_eq!(found.len(), 1, "one chunk holds the file");
+    found.pop().unwrap()
+}
+
+/// A one-byte read of chunk `chunk`'s first block through the tier's miss path; waits for it.
+fn read(tier: &impl tessera_engine::BlockDevice, image: &OpenImage, chunk: u32) {
+    assert!(read_first_byte_of(tier, image, chunk), "read of chunk {chunk}");
+}
+
+fn wait_for(what: &str, ok: impl Fn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !ok() {
+        assert!(Instant::now() < deadline, "{what}");
+        std::thread::sleep(Duration::from_millis(5)); // polling interval
+    }
+}
+
+#[test]
+fn the_libraries_of_a_program_being_loaded_are_fetched_and_those_of_a_file_read_as_data_are_not() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("src");
+    let lib = "usr/lib/x86_64-linux-gnu";
+    let files = [
+        (
+            "usr/bin/prog",
+            elf(1, Some("/lib64/ld-linux-x86-64.so.2"), &["libfoo.so.1", "libbar.so.2"], 20_000),
+        ),
+        (&format!("{lib}/libfoo.so.1") as &str, elf(2, None, &["libbaz.so.3"], 30_000)),
+        (&format!("{lib}/libbar.so.2"), elf(3, None, &[], 40_000)),
+        (&format!("{lib}/libbaz.so.3"), elf(4, None, &[], 50_000)),
+        ("usr/bin/other", elf(5, None, &["libqux.so.9"], 20_000)),
+        (&format!("{lib}/libqux.so.9"), elf(6, None, &[], 60_000)),
+        ("usr/share/data.bin", noise(7, 50_000)),
+    ]
+    .map(|(path, bytes)| (path.to_owned(), bytes));
+    for (path, bytes) in &files {
+        write(&src, path, bytes);
+    }
+    // Merged /usr, as Debian's: the loader's /lib paths are links.
+    std::os::unix::fs::symlink("usr/lib", src.join("lib")).unwrap();
+    let store = LocalStore::create_or_open(dir.path().join("store")).unwrap();
+    let config =
+        BuildConfig { chunk_size: 64 << 10, size: SizePolicy::Exact(64 << 20), ..BuildConfig::default() };
+    let id = build_dir(&src, &store, &config, &NoProgress).unwrap().id;
+    let image = Arc::new(OpenImage::open(&store, &id).unwrap());
+    let chunk: Vec<u32> = files.iter().map(|(_, bytes)| chunk_of(&image, &store, bytes)).collect();
+    let [prog, foo, bar, baz, other, qux, data] = chunk[..] else { unreachable!() };
+
+    let tier =
+        MemTier::new(ImageReader::new(Arc::clone(&image), store.clone()), 16 << 20, FetchLimits::new(4))
+            .unwrap()
+            .with_elf_deps(true, 64 << 20);
+    // The loader: the program's header (and dynamic section: one chunk here), then its first
+    // library. Its second library is fetched without a read of it …
+    read(&tier, &image, prog);
+    read(&tier, &image, foo);
+    wait_for("the program's other library fetched", || tier.contains(bar));
+    // … and, once the first has arrived, that library's own (examined at the next read).
+    read(&tier, &image, bar);
+    wait_for("the library's library fetched", || tier.contains(baz));
+    let queued = tier.stats().elf_dep_chunks.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(queued, 2, "libbar and libbaz, one chunk each");
+
+    // A reader of a program's bytes that goes on to another file: its library stays out.
+    read(&tier, &image, other);
+    read(&tier, &image, data);
+    read(&tier, &image, data);
+    std::thread::sleep(Duration::from_millis(200)); // time a wrong background fetch would have had
+    assert!(!tier.contains(qux), "the library of a file read as data was fetched");
+    assert_eq!(tier.stats().elf_dep_chunks.load(std::sync::atomic::Ordering::Relaxed), queued);
+}
+
+/// Off, nothing is fetched for the loader.
+#[test]
+fn off_fetches_no_library() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("src");
+    let prog = elf(1, None, &["liba.so.1", "libb.so.1"], 20_000);
+    let (a, b) = (elf(2, None, &[], 30_000), elf(3, None, &[], 30_000));
+    write(&src, "usr/bin/prog", &prog);
+    write(&src, "usr/lib/x86_64-linux-gnu/liba.so.1", &a);
+    write(&src, "usr/lib/x86_64-linux-gnu/libb.so.1", &b);
+    let store = LocalStore::create_or_open(dir.path().join("store")).unwrap();
+    let config =
+        BuildConfig { chunk_size: 64 << 10, size: SizePolicy::Exact(64 << 20), ..BuildConfig::default() };
+    let id = build_dir(&src, &store, &config, &NoProgress).unwrap().id;
+    let image = Arc::new(OpenImage::open(&store, &id).unwrap());
+    let [p, ca, cb] = [&prog, &a, &b].map(|f| chunk_of(&image, &store, f));
+    let tier =
+        MemTier::new(ImageReader::new(Arc::clone(&image), store.clone()), 16 << 20, FetchLimits::new(4))
+            .unwrap()
+            .with_elf_deps(false, 64 << 20);
+    read(&tier, &image, p);
+    read(&tier, &image, ca);
+    std::thread::sleep(Duration::from_millis(200)); // time a wrong background fetch would have had
+    assert!(!tier.contains(cb));
+}
