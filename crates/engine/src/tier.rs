@@ -650,6 +650,10 @@ impl<S: ChunkSource + 'static> MemTier<S> {
     /// whole-file workload 1.22x its origin bytes and 11 % more time.
     fn elf_deps(&self, missed: &[u32], fresh: &[u32]) -> Vec<u32> {
         let Some(rules) = &self.elf else { return Vec::new() };
+        if fresh.is_empty() && rules.state.lock().unwrap_or_else(|p| p.into_inner()).recent.is_empty() {
+            // Nothing new from the origin and nothing waiting (a warmed daemon's reads).
+            return Vec::new();
+        }
         let files = self.file_map();
         let map = &self.core.reader.image().record().block_map;
         let size = u64::from(self.core.reader.image().record().options.chunk_size);
@@ -1102,9 +1106,11 @@ impl<S: ChunkSource + 'static> BlockDevice for MemTier<S> {
                 self.core.stats.readahead_chunks.fetch_add(ahead.len() as u64, Ordering::Relaxed);
                 let whole = self.due_on_misses(&chunks, &fresh, &ahead);
                 ahead.extend(whole);
+                // In one step: the miss and its window (and a file or stretch due whole) leave
+                // together, in requests of their own.
                 self.fetcher.fetch_with_ahead(&chunks, Priority::Demand, Some(done), &ahead);
-                // After the miss has gone out: looking an ELF file's libraries up costs this read
-                // nothing.
+                // After the miss has gone out: looking an ELF file's libraries up does not delay
+                // its request.
                 let mut libraries = self.elf_deps(&chunks, &fresh);
                 if !libraries.is_empty() {
                     libraries.sort_unstable();
