@@ -12,7 +12,7 @@
 //! image's ext4 metadata, which the daemon holds whole (the metadata prefix), through
 //! `ext4-view` reading memory: no I/O either.
 
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 
 use tessera_image::SegmentSource;
 use tessera_store::OpenImage;
@@ -176,12 +176,18 @@ fn search_dirs(machine: u16) -> Vec<&'static str> {
     dirs
 }
 
-/// Reads an image's device from its metadata prefix; blocks that are chunks' data read as zeros
-/// and the first one asked for is noted (a file's first data block, when a file is read).
+/// Reads an image's device from its metadata prefix. A block of chunk data, which the prefix
+/// does not hold, reads as [`MARK`] and its own device offset, repeated: a file's first bytes
+/// then say where its data starts, however `ext4-view`'s block cache came to hold the block (it
+/// reads several blocks at a time, so a file's first block may have come in with a directory's
+/// or a neighbour's).
 struct PrefixRead {
     image: Arc<OpenImage>,
-    data: Arc<Mutex<Option<u64>>>,
 }
+
+/// Marks a block of chunk data in [`PrefixRead`]'s output (random; a file stored in the prefix
+/// that began with it would still be checked against the block map).
+const MARK: [u8; 8] = *b"\x9e\x1d\x7fTsr\xb3\x05";
 
 impl ext4_view::Ext4Read for PrefixRead {
     fn read(&mut self, start: u64, dst: &mut [u8]) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
@@ -197,17 +203,28 @@ impl ext4_view::Ext4Read for PrefixRead {
                     let from = usize::try_from(offset)?;
                     out.copy_from_slice(prefix.get(from..from + n).ok_or("a segment past the prefix")?);
                 }
-                SegmentSource::Chunk { .. } => {
-                    out.fill(0);
-                    let mut data = self.data.lock().unwrap_or_else(PoisonError::into_inner);
-                    data.get_or_insert(start + at as u64);
-                }
+                SegmentSource::Chunk { .. } => mark(out, start + at as u64),
             }
             at += n;
         }
         Ok(())
     }
 }
+
+/// Fill `out`, the device's bytes from `offset` on, with each block's mark: at every
+/// 16-byte-aligned device offset `o`, [`MARK`] then `o`'s block's offset.
+fn mark(out: &mut [u8], offset: u64) {
+    for (i, byte) in out.iter_mut().enumerate() {
+        let o = offset + i as u64;
+        let (pair, within) = (o & !15, (o % 16) as usize);
+        *byte = match within {
+            0..8 => MARK[within],
+            _ => (pair & !(BLOCK - 1)).to_le_bytes()[within - 8],
+        };
+    }
+}
+
+const BLOCK: u64 = tessera_image::BLOCK_SIZE as u64;
 
 /// Where the image stores a program's libraries and interpreter: the device offset of each one's
 /// first data byte.
@@ -221,16 +238,30 @@ pub struct Located {
 /// Find `names` (libraries of a program for `machine`, in the loader's search order) and
 /// `interp` (a path) in `image`'s ext4 metadata.
 pub fn locate(image: &Arc<OpenImage>, machine: u16, names: &[String], interp: Option<&str>) -> Located {
-    let data = Arc::new(Mutex::new(None));
-    let read = PrefixRead { image: Arc::clone(image), data: Arc::clone(&data) };
+    let read = PrefixRead { image: Arc::clone(image) };
     let Ok(fs) = ext4_view::Ext4::load(Box::new(read)) else { return Located::default() };
-    // The first data byte of the file at `path`, if it is one with data.
+    let map = &image.record().block_map;
+    // The device offset of the first data byte of the file at `path`, if it is one whose data
+    // starts with a chunk's block (its first 16 bytes read as that block's mark).
     let first_byte = |path: &str| -> Option<Option<u64>> {
         let mut file = fs.open(path).ok()?;
-        *data.lock().unwrap_or_else(PoisonError::into_inner) = None;
-        let mut first = [0u8; 1];
-        let read = matches!(file.read_bytes(&mut first), Ok(1));
-        Some(read.then(|| data.lock().unwrap_or_else(PoisonError::into_inner).take()).flatten())
+        let mut head = [0u8; 16];
+        let mut got = 0;
+        while got < head.len() {
+            match file.read_bytes(&mut head[got..]) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => got += n,
+            }
+        }
+        let offset = u64::from_le_bytes(head[8..].try_into().unwrap_or_default());
+        let chunk = |o: u64| {
+            let first = map.plan(o, 1).ok().and_then(|mut plan| plan.next());
+            first.is_some_and(|s| matches!(s.source, SegmentSource::Chunk { .. }))
+        };
+        Some(
+            (got == head.len() && head[..8] == MARK && offset % BLOCK == 0 && chunk(offset))
+                .then_some(offset),
+        )
     };
     let dirs = search_dirs(machine);
     let mut located = Located { libraries: Vec::new(), interp: interp.and_then(|p| first_byte(p).flatten()) };
@@ -300,6 +331,20 @@ pub fn sample_elf(interp: Option<&str>, names: &[&str]) -> Vec<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_block_of_chunk_data_reads_as_its_mark_from_any_offset() {
+        let mut whole = vec![0u8; 2 * BLOCK as usize];
+        mark(&mut whole, 7 * BLOCK);
+        for (block, bytes) in whole.chunks(16).enumerate() {
+            let at = 7 * BLOCK + (block as u64 * 16) / BLOCK * BLOCK;
+            assert_eq!(bytes[..8], MARK);
+            assert_eq!(bytes[8..], at.to_le_bytes());
+        }
+        let mut part = vec![0u8; 100];
+        mark(&mut part, 7 * BLOCK + 4090);
+        assert_eq!(part[..], whole[4090..4190]);
+    }
 
     fn whole(file: &[u8]) -> impl Fn(u64, usize) -> Option<Vec<u8>> + '_ {
         move |offset, n| {

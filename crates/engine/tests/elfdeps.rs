@@ -12,7 +12,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use engine_common::read_first_byte_of;
+use engine_common::{first_offset_of, read_first_byte_of};
 use tessera_builder::{build_dir, BuildConfig, NoProgress};
 use tessera_engine::elfdeps::sample_elf;
 use tessera_engine::{FetchLimits, MemTier};
@@ -140,4 +140,31 @@ fn off_fetches_no_library() {
     read(&tier, &image, ca);
     std::thread::sleep(Duration::from_millis(200)); // time a wrong background fetch would have had
     assert!(!tier.contains(cb));
+}
+
+/// Libraries of a block each lie side by side in the image, so that a read of one brings the
+/// next ones into `ext4-view`'s block cache: every one is still found, at its own first block.
+#[test]
+fn small_libraries_side_by_side_are_all_located() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("src");
+    let names: Vec<String> = (0..12).map(|i| format!("libs{i:02}.so.1")).collect();
+    let libs: Vec<Vec<u8>> = (0..12).map(|i| elf(10 + i, None, &[], 3_000)).collect();
+    for (name, bytes) in names.iter().zip(&libs) {
+        write(&src, &format!("usr/lib/x86_64-linux-gnu/{name}"), bytes);
+    }
+    let store = LocalStore::create_or_open(dir.path().join("store")).unwrap();
+    let config =
+        BuildConfig { chunk_size: 64 << 10, size: SizePolicy::Exact(64 << 20), ..BuildConfig::default() };
+    let id = build_dir(&src, &store, &config, &NoProgress).unwrap().id;
+    let image = Arc::new(OpenImage::open(&store, &id).unwrap());
+    let expected: Vec<u64> =
+        libs.iter().map(|bytes| first_offset_of(&image, chunk_of(&image, &store, bytes))).collect();
+    let found = tessera_engine::elfdeps::locate(&image, 62, &names, None);
+    assert_eq!(found.libraries, expected);
+    // And one at a time, after others were read.
+    for (name, want) in names.iter().zip(&expected).rev() {
+        let one = tessera_engine::elfdeps::locate(&image, 62, std::slice::from_ref(name), None);
+        assert_eq!(one.libraries, vec![*want], "{name}");
+    }
 }
