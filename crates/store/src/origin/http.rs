@@ -203,8 +203,8 @@ pub struct HttpConfig {
     /// [`MAX_RANGES_PER_REQUEST`]; 1: never several, one request per span).
     pub multi_range_max: usize,
     /// How long a single chunk read waits for concurrent reads of the same pack to join it in
-    /// one request, when requests to the origin are already in flight (default 2 ms; zero
-    /// turns joining off). A read with nothing else in flight goes at once.
+    /// one request, when another single chunk read is already under way (default 2 ms; zero
+    /// turns joining off). A read with no other under way goes at once.
     pub coalesce_wait: Duration,
     /// Connections opened at the store's first request, alongside it (default 0: none; `tessera
     /// serve --preconnect N` sets it, 3 by default): TCP connects and TLS handshakes, no request
@@ -511,6 +511,9 @@ struct Inner {
     /// Open batches of single chunk reads, by pack; a batch leaves the map when its leader
     /// sends it.
     batches: Mutex<std::collections::HashMap<Sha256Digest, Arc<Batch>>>,
+    /// Single chunk reads ([`HttpStore::read_chunk_range`]) under way: a read arriving while
+    /// another is may be part of a burst, and waits for more to join.
+    chunk_reads: std::sync::atomic::AtomicUsize,
     /// Tags resolved through this store (an HTTP server cannot list `refs/`).
     seen_refs: Mutex<Vec<(String, ImageId)>>,
     /// The prefix and pack index the refs read so far named, by image.
@@ -570,6 +573,7 @@ impl HttpStore {
                 base: normalize_base(base),
                 transport: Transport::new(config.transport()),
                 batches: Mutex::new(Default::default()),
+                chunk_reads: std::sync::atomic::AtomicUsize::new(0),
                 seen_refs: Mutex::new(Vec::new()),
                 ref_parts: Mutex::default(),
                 blob_lengths: Mutex::default(),
@@ -1487,19 +1491,24 @@ impl HttpStore {
     }
 
     /// One chunk range of pack `pack`, joined with the concurrent reads of the same pack: when
-    /// requests to the origin are in flight, the first read of a pack waits
-    /// [`HttpConfig::coalesce_wait`] for others to join, then fetches them all with
-    /// [`Self::read_blob_ranges`] (near ranges in one request, far ones in parallel). A burst of
-    /// cold reads thus costs a few requests, not one each. With nothing in flight the read goes
-    /// at once.
+    /// other single chunk reads are under way (a burst of cold guest reads, one fetch thread
+    /// each), the first read of a pack waits [`HttpConfig::coalesce_wait`] for others to join,
+    /// then fetches them all with [`Self::read_blob_ranges`] (near ranges in one request, far
+    /// ones in parallel). A burst of cold reads thus costs a few requests, not one each. A read
+    /// with no other under way goes at once, whatever else is in flight: a batch fetched ahead
+    /// (a pack window, a file or stretch fetched whole) is no sign of reads about to join, and
+    /// waiting behind one cost each miss of a cold python start 2 ms.
     pub fn read_chunk_range(
         &self,
         pack: &Sha256Digest,
         offset: u64,
         len: u32,
     ) -> Result<Vec<u8>, StoreError> {
+        let reads = &self.inner.chunk_reads;
+        let others = reads.fetch_add(1, Ordering::AcqRel);
+        let _under_way = UnderWay(reads);
         let wait = self.inner.config.coalesce_wait;
-        if wait.is_zero() || len == 0 || self.inner.transport.in_flight() == 0 {
+        if wait.is_zero() || len == 0 || others == 0 {
             return self.read_blob_range(pack, offset, u64::from(len));
         }
         let (batch, index, leader) = {
@@ -1549,6 +1558,15 @@ impl HttpStore {
             Some(bytes) => Ok(bytes),
             None => self.read_blob_range(pack, offset, u64::from(len)),
         }
+    }
+}
+
+/// Counts a single chunk read under way while it lives ([`Inner::chunk_reads`]).
+struct UnderWay<'a>(&'a std::sync::atomic::AtomicUsize);
+
+impl Drop for UnderWay<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -2258,5 +2276,142 @@ mod multi_range_refusing_server {
             assert!(log[1..].iter().all(|r| !r.contains(',')), "{log:?}");
             assert_eq!(store.ranges_per_request(), 1, "the fetcher is told to group adjacent chunks only");
         }
+    }
+}
+
+/// The join of single chunk reads ([`HttpStore::read_chunk_range`]): against a server that
+/// holds the answer to a range starting at [`single_chunk_reads::HELD`] until told, so that a
+/// request stays in flight for as long as a test needs.
+#[cfg(test)]
+mod single_chunk_reads {
+    #![allow(clippy::unwrap_used)]
+    use std::io::{BufRead, BufReader, Write};
+    use std::net::TcpListener;
+    use std::sync::atomic::AtomicBool;
+    use std::time::Instant;
+
+    use super::*;
+
+    const HELD: usize = 0;
+
+    /// The `Range` header of every request the server saw, in order.
+    type Log = Arc<Mutex<Vec<String>>>;
+
+    /// Serves `blob` at `/blobs/sha256/<hex>`, one range per GET; logs each `Range` header
+    /// (when the request arrives); holds answers to ranges starting at [`HELD`] until `release`.
+    fn serve(blob: Vec<u8>, release: Arc<AtomicBool>) -> (String, Log) {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let base = format!("http://{}", listener.local_addr().unwrap());
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let seen = Arc::clone(&log);
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(mut conn) = conn else { continue };
+                let (blob, log, release) = (blob.clone(), Arc::clone(&log), Arc::clone(&release));
+                std::thread::spawn(move || {
+                    let mut reader = BufReader::new(conn.try_clone().unwrap());
+                    loop {
+                        let mut line = String::new();
+                        if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                            return;
+                        }
+                        let mut range = String::new();
+                        loop {
+                            let mut h = String::new();
+                            if reader.read_line(&mut h).unwrap_or(0) == 0 || h == "\r\n" {
+                                break;
+                            }
+                            if let Some(v) = h.to_ascii_lowercase().strip_prefix("range: ") {
+                                range = v.trim().to_owned();
+                            }
+                        }
+                        log.lock().unwrap().push(range.clone());
+                        let (a, b) = range.trim_start_matches("bytes=").split_once('-').unwrap();
+                        let (a, b): (usize, usize) = (a.parse().unwrap(), b.parse().unwrap());
+                        while a == HELD && !release.load(Ordering::SeqCst) {
+                            std::thread::sleep(Duration::from_millis(5)); // polling interval
+                        }
+                        let head = format!(
+                            "HTTP/1.1 206 Partial Content\r\nContent-Range: bytes {a}-{b}/{}\r\nContent-Length: {}\r\n\r\n",
+                            blob.len(),
+                            b + 1 - a
+                        );
+                        let _ = conn.write_all(head.as_bytes());
+                        let _ = conn.write_all(&blob[a..=b]);
+                    }
+                });
+            }
+        });
+        (base, seen)
+    }
+
+    fn wait_for_requests(log: &Mutex<Vec<String>>, n: usize) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while log.lock().unwrap().len() < n {
+            assert!(
+                Instant::now() < deadline,
+                "the server saw {} requests, not {n}",
+                log.lock().unwrap().len()
+            );
+            std::thread::sleep(Duration::from_millis(5)); // polling interval
+        }
+    }
+
+    /// A blob of 50 000 bytes served as above, the flag releasing held answers, the server's
+    /// log, and a store of it joining reads for `wait`, whose first ranged read is done (until the
+    /// first answer says whether the server honours ranges, ranged reads go one at a time).
+    fn setup(wait: Duration) -> (Vec<u8>, Arc<AtomicBool>, Log, HttpStore) {
+        let blob: Vec<u8> = (0..50_000u32).map(|i| (i % 251) as u8).collect();
+        let release = Arc::new(AtomicBool::new(false));
+        let (base, log) = serve(blob.clone(), Arc::clone(&release));
+        let store = HttpStore::new(&base, HttpConfig { coalesce_wait: wait, ..HttpConfig::default() });
+        assert_eq!(
+            store.read_blob_range(&Sha256Digest::of(&blob), 40_000, 10).unwrap(),
+            blob[40_000..40_010]
+        );
+        (blob, release, log, store)
+    }
+
+    /// A request in flight that is not a single chunk read (a pack window, a file fetched whole)
+    /// is no sign of a burst: the read goes at once instead of waiting to be joined.
+    #[test]
+    fn a_chunk_read_beside_a_batch_in_flight_goes_at_once() {
+        let (blob, release, log, store) = setup(Duration::from_secs(5));
+        let d = Sha256Digest::of(&blob);
+        std::thread::scope(|s| {
+            let batch = s.spawn(|| store.read_blob_range(&d, HELD as u64, 1000).unwrap());
+            wait_for_requests(&log, 2);
+            let t0 = Instant::now();
+            assert_eq!(store.read_chunk_range(&d, 20_000, 100).unwrap(), blob[20_000..20_100]);
+            let took = t0.elapsed();
+            release.store(true, Ordering::SeqCst);
+            assert!(took < Duration::from_secs(2), "the read waited {took:?} beside a batch in flight");
+            assert_eq!(batch.join().unwrap(), blob[..1000]);
+        });
+    }
+
+    /// Beside another single chunk read under way, reads arriving together are joined into one
+    /// request (a burst of cold guest reads).
+    #[test]
+    fn chunk_reads_beside_another_under_way_are_joined() {
+        let (blob, release, log, store) = setup(Duration::from_millis(300));
+        let d = Sha256Digest::of(&blob);
+        std::thread::scope(|s| {
+            let first = s.spawn(|| store.read_chunk_range(&d, HELD as u64, 100).unwrap());
+            wait_for_requests(&log, 2);
+            let (a, b) = (
+                s.spawn(|| store.read_chunk_range(&d, 10_000, 100).unwrap()),
+                s.spawn(|| store.read_chunk_range(&d, 10_100, 100).unwrap()),
+            );
+            assert_eq!(a.join().unwrap(), blob[10_000..10_100]);
+            assert_eq!(b.join().unwrap(), blob[10_100..10_200]);
+            release.store(true, Ordering::SeqCst);
+            assert_eq!(first.join().unwrap(), blob[..100]);
+        });
+        // Besides the first range read and the held one (which the transport may send again when
+        // its answer is late), one request.
+        let log = log.lock().unwrap();
+        let others: Vec<&String> = log[2..].iter().filter(|r| !r.starts_with("bytes=0-")).collect();
+        assert_eq!(others, ["bytes=10000-10199"], "requests: {log:?}");
     }
 }
