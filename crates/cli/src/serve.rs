@@ -196,6 +196,14 @@ pub struct ServeArgs {
     /// The size of the stretches --stretch-after fetches, in stored bytes.
     #[arg(long, value_name = "SIZE", default_value = "512K", value_parser = crate::parse_size_arg)]
     stretch_size: u64,
+    /// Also fetch a stretch whole once reads of two of its files missed within N stretch misses
+    /// of each other (0: only --stretch-after): a program's start reads a directory's modules one
+    /// after another, where a reader of random files comes back to a stretch now and then. The
+    /// default, 10, took a cold python start at 20 ms and 200 Mbit/s from 1.50 to 1.41 s (3.14
+    /// to 2.96x its floor) for 1.48x the bytes it needs instead of 1.43x; a reader of random
+    /// whole files is unchanged.
+    #[arg(long, value_name = "N", default_value_t = 10)]
+    stretch_within: u32,
     /// Bandwidth cap for background fetches (readahead and profile prefetch), in stored bytes
     /// per second (e.g. 20M). Default: no cap. Demand fetches are never capped and always go
     /// first; background fetches use at most half of --fetch-jobs.
@@ -410,6 +418,7 @@ pub struct ServeConfig {
     /// Dense-stretch readahead: files missed, and the stretch size (remote stores only).
     pub stretch_after: u32,
     pub stretch_size: u64,
+    pub stretch_within: u32,
     /// Prefetch the image's profile, if it has one.
     pub prefetch: bool,
     /// `--fill-cache`: requests in flight of the background fill (`None`: no fill).
@@ -493,6 +502,7 @@ impl ServeConfig {
             elf_deps: args.elf_deps,
             stretch_after: args.stretch_after,
             stretch_size: args.stretch_size,
+            stretch_within: args.stretch_within,
             prefetch: !args.no_prefetch,
             fill_jobs: args.fill_cache.then_some(usize::from(args.fill_jobs)),
             fill_after: args.fill_after,
@@ -597,7 +607,7 @@ pub fn run_on(config: ServeConfig, listener: Option<std::os::unix::net::UnixList
             .with_pack_readahead(config.pack_readahead)
             .with_whole_files(config.whole_file_after, tessera_engine::WHOLE_FILE_MAX_BYTES)
             .with_elf_deps(config.elf_deps, tessera_engine::WHOLE_FILE_MAX_BYTES)
-            .with_dense_stretches(config.stretch_after, config.stretch_size);
+            .with_dense_stretches(config.stretch_after, config.stretch_size, config.stretch_within);
     }
     if let Some(t) = &trace {
         tier = tier.with_trace(t.recorder());

@@ -106,22 +106,29 @@ impl FileMap {
 
 /// Readahead by where misses fall: counts the origin misses nothing foresaw, per file
 /// ([`crate::MemTier::with_whole_files`]) and per pack stretch
-/// ([`crate::MemTier::with_dense_stretches`]), and says when a file or a stretch is due to be
-/// fetched whole. Each is due once.
+/// ([`crate::MemTier::with_dense_stretches`]: misses of several distinct files, or of two close
+/// together in time, as a program's start reads a directory's modules one after another), and
+/// says when a file or a stretch is due to be fetched whole. Each is due once.
 #[derive(Debug, Default)]
 pub struct MissCounts {
     /// Misses of one file that make it due (0: never).
     file_after: u32,
     /// Files missed in one stretch that make it due (0: never).
     stretch_after: u32,
+    /// Two files of a stretch missed within this many stretch misses of each other (this one
+    /// included) also make it due (0: never).
+    stretch_within: u32,
+    /// Stretch misses counted so far: the clock of `stretch_within`.
+    clock: u64,
     files: HashMap<u32, u32>,
     stretches: HashMap<(u32, u64), Stretch>,
 }
 
 #[derive(Debug)]
 enum Stretch {
-    /// The distinct files missed there so far (`None`: a chunk in no file, each counted).
-    Missed(Vec<Option<u32>>),
+    /// The distinct files missed there so far (`None`: a chunk in no file, each counted), each
+    /// with the clock of its last miss.
+    Missed(Vec<(Option<u32>, u64)>),
     Due,
 }
 
@@ -139,9 +146,11 @@ impl MissCounts {
         self.file_after = after;
     }
 
-    /// Stretches due after misses in `after` distinct files (0: never).
-    pub fn set_stretch_after(&mut self, after: u32) {
+    /// Stretches due after misses in `after` distinct files (0: never), or in two within
+    /// `within` stretch misses of each other (0: not that way).
+    pub fn set_stretch_after(&mut self, after: u32, within: u32) {
         self.stretch_after = after;
+        self.stretch_within = within;
     }
 
     /// A miss of a chunk of `file` (if it is in one) stored in `stretch` (if counted): the file
@@ -163,12 +172,16 @@ impl MissCounts {
             }
         }
         if let (Some(s), true) = (stretch, self.stretch_after > 0) {
+            self.clock += 1;
+            let (now, within) = (self.clock, u64::from(self.stretch_within));
             let entry = self.stretches.entry(s).or_insert_with(|| Stretch::Missed(Vec::new()));
             if let Stretch::Missed(seen) = entry {
-                if file.is_none() || !seen.contains(&file) {
-                    seen.push(file);
+                match seen.iter_mut().find(|(f, _)| f.is_some() && *f == file) {
+                    Some(again) => again.1 = now,
+                    None => seen.push((file, now)),
                 }
-                if seen.len() >= self.stretch_after as usize {
+                let close = within > 0 && seen.iter().filter(|&&(_, at)| now - at < within).count() >= 2;
+                if seen.len() >= self.stretch_after as usize || close {
                     *entry = Stretch::Due;
                     due.1 = Some(s);
                 }
@@ -248,6 +261,37 @@ mod tests {
         assert_eq!(m.chunks(1).len(), 3);
         assert_eq!((m.file_of(a), m.file_of(c)), (Some(0), Some(1)));
         assert_eq!(m.bytes(1), 2 * one + 100);
+    }
+
+    #[test]
+    fn two_files_missed_close_together_make_a_stretch_due() {
+        let mut m = MissCounts::new(0, 3);
+        m.set_stretch_after(3, 4);
+        let s = Some((0, 1));
+        // Files 1 and 2 missed five stretch misses apart (misses of other stretches between):
+        // too far apart to make it due by themselves.
+        assert_eq!(m.miss(Some(1), s), (None, None));
+        for other in 10..14 {
+            assert_eq!(m.miss(None, Some((0, other))), (None, None));
+        }
+        assert_eq!(m.miss(Some(2), s), (None, None), "file 1's miss is not within four");
+        // A third file makes it due whenever it comes (the rule of three).
+        for other in 20..30 {
+            assert_eq!(m.miss(None, Some((0, other))), (None, None));
+        }
+        assert_eq!(m.miss(Some(3), s), (None, Some((0, 1))));
+        // Two files three misses apart: due at the second. A file missed again counts from its
+        // last miss: 4, then 4 again, then 5 four misses after 4's first and two after its second.
+        let t = Some((2, 0));
+        assert_eq!(m.miss(Some(4), t), (None, None));
+        assert_eq!(m.miss(None, Some((2, 5))), (None, None));
+        assert_eq!(m.miss(Some(4), t), (None, None));
+        assert_eq!(m.miss(None, Some((2, 6))), (None, None));
+        assert_eq!(m.miss(Some(5), t), (None, Some((2, 0))));
+        // Off (0), two files close together are not enough.
+        let mut three = MissCounts::new(0, 3);
+        assert_eq!(three.miss(Some(1), s), (None, None));
+        assert_eq!(three.miss(Some(2), s), (None, None));
     }
 
     #[test]

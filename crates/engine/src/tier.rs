@@ -767,8 +767,10 @@ impl<S: ChunkSource + 'static> MemTier<S> {
     /// in tree order, so a stretch holds files of one directory, and a program start that reads
     /// several of them one after another (python's imports: 177 files, most of them small
     /// modules in a few directories) pays a round trip for each that no pack window foresaw.
-    /// Remote stores; 0 turns it off.
-    pub fn with_dense_stretches(mut self, after: u32, bytes: u64) -> Self {
+    /// The misses count together only within `within` stretch misses of each other (0: any
+    /// time): a reader of random files comes back to a stretch now and then, a start reads one
+    /// file after another. Remote stores; 0 turns it off.
+    pub fn with_dense_stretches(mut self, after: u32, bytes: u64, within: u32) -> Self {
         let bytes = bytes.min(self.core.capacity / 8);
         let on = after > 0 && bytes > 0;
         if on && self.order.is_none() {
@@ -777,11 +779,8 @@ impl<S: ChunkSource + 'static> MemTier<S> {
         }
         if let Some(rules) = self.miss_rules(on) {
             rules.stretch_bytes = if on { bytes } else { 0 };
-            rules.counts.get_mut().unwrap_or_else(|p| p.into_inner()).set_stretch_after(if on {
-                after
-            } else {
-                0
-            });
+            let counts = rules.counts.get_mut().unwrap_or_else(|p| p.into_inner());
+            counts.set_stretch_after(if on { after } else { 0 }, within);
         }
         self
     }
