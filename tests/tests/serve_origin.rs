@@ -855,8 +855,9 @@ fn a_file_read_at_random_is_fetched_whole_after_its_misses() -> Result<()> {
 
 /// Small files of one directory read one after another, as an interpreter imports its
 /// modules: once reads of `--stretch-after` distinct files stored in one stretch of a pack
-/// missed and went to the origin, the rest of the stretch is fetched in the background (each
-/// byte once), and reads of its other files fetch nothing; with 0 only what was read is fetched.
+/// missed and went to the origin (or of two, within `--stretch-within` misses of each other),
+/// the rest of the stretch is fetched in the background (each byte once), and reads of its other
+/// files fetch nothing; with 0 only what was read is fetched.
 #[test]
 fn files_stored_near_several_missed_ones_are_fetched_with_their_stretch() -> Result<()> {
     use tessera_image::{ChunkId, ImageEntry, ImageRecord, PackIndexBlob};
@@ -896,12 +897,13 @@ fn files_stored_near_several_missed_ones_are_fetched_with_their_stretch() -> Res
     let origin = Nginx::serve(&store, "store")?;
     let url = origin.url();
     let socket = t.path().join("vm.sock");
-    for (after, whole) in [("3", true), ("0", false)] {
+    // (--stretch-after, --stretch-within, the read that makes the stretch due: none with 0)
+    for (after, within, due_at) in [("3", "0", Some(3)), ("3", "10", Some(2)), ("0", "10", None)] {
         let _ = fs::remove_file(&socket);
         let mut cmd = tessera::command(["serve", "demo", "--read-only", "--store", url.as_str()]);
         // No readahead within a file, no pack window, no whole files: misses and stretches only.
         cmd.args(["--readahead", "0", "--pack-readahead", "0", "--whole-file-after", "0"]);
-        cmd.args(["--stretch-after", after, "--stretch-size", "128K"]);
+        cmd.args(["--stretch-after", after, "--stretch-within", within, "--stretch-size", "128K"]);
         let (child, addr) = tessera_e2e::metrics::spawn_with_metrics(cmd.arg("--socket").arg(&socket))?;
         let child = Killed(child);
         let mut c = BlkClient::connect(&socket, 1, true)?;
@@ -918,14 +920,18 @@ fn files_stored_near_several_missed_ones_are_fetched_with_their_stretch() -> Res
         }
         let queued = tessera_e2e::metrics::scrape(&addr)?
             .value("tessera_prefetch_queued_chunks_total", &[("reason", "stretch")])?;
-        if whole {
+        if let Some(k) = due_at {
             let gets = wait_for_ranged(&origin, mark, stored(&near));
             ensure!(
                 ranged_bytes(&gets) == stored(&near),
                 "the stretch's files {near:?}, each byte once: {gets:?}"
             );
             ensure!(disjoint(&gets), "a byte fetched twice: {gets:?}");
-            ensure!(queued == (near.len() - 3) as f64, "the stretch's other files queued once: {queued}");
+            ensure!(
+                queued == (near.len() - k) as f64,
+                "--stretch-after {after} --stretch-within {within}: the stretch's other files queued \
+                 once at read {k}: {queued}"
+            );
             let before = origin.access_log().lines().count();
             for &i in &near {
                 read(&mut c, i)?;

@@ -767,9 +767,10 @@ impl<S: ChunkSource + 'static> MemTier<S> {
     /// in tree order, so a stretch holds files of one directory, and a program start that reads
     /// several of them one after another (python's imports: 177 files, most of them small
     /// modules in a few directories) pays a round trip for each that no pack window foresaw.
-    /// The misses count together only within `within` stretch misses of each other (0: any
-    /// time): a reader of random files comes back to a stretch now and then, a start reads one
-    /// file after another. Remote stores; 0 turns it off.
+    /// Reads of two of its files missing within `within` stretch misses of each other also make
+    /// a stretch due (0: only the rule of `after`): a start reads a directory's modules one after
+    /// another, where a reader of random files comes back to a stretch now and then. Remote
+    /// stores; `after` 0 turns stretches off.
     pub fn with_dense_stretches(mut self, after: u32, bytes: u64, within: u32) -> Self {
         let bytes = bytes.min(self.core.capacity / 8);
         let on = after > 0 && bytes > 0;
