@@ -207,10 +207,14 @@ impl ChunkPlace {
     }
 }
 
+/// Where a fetch hands each chunk's outcome (the chunk's position in the batch) as soon as it is
+/// known ([`ChunkFetcher::start_handing_over`]).
+pub type Arrived<'a> = dyn FnMut(usize, FetchResult) + 'a;
+
 /// Fetch chunks `indexes` (a batch stored back to back in one pack, or a single chunk) into
-/// memory, one outcome per chunk in order; `background[i]`: chunk `i` is for readahead or
-/// prefetch (no guest read asked for it).
-type FetchFn = dyn Fn(&[u32], &[bool]) -> Vec<FetchResult> + Send + Sync;
+/// memory, handing each chunk's outcome over as it is known; `background[i]`: chunk `i` is for
+/// readahead or prefetch (no guest read asked for it).
+type FetchFn = dyn Fn(&[u32], &[bool], &mut Arrived<'_>) + Send + Sync;
 type PlaceFn = dyn Fn(u32) -> Option<ChunkPlace> + Send + Sync;
 type RangesFn = dyn Fn() -> usize + Send + Sync;
 
@@ -337,6 +341,25 @@ impl ChunkFetcher {
     pub fn start_in_order(
         limits: FetchLimits,
         fetch: impl Fn(&[u32], &[bool]) -> Vec<FetchResult> + Send + Sync + 'static,
+        place: impl Fn(u32) -> Option<ChunkPlace> + Send + Sync + 'static,
+        order: Option<Arc<PackOrder>>,
+    ) -> std::io::Result<Self> {
+        let each = move |chunks: &[u32], background: &[bool], arrived: &mut Arrived<'_>| {
+            for (k, outcome) in fetch(chunks, background).into_iter().enumerate() {
+                arrived(k, outcome);
+            }
+        };
+        Self::start_handing_over(limits, each, place, order)
+    }
+
+    /// [`Self::start_in_order`] with a fetch that hands each chunk's outcome to `arrived` (its
+    /// position in the batch) as soon as it is known — each once, in any order; a chunk it never
+    /// hands over fails. The chunk's waiters are told at once: a read waiting for the first
+    /// chunk of a long batch (a readahead window it caught up with) goes on while the rest of
+    /// the batch is on the wire.
+    pub fn start_handing_over(
+        limits: FetchLimits,
+        fetch: impl Fn(&[u32], &[bool], &mut Arrived<'_>) + Send + Sync + 'static,
         place: impl Fn(u32) -> Option<ChunkPlace> + Send + Sync + 'static,
         order: Option<Arc<PackOrder>>,
     ) -> std::io::Result<Self> {
@@ -818,52 +841,19 @@ impl Shared {
         self.stats.background.fetch_add(quiet_chunks, Ordering::Relaxed);
         self.stats.demand.fetch_add(batch.len() as u64 - quiet_chunks, Ordering::Relaxed);
         trace!(first = batch[0], chunks = batch.len(), background, "chunk fetch");
-        let mut results = (self.fetch)(&batch, &quiet).into_iter();
-        let results: Vec<FetchResult> = batch
-            .iter()
-            .zip(&quiet)
-            .map(|(&c, &quiet)| {
-                let r = results.next().unwrap_or_else(|| Err(Arc::new(no_outcome())));
-                if let Err(e) = &r {
-                    if quiet {
-                        // Nobody may be waiting; a demand read of the chunk tries again.
-                        warn!(
-                            chunk = c,
-                            error = &**e as &dyn std::error::Error,
-                            "background chunk fetch failed"
-                        );
-                    }
-                }
-                r
-            })
-            .collect();
+        let mut told = vec![false; batch.len()];
+        (self.fetch)(&batch, &quiet, &mut |k, result| {
+            if told.get(k) == Some(&false) {
+                told[k] = true;
+                self.arrived(batch[k], quiet[k], &result);
+            }
+        });
         let mut st = lock(&self.state);
         st.running -= 1;
         st.finishing += 1;
         if background {
             st.running_background -= 1;
         }
-        let memory = self.limits.failure_memory;
-        if !memory.is_zero() {
-            let mut now = None;
-            for (&c, r) in batch.iter().zip(&results) {
-                if let Err(e) = r {
-                    if failure_of_the_chunk(e) {
-                        let now = *now.get_or_insert_with(Instant::now);
-                        if st.failed.len() >= MAX_REMEMBERED_FAILURES {
-                            st.failed.retain(|_, (until, _)| now < *until);
-                        }
-                        if let Some(until) = now.checked_add(memory) {
-                            if st.failed.len() < MAX_REMEMBERED_FAILURES {
-                                st.failed.insert(c, (until, Arc::clone(e)));
-                            }
-                        }
-                    }
-                }
-            }
-        }
-        let waiters: Vec<Vec<Arc<Waiter>>> =
-            batch.iter().map(|c| st.entries.remove(c).map(|e| e.waiters).unwrap_or_default()).collect();
         // This thread goes on with the queues itself; one more may now proceed (a background
         // slot freed while this thread takes demand work).
         let wake = st.idle > st.woken && (!st.queues[1].is_empty() || !st.queues[2].is_empty());
@@ -874,15 +864,44 @@ impl Shared {
         if wake {
             self.wake.notify_one();
         }
-        for (waiters, result) in waiters.into_iter().zip(&results) {
-            for w in waiters {
-                w.arrived(result);
-            }
+        for (k, _) in told.iter().enumerate().filter(|(_, &told)| !told) {
+            self.arrived(batch[k], quiet[k], &Err(Arc::new(no_outcome())));
         }
         let mut st = lock(&self.state);
         st.finishing -= 1;
         st.woken = st.woken.saturating_sub(1);
         st
+    }
+
+    /// Chunk `c`'s fetch is over (`quiet`: a background chunk): a failure of its own is
+    /// remembered ([`FetchLimits::failure_memory`]), and its waiters are told.
+    fn arrived(&self, c: u32, quiet: bool, result: &FetchResult) {
+        if let Err(e) = result {
+            if quiet {
+                // Nobody may be waiting; a demand read of the chunk tries again.
+                warn!(chunk = c, error = &**e as &dyn std::error::Error, "background chunk fetch failed");
+            }
+        }
+        let mut st = lock(&self.state);
+        let memory = self.limits.failure_memory;
+        if let Err(e) = result {
+            if !memory.is_zero() && failure_of_the_chunk(e) {
+                let now = Instant::now();
+                if st.failed.len() >= MAX_REMEMBERED_FAILURES {
+                    st.failed.retain(|_, (until, _)| now < *until);
+                }
+                if let Some(until) = now.checked_add(memory) {
+                    if st.failed.len() < MAX_REMEMBERED_FAILURES {
+                        st.failed.insert(c, (until, Arc::clone(e)));
+                    }
+                }
+            }
+        }
+        let waiters = st.entries.remove(&c).map(|e| e.waiters).unwrap_or_default();
+        drop(st);
+        for w in waiters {
+            w.arrived(result);
+        }
     }
 }
 
@@ -1531,5 +1550,57 @@ mod tests {
         // Demand first (2, 3 together); then the prefetch run 1, and 4 (the stale copies of 2 and
         // 3 between them are skipped, and 1 and 4 are not back to back).
         assert_eq!(*log.lock().unwrap(), vec![vec![2, 3], vec![1], vec![4]]);
+    }
+
+    /// A read waiting for a chunk of a batch already on the wire (a readahead window it caught
+    /// up with) is told when that chunk arrives, not when the whole batch does; a read waiting
+    /// for a later chunk of the batch still waits for it.
+    #[test]
+    fn waiters_are_told_as_their_chunks_arrive_not_when_the_batch_ends() {
+        // Chunks 0..4 stored back to back; the fetch hands over chunk 0 at stage 1 and the rest
+        // at stage 2, and says which batch it started.
+        let stage = Arc::new((Mutex::new(0u32), Condvar::new()));
+        let (started_tx, started) = mpsc::channel();
+        let gate = Arc::clone(&stage);
+        let wait_for = move |n: u32| {
+            let (m, cv) = &*gate;
+            let deadline = Instant::now() + Duration::from_secs(10);
+            let mut at = m.lock().unwrap();
+            while *at < n && Instant::now() < deadline {
+                at = cv.wait_timeout(at, Duration::from_millis(50)).unwrap().0;
+            }
+        };
+        let limits = FetchLimits { batch_bytes: 1 << 20, ..FetchLimits::new(2) };
+        let f = ChunkFetcher::start_handing_over(
+            limits,
+            move |chunks: &[u32], _: &[bool], arrived: &mut Arrived<'_>| {
+                let _ = started_tx.send(chunks.to_vec());
+                wait_for(1);
+                arrived(0, Ok(()));
+                wait_for(2);
+                (1..chunks.len()).for_each(|k| arrived(k, Ok(())));
+            },
+            |c| Some(ChunkPlace { pack: 0, offset: u64::from(c) * 1000, stored_len: 1000 }),
+            None,
+        )
+        .unwrap();
+        let go = |n: u32| {
+            *stage.0.lock().unwrap() = n;
+            stage.1.notify_all();
+        };
+        f.fetch(&[0, 1, 2, 3], Priority::Readahead, None);
+        assert_eq!(started.recv_timeout(Duration::from_secs(10)).unwrap(), [0, 1, 2, 3], "one batch");
+        let (first, first_rx) = done_channel();
+        let (last, last_rx) = done_channel();
+        f.fetch(&[0], Priority::Demand, Some(first));
+        f.fetch(&[3], Priority::Demand, Some(last));
+        assert_eq!(f.stats().behind_background.load(Ordering::Relaxed), 2);
+        go(1);
+        assert!(first_rx.recv_timeout(Duration::from_secs(10)).unwrap().is_ok(), "told as chunk 0 arrived");
+        std::thread::sleep(Duration::from_millis(50)); // time for a wrong early answer to show
+        assert!(last_rx.try_recv().is_err(), "chunk 3 has not arrived");
+        go(2);
+        assert!(last_rx.recv_timeout(Duration::from_secs(10)).unwrap().is_ok());
+        assert!(started.try_recv().is_err(), "nothing fetched twice");
     }
 }

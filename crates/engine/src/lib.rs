@@ -48,7 +48,7 @@ pub use device::{BlockDevice, BufSink, Sink};
 pub use error::{Chain, ReadError, SinkError, StartError};
 pub use export::{export_raw, ExportError, ExportOptions, ExportProgress, ExportStats};
 pub use fetcher::{
-    ChunkFetcher, ChunkPlace, FetchDone, FetchLimits, FetchResult, FetcherStats, Job, Priority,
+    Arrived, ChunkFetcher, ChunkPlace, FetchDone, FetchLimits, FetchResult, FetcherStats, Job, Priority,
     DEFAULT_BATCH_BYTES, DEFAULT_LOCAL_FETCH_JOBS, DEFAULT_REMOTE_FETCH_JOBS, PREFETCH_BATCH_BYTES,
 };
 pub use hugebuf::ChunkBuf;

@@ -20,7 +20,7 @@ use tessera_store::{ChunkSource, ImageReader, Piece, StoreError, Visit};
 
 use crate::device::{BlockDevice, BufSink, Sink};
 use crate::error::{ReadError, StartError};
-use crate::fetcher::{ChunkFetcher, ChunkPlace, FetchDone, FetchLimits, FetchResult, FetcherStats, Priority};
+use crate::fetcher::{Arrived, ChunkFetcher, ChunkPlace, FetchDone, FetchLimits, FetcherStats, Priority};
 use crate::files::{FileMap, MissCounts};
 use crate::hugebuf::ChunkBuf;
 use crate::packorder::PackOrder;
@@ -402,40 +402,41 @@ impl<S: ChunkSource + 'static> Core<S> {
     }
 
     /// The chunks `indexes` (stored back to back in one pack: the fetcher's batch) fetched into
-    /// memory with one request for those missing; one outcome per chunk; `background[i]`:
-    /// chunk `i` is for readahead or prefetch.
-    fn fill_batch(&self, indexes: &[u32], background: &[bool]) -> Vec<FetchResult> {
+    /// memory with one request for those missing, each outcome handed to `arrived` as soon as
+    /// the chunk is in memory (a read waiting for the head of a long batch goes on while the rest
+    /// is on the wire); `background[i]`: chunk `i` is for readahead or prefetch.
+    fn fill_batch(&self, indexes: &[u32], background: &[bool], arrived: &mut Arrived<'_>) {
         let quiet = |k: usize| background.get(k).copied().unwrap_or(false);
         if let [index] = indexes {
             // Through the origin's join: reads of adjacent chunks queued a moment apart (a burst
             // of cold guest reads) still share a request there.
-            return vec![self.fill(*index, quiet(0)).map(|_| ())];
+            arrived(0, self.fill(*index, quiet(0)).map(|_| ()));
+            return;
         }
         // Counted as lookups, as a single fill is (one that arrived meanwhile is a hit).
-        let missing: Vec<(u32, bool)> = indexes
-            .iter()
-            .enumerate()
-            .filter(|&(_, &c)| self.cached(c).is_none())
-            .map(|(k, &c)| (c, quiet(k)))
-            .collect();
-        let wanted: Vec<u32> = missing.iter().map(|m| m.0).collect();
-        let mut fetched: Vec<(u32, FetchResult)> = Vec::with_capacity(missing.len());
-        for (&(index, quiet), data) in missing.iter().zip(self.reader.fetch_chunks(&wanted)) {
+        let mut missing: Vec<usize> = Vec::with_capacity(indexes.len());
+        for (k, &c) in indexes.iter().enumerate() {
+            if self.cached(c).is_some() {
+                arrived(k, Ok(()));
+            } else {
+                missing.push(k);
+            }
+        }
+        let wanted: Vec<u32> = missing.iter().map(|&k| indexes[k]).collect();
+        self.reader.fetch_chunks(&wanted, &mut |m, data| {
+            let Some(&k) = missing.get(m) else { return };
+            let index = indexes[k];
             // Inserted only if absent, through moka's per-key initialisation (which `fill` shares):
             // a copy in memory is never replaced, so its slot always holds what moka holds.
             let outcome = data.map(|data| {
-                let chunk = self.admit(index, data, quiet);
+                let chunk = self.admit(index, data, quiet(k));
                 self.cache.entry(index).or_insert_with(|| {
                     self.keep(index, &chunk);
                     chunk
                 });
             });
-            fetched.push((index, outcome));
-        }
-        indexes
-            .iter()
-            .map(|c| fetched.iter().find(|(i, _)| i == c).map_or(Ok(()), |(_, r)| r.clone()))
-            .collect()
+            arrived(k, outcome);
+        });
     }
 
     /// A chunk just fetched, counted (and flagged when a background fetch brought it), ready to
@@ -592,9 +593,9 @@ impl<S: ChunkSource + 'static> MemTier<S> {
         });
         let order = batched.then(|| Arc::new(PackOrder::new(chunks, |c| core.place(c))));
         let (fetch_core, place_core) = (Arc::clone(&core), Arc::clone(&core));
-        let fetcher = ChunkFetcher::start_in_order(
+        let fetcher = ChunkFetcher::start_handing_over(
             limits,
-            move |chunks, background| fetch_core.fill_batch(chunks, background),
+            move |chunks, background, arrived| fetch_core.fill_batch(chunks, background, arrived),
             move |c| place_core.place(c),
             order.clone(),
         )

@@ -291,7 +291,7 @@ fn warm_run<O: Origin>(store: &CachedStore<O>, run: &[&Target]) -> Vec<Result<Ou
         let fetched = cache.fetch_chunks_decoded(&pack, &members, |wanted| {
             let ranges: Vec<(u64, u32)> =
                 wanted.iter().map(|&w| (members[w].1.offset, members[w].1.stored_len)).collect();
-            origin.read_stored_many(&pack, &ranges)
+            tessera_store::read_all(origin, &pack, &ranges)
         });
         match fetched {
             Ok(stored) => {

@@ -89,7 +89,7 @@ pub use reader::{
 pub use reference::{RefImage, DEFAULT_SPAN_CACHE};
 pub use refs::{RefLengths, RefParts, RefText};
 pub use registry_gc::collect_registry;
-pub use source::{ChunkSource, RangeSink, SourcedChunk};
+pub use source::{not_handed_over, read_all, ChunkGot, ChunkSource, RangeGot, RangeSink, SourcedChunk};
 pub use tessera_registry::PushOptions;
 pub use tessera_transport::HttpVersion;
 /// An origin's request counters (the same meaning for HTTP and registry stores).

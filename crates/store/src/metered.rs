@@ -7,7 +7,7 @@ use tessera_metrics::{Tier, TierMetrics};
 use tracing::debug_span;
 
 use crate::error::StoreError;
-use crate::source::{ChunkSource, RangeSink};
+use crate::source::{ChunkSource, RangeGot, RangeSink};
 
 /// Counts every `read_stored` of `inner` as a hit (bytes, latency) or an error of one tier, and
 /// wraps it in a debug span (`chunk_read`, with the tier, pack, offset and length).
@@ -62,19 +62,25 @@ impl<S: ChunkSource> ChunkSource for Metered<S> {
 
     /// Forwarded whole (a remote source fetches near ranges in one request, far ones in
     /// parallel: the default one-by-one loop would make a batch serial), each range counted as
-    /// one read that took the whole call.
+    /// one read that took until it was handed over; the ranges an error left without bytes, as
+    /// errors.
     fn read_stored_many(
         &self,
         pack: &Sha256Digest,
         ranges: &[(u64, u32)],
-    ) -> Result<Vec<Vec<u8>>, StoreError> {
+        got: &mut RangeGot<'_>,
+    ) -> Result<(), StoreError> {
         let _span =
             debug_span!("chunk_reads", tier = self.tier.label(), %pack, ranges = ranges.len()).entered();
         let start = Instant::now();
-        let result = self.inner.read_stored_many(pack, ranges);
-        match &result {
-            Ok(all) => all.iter().for_each(|bytes| self.metrics.hit(bytes.len() as u64, start.elapsed())),
-            Err(_) => ranges.iter().for_each(|_| self.metrics.error(start.elapsed())),
+        let mut handed = 0;
+        let result = self.inner.read_stored_many(pack, ranges, &mut |i, bytes| {
+            self.metrics.hit(bytes.len() as u64, start.elapsed());
+            handed += 1;
+            got(i, bytes);
+        });
+        if result.is_err() {
+            (handed..ranges.len()).for_each(|_| self.metrics.error(start.elapsed()));
         }
         result
     }
@@ -140,9 +146,11 @@ mod tests {
             &self,
             _: &Sha256Digest,
             ranges: &[(u64, u32)],
-        ) -> Result<Vec<Vec<u8>>, StoreError> {
+            got: &mut RangeGot<'_>,
+        ) -> Result<(), StoreError> {
             self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            Ok(ranges.iter().map(|&(_, len)| vec![1; len as usize]).collect())
+            ranges.iter().enumerate().for_each(|(i, &(_, len))| got(i, vec![1; len as usize]));
+            Ok(())
         }
     }
 
@@ -150,7 +158,7 @@ mod tests {
     fn a_batch_is_forwarded_whole_and_counted_per_range() {
         let m = tessera_metrics::Metrics::new();
         let s = Metered::new(Batched(Default::default()), Tier::Origin, &m);
-        let got = s.read_stored_many(&Sha256Digest::of(b"pack"), &[(0, 10), (10, 20), (40, 5)]).unwrap();
+        let got = crate::read_all(&s, &Sha256Digest::of(b"pack"), &[(0, 10), (10, 20), (40, 5)]).unwrap();
         assert_eq!(got.iter().map(Vec::len).collect::<Vec<_>>(), [10, 20, 5]);
         assert_eq!(s.inner().0.load(std::sync::atomic::Ordering::Relaxed), 1, "one call underneath");
         let origin = m.tiers.of(Tier::Origin);

@@ -767,14 +767,11 @@ impl<S: ChunkSource + 'static> ImageReader<S> {
                 wanted.into_iter().filter(|&i| !cache.contains(i)).collect()
             };
             if missing.len() > 1 {
-                let results = self.fetch_chunks(&missing);
                 let (mut fetched, mut failed) = (Vec::with_capacity(missing.len()), None);
-                for (i, data) in missing.into_iter().zip(results) {
-                    match data {
-                        Ok(data) => fetched.push((i, data)),
-                        Err(e) => drop(failed.get_or_insert(e)),
-                    }
-                }
+                self.fetch_chunks(&missing, &mut |k, data| match data {
+                    Ok(data) => fetched.push((missing[k], data)),
+                    Err(e) => drop(failed.get_or_insert(e)),
+                });
                 if let Some(e) = failed {
                     // The other holders of a shared error are gone: it is ours again.
                     return Err(unshare(e));
@@ -870,21 +867,29 @@ impl<S: ChunkSource + 'static> ImageReader<S> {
 
     /// Fetch, decompress and verify the chunks `indexes` (bypassing the cache), asking the
     /// source for the chunks of each pack in one call ([`ChunkSource::read_chunks`]: a disk cache
-    /// hands over the data its checks decoded, nothing is decoded twice).
-    /// One outcome per chunk, in the order asked: a request that failed fails the chunks of its
-    /// pack (they share the error), a chunk failing verification is fetched once more, as in
+    /// hands over the data its checks decoded, nothing is decoded twice). Each chunk's outcome
+    /// goes to `got` (with its position in `indexes`) as soon as it is known, each once, in any
+    /// order: a chunk at the head of a long request is verified and handed over while the rest
+    /// is on the wire. A request that fails fails the chunks of its pack not handed over by then
+    /// (they share the error); a chunk failing verification is fetched once more, as in
     /// [`Self::fetch_chunk`], and fails alone.
-    pub fn fetch_chunks(&self, indexes: &[u32]) -> Vec<Result<Vec<u8>, Arc<StoreError>>> {
+    pub fn fetch_chunks(
+        &self,
+        indexes: &[u32],
+        got: &mut dyn FnMut(usize, Result<Vec<u8>, Arc<StoreError>>),
+    ) {
         if self.image.reference().is_some() {
             // Chunks of one span share its fetch through the span cache.
-            return indexes.iter().map(|&i| self.fetch_chunk(i).map_err(Arc::new)).collect();
+            for (k, &i) in indexes.iter().enumerate() {
+                got(k, self.fetch_chunk(i).map_err(Arc::new));
+            }
+            return;
         }
-        let mut out: Vec<Option<Result<Vec<u8>, Arc<StoreError>>>> = vec![None; indexes.len()];
         let mut located = Vec::with_capacity(indexes.len());
         for (k, &i) in indexes.iter().enumerate() {
             match self.locate(i) {
                 Ok(place) => located.push((k, place)),
-                Err(e) => out[k] = Some(Err(Arc::new(e))),
+                Err(e) => got(k, Err(Arc::new(e))),
             }
         }
         let mut packs: Vec<Sha256Digest> = located.iter().map(|(_, (_, p, _))| *p).collect();
@@ -896,38 +901,30 @@ impl<S: ChunkSource + 'static> ImageReader<S> {
             let chunks: Vec<(ChunkRef, PackLocation)> =
                 members.iter().map(|(_, (chunk, _, loc))| (*chunk, *loc)).collect();
             trace!(%pack, chunks = chunks.len(), "fetch chunks");
-            let stored = self.source.read_chunks(&pack, &chunks).and_then(|stored| {
-                if stored.len() == members.len() {
-                    Ok(stored)
-                } else {
-                    Err(inconsistent(&self.image.id, "the source returned the wrong number of ranges".into()))
+            let mut handed = vec![false; members.len()];
+            let read = self.source.read_chunks(&pack, &chunks, &mut |m, sourced| {
+                let Some(&&(k, (ref chunk, ref pack, ref loc))) = members.get(m) else { return };
+                if std::mem::replace(&mut handed[m], true) {
+                    return;
+                }
+                let first = match sourced {
+                    SourcedChunk::Verified(data) => Ok(data),
+                    SourcedChunk::Stored(bytes) => decode_stored_chunk(chunk, pack, loc, &bytes),
+                };
+                got(k, self.refetch_if_corrupt(indexes[k], first).map_err(Arc::new));
+            });
+            let e = Arc::new(match read {
+                Err(e) => e,
+                Ok(()) => {
+                    inconsistent(&self.image.id, "the source handed over fewer chunks than asked".into())
                 }
             });
-            match stored {
-                Ok(stored) => {
-                    for (&&(k, (ref chunk, ref pack, ref loc)), got) in members.iter().zip(stored) {
-                        let first = match got {
-                            SourcedChunk::Verified(data) => Ok(data),
-                            SourcedChunk::Stored(bytes) => decode_stored_chunk(chunk, pack, loc, &bytes),
-                        };
-                        out[k] = Some(self.refetch_if_corrupt(indexes[k], first).map_err(Arc::new));
-                    }
-                }
-                Err(e) => {
-                    let e = Arc::new(e);
-                    for &&(k, _) in &members {
-                        out[k] = Some(Err(Arc::clone(&e)));
-                    }
+            for (&&(k, _), handed) in members.iter().zip(&handed) {
+                if !handed {
+                    got(k, Err(Arc::clone(&e)));
                 }
             }
         }
-        out.into_iter()
-            .map(|c| {
-                c.unwrap_or_else(|| {
-                    Err(Arc::new(inconsistent(&self.image.id, "a chunk was not fetched".into())))
-                })
-            })
-            .collect()
     }
 
     fn locate(&self, index: u32) -> Result<(ChunkRef, Sha256Digest, PackLocation), StoreError> {

@@ -10,6 +10,40 @@ use crate::error::StoreError;
 /// stops the read and is its result.
 pub type RangeSink<'a> = dyn FnMut(&[u8]) -> Result<(), StoreError> + 'a;
 
+/// Where [`ChunkSource::read_stored_many`] hands each range (its index among those asked, its
+/// bytes) once it is all here.
+pub type RangeGot<'a> = dyn FnMut(usize, Vec<u8>) + 'a;
+
+/// Where [`ChunkSource::read_chunks`] hands each chunk (its index among those asked) once it is
+/// here.
+pub type ChunkGot<'a> = dyn FnMut(usize, SourcedChunk) + 'a;
+
+/// Ranges `ranges` of pack `pack` read with [`ChunkSource::read_stored_many`], in the order
+/// asked.
+pub fn read_all<S: ChunkSource + ?Sized>(
+    source: &S,
+    pack: &Sha256Digest,
+    ranges: &[(u64, u32)],
+) -> Result<Vec<Vec<u8>>, StoreError> {
+    let mut out: Vec<Option<Vec<u8>>> = vec![None; ranges.len()];
+    source.read_stored_many(pack, ranges, &mut |i, bytes| {
+        if let Some(slot) = out.get_mut(i) {
+            *slot = Some(bytes);
+        }
+    })?;
+    out.into_iter().map(|bytes| bytes.ok_or_else(not_handed_over)).collect()
+}
+
+/// A range or chunk a source's read ended without handing over, and without an error: an error
+/// of the source, never a silent gap.
+pub fn not_handed_over() -> StoreError {
+    StoreError::Io {
+        op: "ranged read",
+        path: Default::default(),
+        source: std::io::Error::other("the source handed over no bytes for this range"),
+    }
+}
+
 /// A chunk as [`ChunkSource::read_chunks`] hands it over.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SourcedChunk {
@@ -44,28 +78,39 @@ pub trait ChunkSource: Send + Sync {
         sink(&self.read_stored(pack, offset, len)?)
     }
 
-    /// Read several ranges `(offset, len)` of pack `pack`, returned in the order asked. A remote
-    /// source overrides it to fetch near ranges in one request; the default reads them one by
-    /// one.
+    /// Read several ranges `(offset, len)` of pack `pack`, handing each to `got` (with its index
+    /// in `ranges`) as soon as all its bytes are here: each once, in any order (a remote source
+    /// hands over the ranges at the head of a request's answer while the rest is on the wire, so
+    /// a read waiting for one of them need not wait for the whole answer). An error ends the
+    /// read: the ranges not handed over by then failed with it. A remote source overrides it to
+    /// fetch near ranges in one request; the default reads them one by one. [`read_all`] collects
+    /// them in the order asked.
     fn read_stored_many(
         &self,
         pack: &Sha256Digest,
         ranges: &[(u64, u32)],
-    ) -> Result<Vec<Vec<u8>>, StoreError> {
-        ranges.iter().map(|&(offset, len)| self.read_stored(pack, offset, len)).collect()
+        got: &mut RangeGot<'_>,
+    ) -> Result<(), StoreError> {
+        for (i, &(offset, len)) in ranges.iter().enumerate() {
+            got(i, self.read_stored(pack, offset, len)?);
+        }
+        Ok(())
     }
 
-    /// Chunks `members` of pack `pack` (each stored at its location), in the order asked. The
-    /// default reads their ranges with [`Self::read_stored_many`]; a source that decodes what it
-    /// hands over anyway (the disk cache) gives the decoded data, so the reader does not decode
-    /// it a second time.
+    /// Chunks `members` of pack `pack` (each stored at its location), each handed to `got` (with
+    /// its index in `members`) as soon as it is here, as [`Self::read_stored_many`] hands over
+    /// ranges: each once, in any order; an error ends the read and fails the chunks not handed
+    /// over. The default reads their ranges with [`Self::read_stored_many`]; a source that
+    /// decodes what it hands over anyway (the disk cache) gives the decoded data, so the reader
+    /// does not decode it a second time.
     fn read_chunks(
         &self,
         pack: &Sha256Digest,
         members: &[(ChunkRef, PackLocation)],
-    ) -> Result<Vec<SourcedChunk>, StoreError> {
+        got: &mut ChunkGot<'_>,
+    ) -> Result<(), StoreError> {
         let ranges: Vec<(u64, u32)> = members.iter().map(|(_, loc)| (loc.offset, loc.stored_len)).collect();
-        Ok(self.read_stored_many(pack, &ranges)?.into_iter().map(SourcedChunk::Stored).collect())
+        self.read_stored_many(pack, &ranges, &mut |i, bytes| got(i, SourcedChunk::Stored(bytes)))
     }
 
     /// Chunk `chunk`, stored at `loc` in `pack`: its stored bytes (the default reads them with
@@ -119,16 +164,18 @@ macro_rules! forward_chunk_source {
                 &self,
                 pack: &Sha256Digest,
                 ranges: &[(u64, u32)],
-            ) -> Result<Vec<Vec<u8>>, StoreError> {
-                (**self).read_stored_many(pack, ranges)
+                got: &mut RangeGot<'_>,
+            ) -> Result<(), StoreError> {
+                (**self).read_stored_many(pack, ranges, got)
             }
 
             fn read_chunks(
                 &self,
                 pack: &Sha256Digest,
                 members: &[(ChunkRef, PackLocation)],
-            ) -> Result<Vec<SourcedChunk>, StoreError> {
-                (**self).read_chunks(pack, members)
+                got: &mut ChunkGot<'_>,
+            ) -> Result<(), StoreError> {
+                (**self).read_chunks(pack, members, got)
             }
 
             fn read_chunk(&self, chunk: &ChunkRef, pack: &Sha256Digest, loc: &PackLocation) -> Result<SourcedChunk, StoreError> {

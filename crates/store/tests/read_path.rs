@@ -260,3 +260,55 @@ fn an_entry_naming_another_record_is_inconsistent_before_any_part_is_read() {
     // The record (its digest is the image ID) may already be on its way; nothing else is read.
     assert!(remote.blobs.load(Ordering::SeqCst) <= 1, "{} blobs read", remote.blobs.load(Ordering::SeqCst));
 }
+
+/// Hands over the last range of each call, then fails (a request cut off after its last part
+/// came in, as a source handing ranges over out of order may be).
+struct LastThenFails<S>(S);
+
+impl<S: ChunkSource> ChunkSource for LastThenFails<S> {
+    fn read_stored(&self, pack: &Sha256Digest, offset: u64, len: u32) -> Result<Vec<u8>, StoreError> {
+        self.0.read_stored(pack, offset, len)
+    }
+
+    fn read_stored_many(
+        &self,
+        pack: &Sha256Digest,
+        ranges: &[(u64, u32)],
+        got: &mut tessera_store::RangeGot<'_>,
+    ) -> Result<(), StoreError> {
+        let last = ranges.len() - 1;
+        got(last, self.0.read_stored(pack, ranges[last].0, ranges[last].1)?);
+        Err(StoreError::Io { op: "test", path: "pack".into(), source: std::io::Error::other("cut off") })
+    }
+}
+
+/// Chunks handed over before their request failed are good; the others share its error.
+#[test]
+fn chunks_handed_over_before_a_failure_keep_their_bytes_and_the_rest_fail() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = LocalStore::create_or_open(dir.path()).unwrap();
+    let img = build_image(&store, 64);
+    let image = OpenImage::open(&store, &img.id).unwrap();
+    let reader = ImageReader::new(image, LastThenFails(store.clone()));
+    let map = img.record.block_map.chunks();
+    let indexes: Vec<u32> = (0..map.len() as u32).collect();
+    let test_chunk = |i: u32| img.chunks.iter().find(|t| t.id == map[i as usize].id).unwrap();
+    // The last chunk asked of each pack is the one handed over.
+    let last_of_pack = |k: usize| {
+        let pack = test_chunk(indexes[k]).pack;
+        !indexes[k + 1..].iter().any(|&j| test_chunk(j).pack == pack)
+    };
+    let mut outcomes = vec![None; indexes.len()];
+    reader.fetch_chunks(&indexes, &mut |k, outcome| {
+        assert!(outcomes[k].replace(outcome).is_none(), "chunk {k} handed over twice");
+    });
+    let packs: std::collections::HashSet<Sha256Digest> = img.chunks.iter().map(|t| t.pack).collect();
+    assert!(packs.len() >= 2 && indexes.len() > packs.len(), "a pack of several chunks, and another");
+    for (k, outcome) in outcomes.into_iter().enumerate() {
+        match (last_of_pack(k), outcome.expect("every chunk has an outcome")) {
+            (true, Ok(data)) => assert_eq!(data, test_chunk(indexes[k]).data, "chunk {k}"),
+            (false, Err(e)) => assert!(e.to_string().contains("test"), "chunk {k}: {e}"),
+            (last, other) => panic!("chunk {k} (last of its pack: {last}): {other:?}"),
+        }
+    }
+}

@@ -46,7 +46,7 @@ use crate::origin::http::{parse_ref, resolve_with, HttpError, HttpStore};
 type Check<'a> = dyn Fn(&[u8]) -> bool + 'a;
 use crate::read_store::ReadStore;
 use crate::reader::{decode_stored_chunk, OpenImage};
-use crate::source::{ChunkSource, RangeSink, SourcedChunk};
+use crate::source::{read_all, ChunkGot, ChunkSource, RangeGot, RangeSink, SourcedChunk};
 
 /// A chunk's stored bytes, and its data if the check of those bytes decoded it
 /// ([`DiskCache::fetch_chunks_decoded`]).
@@ -1233,21 +1233,22 @@ impl<S: ChunkSource> ChunkSource for CachedSource<S> {
         &self,
         pack: &Sha256Digest,
         members: &[(ChunkRef, PackLocation)],
-    ) -> Result<Vec<SourcedChunk>, StoreError> {
+        got: &mut ChunkGot<'_>,
+    ) -> Result<(), StoreError> {
         if self.image.reference().is_some() {
             let ranges: Vec<(u64, u32)> =
                 members.iter().map(|(_, loc)| (loc.offset, loc.stored_len)).collect();
-            return Ok(self.read_stored_many(pack, &ranges)?.into_iter().map(SourcedChunk::Stored).collect());
+            return self.read_stored_many(pack, &ranges, &mut |i, bytes| got(i, SourcedChunk::Stored(bytes)));
         }
-        let got = self.cache.fetch_chunks_decoded(pack, members, |missing| {
+        let fetched = self.cache.fetch_chunks_decoded(pack, members, |missing| {
             let wanted: Vec<(u64, u32)> =
                 missing.iter().map(|&i| (members[i].1.offset, members[i].1.stored_len)).collect();
-            self.origin.read_stored_many(pack, &wanted)
+            read_all(&self.origin, pack, &wanted)
         })?;
-        Ok(got
-            .into_iter()
-            .map(|(stored, data)| data.map_or(SourcedChunk::Stored(stored), SourcedChunk::Verified))
-            .collect())
+        for (i, (stored, data)) in fetched.into_iter().enumerate() {
+            got(i, data.map_or(SourcedChunk::Stored(stored), SourcedChunk::Verified));
+        }
+        Ok(())
     }
 
     /// The origin's: the ranges the cache lacks go to it in one call.
@@ -1268,17 +1269,23 @@ impl<S: ChunkSource> ChunkSource for CachedSource<S> {
         &self,
         pack: &Sha256Digest,
         ranges: &[(u64, u32)],
-    ) -> Result<Vec<Vec<u8>>, StoreError> {
+        got: &mut RangeGot<'_>,
+    ) -> Result<(), StoreError> {
         let members: Option<Vec<(ChunkRef, PackLocation)>> =
             ranges.iter().map(|&(offset, len)| self.chunk_at(pack, offset, len)).collect();
         let Some(members) = members else {
             debug!(%pack, ranges = ranges.len(), "ranges are not all chunks of the image; read one by one");
-            return ranges.iter().map(|&(offset, len)| self.read_stored(pack, offset, len)).collect();
+            for (i, &(offset, len)) in ranges.iter().enumerate() {
+                got(i, self.read_stored(pack, offset, len)?);
+            }
+            return Ok(());
         };
-        self.cache.fetch_chunks(pack, &members, |missing| {
+        let fetched = self.cache.fetch_chunks(pack, &members, |missing| {
             let wanted: Vec<(u64, u32)> = missing.iter().map(|&i| ranges[i]).collect();
-            self.origin.read_stored_many(pack, &wanted)
-        })
+            read_all(&self.origin, pack, &wanted)
+        })?;
+        fetched.into_iter().enumerate().for_each(|(i, bytes)| got(i, bytes));
+        Ok(())
     }
 }
 

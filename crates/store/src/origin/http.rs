@@ -36,7 +36,7 @@ use crate::cache::{BlobFileError, DiskCache};
 use crate::error::StoreError;
 use crate::read_store::BlobSink;
 use crate::refs::{RefParts, RefText};
-use crate::source::{ChunkSource, RangeSink};
+use crate::source::{ChunkSource, RangeGot, RangeSink};
 
 /// Largest whole blob (record, prefix, pack index) fetched into memory: 1 GiB.
 pub const MAX_HTTP_BLOB: u64 = 1 << 30;
@@ -1311,83 +1311,150 @@ impl HttpStore {
         })
     }
 
-    /// Several ranges (`(offset, len)`) of blob `digest`, returned in the order asked. Ranges
-    /// closer than [`HttpConfig::coalesce_gap`] share a span (see [`coalesce`]); separate spans
-    /// go in one multi-range GET each [`MAX_RANGES_PER_REQUEST`] (an origin that answers it
-    /// with anything but the ranges is asked span by span from then on, in parallel within the
-    /// concurrency limit).
+    /// Several ranges (`(offset, len)`) of blob `digest`, each handed to `got` (with its index in
+    /// `ranges`) as soon as its bytes are in: a range at the head of a long span goes over while
+    /// the rest of the span is on the wire. Ranges closer than [`HttpConfig::coalesce_gap`] share
+    /// a span (see [`coalesce`]); separate spans go in one multi-range GET each
+    /// [`MAX_RANGES_PER_REQUEST`] (an origin that answers it with anything but the ranges is
+    /// asked span by span from then on, in parallel within the concurrency limit). An error ends
+    /// the read; the ranges not handed over by then failed ([`ChunkSource::read_stored_many`]).
     pub fn read_blob_ranges(
         &self,
         digest: &Sha256Digest,
         ranges: &[(u64, u32)],
-    ) -> Result<Vec<Vec<u8>>, StoreError> {
+        got: &mut RangeGot<'_>,
+    ) -> Result<(), StoreError> {
         let cfg = &self.inner.config;
         let spans = coalesce(ranges, cfg.coalesce_gap, cfg.coalesce_max.max(1));
-        let mut fetched: Vec<Option<Result<Vec<u8>, StoreError>>> = spans.iter().map(|_| None).collect();
+        let mut fetched = vec![false; spans.len()];
         let mut requests = 0;
         let per_request = cfg.multi_range_max.clamp(1, MAX_RANGES_PER_REQUEST);
         if spans.len() > 1 && per_request > 1 {
-            for (group, out) in spans.chunks(per_request).zip(fetched.chunks_mut(per_request)) {
+            for (group, done) in spans.chunks(per_request).zip(fetched.chunks_mut(per_request)) {
                 if group.len() < 2 {
                     continue;
                 }
                 let wanted: Vec<(u64, u64)> = group.iter().map(|s| (s.offset, s.len)).collect();
-                match self.read_blob_multi(digest, &wanted) {
-                    Ok(Some(parts)) => {
-                        requests += 1;
-                        for (slot, bytes) in out.iter_mut().zip(parts) {
-                            *slot = Some(Ok(bytes));
+                let Some(parts) = self.read_blob_multi(digest, &wanted)? else { break };
+                requests += 1;
+                for ((span, bytes), done) in group.iter().zip(parts).zip(done) {
+                    let mut handed = 0;
+                    hand_over_ranges(digest, ranges, span, &bytes, &mut handed, got)?;
+                    check_all_handed(digest, ranges, span, bytes.len(), handed)?;
+                    *done = true;
+                }
+            }
+        }
+        let rest: Vec<usize> = (0..spans.len()).filter(|&i| !fetched[i]).collect();
+        requests += rest.len();
+        if let [i] = rest[..] {
+            self.read_span(digest, ranges, &spans[i], got)?;
+        } else if !rest.is_empty() {
+            // One thread per span; the ranges come back over a channel as each thread's span
+            // streams in, and go to `got` on this thread.
+            let (tx, rx) = std::sync::mpsc::channel::<Result<(usize, Vec<u8>), StoreError>>();
+            std::thread::scope(|scope| {
+                for &i in &rest {
+                    let (tx, span) = (tx.clone(), &spans[i]);
+                    scope.spawn(move || {
+                        let sent = self.read_span(digest, ranges, span, &mut |k, bytes| {
+                            let _ = tx.send(Ok((k, bytes)));
+                        });
+                        if let Err(e) = sent {
+                            let _ = tx.send(Err(e));
+                        }
+                    });
+                }
+                drop(tx);
+                let mut first_error = None;
+                for message in rx {
+                    match message {
+                        Ok((k, bytes)) => got(k, bytes),
+                        Err(e) => {
+                            first_error.get_or_insert(e);
                         }
                     }
-                    Ok(None) => break,
-                    Err(e) => return Err(e),
                 }
-            }
-        }
-        let rest: Vec<usize> = (0..spans.len()).filter(|&i| fetched[i].is_none()).collect();
-        requests += rest.len();
-        if rest.len() <= 1 {
-            for &i in &rest {
-                fetched[i] = Some(self.read_blob_range(digest, spans[i].offset, spans[i].len));
-            }
-        } else {
-            std::thread::scope(|scope| {
-                let handles: Vec<_> = rest
-                    .iter()
-                    .map(|&i| {
-                        let s = &spans[i];
-                        scope.spawn(move || self.read_blob_range(digest, s.offset, s.len))
-                    })
-                    .collect();
-                for (&i, h) in rest.iter().zip(handles) {
-                    fetched[i] = Some(h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)));
-                }
-            });
-        }
-        let fetched = fetched.into_iter().map(|f| f.unwrap_or_else(|| Ok(Vec::new())));
-        let mut out: Vec<Vec<u8>> = vec![Vec::new(); ranges.len()];
-        for (span, bytes) in spans.iter().zip(fetched) {
-            let bytes = bytes?;
-            for &i in &span.members {
-                let (offset, len) = ranges[i];
-                // Members lie inside their span by construction.
-                let start = usize::try_from(offset - span.offset).unwrap_or(usize::MAX);
-                let piece = start.checked_add(len as usize).and_then(|end| bytes.get(start..end)).ok_or(
-                    StoreError::RangeOutOfBounds {
-                        digest: *digest,
-                        offset,
-                        len: u64::from(len),
-                        blob_len: span.offset + bytes.len() as u64,
-                    },
-                )?;
-                out[i] = piece.to_vec();
-            }
+                first_error.map_or(Ok(()), Err)
+            })?;
         }
         if spans.len() > 1 || ranges.len() > 1 {
             debug!(%digest, ranges = ranges.len(), spans = spans.len(), requests, "coalesced ranged reads");
         }
-        Ok(out)
+        Ok(())
     }
+
+    /// The ranges of `span` (one request), each handed to `got` once the span's bytes so far
+    /// hold it.
+    fn read_span(
+        &self,
+        digest: &Sha256Digest,
+        ranges: &[(u64, u32)],
+        span: &CoalescedSpan,
+        got: &mut RangeGot<'_>,
+    ) -> Result<(), StoreError> {
+        let mut members = span.members.clone();
+        members.sort_by_key(|&i| ranges[i].0.saturating_add(u64::from(ranges[i].1)));
+        let sorted = CoalescedSpan { members, ..span.clone() };
+        let mut bytes = Vec::with_capacity(usize::try_from(span.len).unwrap_or(0).min(64 << 20));
+        let mut handed = 0;
+        self.read_blob_range_streamed(digest, span.offset, span.len, &mut |piece| {
+            bytes.extend_from_slice(piece);
+            hand_over_ranges(digest, ranges, &sorted, &bytes, &mut handed, got)
+        })?;
+        // The stream ended whole (`read_blob_range_streamed` checks its length).
+        check_all_handed(digest, ranges, &sorted, bytes.len(), handed)
+    }
+}
+
+/// Every member of `span` was handed over from its `len` bytes, or the first that was not
+/// reaches past them: not one of its members.
+fn check_all_handed(
+    digest: &Sha256Digest,
+    ranges: &[(u64, u32)],
+    span: &CoalescedSpan,
+    len: usize,
+    handed: usize,
+) -> Result<(), StoreError> {
+    match span.members.get(handed) {
+        None => Ok(()),
+        Some(&i) => Err(StoreError::RangeOutOfBounds {
+            digest: *digest,
+            offset: ranges[i].0,
+            len: u64::from(ranges[i].1),
+            blob_len: span.offset + len as u64,
+        }),
+    }
+}
+
+/// Hand to `got` the members of `span` after the first `handed` (members sorted by where they
+/// end) that `bytes` (the span's first bytes) now holds whole; `handed` counts them.
+fn hand_over_ranges(
+    digest: &Sha256Digest,
+    ranges: &[(u64, u32)],
+    span: &CoalescedSpan,
+    bytes: &[u8],
+    handed: &mut usize,
+    got: &mut RangeGot<'_>,
+) -> Result<(), StoreError> {
+    while let Some(&i) = span.members.get(*handed) {
+        let (offset, len) = ranges[i];
+        let out_of_bounds = || StoreError::RangeOutOfBounds {
+            digest: *digest,
+            offset,
+            len: u64::from(len),
+            blob_len: span.offset + bytes.len() as u64,
+        };
+        let start = offset
+            .checked_sub(span.offset)
+            .and_then(|s| usize::try_from(s).ok())
+            .ok_or_else(out_of_bounds)?;
+        let end = start.checked_add(len as usize).ok_or_else(out_of_bounds)?;
+        let Some(piece) = bytes.get(start..end) else { break };
+        got(i, piece.to_vec());
+        *handed += 1;
+    }
+    Ok(())
 }
 
 impl HttpStore {
@@ -1530,7 +1597,7 @@ impl HttpStore {
                 }
             }
             let ranges = batch.state.lock().unwrap_or_else(|p| p.into_inner()).ranges.clone();
-            let result = self.read_blob_ranges(pack, &ranges);
+            let result = crate::source::read_all(self, pack, &ranges);
             let shared = result.as_ref().ok().map(|r| Arc::new(r.clone()));
             batch.state.lock().unwrap_or_else(|p| p.into_inner()).result = Some(shared);
             batch.done.notify_all();
@@ -1589,8 +1656,9 @@ impl ChunkSource for HttpStore {
         &self,
         pack: &Sha256Digest,
         ranges: &[(u64, u32)],
-    ) -> Result<Vec<Vec<u8>>, StoreError> {
-        self.read_blob_ranges(pack, ranges)
+        got: &mut RangeGot<'_>,
+    ) -> Result<(), StoreError> {
+        self.read_blob_ranges(pack, ranges, got)
     }
 
     /// [`HttpConfig::multi_range_max`] until the origin is found not to answer multi-range GETs.
@@ -2264,7 +2332,7 @@ mod multi_range_refusing_server {
             let store = HttpStore::new(&base, HttpConfig::default());
             assert_eq!(store.ranges_per_request(), MAX_RANGES_PER_REQUEST, "tried until refused");
             for round in 0..2 {
-                let got = store.read_blob_ranges(&d, &ranges).unwrap();
+                let got = crate::read_all(&store, &d, &ranges).unwrap();
                 for (bytes, &(o, l)) in got.iter().zip(&ranges) {
                     assert_eq!(bytes[..], blob[o as usize..(o + u64::from(l)) as usize], "round {round}");
                 }
@@ -2279,9 +2347,10 @@ mod multi_range_refusing_server {
     }
 }
 
-/// The join of single chunk reads ([`HttpStore::read_chunk_range`]): against a server that
-/// holds the answer to a range starting at [`single_chunk_reads::HELD`] until told, so that a
-/// request stays in flight for as long as a test needs.
+/// The join of single chunk reads ([`HttpStore::read_chunk_range`]), and ranges handed over as
+/// they arrive ([`HttpStore::read_blob_ranges`]): against a server that sends the first half of
+/// its answer to a range starting at [`single_chunk_reads::HELD`] and holds the rest until told,
+/// so that a request stays in flight for as long as a test needs.
 #[cfg(test)]
 mod single_chunk_reads {
     #![allow(clippy::unwrap_used)]
@@ -2298,7 +2367,8 @@ mod single_chunk_reads {
     type Log = Arc<Mutex<Vec<String>>>;
 
     /// Serves `blob` at `/blobs/sha256/<hex>`, one range per GET; logs each `Range` header
-    /// (when the request arrives); holds answers to ranges starting at [`HELD`] until `release`.
+    /// (when the request arrives); holds the second half of answers to ranges starting at
+    /// [`HELD`] until `release`.
     fn serve(blob: Vec<u8>, release: Arc<AtomicBool>) -> (String, Log) {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let base = format!("http://{}", listener.local_addr().unwrap());
@@ -2328,16 +2398,22 @@ mod single_chunk_reads {
                         log.lock().unwrap().push(range.clone());
                         let (a, b) = range.trim_start_matches("bytes=").split_once('-').unwrap();
                         let (a, b): (usize, usize) = (a.parse().unwrap(), b.parse().unwrap());
-                        while a == HELD && !release.load(Ordering::SeqCst) {
-                            std::thread::sleep(Duration::from_millis(5)); // polling interval
-                        }
                         let head = format!(
                             "HTTP/1.1 206 Partial Content\r\nContent-Range: bytes {a}-{b}/{}\r\nContent-Length: {}\r\n\r\n",
                             blob.len(),
                             b + 1 - a
                         );
                         let _ = conn.write_all(head.as_bytes());
-                        let _ = conn.write_all(&blob[a..=b]);
+                        let mut at = a;
+                        if a == HELD {
+                            at = a + (b + 1 - a) / 2;
+                            let _ = conn.write_all(&blob[a..at]);
+                            let _ = conn.flush();
+                            while !release.load(Ordering::SeqCst) {
+                                std::thread::sleep(Duration::from_millis(5)); // polling interval
+                            }
+                        }
+                        let _ = conn.write_all(&blob[at..=b]);
                     }
                 });
             }
@@ -2413,5 +2489,44 @@ mod single_chunk_reads {
         let log = log.lock().unwrap();
         let others: Vec<&String> = log[2..].iter().filter(|r| !r.starts_with("bytes=0-")).collect();
         assert_eq!(others, ["bytes=10000-10199"], "requests: {log:?}");
+    }
+
+    /// The ranges of one span go to the caller as the span's bytes arrive: those in the half
+    /// the server sent at once while it holds the rest, the others when it is released.
+    #[test]
+    fn the_ranges_of_a_span_are_handed_over_as_they_arrive() {
+        let (blob, release, log, store) = setup(Duration::ZERO);
+        let d = Sha256Digest::of(&blob);
+        let ranges = [(300, 100), (0, 100), (100, 100), (200, 100)];
+        let (tx, rx) = std::sync::mpsc::channel();
+        /// Releases the held answer when dropped: a failed assertion does not leave the read
+        /// waiting for it.
+        struct ReleaseOnDrop<'a>(&'a AtomicBool);
+        impl Drop for ReleaseOnDrop<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::SeqCst);
+            }
+        }
+        std::thread::scope(|s| {
+            let _release = ReleaseOnDrop(&release);
+            let read =
+                s.spawn(|| store.read_blob_ranges(&d, &ranges, &mut |i, bytes| tx.send((i, bytes)).unwrap()));
+            let next = || rx.recv_timeout(Duration::from_secs(10)).expect("a range handed over");
+            let held = [next(), next()];
+            std::thread::sleep(Duration::from_millis(50)); // time for a wrong early answer to show
+            assert!(rx.try_recv().is_err(), "a range of the held half was handed over");
+            release.store(true, Ordering::SeqCst);
+            read.join().unwrap().unwrap();
+            let mut all: Vec<(usize, Vec<u8>)> = held.into_iter().chain(rx.try_iter()).collect();
+            assert_eq!(all[..2].iter().map(|g| g.0).collect::<Vec<_>>(), [1, 2], "the sent half first");
+            all.sort();
+            let want: Vec<(usize, Vec<u8>)> = ranges
+                .iter()
+                .enumerate()
+                .map(|(i, &(o, l))| (i, blob[o as usize..(o + u64::from(l)) as usize].to_vec()))
+                .collect();
+            assert_eq!(all, want, "each range once, its own bytes");
+        });
+        assert_eq!(log.lock().unwrap()[1..], ["bytes=0-399"], "one request for the span");
     }
 }

@@ -336,12 +336,13 @@ impl ChunkSource for RegistryStore {
     }
 
     /// Near ranges share one Range GET ([`crate::coalesce`]); separate spans are fetched in
-    /// parallel.
+    /// parallel, and a span's ranges are handed over when it is in.
     fn read_stored_many(
         &self,
         pack: &Sha256Digest,
         ranges: &[(u64, u32)],
-    ) -> Result<Vec<Vec<u8>>, StoreError> {
+        got: &mut crate::source::RangeGot<'_>,
+    ) -> Result<(), StoreError> {
         let spans = crate::coalesce(ranges, COALESCE_GAP, COALESCE_MAX);
         let (client, repo, digest) = (&self.inner.client, self.inner.repo.as_str(), reg_digest(pack));
         let fetch = |offset: u64, len: u64| client.get_blob_range(repo, &digest, offset, len);
@@ -350,7 +351,6 @@ impl ChunkSource for RegistryStore {
                 spans.iter().map(|sp| scope.spawn(move || fetch(sp.offset, sp.len))).collect();
             handles.into_iter().map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
         });
-        let mut out = vec![Vec::new(); ranges.len()];
         for (span, bytes) in spans.iter().zip(fetched) {
             let bytes = bytes?;
             for &i in &span.members {
@@ -358,18 +358,21 @@ impl ChunkSource for RegistryStore {
                 let (offset, len) = ranges[i];
                 let start = usize::try_from(offset - span.offset).unwrap_or(usize::MAX);
                 let piece = bytes.get(start..start.saturating_add(len as usize));
-                out[i] = piece
-                    .ok_or(StoreError::RangeOutOfBounds {
-                        digest: *pack,
-                        offset,
-                        len: u64::from(len),
-                        blob_len: span.offset + bytes.len() as u64,
-                    })?
-                    .to_vec();
+                got(
+                    i,
+                    piece
+                        .ok_or(StoreError::RangeOutOfBounds {
+                            digest: *pack,
+                            offset,
+                            len: u64::from(len),
+                            blob_len: span.offset + bytes.len() as u64,
+                        })?
+                        .to_vec(),
+                );
             }
         }
         debug!(%pack, ranges = ranges.len(), requests = spans.len(), "registry: coalesced ranged reads");
-        Ok(out)
+        Ok(())
     }
 }
 

@@ -1045,8 +1045,9 @@ impl ChunkSource for S3Store {
         &self,
         pack: &Sha256Digest,
         ranges: &[(u64, u32)],
-    ) -> Result<Vec<Vec<u8>>, StoreError> {
-        self.http.read_blob_ranges(pack, ranges)
+        got: &mut crate::source::RangeGot<'_>,
+    ) -> Result<(), StoreError> {
+        self.http.read_blob_ranges(pack, ranges, got)
     }
 }
 
