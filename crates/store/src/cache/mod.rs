@@ -46,7 +46,7 @@ use crate::origin::http::{parse_ref, resolve_with, HttpError, HttpStore};
 type Check<'a> = dyn Fn(&[u8]) -> bool + 'a;
 use crate::read_store::ReadStore;
 use crate::reader::{decode_stored_chunk, OpenImage};
-use crate::source::{read_all, ChunkGot, ChunkSource, RangeGot, RangeSink, SourcedChunk};
+use crate::source::{ChunkGot, ChunkSource, RangeGot, RangeSink, SourcedChunk};
 
 /// A chunk's stored bytes, and its data if the check of those bytes decoded it
 /// ([`DiskCache::fetch_chunks_decoded`]).
@@ -533,8 +533,16 @@ impl DiskCache {
         check: &dyn Fn(&[u8]) -> bool,
         fetch: impl FnOnce() -> Result<Vec<u8>, StoreError>,
     ) -> Result<Vec<u8>, StoreError> {
-        let mut got = self.get_or_fetch_many(&[(key.clone(), check)], |_| fetch().map(|b| vec![b]))?;
-        got.pop().ok_or_else(|| StoreError::Io {
+        let mut out = None;
+        self.get_or_fetch_each(
+            &[(key.clone(), check)],
+            |_, each| {
+                each(0, fetch()?);
+                Ok(())
+            },
+            &mut |_, bytes| out = Some(bytes),
+        )?;
+        out.ok_or_else(|| StoreError::Io {
             op: "cache fetch",
             path: self.path_of(key),
             source: std::io::Error::other("the fetch returned nothing"),
@@ -542,85 +550,103 @@ impl DiskCache {
     }
 
     /// [`Self::get_or_fetch`] for several entries fetched together (the chunks of one ranged
-    /// request): the entries the cache lacks are locked — in the order of their lock names, so
-    /// two batches (or a batch and single fetches) never wait for each other in a cycle — looked
-    /// up again, and those still missing fetched in one call: `fetch(missing)` gets their
-    /// positions in `entries`, ascending, and returns their bytes in that order.
-    fn get_or_fetch_many(
+    /// request): each entry the cache holds goes to `got` (with its position in `entries`) at
+    /// once; those it lacks are locked — in the order of their lock names, so two batches (or a
+    /// batch and single fetches) never wait for each other in a cycle — looked up again, and
+    /// those still missing fetched in one call: `fetch(missing, each)` gets their positions in
+    /// `entries`, ascending, and hands each one's bytes to `each` (with its position in
+    /// `missing`) as they arrive, in any order ([`ChunkSource::read_stored_many`]). Each fetched
+    /// entry is checked, kept if it passes, unlocked and handed to `got` as it arrives: a reader
+    /// waiting for the head of a long request does not wait for the rest. An error ends the call;
+    /// the entries not handed over by then failed.
+    fn get_or_fetch_each(
         &self,
         entries: &[(EntryKey, &Check<'_>)],
-        fetch: impl FnOnce(&[usize]) -> Result<Vec<Vec<u8>>, StoreError>,
-    ) -> Result<Vec<Vec<u8>>, StoreError> {
-        let mut out: Vec<Option<Vec<u8>>> =
-            entries.iter().map(|(k, check)| self.read_checked(k, *check)).collect();
-        let mut missing: Vec<usize> = (0..entries.len()).filter(|&i| out[i].is_none()).collect();
-        // The locks of the missing entries, held until their bytes are published.
-        let mut guards = Vec::with_capacity(missing.len());
-        if !missing.is_empty() {
-            bump(&self.inner.stats.misses, missing.len() as u64);
-            let mut names: Vec<(String, usize)> =
-                missing.iter().map(|&i| (entries[i].0.lock_name(), i)).collect();
-            names.sort();
-            for (name, i) in &names {
-                let in_process = self.inner.flights.lock(name);
-                let found = self.read_checked_quiet(&entries[*i].0, entries[*i].1);
-                let host_lock = if found.is_some() {
-                    None
-                } else {
-                    let lock_path = self.inner.root.join("locks").join(name);
-                    match EntryLock::acquire(&lock_path) {
-                        Ok(mut l) => {
-                            // Whatever happens next, the lock file has served its purpose once
-                            // we release it.
-                            l.remove_on_drop();
-                            Some(l)
-                        }
-                        Err(e) => {
-                            if !self.inner.full.failed(&self.inner.root, &e) {
-                                warn!(path = %lock_path.display(), error = &e as &dyn std::error::Error, "cannot take a cache lock; fetching without it");
-                            }
-                            None
-                        }
+        fetch: impl FnOnce(&[usize], &mut RangeGot<'_>) -> Result<(), StoreError>,
+        got: &mut dyn FnMut(usize, Vec<u8>),
+    ) -> Result<(), StoreError> {
+        let mut missing: Vec<usize> = Vec::new();
+        for (i, (key, check)) in entries.iter().enumerate() {
+            match self.read_checked(key, *check) {
+                Some(bytes) => got(i, bytes),
+                None => missing.push(i),
+            }
+        }
+        if missing.is_empty() {
+            return Ok(());
+        }
+        // The locks of the missing entries, each held until its bytes are published.
+        let mut guards: Vec<Option<_>> = entries.iter().map(|_| None).collect();
+        bump(&self.inner.stats.misses, missing.len() as u64);
+        let mut names: Vec<(String, usize)> =
+            missing.iter().map(|&i| (entries[i].0.lock_name(), i)).collect();
+        names.sort();
+        for (name, i) in &names {
+            let in_process = self.inner.flights.lock(name);
+            let found = self.read_checked_quiet(&entries[*i].0, entries[*i].1);
+            let host_lock = if found.is_some() {
+                None
+            } else {
+                let lock_path = self.inner.root.join("locks").join(name);
+                match EntryLock::acquire(&lock_path) {
+                    Ok(mut l) => {
+                        // Whatever happens next, the lock file has served its purpose once we
+                        // release it.
+                        l.remove_on_drop();
+                        Some(l)
                     }
-                };
-                // Another thread or process may have published while we waited.
-                let found = found.or_else(|| self.read_checked_quiet(&entries[*i].0, entries[*i].1));
-                if let Some(bytes) = found {
+                    Err(e) => {
+                        if !self.inner.full.failed(&self.inner.root, &e) {
+                            warn!(path = %lock_path.display(), error = &e as &dyn std::error::Error, "cannot take a cache lock; fetching without it");
+                        }
+                        None
+                    }
+                }
+            };
+            // Another thread or process may have published while we waited.
+            match found.or_else(|| self.read_checked_quiet(&entries[*i].0, entries[*i].1)) {
+                Some(bytes) => {
                     bump(&self.inner.stats.shared_fetches, 1);
-                    out[*i] = Some(bytes);
+                    drop((in_process, host_lock));
+                    got(*i, bytes);
                 }
-                guards.push((in_process, host_lock));
-            }
-            missing.retain(|&i| out[i].is_none());
-        }
-        if !missing.is_empty() {
-            let fetched = fetch(&missing)?;
-            for (&i, bytes) in missing.iter().zip(fetched) {
-                let (key, check) = &entries[i];
-                bump(&self.inner.stats.fetches, 1);
-                bump(&self.inner.stats.fetch_bytes, bytes.len() as u64);
-                if check(&bytes) {
-                    if self.write_atomic(key, &bytes) {
-                        bump(&self.inner.stats.fills, 1);
-                        bump(&self.inner.stats.fill_bytes, bytes.len() as u64);
-                    }
-                } else {
-                    debug!(entry = %key.rel_path(), "fetched bytes fail their check; not cached");
-                }
-                out[i] = Some(bytes);
+                None => guards[*i] = Some((in_process, host_lock)),
             }
         }
+        missing.retain(|&i| guards[i].is_some());
+        if missing.is_empty() {
+            return Ok(());
+        }
+        let mut handed = vec![false; missing.len()];
+        let fetched = fetch(&missing, &mut |k, bytes| {
+            let Some(&i) = missing.get(k) else { return };
+            if std::mem::replace(&mut handed[k], true) {
+                return;
+            }
+            let (key, check) = &entries[i];
+            bump(&self.inner.stats.fetches, 1);
+            bump(&self.inner.stats.fetch_bytes, bytes.len() as u64);
+            if check(&bytes) {
+                if self.write_atomic(key, &bytes) {
+                    bump(&self.inner.stats.fills, 1);
+                    bump(&self.inner.stats.fill_bytes, bytes.len() as u64);
+                }
+            } else {
+                debug!(entry = %key.rel_path(), "fetched bytes fail their check; not cached");
+            }
+            guards[i] = None;
+            got(i, bytes);
+        });
         drop(guards);
-        out.into_iter()
-            .zip(entries)
-            .map(|(bytes, (key, _))| {
-                bytes.ok_or_else(|| StoreError::Io {
-                    op: "cache fetch",
-                    path: self.path_of(key),
-                    source: std::io::Error::other("the fetch returned fewer ranges than asked"),
-                })
-            })
-            .collect()
+        fetched?;
+        match handed.iter().position(|&h| !h) {
+            None => Ok(()),
+            Some(k) => Err(StoreError::Io {
+                op: "cache fetch",
+                path: self.path_of(&entries[missing[k]].0),
+                source: std::io::Error::other("the fetch returned fewer ranges than asked"),
+            }),
+        }
     }
 
     /// Stored chunks `members` of pack `pack` from the cache, the missing ones fetched with one
@@ -644,8 +670,37 @@ impl DiskCache {
         members: &[(ChunkRef, PackLocation)],
         fetch: impl FnOnce(&[usize]) -> Result<Vec<Vec<u8>>, StoreError>,
     ) -> Result<Vec<CheckedChunk>, StoreError> {
+        let mut out: Vec<Option<CheckedChunk>> = members.iter().map(|_| None).collect();
+        let each_of_all = |missing: &[usize], each: &mut RangeGot<'_>| {
+            fetch(missing)?.into_iter().enumerate().for_each(|(k, bytes)| each(k, bytes));
+            Ok(())
+        };
+        self.fetch_chunks_each(pack, members, each_of_all, &mut |i, chunk| out[i] = Some(chunk))?;
+        out.into_iter()
+            .zip(members)
+            .map(|(chunk, (c, loc))| {
+                chunk.ok_or_else(|| StoreError::Io {
+                    op: "cache fetch",
+                    path: self.chunk_path(c, loc),
+                    source: std::io::Error::other("the fetch returned fewer ranges than asked"),
+                })
+            })
+            .collect()
+    }
+
+    /// [`Self::fetch_chunks_decoded`] handing each chunk to `got` (with its position in
+    /// `members`) as soon as it is here: a cached one at once, a fetched one as `fetch` hands
+    /// its bytes over ([`Self::get_or_fetch_each`]: `fetch(missing, each)`). An error ends the
+    /// call; the chunks not handed over by then failed.
+    pub fn fetch_chunks_each(
+        &self,
+        pack: &Sha256Digest,
+        members: &[(ChunkRef, PackLocation)],
+        fetch: impl FnOnce(&[usize], &mut RangeGot<'_>) -> Result<(), StoreError>,
+        got: &mut dyn FnMut(usize, CheckedChunk),
+    ) -> Result<(), StoreError> {
         // A check that passes leaves the data it decoded here (each check of an entry overwrites
-        // what an earlier one left; the last one run is the one whose bytes are returned).
+        // what an earlier one left; the last one run is the one whose bytes are handed over).
         let decoded: Vec<std::cell::RefCell<Option<Vec<u8>>>> =
             members.iter().map(|_| Default::default()).collect();
         let checks: Vec<Box<Check<'_>>> = members
@@ -665,9 +720,10 @@ impl DiskCache {
             .zip(&checks)
             .map(|((chunk, loc), check)| (chunk_key(chunk, loc), &**check))
             .collect();
-        let stored = self.get_or_fetch_many(&entries, fetch)?;
-        drop(checks);
-        Ok(stored.into_iter().zip(decoded).map(|(s, d)| (s, d.into_inner())).collect())
+        self.get_or_fetch_each(&entries, fetch, &mut |i, stored| {
+            let data = decoded.get(i).and_then(|d| d.borrow_mut().take());
+            got(i, (stored, data));
+        })
     }
 
     /// A valid entry, counted as a hit (and a use for the LRU order); an invalid one is removed
@@ -1240,15 +1296,14 @@ impl<S: ChunkSource> ChunkSource for CachedSource<S> {
                 members.iter().map(|(_, loc)| (loc.offset, loc.stored_len)).collect();
             return self.read_stored_many(pack, &ranges, &mut |i, bytes| got(i, SourcedChunk::Stored(bytes)));
         }
-        let fetched = self.cache.fetch_chunks_decoded(pack, members, |missing| {
+        let fetch = |missing: &[usize], each: &mut RangeGot<'_>| {
             let wanted: Vec<(u64, u32)> =
                 missing.iter().map(|&i| (members[i].1.offset, members[i].1.stored_len)).collect();
-            read_all(&self.origin, pack, &wanted)
-        })?;
-        for (i, (stored, data)) in fetched.into_iter().enumerate() {
+            self.origin.read_stored_many(pack, &wanted, each)
+        };
+        self.cache.fetch_chunks_each(pack, members, fetch, &mut |i, (stored, data)| {
             got(i, data.map_or(SourcedChunk::Stored(stored), SourcedChunk::Verified));
-        }
-        Ok(())
+        })
     }
 
     /// The origin's: the ranges the cache lacks go to it in one call.
@@ -1280,12 +1335,11 @@ impl<S: ChunkSource> ChunkSource for CachedSource<S> {
             }
             return Ok(());
         };
-        let fetched = self.cache.fetch_chunks(pack, &members, |missing| {
+        let fetch = |missing: &[usize], each: &mut RangeGot<'_>| {
             let wanted: Vec<(u64, u32)> = missing.iter().map(|&i| ranges[i]).collect();
-            read_all(&self.origin, pack, &wanted)
-        })?;
-        fetched.into_iter().enumerate().for_each(|(i, bytes)| got(i, bytes));
-        Ok(())
+            self.origin.read_stored_many(pack, &wanted, each)
+        };
+        self.cache.fetch_chunks_each(pack, &members, fetch, &mut |i, (stored, _)| got(i, stored))
     }
 }
 
@@ -1368,6 +1422,48 @@ mod tests {
         assert_eq!(got[1], (members[1].2.clone(), Some(datas[1].clone())), "fetched, decoded by its check");
         assert_eq!(got[2], (bad, None), "bytes that fail come as they are, with no data");
         assert!(!cache.chunk_path(&members[2].0, &members[2].1).exists());
+    }
+
+    /// Each chunk of a batch is checked, kept and handed over as its bytes arrive, while the
+    /// rest of the batch is still being fetched; a hit goes over at once; a fetch that ends
+    /// early fails the chunks it did not hand over, and keeps those it did.
+    #[test]
+    fn a_batch_hands_over_each_chunk_as_it_arrives() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = DiskCache::open(&CacheConfig::new(dir.path())).unwrap();
+        let pack = Sha256Digest::of(b"pack");
+        let datas: Vec<Vec<u8>> =
+            (1..=4u32).map(|n| (0..6000u32).map(|i| (i * n % 239) as u8).collect()).collect();
+        let members: Vec<(ChunkRef, PackLocation, Vec<u8>)> = datas.iter().map(|d| chunk(d)).collect();
+        let refs: Vec<(ChunkRef, PackLocation)> = members.iter().map(|(c, l, _)| (*c, *l)).collect();
+        cache.put_chunk(&members[0].0, &pack, &members[0].1, &members[0].2);
+        let handed = std::cell::RefCell::new(Vec::new());
+        let result = cache.fetch_chunks_each(
+            &pack,
+            &refs,
+            |missing, each| {
+                assert_eq!(missing, [1, 2, 3]);
+                assert_eq!(*handed.borrow(), [0], "the hit goes over before the fetch");
+                each(1, members[2].2.clone());
+                assert_eq!(*handed.borrow(), [0, 2], "handed over as it arrived");
+                assert!(cache.chunk_path(&members[2].0, &members[2].1).exists(), "kept as it arrived");
+                each(0, members[1].2.clone());
+                assert_eq!(*handed.borrow(), [0, 2, 1]);
+                Err(StoreError::Io {
+                    op: "test",
+                    path: "pack".into(),
+                    source: std::io::Error::other("cut off"),
+                })
+            },
+            &mut |i, (stored, data)| {
+                assert_eq!((stored, data), (members[i].2.clone(), Some(datas[i].clone())), "chunk {i}");
+                handed.borrow_mut().push(i);
+            },
+        );
+        assert!(matches!(result, Err(StoreError::Io { op: "test", .. })), "{result:?}");
+        assert_eq!(*handed.borrow(), [0, 2, 1], "chunk 3 was not handed over");
+        assert!(cache.chunk_path(&members[1].0, &members[1].1).exists());
+        assert!(!cache.chunk_path(&members[3].0, &members[3].1).exists());
     }
 
     #[test]
