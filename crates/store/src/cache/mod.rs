@@ -428,19 +428,7 @@ impl DiskCache {
         bump(&self.inner.stats.misses, 1);
         let name = key.lock_name();
         let _in_process = self.inner.flights.lock(&name);
-        let lock_path = self.inner.root.join("locks").join(&name);
-        let _host = match EntryLock::acquire(&lock_path) {
-            Ok(mut l) => {
-                l.remove_on_drop();
-                Some(l)
-            }
-            Err(e) => {
-                if !self.inner.full.failed(&self.inner.root, &e) {
-                    warn!(path = %lock_path.display(), error = &e as &dyn std::error::Error, "cannot take a cache lock; fetching without it");
-                }
-                None
-            }
-        };
+        let _host = self.host_lock(&name);
         if path.is_file() {
             bump(&self.inner.stats.shared_fetches, 1);
             return Ok(path);
@@ -549,6 +537,25 @@ impl DiskCache {
         })
     }
 
+    /// The host-wide lock `locks/<name>` (its file removed when it is let go: it has served its
+    /// purpose whatever happened meanwhile); `None` if it cannot be used (permissions, a full
+    /// disk): the caller goes ahead unlocked.
+    fn host_lock(&self, name: &str) -> Option<EntryLock> {
+        let lock_path = self.inner.root.join("locks").join(name);
+        match EntryLock::acquire(&lock_path) {
+            Ok(mut l) => {
+                l.remove_on_drop();
+                Some(l)
+            }
+            Err(e) => {
+                if !self.inner.full.failed(&self.inner.root, &e) {
+                    warn!(path = %lock_path.display(), error = &e as &dyn std::error::Error, "cannot take a cache lock; fetching without it");
+                }
+                None
+            }
+        }
+    }
+
     /// [`Self::get_or_fetch`] for several entries fetched together (the chunks of one ranged
     /// request): each entry the cache holds goes to `got` (with its position in `entries`) at
     /// once; those it lacks are locked — in the order of their lock names, so two batches (or a
@@ -584,25 +591,7 @@ impl DiskCache {
         for (name, i) in &names {
             let in_process = self.inner.flights.lock(name);
             let found = self.read_checked_quiet(&entries[*i].0, entries[*i].1);
-            let host_lock = if found.is_some() {
-                None
-            } else {
-                let lock_path = self.inner.root.join("locks").join(name);
-                match EntryLock::acquire(&lock_path) {
-                    Ok(mut l) => {
-                        // Whatever happens next, the lock file has served its purpose once we
-                        // release it.
-                        l.remove_on_drop();
-                        Some(l)
-                    }
-                    Err(e) => {
-                        if !self.inner.full.failed(&self.inner.root, &e) {
-                            warn!(path = %lock_path.display(), error = &e as &dyn std::error::Error, "cannot take a cache lock; fetching without it");
-                        }
-                        None
-                    }
-                }
-            };
+            let host_lock = if found.is_some() { None } else { self.host_lock(name) };
             // Another thread or process may have published while we waited.
             match found.or_else(|| self.read_checked_quiet(&entries[*i].0, entries[*i].1)) {
                 Some(bytes) => {
