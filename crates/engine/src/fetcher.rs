@@ -504,12 +504,18 @@ impl ChunkFetcher {
         });
         let (failed, spawn) = {
             let mut st = lock(&self.shared.state);
-            let failed = self.register(&mut st, chunks, priority, waiter.as_ref());
-            self.register(&mut st, ahead, Priority::Readahead, None);
-            // One thread per chunk queued at most, not all of them: with 64 threads on a few
-            // CPUs, waking every one for each guest read cost ~0.2 ms a miss (measured: a warmed
-            // daemon's serial reads 83.5 → 41.8 ms in all with 4 threads instead of 64).
-            (failed, self.find_threads(&mut st, chunks.len() + ahead.len()))
+            let mut queued = Vec::new();
+            let failed = self.register(&mut st, chunks, priority, waiter.as_ref(), &mut queued);
+            let mut queued_ahead = Vec::new();
+            self.register(&mut st, ahead, Priority::Readahead, None, &mut queued_ahead);
+            // One thread per batch the queued chunks can form, not one per chunk nor all of them:
+            // with 64 threads on a few CPUs, waking every one for each guest read cost ~0.2 ms a
+            // miss (measured: a warmed daemon's serial reads 83.5 → 41.8 ms in all with 4
+            // threads instead of 64), and a miss with a 100-chunk window woke a hundred threads
+            // for two batches, each to find nothing and sleep again.
+            let want = self.shared.batches_in(&queued, priority)
+                + self.shared.batches_in(&queued_ahead, Priority::Readahead);
+            (failed, self.find_threads(&mut st, want))
         };
         self.start_threads(spawn);
         for (w, e) in failed {
@@ -521,14 +527,16 @@ impl ChunkFetcher {
         }
     }
 
-    /// Queue `chunks` (joining fetches already queued or running); the waiters of those that
-    /// failed moments before, each with its error, to be told once the state is unlocked.
+    /// Queue `chunks` (joining fetches already queued or running), noting in `queued` those
+    /// put on a queue (new, or promoted); the waiters of those that failed moments before, each
+    /// with its error, to be told once the state is unlocked.
     fn register(
         &self,
         st: &mut State,
         chunks: &[u32],
         priority: Priority,
         waiter: Option<&Arc<Waiter>>,
+        queued: &mut Vec<u32>,
     ) -> Vec<(Arc<Waiter>, Arc<StoreError>)> {
         let mut failed = Vec::new();
         let now = (!st.failed.is_empty()).then(Instant::now);
@@ -563,6 +571,7 @@ impl ChunkFetcher {
                     if priority < e.priority && !e.started {
                         e.priority = priority;
                         st.queues[priority.queue()].push_back(c);
+                        queued.push(c);
                         self.shared.stats.promoted.fetch_add(1, Ordering::Relaxed);
                     }
                 }
@@ -570,6 +579,7 @@ impl ChunkFetcher {
                     let waiters = waiter.into_iter().cloned().collect();
                     st.entries.insert(c, Entry { started: false, priority, waiters });
                     st.queues[priority.queue()].push_back(c);
+                    queued.push(c);
                 }
             }
         }
@@ -593,6 +603,45 @@ impl Drop for ChunkFetcher {
 }
 
 impl Shared {
+    /// How many batches `chunks` (in the order given, queued with `priority`) form at most
+    /// ([`Self::gather`]): one per run stored back to back within the batch cap of their
+    /// priority; one per chunk without batches. An upper bound (given the pack order, a batch
+    /// also takes a run's neighbours queued before, and a background batch runs apart in its
+    /// pack).
+    fn batches_in(&self, chunks: &[u32], priority: Priority) -> usize {
+        if self.limits.batch_bytes == 0 {
+            return chunks.len();
+        }
+        let cap = self.batch_cap(priority.queue());
+        let mut batches = 0;
+        let mut last: Option<(ChunkPlace, u64)> = None;
+        for &c in chunks {
+            let place = (self.place)(c);
+            last = match (last, place) {
+                (Some((prev, bytes)), Some(p))
+                    if prev.followed_by(&p) && bytes + u64::from(p.stored_len) <= cap =>
+                {
+                    Some((p, bytes + u64::from(p.stored_len)))
+                }
+                _ => {
+                    batches += 1;
+                    place.map(|p| (p, u64::from(p.stored_len)))
+                }
+            };
+        }
+        batches
+    }
+
+    /// The most stored bytes of a batch taken off queue `queue` ([`PREFETCH_BATCH_BYTES`] at
+    /// most for one a prefetch chunk starts).
+    fn batch_cap(&self, queue: usize) -> u64 {
+        if queue == Priority::Prefetch.queue() {
+            self.limits.batch_bytes.min(PREFETCH_BATCH_BYTES)
+        } else {
+            self.limits.batch_bytes
+        }
+    }
+
     fn run(&self) {
         let mut st = lock(&self.state);
         loop {
@@ -696,11 +745,7 @@ impl Shared {
         }
         let Some(start) = (self.place)(first) else { return batch };
         let mut bytes = u64::from(start.stored_len);
-        let cap = if queue == Priority::Prefetch.queue() {
-            self.limits.batch_bytes.min(PREFETCH_BATCH_BYTES)
-        } else {
-            self.limits.batch_bytes
-        };
+        let cap = self.batch_cap(queue);
         if let Some(order) = &self.order {
             batch = self.run_around(st, order, queue, first, start, &mut bytes, cap);
             let ranges = self.ranges.get().map_or(1, |f| f());
@@ -1512,9 +1557,9 @@ mod tests {
         let (done, rx) = done_channel();
         {
             let mut st = lock(&f.shared.state);
-            f.register(&mut st, &[1, 2], Priority::Prefetch, None);
+            f.register(&mut st, &[1, 2], Priority::Prefetch, None, &mut Vec::new());
             st.entries.insert(3, Entry { started: false, priority: Priority::Demand, waiters: Vec::new() });
-            f.register(&mut st, &[4], Priority::Prefetch, None);
+            f.register(&mut st, &[4], Priority::Prefetch, None, &mut Vec::new());
             // Take the prefetch run as a background thread would.
             claim(&mut st, 1);
             let batch = f.shared.gather(&mut st, 2, 1);
@@ -1602,5 +1647,67 @@ mod tests {
         go(2);
         assert!(last_rx.recv_timeout(Duration::from_secs(10)).unwrap().is_ok());
         assert!(started.try_recv().is_err(), "nothing fetched twice");
+    }
+
+    /// A miss and its window wake a thread per batch they form, not one per chunk: a miss with a
+    /// 100-chunk window starts two threads beside the first, not 64 (each woken thread would find
+    /// nothing and sleep again on the daemon's CPU).
+    #[test]
+    fn a_miss_and_its_window_wake_a_thread_per_batch() {
+        let back_to_back =
+            |c: u32| Some(ChunkPlace { pack: 0, offset: u64::from(c) * 1000, stored_len: 1000 });
+        let limits = FetchLimits { batch_bytes: DEFAULT_BATCH_BYTES, ..FetchLimits::new(64) };
+        let f =
+            ChunkFetcher::start(limits, |cs, _| cs.iter().map(|_| Ok(())).collect(), back_to_back).unwrap();
+        let window: Vec<u32> = (1..=100).collect();
+        let (done, rx) = done_channel();
+        f.fetch_with_ahead(&[0], Priority::Demand, Some(done), &window);
+        assert!(rx.recv_timeout(Duration::from_secs(10)).unwrap().is_ok());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while f.pending() > 0 {
+            assert!(Instant::now() < deadline, "the window was not fetched");
+            std::thread::sleep(Duration::from_millis(5)); // polling interval
+        }
+        let threads = f.stats().threads.load(Ordering::Relaxed);
+        assert!(threads <= 3, "a miss and its window started {threads} threads");
+    }
+
+    /// A profile's run larger than a prefetch batch wakes a thread for each of its batches: the
+    /// batches go out in parallel.
+    #[test]
+    fn a_long_prefetch_run_goes_out_as_parallel_batches() {
+        // 30 chunks of 100 KiB back to back: three prefetch batches of at most 1 MiB.
+        let big =
+            |c: u32| Some(ChunkPlace { pack: 0, offset: u64::from(c) * (100 << 10), stored_len: 100 << 10 });
+        let limits = FetchLimits { batch_bytes: DEFAULT_BATCH_BYTES, ..FetchLimits::new(8) };
+        let running = Arc::new((Mutex::new((0usize, 0usize)), Condvar::new())); // (running, most)
+        let r = Arc::clone(&running);
+        let f = ChunkFetcher::start(
+            limits,
+            move |cs, _| {
+                let (m, cv) = &*r;
+                let mut st = m.lock().unwrap();
+                st.0 += 1;
+                st.1 = st.1.max(st.0);
+                cv.notify_all();
+                // Wait (at most 10 s) until three batches run together.
+                let deadline = Instant::now() + Duration::from_secs(10);
+                while st.1 < 3 && Instant::now() < deadline {
+                    st = cv.wait_timeout(st, Duration::from_millis(50)).unwrap().0;
+                }
+                st.0 -= 1;
+                cs.iter().map(|_| Ok(())).collect()
+            },
+            big,
+        )
+        .unwrap();
+        let profile: Vec<u32> = (0..30).collect();
+        f.fetch(&profile, Priority::Prefetch, None);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while f.pending() > 0 {
+            assert!(Instant::now() < deadline, "the profile was not fetched");
+            std::thread::sleep(Duration::from_millis(5)); // polling interval
+        }
+        assert_eq!(running.0.lock().unwrap().1, 3, "three batches at once");
     }
 }
