@@ -407,10 +407,12 @@ impl<S: ChunkSource + 'static> Core<S> {
     /// is on the wire); `background[i]`: chunk `i` is for readahead or prefetch.
     fn fill_batch(&self, indexes: &[u32], background: &[bool], arrived: &mut Arrived<'_>) {
         let quiet = |k: usize| background.get(k).copied().unwrap_or(false);
-        if let [index] = indexes {
-            // Through the origin's join: reads of adjacent chunks queued a moment apart (a burst
-            // of cold guest reads) still share a request there.
-            arrived(0, self.fill(*index, quiet(0)).map(|_| ()));
+        if let ([index], false) = (indexes, quiet(0)) {
+            // A guest read's chunk goes through the origin's join: reads of adjacent chunks
+            // queued a moment apart (a burst of cold guest reads) still share a request there. A
+            // background chunk does not: it has nobody to join, and a single read under way is
+            // what makes the join wait for others (a demand miss arriving meanwhile would wait).
+            arrived(0, self.fill(*index, false).map(|_| ()));
             return;
         }
         // Counted as lookups, as a single fill is (one that arrived meanwhile is a hit).

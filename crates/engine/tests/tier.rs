@@ -157,3 +157,63 @@ fn a_miss_on_a_chunk_already_queued_adds_no_pack_window() {
         "a chunk the profile had queued carries no pack-order window"
     );
 }
+
+/// Counts a source's single chunk reads (the path of the origin's join) and its batch reads.
+struct Paths {
+    inner: LocalStore,
+    single: std::sync::atomic::AtomicUsize,
+    many: std::sync::atomic::AtomicUsize,
+}
+
+impl tessera_store::ChunkSource for Paths {
+    fn read_stored(
+        &self,
+        pack: &tessera_image::Sha256Digest,
+        offset: u64,
+        len: u32,
+    ) -> Result<Vec<u8>, tessera_store::StoreError> {
+        self.single.fetch_add(1, Ordering::Relaxed);
+        self.inner.read_stored(pack, offset, len)
+    }
+
+    fn read_stored_many(
+        &self,
+        pack: &tessera_image::Sha256Digest,
+        ranges: &[(u64, u32)],
+        got: &mut tessera_store::RangeGot<'_>,
+    ) -> Result<(), tessera_store::StoreError> {
+        self.many.fetch_add(1, Ordering::Relaxed);
+        for (i, &(offset, len)) in ranges.iter().enumerate() {
+            got(i, self.inner.read_stored(pack, offset, len)?);
+        }
+        Ok(())
+    }
+}
+
+/// A guest read's single chunk goes through the source's single read (where an origin joins
+/// the reads of a burst); a background single chunk through its batch read (nothing to join:
+/// and a single read under way makes a demand miss arriving meanwhile wait to be joined).
+#[test]
+fn a_background_chunk_does_not_take_the_path_of_the_join() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = LocalStore::create_or_open(dir.path().join("store")).unwrap();
+    let img = build_image(&store, 64);
+    let image = Arc::new(OpenImage::open(&store, &img.id).unwrap());
+    let source = Arc::new(Paths { inner: store, single: Default::default(), many: Default::default() });
+    let tier =
+        MemTier::new(ImageReader::new(Arc::clone(&image), Arc::clone(&source)), 1 << 20, FetchLimits::new(2))
+            .unwrap();
+    let order = pack_order(&image);
+    let (first, last) = (order[0].2, order[order.len() - 1].2);
+    assert_ne!(first, last);
+    assert_eq!(tier.prefetch([image.record().block_map.chunks()[last as usize].id]), 1);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !tier.contains(last) {
+        assert!(std::time::Instant::now() < deadline, "the prefetched chunk did not arrive");
+        std::thread::sleep(std::time::Duration::from_millis(5)); // polling interval
+    }
+    let reads = |s: &Paths| (s.single.load(Ordering::Relaxed), s.many.load(Ordering::Relaxed));
+    assert_eq!(reads(&source), (0, 1), "the prefetched chunk: one batch read");
+    assert!(read_first_byte_of(&tier, &image, first));
+    assert_eq!(reads(&source), (1, 1), "the guest read's chunk: one single read");
+}
