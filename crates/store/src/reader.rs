@@ -902,6 +902,9 @@ impl<S: ChunkSource + 'static> ImageReader<S> {
                 members.iter().map(|(_, (chunk, _, loc))| (*chunk, *loc)).collect();
             trace!(%pack, chunks = chunks.len(), "fetch chunks");
             let mut handed = vec![false; members.len()];
+            // Chunks whose copy failed verification: fetched again once the request is over (a
+            // request inside another's answer could wait for a connection that answer holds).
+            let mut corrupt = Vec::new();
             let read = self.source.read_chunks(&pack, &chunks, &mut |m, sourced| {
                 let Some(&&(k, (ref chunk, ref pack, ref loc))) = members.get(m) else { return };
                 if std::mem::replace(&mut handed[m], true) {
@@ -911,8 +914,14 @@ impl<S: ChunkSource + 'static> ImageReader<S> {
                     SourcedChunk::Verified(data) => Ok(data),
                     SourcedChunk::Stored(bytes) => decode_stored_chunk(chunk, pack, loc, &bytes),
                 };
-                got(k, self.refetch_if_corrupt(indexes[k], first).map_err(Arc::new));
+                match first {
+                    Ok(data) => got(k, Ok(data)),
+                    Err(e) => corrupt.push((k, e)),
+                }
             });
+            for (k, first) in corrupt {
+                got(k, self.refetch_if_corrupt(indexes[k], Err(first)).map_err(Arc::new));
+            }
             let e = Arc::new(match read {
                 Err(e) => e,
                 Ok(()) => {

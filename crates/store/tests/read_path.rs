@@ -312,3 +312,62 @@ fn chunks_handed_over_before_a_failure_keep_their_bytes_and_the_rest_fail() {
         }
     }
 }
+
+/// Hands a flipped copy of the first range of each batch; single reads (the refetch) are clean,
+/// and must not come while a batch is being read (a request inside another's answer could wait
+/// for a connection that answer holds).
+struct FlipsFirst<S> {
+    inner: S,
+    in_batch: std::sync::atomic::AtomicBool,
+    singles: AtomicUsize,
+}
+
+impl<S: ChunkSource> ChunkSource for FlipsFirst<S> {
+    fn read_stored(&self, pack: &Sha256Digest, offset: u64, len: u32) -> Result<Vec<u8>, StoreError> {
+        assert!(!self.in_batch.load(Ordering::SeqCst), "a refetch inside a batch's read");
+        self.singles.fetch_add(1, Ordering::SeqCst);
+        self.inner.read_stored(pack, offset, len)
+    }
+
+    fn read_stored_many(
+        &self,
+        pack: &Sha256Digest,
+        ranges: &[(u64, u32)],
+        got: &mut tessera_store::RangeGot<'_>,
+    ) -> Result<(), StoreError> {
+        self.in_batch.store(true, Ordering::SeqCst);
+        for (i, &(offset, len)) in ranges.iter().enumerate() {
+            let mut bytes = self.inner.read_stored(pack, offset, len)?;
+            if i == 0 {
+                let mid = bytes.len() / 2;
+                bytes[mid] ^= 0x40;
+            }
+            got(i, bytes);
+        }
+        self.in_batch.store(false, Ordering::SeqCst);
+        Ok(())
+    }
+}
+
+/// A chunk of a batch whose copy fails verification is fetched again once the batch's read is
+/// over, and handed over with the right bytes; the others go over as they come.
+#[test]
+fn a_corrupt_chunk_of_a_batch_is_fetched_again_after_the_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = LocalStore::create_or_open(dir.path()).unwrap();
+    let img = build_image(&store, 64);
+    let source =
+        FlipsFirst { inner: store.clone(), in_batch: Default::default(), singles: AtomicUsize::new(0) };
+    let reader = ImageReader::new(OpenImage::open(&store, &img.id).unwrap(), source);
+    let map = img.record.block_map.chunks();
+    let indexes: Vec<u32> = (0..map.len() as u32).collect();
+    let mut outcomes = vec![None; indexes.len()];
+    reader.fetch_chunks(&indexes, &mut |k, outcome| outcomes[k] = Some(outcome));
+    for (k, outcome) in outcomes.into_iter().enumerate() {
+        let want = &img.chunks.iter().find(|t| t.id == map[k].id).unwrap().data;
+        assert_eq!(&outcome.expect("an outcome").unwrap(), want, "chunk {k}");
+    }
+    let packs: std::collections::HashSet<Sha256Digest> = img.chunks.iter().map(|t| t.pack).collect();
+    assert_eq!(reader.source().singles.load(Ordering::SeqCst), packs.len(), "one refetch per batch");
+    assert_eq!(reader.refetches(), packs.len() as u64);
+}
