@@ -117,6 +117,12 @@ pub fn fetch_counts(metrics: &str) -> Result<FetchCounts> {
         joined: get("tessera_fetch_joined_total", &[]),
         behind_background: get("tessera_fetch_behind_background_total", &[]),
         prefetch_unused_bytes: get("tessera_prefetch_unused_bytes", &[]),
+        ahead: crate::floor::AHEAD_REASONS.map(|why| {
+            let bytes = |outcome| {
+                get("tessera_prefetch_reason_bytes_total", &[("reason", why), ("outcome", outcome)])
+            };
+            (bytes("fetched"), bytes("used"))
+        }),
     })
 }
 

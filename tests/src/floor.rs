@@ -248,6 +248,15 @@ fn mib(b: u64) -> f64 {
     b as f64 / f64::from(1u32 << 20)
 }
 
+/// `part` in percent of `whole` (0 for nothing).
+fn pct(part: u64, whole: u64) -> f64 {
+    if whole == 0 {
+        0.0
+    } else {
+        part as f64 * 100.0 / whole as f64
+    }
+}
+
 /// What one origin request fetched.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Fetch {
@@ -300,7 +309,14 @@ pub struct FetchCounts {
     pub behind_background: u64,
     /// Decoded bytes of background-fetched chunks no read used.
     pub prefetch_unused_bytes: u64,
+    /// Per reason of [`AHEAD_REASONS`]: decoded bytes fetched ahead, and of them used by a read.
+    pub ahead: [(u64, u64); AHEAD_REASONS.len()],
 }
+
+/// The `reason` labels of `tessera_prefetch_reason_bytes_total`, in the order of
+/// [`FetchCounts::ahead`].
+pub const AHEAD_REASONS: [&str; 6] =
+    ["readahead", "pack_window", "whole_file", "stretch", "elf_deps", "profile"];
 
 /// Where a cold run's time went.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -438,6 +454,17 @@ impl Breakdown {
                 c.joined,
                 c.behind_background
             ));
+            let ahead: Vec<String> = AHEAD_REASONS
+                .iter()
+                .zip(c.ahead)
+                .filter(|(_, (fetched, _))| *fetched > 0)
+                .map(|(why, (fetched, used))| {
+                    format!("{why} {:.2} MiB ({:.0}% used)", mib(fetched), pct(used, fetched))
+                })
+                .collect();
+            if !ahead.is_empty() {
+                s.push_str(&format!("  fetched ahead, decoded: {}\n", ahead.join(", ")));
+            }
         }
         s
     }

@@ -53,6 +53,8 @@ pub use fetcher::{
 };
 pub use hugebuf::ChunkBuf;
 pub use tessera_store::Visit;
-pub use tier::{Chunk, MemTier, TierStats, DEFAULT_MEM_CACHE, DEFAULT_READAHEAD, WHOLE_FILE_MAX_BYTES};
+pub use tier::{
+    Ahead, AheadStats, Chunk, MemTier, TierStats, DEFAULT_MEM_CACHE, DEFAULT_READAHEAD, WHOLE_FILE_MAX_BYTES,
+};
 pub use trace::{TraceError, TraceRecorder};
 pub use warm::{warm, WarmFailure, WarmOptions, WarmReport, DEFAULT_WARM_JOBS, WARM_RUN_BYTES};

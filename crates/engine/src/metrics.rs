@@ -7,7 +7,7 @@ use std::sync::Arc;
 use tessera_metrics::{mirror, Metrics, Tier};
 use tessera_store::ChunkSource;
 
-use crate::tier::MemTier;
+use crate::tier::{Ahead, MemTier};
 
 /// Publish `tier`'s hits, misses, fills and size (as `tier="memory"`).
 pub fn watch_mem_tier<S: ChunkSource + 'static>(metrics: &Arc<Metrics>, tier: &Arc<MemTier<S>>) {
@@ -38,6 +38,17 @@ pub fn watch_mem_tier<S: ChunkSource + 'static>(metrics: &Arc<Metrics>, tier: &A
         mirror(&m.prefetch.bytes, stats.prefetched_bytes.load(Ordering::Relaxed));
         mirror(&m.prefetch.used_bytes, stats.prefetch_used_bytes.load(Ordering::Relaxed));
         mirror(&m.prefetch.wasted_bytes, stats.prefetch_wasted_bytes.load(Ordering::Relaxed));
+        for why in Ahead::ALL {
+            let a = stats.ahead(why);
+            for (outcome, n) in
+                [("fetched", &a.fetched_bytes), ("used", &a.used_bytes), ("wasted", &a.wasted_bytes)]
+            {
+                mirror(
+                    &m.prefetch.reason_bytes.with_label_values(&[why.label(), outcome]),
+                    n.load(Ordering::Relaxed),
+                );
+            }
+        }
         m.memory_tier.chunks.set(gauge_value(tier.chunks()));
         m.fetch.queue_depth.set(gauge_value(tier.pending_fetches() as u64));
         let f = tier.fetcher_stats();

@@ -9,7 +9,7 @@
 //! ([`MemTier::with_readahead`]); and a prefetch profile's chunks can be fetched in the
 //! background ([`MemTier::prefetch`]). Demand fetches always go first.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock, RwLockReadGuard};
 
 use moka::notification::RemovalCause;
@@ -72,32 +72,128 @@ pub struct TierStats {
     pub prefetch_used_bytes: AtomicU64,
     /// Decoded bytes of prefetched chunks evicted before any guest read used them.
     pub prefetch_wasted_bytes: AtomicU64,
+    /// The same three figures per reason a chunk was fetched ahead ([`Ahead`], in [`Ahead::ALL`]'s
+    /// order).
+    pub ahead: [AheadStats; Ahead::ALL.len()],
 }
 
-/// Which chunks in memory came from a background fetch and were not read by the guest yet: one
-/// flag per chunk index, so the read path pays one relaxed load per chunk and no lock.
+impl TierStats {
+    /// The counters of chunks fetched ahead for `why`.
+    pub fn ahead(&self, why: Ahead) -> &AheadStats {
+        &self.ahead[why as usize - 1]
+    }
+}
+
+/// What chunks fetched ahead for one reason came to: decoded bytes fetched, used by a guest read
+/// (at the first use), and evicted unused.
+#[derive(Debug, Default)]
+pub struct AheadStats {
+    pub fetched_bytes: AtomicU64,
+    pub used_bytes: AtomicU64,
+    pub wasted_bytes: AtomicU64,
+}
+
+/// Why a chunk was fetched ahead of the guest's reads (the `reason` of the prefetch metrics).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Ahead {
+    /// Sequential readahead within a file ([`MemTier::with_readahead`]).
+    Readahead = 1,
+    /// Stored after a missed chunk in its pack ([`MemTier::with_pack_readahead`]).
+    PackWindow = 2,
+    /// Its file is fetched whole ([`MemTier::with_whole_files`]).
+    WholeFile = 3,
+    /// Its pack stretch is fetched whole ([`MemTier::with_dense_stretches`]).
+    Stretch = 4,
+    /// A program that missed needs its library ([`MemTier::with_elf_deps`]).
+    ElfDeps = 5,
+    /// The image's prefetch profile ([`MemTier::prefetch`]).
+    Profile = 6,
+}
+
+impl Ahead {
+    /// Every reason, in the order of [`TierStats::ahead`].
+    pub const ALL: [Ahead; 6] = [
+        Ahead::Readahead,
+        Ahead::PackWindow,
+        Ahead::WholeFile,
+        Ahead::Stretch,
+        Ahead::ElfDeps,
+        Ahead::Profile,
+    ];
+
+    /// The metrics label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Ahead::Readahead => "readahead",
+            Ahead::PackWindow => "pack_window",
+            Ahead::WholeFile => "whole_file",
+            Ahead::Stretch => "stretch",
+            Ahead::ElfDeps => "elf_deps",
+            Ahead::Profile => "profile",
+        }
+    }
+
+    fn from_code(code: u8) -> Option<Self> {
+        Ahead::ALL.get(usize::from(code & !HELD).checked_sub(1)?).copied()
+    }
+}
+
+/// [`PrefetchFlags`]: the chunk is in memory, fetched ahead, and no guest read used it yet.
+const HELD: u8 = 0x80;
+
+/// Why each chunk was queued ahead of the guest's reads, and which chunks in memory came from a
+/// background fetch and were not read by the guest yet: one byte per chunk index (the [`Ahead`]
+/// code, with [`HELD`] while in memory unused), so the read path pays one relaxed load per chunk
+/// and no lock.
 struct PrefetchFlags {
-    unused: Box<[AtomicBool]>,
+    why: Box<[AtomicU8]>,
 }
 
 impl PrefetchFlags {
     fn new(chunks: usize) -> Self {
-        Self { unused: (0..chunks).map(|_| AtomicBool::new(false)).collect() }
+        Self { why: (0..chunks).map(|_| AtomicU8::new(0)).collect() }
     }
 
-    /// Chunk `index` was filled by a background fetch.
-    fn filled(&self, index: u32) {
-        if let Some(f) = self.unused.get(index as usize) {
-            f.store(true, Ordering::Relaxed);
+    /// Chunk `index` is queued ahead for `why` (unless queued or held for a reason already: the
+    /// first reason counts).
+    fn queued(&self, index: u32, why: Ahead) {
+        if let Some(f) = self.why.get(index as usize) {
+            let _ = f.compare_exchange(0, why as u8, Ordering::Relaxed, Ordering::Relaxed);
         }
     }
 
-    /// Clear chunk `index`'s flag; whether it was set (the first use or removal only).
+    /// Chunk `index` went into memory, by a background fetch (`ahead`) or a guest read's; the
+    /// reason it was fetched ahead for (readahead if none was noted).
+    fn filled(&self, index: u32, ahead: bool) -> Option<Ahead> {
+        let f = self.why.get(index as usize)?;
+        if !ahead {
+            f.store(0, Ordering::Relaxed);
+            return None;
+        }
+        let why = Ahead::from_code(f.load(Ordering::Relaxed)).unwrap_or(Ahead::Readahead);
+        f.store(why as u8 | HELD, Ordering::Relaxed);
+        Some(why)
+    }
+
+    /// Clear chunk `index`'s flag; the reason it was fetched ahead for, if it was held unused
+    /// (the first use or removal only).
     #[inline]
-    fn take(&self, index: u32) -> bool {
-        self.unused
-            .get(index as usize)
-            .is_some_and(|f| f.load(Ordering::Relaxed) && f.swap(false, Ordering::Relaxed))
+    fn take(&self, index: u32) -> Option<Ahead> {
+        let f = self.why.get(index as usize)?;
+        if f.load(Ordering::Relaxed) & HELD == 0 {
+            return None;
+        }
+        let was = f.swap(0, Ordering::Relaxed);
+        if was & HELD == 0 {
+            return None;
+        }
+        Ahead::from_code(was)
+    }
+
+    /// Whether chunk `index` is held unused.
+    fn unused(&self, index: usize) -> bool {
+        self.why.get(index).is_some_and(|f| f.load(Ordering::Relaxed) & HELD != 0)
     }
 }
 
@@ -446,11 +542,11 @@ impl<S: ChunkSource + 'static> Core<S> {
     fn admit(&self, index: u32, data: Vec<u8>, background: bool) -> Chunk {
         self.stats.fetches.fetch_add(1, Ordering::Relaxed);
         self.stats.fetched_bytes.fetch_add(data.len() as u64, Ordering::Relaxed);
-        if background {
-            // Flagged before the chunk becomes visible, so no guest read can miss the flag.
-            self.prefetched.filled(index);
+        // Flagged before the chunk becomes visible, so no guest read can miss the flag.
+        if let Some(why) = self.prefetched.filled(index, background) {
             self.stats.prefetched_chunks.fetch_add(1, Ordering::Relaxed);
             self.stats.prefetched_bytes.fetch_add(data.len() as u64, Ordering::Relaxed);
+            self.stats.ahead(why).fetched_bytes.fetch_add(data.len() as u64, Ordering::Relaxed);
         }
         Arc::new(if self.huge_pages.load(Ordering::Relaxed) {
             ChunkBuf::from_vec(data)
@@ -578,8 +674,12 @@ impl<S: ChunkSource + 'static> MemTier<S> {
             .eviction_policy(policy)
             .eviction_listener(move |index: Arc<u32>, chunk: Chunk, cause: RemovalCause| {
                 listener_slots.remove(*index, &chunk);
-                if cause != RemovalCause::Replaced && listener_flags.take(*index) {
+                if cause == RemovalCause::Replaced {
+                    return;
+                }
+                if let Some(why) = listener_flags.take(*index) {
                     listener_stats.prefetch_wasted_bytes.fetch_add(chunk.len() as u64, Ordering::Relaxed);
+                    listener_stats.ahead(why).wasted_bytes.fetch_add(chunk.len() as u64, Ordering::Relaxed);
                 }
             })
             .build();
@@ -902,6 +1002,8 @@ impl<S: ChunkSource + 'static> MemTier<S> {
             near.retain(|c| out[..from_files].binary_search(c).is_err() && wanted(c));
             out.extend(near);
         }
+        self.mark(&out[..from_files], Ahead::WholeFile);
+        self.mark(&out[from_files..], Ahead::Stretch);
         let stats = &self.core.stats;
         stats.whole_files.fetch_add(due_files.len() as u64, Ordering::Relaxed);
         stats.whole_file_chunks.fetch_add(from_files as u64, Ordering::Relaxed);
@@ -961,14 +1063,8 @@ impl<S: ChunkSource + 'static> MemTier<S> {
     pub fn prefetch_unused_bytes(&self) -> u64 {
         self.core.cache.run_pending_tasks();
         let chunks = self.core.reader.image().record().block_map.chunks();
-        self.core
-            .prefetched
-            .unused
-            .iter()
-            .zip(chunks)
-            .filter(|(f, _)| f.load(Ordering::Relaxed))
-            .map(|(_, c)| u64::from(c.len))
-            .sum()
+        let flags = &self.core.prefetched;
+        chunks.iter().enumerate().filter(|(i, _)| flags.unused(*i)).map(|(_, c)| u64::from(c.len)).sum()
     }
 
     /// Bytes of decoded chunks held.
@@ -1011,6 +1107,7 @@ impl<S: ChunkSource + 'static> MemTier<S> {
             bytes += len;
             queued.push(i);
         }
+        self.mark(&queued, Ahead::Profile);
         self.fetcher.fetch(&queued, Priority::Prefetch, None);
         self.core.stats.prefetch_chunks.fetch_add(queued.len() as u64, Ordering::Relaxed);
         queued.len()
@@ -1018,6 +1115,14 @@ impl<S: ChunkSource + 'static> MemTier<S> {
 
     /// A read of `[offset, offset + len)` arrived: if it continues an earlier one, queue the
     /// next chunks of the file for readahead.
+    /// Note why `chunks` are about to be queued ahead of the guest's reads (before they are:
+    /// a fetch may fill them at once).
+    fn mark(&self, chunks: &[u32], why: Ahead) {
+        for &c in chunks {
+            self.core.prefetched.queued(c, why);
+        }
+    }
+
     fn note_read(&self, offset: u64, len: u64) {
         if self.readahead == 0 || len == 0 || self.core.capacity == 0 {
             return;
@@ -1038,6 +1143,7 @@ impl<S: ChunkSource + 'static> MemTier<S> {
             .collect();
         if !ahead.is_empty() {
             self.core.stats.readahead_chunks.fetch_add(ahead.len() as u64, Ordering::Relaxed);
+            self.mark(&ahead, Ahead::Readahead);
             self.fetcher.fetch(&ahead, Priority::Readahead, None);
         }
     }
@@ -1070,8 +1176,10 @@ impl<S: ChunkSource + 'static> BlockDevice for MemTier<S> {
                     None => return Ok(None),
                 }
             };
-            if self.core.prefetched.take(chunk) {
-                self.core.stats.prefetch_used_bytes.fetch_add(data.len() as u64, Ordering::Relaxed);
+            if let Some(why) = self.core.prefetched.take(chunk) {
+                let stats = &self.core.stats;
+                stats.prefetch_used_bytes.fetch_add(data.len() as u64, Ordering::Relaxed);
+                stats.ahead(why).used_bytes.fetch_add(data.len() as u64, Ordering::Relaxed);
             }
             Ok(Some(data))
         };
@@ -1107,6 +1215,7 @@ impl<S: ChunkSource + 'static> BlockDevice for MemTier<S> {
                     };
                 let mut ahead = self.pack_ahead(&chunks, &fresh);
                 self.core.stats.readahead_chunks.fetch_add(ahead.len() as u64, Ordering::Relaxed);
+                self.mark(&ahead, Ahead::PackWindow);
                 let whole = self.due_on_misses(&chunks, &fresh, &ahead);
                 ahead.extend(whole);
                 // In one step: the miss and its window (and a file or stretch due whole) leave
@@ -1122,6 +1231,7 @@ impl<S: ChunkSource + 'static> BlockDevice for MemTier<S> {
                         !self.contains(*c) && !self.fetcher.is_pending(*c) && !self.core.held_below(*c)
                     });
                     self.core.stats.elf_dep_chunks.fetch_add(libraries.len() as u64, Ordering::Relaxed);
+                    self.mark(&libraries, Ahead::ElfDeps);
                     self.fetcher.fetch(&libraries, Priority::Readahead, None);
                 }
             }

@@ -11,8 +11,8 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use common::{build_image, Counting};
-use engine_common::read_first_byte_of;
-use tessera_engine::{FetchLimits, MemTier};
+use engine_common::{first_offset_of, read_first_byte_of};
+use tessera_engine::{Ahead, BlockDevice, FetchLimits, MemTier};
 use tessera_store::{ImageReader, LocalStore, OpenImage};
 
 /// A tier of `capacity` bytes over the test image, its counted source, and the chunks' bytes.
@@ -129,6 +129,20 @@ fn a_miss_also_fetches_what_follows_it_in_its_pack() {
         std::thread::sleep(std::time::Duration::from_millis(5)); // polling interval
     }
     assert_eq!(tier.stats().readahead_chunks.load(Ordering::Relaxed), same_pack.len() as u64 - 1);
+    // Counted as the pack window's, unused until a read takes one of them (once, however often).
+    let window = tier.stats().ahead(Ahead::PackWindow);
+    let len = |c: u32| u64::from(image.record().block_map.chunks()[c as usize].len);
+    let window_bytes: u64 = same_pack[1..].iter().map(|&c| len(c)).sum();
+    assert_eq!(window.fetched_bytes.load(Ordering::Relaxed), window_bytes);
+    assert_eq!(window.used_bytes.load(Ordering::Relaxed), 0);
+    for _ in 0..2 {
+        tier.read_at(first_offset_of(image, same_pack[1]), &mut [0u8; 1]).unwrap();
+    }
+    assert_eq!(window.used_bytes.load(Ordering::Relaxed), len(same_pack[1]));
+    assert_eq!(tier.prefetch_unused_bytes(), window_bytes - len(same_pack[1]));
+    for other in Ahead::ALL.into_iter().filter(|&w| w != Ahead::PackWindow) {
+        assert_eq!(tier.stats().ahead(other).fetched_bytes.load(Ordering::Relaxed), 0, "{other:?}");
+    }
 }
 
 #[test]

@@ -319,6 +319,10 @@ pub struct PrefetchMetrics {
     pub wasted_bytes: IntCounter,
     /// Prefetched bytes held in memory that no demand read has used yet.
     pub unused_bytes: IntGauge,
+    /// The bytes fetched ahead, used and wasted, by reason (labels `reason`: readahead,
+    /// pack_window, whole_file, stretch, elf_deps, profile; `outcome`: fetched, used, wasted):
+    /// which of the daemon's guesses pay for their bytes.
+    pub reason_bytes: prometheus::IntCounterVec,
 }
 
 impl PrefetchMetrics {
@@ -345,6 +349,12 @@ impl PrefetchMetrics {
             unused_bytes: r.gauge(
                 "tessera_prefetch_unused_bytes",
                 "Prefetched bytes held in memory that no demand read has used yet",
+            ),
+            reason_bytes: r.counter_vec(
+                "tessera_prefetch_reason_bytes_total",
+                "Decoded bytes fetched ahead of demand, by reason, and whether a demand read used them \
+                 or they were evicted unused",
+                &["reason", "outcome"],
             ),
         }
     }

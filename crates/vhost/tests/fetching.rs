@@ -289,6 +289,24 @@ fn sample(text: &str, name: &str) -> u64 {
     line.and_then(|l| l.split_once(' ')?.1.parse().ok()).unwrap_or_else(|| panic!("{name} missing"))
 }
 
+/// The bytes `tessera_prefetch_reason_bytes_total` counts for `reason` and `outcome` (absent: 0).
+fn reason_bytes(text: &str, reason: &str, outcome: &str) -> u64 {
+    let (r, o) = (format!("reason=\"{reason}\""), format!("outcome=\"{outcome}\""));
+    text.lines()
+        .find(|l| l.starts_with("tessera_prefetch_reason_bytes_total{") && l.contains(&r) && l.contains(&o))
+        .and_then(|l| l.rsplit_once(' ')?.1.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Every reason's (fetched, used, wasted) bytes, the reasons with none left out.
+fn reasons(text: &str) -> Vec<(&'static str, [u64; 3])> {
+    ["readahead", "pack_window", "whole_file", "stretch", "elf_deps", "profile"]
+        .into_iter()
+        .map(|why| (why, ["fetched", "used", "wasted"].map(|o| reason_bytes(text, why, o))))
+        .filter(|(_, n)| n.iter().any(|&b| b > 0))
+        .collect()
+}
+
 #[test]
 fn readahead_chunks_are_used_when_read_and_wasted_when_evicted_unread() {
     let f = fixture();
@@ -326,6 +344,7 @@ fn readahead_chunks_are_used_when_read_and_wasted_when_evicted_unread() {
     assert_eq!(sample(&text, "tessera_prefetch_bytes_total"), 4 * CHUNK);
     assert_eq!(sample(&text, "tessera_prefetch_used_bytes_total"), 0);
     assert_eq!(sample(&text, "tessera_prefetch_unused_bytes"), 4 * CHUNK);
+    assert_eq!(reasons(&text), [("readahead", [4 * CHUNK, 0, 0])]);
 
     // The guest reads one block of two of them (not sequentially: no further readahead), the
     // second one twice: each chunk counts once, whole.
@@ -338,6 +357,7 @@ fn readahead_chunks_are_used_when_read_and_wasted_when_evicted_unread() {
     assert_eq!(sample(&text, "tessera_prefetch_unused_bytes"), 2 * CHUNK);
     assert_eq!(sample(&text, "tessera_prefetch_wasted_bytes_total"), 0);
     assert_eq!(sample(&text, "tessera_prefetch_chunks_total"), 4, "no readahead from those reads");
+    assert_eq!(reasons(&text), [("readahead", [4 * CHUNK, 2 * CHUNK, 0])]);
 
     // Other chunks, each read several times (so the cache's admission policy keeps them), until
     // the two unread chunks are evicted.
@@ -360,6 +380,7 @@ fn readahead_chunks_are_used_when_read_and_wasted_when_evicted_unread() {
     assert_eq!(sample(&text, "tessera_prefetch_used_bytes_total"), 2 * CHUNK);
     assert_eq!(sample(&text, "tessera_prefetch_unused_bytes"), 0);
     assert_eq!(sample(&text, "tessera_prefetch_bytes_total"), 4 * CHUNK, "demand fills are not prefetch");
+    assert_eq!(reasons(&text), [("readahead", [4 * CHUNK, 2 * CHUNK, 2 * CHUNK])]);
     drop(c);
     server.finish();
 }
