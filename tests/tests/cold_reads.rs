@@ -30,8 +30,10 @@ const CHUNK: u64 = 64 << 10;
 const READS: u64 = 32;
 /// What the rounds count is the demand reads' own requests: pack-order readahead (which fetches
 /// the chunks stored after a missed one, in the background) and whole-file readahead (the rest
-/// of a file after its third miss) are off, as file readahead is (no read continues another).
-const NO_READAHEAD: &[&str] = &["--read-only", "--pack-readahead=0", "--whole-file-after=0"];
+/// of a file after its first or third miss) are off, as file readahead is (no read continues
+/// another).
+const NO_READAHEAD: &[&str] =
+    &["--read-only", "--pack-readahead=0", "--whole-file-after=0", "--whole-file-first=0"];
 
 /// Where `data` (a file's content, contiguous on the device) starts in the raw export `raw`.
 fn find(raw: &[u8], data: &[u8]) -> Result<u64> {

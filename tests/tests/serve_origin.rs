@@ -718,8 +718,17 @@ fn sequential_reads_fetch_the_next_chunks_ahead() -> Result<()> {
             "demo",
             &url,
             &socket,
-            // File readahead alone (pack-order readahead would add the chunks after the first miss).
-            &["--read-only", "--readahead", window, "--pack-readahead=0", "--cache-dir", path_str(&cache)?],
+            // File readahead alone (pack-order readahead would add the chunks after the first miss,
+            // the first-miss rule the whole file).
+            &[
+                "--read-only",
+                "--readahead",
+                window,
+                "--pack-readahead=0",
+                "--whole-file-first=0",
+                "--cache-dir",
+                path_str(&cache)?,
+            ],
         )?;
         let mut c = BlkClient::connect(d.socket(), 1, true)?;
         let mark = origin.access_log().lines().count();
@@ -780,10 +789,14 @@ fn sequential_reads_fetch_the_next_chunks_ahead() -> Result<()> {
     Ok(())
 }
 
+/// `serve` arguments that leave the reads' own misses: no readahead within a file, no pack window.
+const MISSES_ONLY: [&str; 4] = ["--readahead", "0", "--pack-readahead", "0"];
+
 /// A file read at random, page by page, as a program reads its binary: after
-/// `--whole-file-after` of its reads missed and went to the origin, the rest of the file is
-/// fetched in the background (each byte once), and later reads of it fetch nothing; with 0, or
-/// a file over a quarter of the memory tier, only what was read is fetched.
+/// `--whole-file-after` of its reads missed and went to the origin (or at the first, for a file
+/// of at most `--whole-file-first`), the rest of the file is fetched in the background (each
+/// byte once), and later reads of it fetch nothing; with 0, or a file over a quarter of the
+/// memory tier, only what was read is fetched.
 #[test]
 fn a_file_read_at_random_is_fetched_whole_after_its_misses() -> Result<()> {
     let f = fixture("serve-whole-file")?;
@@ -794,21 +807,21 @@ fn a_file_read_at_random_is_fetched_whole_after_its_misses() -> Result<()> {
     let origin = Nginx::serve(&f.store, "store")?;
     let url = origin.url();
     let socket = f.t.path().join("vm.sock");
-    // (--whole-file-after, --mem-cache, whether the file is fetched whole)
-    for (after, mem, whole) in [("3", "256M", true), ("0", "256M", false), ("3", "4M", false)] {
+    // (--whole-file-after, --whole-file-first, --mem-cache, the miss that makes the file due)
+    for (after, first, mem, due_at) in [
+        ("3", "0", "256M", Some(3)),
+        ("0", "0", "256M", None),
+        ("3", "0", "4M", None),
+        ("0", "2M", "256M", Some(1)),
+        ("3", "1M", "256M", Some(3)),
+        ("0", "2M", "4M", None),
+    ] {
+        let arms = format!("--whole-file-after {after}, --whole-file-first {first}, --mem-cache {mem}");
         let _ = fs::remove_file(&socket);
         let mut cmd = tessera::command(["serve", "demo", "--read-only", "--store", url.as_str()]);
         // Reads apart (no readahead within the file) and no pack window: misses only.
-        cmd.args([
-            "--readahead",
-            "0",
-            "--pack-readahead",
-            "0",
-            "--whole-file-after",
-            after,
-            "--mem-cache",
-            mem,
-        ]);
+        cmd.args(MISSES_ONLY);
+        cmd.args(["--whole-file-after", after, "--whole-file-first", first, "--mem-cache", mem]);
         let (child, addr) = tessera_e2e::metrics::spawn_with_metrics(cmd.arg("--socket").arg(&socket))?;
         let child = Killed(child);
         let mut c = BlkClient::connect(&socket, 1, true)?;
@@ -827,25 +840,25 @@ fn a_file_read_at_random_is_fetched_whole_after_its_misses() -> Result<()> {
             tessera_e2e::metrics::scrape(&addr)?
                 .value("tessera_prefetch_queued_chunks_total", &[("reason", what)])
         };
-        if whole {
+        if let Some(due_at) = due_at {
             let gets = wait_for_ranged(&origin, mark, file_bytes);
-            ensure!(ranged_bytes(&gets) == file_bytes, "the file, each byte once: {gets:?}");
-            ensure!(disjoint(&gets), "a byte fetched twice: {gets:?}");
-            ensure!(queued("whole_file")? == (chunks - 3) as f64, "the file's other chunks queued once");
+            ensure!(ranged_bytes(&gets) == file_bytes, "{arms}: the file, each byte once: {gets:?}");
+            ensure!(disjoint(&gets), "{arms}: a byte fetched twice: {gets:?}");
+            ensure!(
+                queued("whole_file")? == (chunks - due_at) as f64,
+                "{arms}: the chunks not read by miss {due_at} queued, once"
+            );
             let before = origin.access_log().lines().count();
             for k in 0..chunks {
                 read(&mut c, k)?;
             }
             let again = ranged_gets(&origin, before);
-            ensure!(again.is_empty(), "reads of a file fetched whole went to the origin: {again:?}");
+            ensure!(again.is_empty(), "{arms}: reads of a file fetched whole went to the origin: {again:?}");
         } else {
-            // Nothing is queued at the third miss; the three reads are all that was fetched.
-            ensure!(queued("whole_file")? == 0.0, "--whole-file-after {after}, --mem-cache {mem}: queued");
+            // Nothing is queued at any miss; the three reads are all that was fetched.
+            ensure!(queued("whole_file")? == 0.0, "{arms}: queued");
             let gets = ranged_gets(&origin, mark);
-            ensure!(
-                ranged_bytes(&gets) == 3 * chunk,
-                "--whole-file-after {after}, --mem-cache {mem}: {gets:?}"
-            );
+            ensure!(ranged_bytes(&gets) == 3 * chunk, "{arms}: {gets:?}");
         }
         drop(c);
         drop(child);
@@ -902,7 +915,7 @@ fn files_stored_near_several_missed_ones_are_fetched_with_their_stretch() -> Res
         let _ = fs::remove_file(&socket);
         let mut cmd = tessera::command(["serve", "demo", "--read-only", "--store", url.as_str()]);
         // No readahead within a file, no pack window, no whole files: misses and stretches only.
-        cmd.args(["--readahead", "0", "--pack-readahead", "0", "--whole-file-after", "0"]);
+        cmd.args(MISSES_ONLY).args(["--whole-file-after=0", "--whole-file-first=0"]);
         cmd.args(["--stretch-after", after, "--stretch-within", within, "--stretch-size", "128K"]);
         let (child, addr) = tessera_e2e::metrics::spawn_with_metrics(cmd.arg("--socket").arg(&socket))?;
         let child = Killed(child);

@@ -154,18 +154,20 @@ impl MissCounts {
     }
 
     /// A miss of a chunk of `file` (if it is in one) stored in `stretch` (if counted): the file
-    /// and the stretch it made due, each at most once in the counter's life.
+    /// and the stretch it made due, each at most once in the counter's life. `at_once`: the file
+    /// is due at this miss, whatever the count (a file small enough to fetch at its first).
     pub fn miss(
         &mut self,
         file: Option<u32>,
+        at_once: bool,
         stretch: Option<(u32, u64)>,
     ) -> (Option<u32>, Option<(u32, u64)>) {
         let mut due = (None, None);
-        if let (Some(f), true) = (file, self.file_after > 0) {
+        if let (Some(f), true) = (file, self.file_after > 0 || at_once) {
             let n = self.files.entry(f).or_insert(0);
             if *n != DUE {
                 *n += 1;
-                if *n >= self.file_after {
+                if at_once || *n >= self.file_after {
                     *n = DUE;
                     due.0 = Some(f);
                 }
@@ -270,28 +272,28 @@ mod tests {
         let s = Some((0, 1));
         // Files 1 and 2 missed five stretch misses apart (misses of other stretches between):
         // too far apart to make it due by themselves.
-        assert_eq!(m.miss(Some(1), s), (None, None));
+        assert_eq!(m.miss(Some(1), false, s), (None, None));
         for other in 10..14 {
-            assert_eq!(m.miss(None, Some((0, other))), (None, None));
+            assert_eq!(m.miss(None, false, Some((0, other))), (None, None));
         }
-        assert_eq!(m.miss(Some(2), s), (None, None), "file 1's miss is not within four");
+        assert_eq!(m.miss(Some(2), false, s), (None, None), "file 1's miss is not within four");
         // A third file makes it due whenever it comes (the rule of three).
         for other in 20..30 {
-            assert_eq!(m.miss(None, Some((0, other))), (None, None));
+            assert_eq!(m.miss(None, false, Some((0, other))), (None, None));
         }
-        assert_eq!(m.miss(Some(3), s), (None, Some((0, 1))));
+        assert_eq!(m.miss(Some(3), false, s), (None, Some((0, 1))));
         // Two files three misses apart: due at the second. A file missed again counts from its
         // last miss: 4, then 4 again, then 5 four misses after 4's first and two after its second.
         let t = Some((2, 0));
-        assert_eq!(m.miss(Some(4), t), (None, None));
-        assert_eq!(m.miss(None, Some((2, 5))), (None, None));
-        assert_eq!(m.miss(Some(4), t), (None, None));
-        assert_eq!(m.miss(None, Some((2, 6))), (None, None));
-        assert_eq!(m.miss(Some(5), t), (None, Some((2, 0))));
+        assert_eq!(m.miss(Some(4), false, t), (None, None));
+        assert_eq!(m.miss(None, false, Some((2, 5))), (None, None));
+        assert_eq!(m.miss(Some(4), false, t), (None, None));
+        assert_eq!(m.miss(None, false, Some((2, 6))), (None, None));
+        assert_eq!(m.miss(Some(5), false, t), (None, Some((2, 0))));
         // Off (0), two files close together are not enough.
         let mut three = MissCounts::new(0, 3);
-        assert_eq!(three.miss(Some(1), s), (None, None));
-        assert_eq!(three.miss(Some(2), s), (None, None));
+        assert_eq!(three.miss(Some(1), false, s), (None, None));
+        assert_eq!(three.miss(Some(2), false, s), (None, None));
     }
 
     #[test]
@@ -299,23 +301,37 @@ mod tests {
         let mut m = MissCounts::new(3, 3);
         let s = Some((0, 7));
         // Three misses of file 1 in one stretch: the file is due, the stretch (one file) not.
-        assert_eq!(m.miss(Some(1), s), (None, None));
-        assert_eq!(m.miss(Some(1), s), (None, None));
-        assert_eq!(m.miss(Some(1), s), (Some(1), None));
-        assert_eq!(m.miss(Some(1), s), (None, None), "a file is due once");
+        assert_eq!(m.miss(Some(1), false, s), (None, None));
+        assert_eq!(m.miss(Some(1), false, s), (None, None));
+        assert_eq!(m.miss(Some(1), false, s), (Some(1), None));
+        assert_eq!(m.miss(Some(1), false, s), (None, None), "a file is due once");
         // Misses of two more files there make the stretch due, once.
-        assert_eq!(m.miss(Some(2), s), (None, None));
-        assert_eq!(m.miss(Some(3), s), (None, Some((0, 7))));
-        assert_eq!(m.miss(Some(4), s), (None, None), "a stretch is due once");
+        assert_eq!(m.miss(Some(2), false, s), (None, None));
+        assert_eq!(m.miss(Some(3), false, s), (None, Some((0, 7))));
+        assert_eq!(m.miss(Some(4), false, s), (None, None), "a stretch is due once");
         // Another stretch counts apart; chunks in no file count one each.
         let t = Some((1, 0));
-        assert_eq!(m.miss(None, t), (None, None));
-        assert_eq!(m.miss(None, t), (None, None));
-        assert_eq!(m.miss(None, t), (None, Some((1, 0))));
+        assert_eq!(m.miss(None, false, t), (None, None));
+        assert_eq!(m.miss(None, false, t), (None, None));
+        assert_eq!(m.miss(None, false, t), (None, Some((1, 0))));
         // Off: nothing is ever due.
         let mut off = MissCounts::new(0, 0);
         for f in 0..10 {
-            assert_eq!(off.miss(Some(f % 2), s), (None, None));
+            assert_eq!(off.miss(Some(f % 2), false, s), (None, None));
+        }
+    }
+
+    #[test]
+    fn a_file_small_enough_is_due_at_its_first_miss_once() {
+        for after in [0, 3] {
+            let mut m = MissCounts::new(after, 0);
+            assert_eq!(m.miss(Some(1), true, None), (Some(1), None), "after {after}");
+            assert_eq!(m.miss(Some(1), true, None), (None, None), "after {after}: due once");
+            // A larger file keeps its count, and the off switch holds for it.
+            let larger =
+                [m.miss(Some(2), false, None), m.miss(Some(2), false, None), m.miss(Some(2), false, None)];
+            let due = if after == 3 { Some(2) } else { None };
+            assert_eq!(larger, [(None, None), (None, None), (due, None)], "after {after}");
         }
     }
 }

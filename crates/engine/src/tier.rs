@@ -368,6 +368,8 @@ const ELF_RECENT: usize = 16;
 struct MissRules {
     /// Larger files are not fetched whole.
     max_file_bytes: u64,
+    /// Files up to this size are fetched whole at their first miss (0: none).
+    first_file_bytes: u64,
     /// The stretches' size in stored bytes (0: stretches off).
     stretch_bytes: u64,
     counts: Mutex<MissCounts>,
@@ -864,6 +866,19 @@ impl<S: ChunkSource + 'static> MemTier<S> {
         self
     }
 
+    /// Fetch a file of at most `max_bytes` (and a quarter of the memory tier) whole in the
+    /// background at its first chunk that missed memory and had to come from the origin, as
+    /// [`Self::with_whole_files`] does at the `after`-th: a program's first read is its `exec`,
+    /// a reader's the first of a file it reads through, and the rest of either is a chain of
+    /// round trips each. 0 turns it off.
+    pub fn with_whole_files_at_first(mut self, max_bytes: u64) -> Self {
+        let first = max_bytes.min(self.core.capacity / 4);
+        if let Some(rules) = self.miss_rules(first > 0) {
+            rules.first_file_bytes = first;
+        }
+        self
+    }
+
     /// Fetch a stretch of a pack whole in the background (as [`Self::with_whole_files`] does a
     /// file) once reads of `after` distinct files stored in it missed memory and went to the
     /// origin: the stretches are `bytes` (stored) long, aligned in each pack. The builder packs
@@ -969,8 +984,13 @@ impl<S: ChunkSource + 'static> MemTier<S> {
                 let stretch = (rules.stretch_bytes > 0)
                     .then(|| self.core.place(c).map(|p| (p.pack, p.offset / rules.stretch_bytes)))
                     .flatten();
-                let (file, stretch) = counts.miss(files.file_of(c), stretch);
-                due_files.extend(file.filter(|&f| files.bytes(f) <= rules.max_file_bytes));
+                let file = files.file_of(c);
+                let at_once = file.is_some_and(|f| files.bytes(f) <= rules.first_file_bytes);
+                let (file, stretch) = counts.miss(file, at_once, stretch);
+                due_files.extend(file.filter(|&f| {
+                    let bytes = files.bytes(f);
+                    bytes <= rules.max_file_bytes || bytes <= rules.first_file_bytes
+                }));
                 if stretch.is_some() {
                     due_stretches.push(c);
                 }
