@@ -23,7 +23,7 @@ use libz_rs_sys as z;
 pub const WINDOW: usize = 32 << 10;
 
 /// The default checkpoint spacing (uncompressed bytes between checkpoints); see
-/// `docs/formats/gzip-index.md` for the measurement behind it.
+/// `docs/formats/reference-index.md` for the measurement behind it.
 pub const DEFAULT_SPACING: u64 = 1 << 20;
 
 /// zstd level for stored windows.
