@@ -9,6 +9,7 @@
 //! ([`MemTier::with_readahead`]); and a prefetch profile's chunks can be fetched in the
 //! background ([`MemTier::prefetch`]). Demand fetches always go first.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, RwLock, RwLockReadGuard};
 
@@ -379,6 +380,67 @@ struct MissRules {
 /// read at a few places is not a program's binary).
 pub const WHOLE_FILE_MAX_BYTES: u64 = 64 << 20;
 
+/// The chunks of the reads waiting on fetches ([`MemTier::fetch_ahead`]), held from the moment
+/// each is in memory (or arrives) until its reads have copied it: the policy may refuse a chunk
+/// it fetched for a read (TinyLFU's admission, a chunk over the budget) or evict it before the
+/// read copies it, and the read must not fetch it again — that would cost its bytes twice, and
+/// happen inside the fetch that handed the chunk over (its waiters are told as it arrives), where
+/// a request could wait for a connection that fetch holds. Bounded by the reads in flight.
+#[derive(Default)]
+struct Pins {
+    held: Mutex<HashMap<u32, Pin>>,
+}
+
+struct Pin {
+    /// Reads waiting for the chunk or copying it.
+    reads: u32,
+    chunk: Option<Chunk>,
+}
+
+impl Pins {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u32, Pin>> {
+        self.held.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A read needs `chunks`; `now(c)` is chunk `c` if memory holds it already.
+    fn hold(&self, chunks: &[u32], now: impl Fn(u32) -> Option<Chunk>) {
+        let mut held = self.lock();
+        for &c in chunks {
+            let pin = held.entry(c).or_insert(Pin { reads: 0, chunk: None });
+            pin.reads += 1;
+            if pin.chunk.is_none() {
+                pin.chunk = now(c);
+            }
+        }
+    }
+
+    /// Chunk `c` arrived: kept for the reads that hold it, if any.
+    fn arrived(&self, c: u32, chunk: &Chunk) {
+        let mut held = self.lock();
+        if let Some(pin) = held.get_mut(&c) {
+            pin.chunk.get_or_insert_with(|| Arc::clone(chunk));
+        }
+    }
+
+    /// Chunk `c`, if a read holds it.
+    fn chunk(&self, c: u32) -> Option<Chunk> {
+        self.lock().get(&c).and_then(|p| p.chunk.clone())
+    }
+
+    /// A read is done with `chunks`.
+    fn release(&self, chunks: &[u32]) {
+        let mut held = self.lock();
+        for c in chunks {
+            if let Some(pin) = held.get_mut(c) {
+                pin.reads = pin.reads.saturating_sub(1);
+                if pin.reads == 0 {
+                    held.remove(c);
+                }
+            }
+        }
+    }
+}
+
 struct Core<S> {
     reader: ImageReader<S>,
     /// The policy (what to keep within `capacity`); `slots` is the index reads go through.
@@ -389,6 +451,7 @@ struct Core<S> {
     prefetched: Arc<PrefetchFlags>,
     /// Chunk buffers of 64 KiB–2 MiB go on huge pages ([`crate::hugebuf`]).
     huge_pages: AtomicBool,
+    pins: Pins,
 }
 
 #[derive(Default)]
@@ -480,8 +543,16 @@ impl<S: ChunkSource + 'static> Core<S> {
         }
     }
 
+    /// Chunk `index` for a guest read: from memory, else the copy fetched for the read
+    /// ([`Pins`]), else fetched now.
     fn chunk(&self, index: u32) -> Result<Chunk, Arc<StoreError>> {
-        self.fill(index, false)
+        if let Some(hit) = self.cached(index) {
+            return Ok(hit);
+        }
+        if let Some(held) = self.pins.chunk(index) {
+            return Ok(held);
+        }
+        self.fetch_into_memory(index, false)
     }
 
     /// Chunk `index`, fetched into memory if missing; `background`: for readahead or prefetch
@@ -490,6 +561,11 @@ impl<S: ChunkSource + 'static> Core<S> {
         if let Some(hit) = self.cached(index) {
             return Ok(hit);
         }
+        self.fetch_into_memory(index, background)
+    }
+
+    /// [`Self::fill`] past its lookup.
+    fn fetch_into_memory(&self, index: u32, background: bool) -> Result<Chunk, Arc<StoreError>> {
         // The read path's refetch policy applies (a copy failing verification is fetched once
         // more, which reaches the origin: the tiers below drop a corrupt copy).
         self.cache.try_get_with(index, || {
@@ -510,7 +586,11 @@ impl<S: ChunkSource + 'static> Core<S> {
             // queued a moment apart (a burst of cold guest reads) still share a request there. A
             // background chunk does not: it has nobody to join, and a single read under way is
             // what makes the join wait for others (a demand miss arriving meanwhile would wait).
-            arrived(0, self.fill(*index, false).map(|_| ()));
+            let filled = self.fill(*index, false);
+            if let Ok(chunk) = &filled {
+                self.pins.arrived(*index, chunk);
+            }
+            arrived(0, filled.map(|_| ()));
             return;
         }
         // Counted as lookups, as a single fill is (one that arrived meanwhile is a hit).
@@ -530,6 +610,7 @@ impl<S: ChunkSource + 'static> Core<S> {
             // a copy in memory is never replaced, so its slot always holds what moka holds.
             let outcome = data.map(|data| {
                 let chunk = self.admit(index, data, quiet(k));
+                self.pins.arrived(index, &chunk);
                 self.cache.entry(index).or_insert_with(|| {
                     self.keep(index, &chunk);
                     chunk
@@ -575,19 +656,23 @@ impl<S: ChunkSource + 'static> Core<S> {
         })
     }
 
-    /// The chunks `[offset, offset + len)` needs that are not in memory, in device order.
-    fn missing(&self, offset: u64, len: u64) -> Result<Vec<u32>, StoreError> {
+    /// The chunks `[offset, offset + len)` needs, and of them those not in memory, in device
+    /// order.
+    fn needed(&self, offset: u64, len: u64) -> Result<(Vec<u32>, Vec<u32>), StoreError> {
         let plan =
             self.reader.image().record().block_map.plan(offset, len).map_err(StoreError::OutOfRange)?;
-        let mut out: Vec<u32> = Vec::new();
+        let (mut all, mut missing): (Vec<u32>, Vec<u32>) = (Vec::new(), Vec::new());
         for seg in plan {
             if let SegmentSource::Chunk { chunk, .. } = seg.source {
-                if out.last() != Some(&chunk) && !self.slots.contains(chunk) {
-                    out.push(chunk);
+                if all.last() != Some(&chunk) {
+                    all.push(chunk);
+                    if !self.slots.contains(chunk) {
+                        missing.push(chunk);
+                    }
                 }
             }
         }
-        Ok(out)
+        Ok((all, missing))
     }
 
     /// The chunks after device byte `end` in the same file, up to `window` bytes: nothing if
@@ -694,6 +779,7 @@ impl<S: ChunkSource + 'static> MemTier<S> {
             stats,
             prefetched,
             huge_pages: AtomicBool::new(true),
+            pins: Pins::default(),
         });
         let order = batched.then(|| Arc::new(PackOrder::new(chunks, |c| core.place(c))));
         let (fetch_core, place_core) = (Arc::clone(&core), Arc::clone(&core));
@@ -1222,8 +1308,16 @@ impl<S: ChunkSource + 'static> BlockDevice for MemTier<S> {
             // copies them: the read fetches inline, on a fetch thread.
             return self.fetcher.run(Box::new(move || done(Ok(()))));
         }
-        match self.core.missing(offset, len) {
-            Ok(chunks) => {
+        match self.core.needed(offset, len) {
+            Ok((all, chunks)) => {
+                // The read's chunks are held for it from now until it has copied them (`Pins`),
+                // whatever the policy keeps meanwhile.
+                self.core.pins.hold(&all, |c| self.core.slots.peek(c));
+                let core = Arc::clone(&self.core);
+                let done: FetchDone = Box::new(move |fetched| {
+                    done(fetched);
+                    core.pins.release(&all);
+                });
                 // The misses nothing foresaw (not queued or being fetched) that the host does not
                 // hold: each is a request to the origin.
                 let fresh: Vec<u32> =

@@ -231,3 +231,78 @@ fn a_background_chunk_does_not_take_the_path_of_the_join() {
     assert!(read_first_byte_of(&tier, &image, first));
     assert_eq!(reads(&source), (1, 1), "the guest read's chunk: one single read");
 }
+
+/// A chunk the policy does not keep (here: larger than the whole memory budget; under pressure:
+/// refused by TinyLFU's admission, or evicted before the read copies it) is still the bytes of the
+/// read that waited for it: the read copies the chunk that was fetched for it instead of fetching
+/// it again — inside the fetch that brought it, on a remote store, where it could wait for a
+/// connection that fetch holds.
+#[test]
+fn a_read_gets_the_chunk_fetched_for_it_even_when_memory_does_not_keep_it() {
+    // The test image's chunks: ~12.4 KB, 8 KiB, 32 KiB, 100 B; 8 KiB of memory.
+    let (_dir, tier, source, data) = tier(8 << 10);
+    let tier = Arc::new(tier);
+    let image = Arc::clone(tier.reader().shared_image());
+    for big in (0..data.len()).filter(|&i| data[i].len() > 8 << 10) {
+        let big = big as u32;
+        let before = source.reads();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let reader = Arc::clone(&tier);
+        let offset = first_offset_of(&image, big);
+        tier.fetch_ahead(
+            offset,
+            4096,
+            Box::new(move |fetched| {
+                // The policy's pending work runs before the read copies its bytes (on another
+                // thread, in a daemon).
+                reader.weighted_size();
+                let mut buf = vec![0u8; 4096];
+                let read = fetched
+                    .map_err(|e| e.to_string())
+                    .and_then(|()| reader.read_at(offset, &mut buf).map_err(|e| e.to_string()));
+                let _ = tx.send(read.map(|()| buf));
+            }),
+        );
+        let got = rx.recv_timeout(std::time::Duration::from_secs(10)).unwrap().unwrap();
+        assert_eq!(&got[..], &data[big as usize][..4096], "chunk {big}");
+        tier.weighted_size();
+        assert!(!tier.contains(big), "chunk {big} held: the test shows nothing");
+        assert_eq!(source.reads() - before, 1, "chunk {big} fetched again for the read that waited for it");
+    }
+
+    // A read across two chunks stored back to back goes out as one batch (whose chunks are
+    // handed over as they arrive): the one memory does not keep is not fetched again either.
+    let (pair, before) = (read_across_a_and_b(), source.reads());
+    let batched = MemTier::new(
+        ImageReader::new(Arc::clone(&image), Arc::clone(&source)),
+        8 << 10,
+        FetchLimits { batch_bytes: tessera_engine::DEFAULT_BATCH_BYTES, ..FetchLimits::new(2) },
+    )
+    .unwrap();
+    let batched = Arc::new(batched);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let reader = Arc::clone(&batched);
+    batched.fetch_ahead(
+        pair.0,
+        pair.1 as u64,
+        Box::new(move |fetched| {
+            reader.weighted_size();
+            let mut buf = vec![0u8; pair.1];
+            let read = fetched
+                .map_err(|e| e.to_string())
+                .and_then(|()| reader.read_at(pair.0, &mut buf).map_err(|e| e.to_string()));
+            let _ = tx.send(read.map(|()| buf));
+        }),
+    );
+    let got = rx.recv_timeout(std::time::Duration::from_secs(10)).unwrap().unwrap();
+    let a_tail = &data[0][3 * 4096..];
+    assert_eq!(&got[..a_tail.len()], a_tail, "the end of chunk a");
+    assert_eq!(&got[4096..], &data[1][..4096], "the start of chunk b");
+    assert_eq!(source.reads() - before, 2, "each chunk of the batch fetched once");
+}
+
+/// The test image's device range across chunk a's last block (device block 13, its 100-byte tail
+/// then zeros) and chunk b's first (block 14): offset and length.
+fn read_across_a_and_b() -> (u64, usize) {
+    (13 * 4096, 2 * 4096)
+}
