@@ -550,7 +550,13 @@ impl<S: ChunkSource + 'static> Core<S> {
             return Ok(hit);
         }
         if let Some(held) = self.pins.chunk(index) {
-            return Ok(held);
+            // Offered to the policy again, as a fetch would have (an insertion counts as an
+            // access: a chunk read again has a better chance of being admitted).
+            let kept = self.cache.entry(index).or_insert_with(|| {
+                self.keep(index, &held);
+                Arc::clone(&held)
+            });
+            return Ok(kept.into_value());
         }
         self.fetch_into_memory(index, false)
     }
