@@ -246,24 +246,7 @@ fn a_read_gets_the_chunk_fetched_for_it_even_when_memory_does_not_keep_it() {
     for big in (0..data.len()).filter(|&i| data[i].len() > 8 << 10) {
         let big = big as u32;
         let before = source.reads();
-        let (tx, rx) = std::sync::mpsc::channel();
-        let reader = Arc::clone(&tier);
-        let offset = first_offset_of(&image, big);
-        tier.fetch_ahead(
-            offset,
-            4096,
-            Box::new(move |fetched| {
-                // The policy's pending work runs before the read copies its bytes (on another
-                // thread, in a daemon).
-                reader.weighted_size();
-                let mut buf = vec![0u8; 4096];
-                let read = fetched
-                    .map_err(|e| e.to_string())
-                    .and_then(|()| reader.read_at(offset, &mut buf).map_err(|e| e.to_string()));
-                let _ = tx.send(read.map(|()| buf));
-            }),
-        );
-        let got = rx.recv_timeout(std::time::Duration::from_secs(10)).unwrap().unwrap();
+        let got = deferred_read(&tier, first_offset_of(&image, big), 4096);
         assert_eq!(&got[..], &data[big as usize][..4096], "chunk {big}");
         tier.weighted_size();
         assert!(!tier.contains(big), "chunk {big} held: the test shows nothing");
@@ -272,37 +255,42 @@ fn a_read_gets_the_chunk_fetched_for_it_even_when_memory_does_not_keep_it() {
 
     // A read across two chunks stored back to back goes out as one batch (whose chunks are
     // handed over as they arrive): the one memory does not keep is not fetched again either.
-    let (pair, before) = (read_across_a_and_b(), source.reads());
+    let before = source.reads();
     let batched = MemTier::new(
         ImageReader::new(Arc::clone(&image), Arc::clone(&source)),
         8 << 10,
         FetchLimits { batch_bytes: tessera_engine::DEFAULT_BATCH_BYTES, ..FetchLimits::new(2) },
     )
     .unwrap();
-    let batched = Arc::new(batched);
-    let (tx, rx) = std::sync::mpsc::channel();
-    let reader = Arc::clone(&batched);
-    batched.fetch_ahead(
-        pair.0,
-        pair.1 as u64,
-        Box::new(move |fetched| {
-            reader.weighted_size();
-            let mut buf = vec![0u8; pair.1];
-            let read = fetched
-                .map_err(|e| e.to_string())
-                .and_then(|()| reader.read_at(pair.0, &mut buf).map_err(|e| e.to_string()));
-            let _ = tx.send(read.map(|()| buf));
-        }),
-    );
-    let got = rx.recv_timeout(std::time::Duration::from_secs(10)).unwrap().unwrap();
+    // Chunk a's last block (device block 13: its 100-byte tail, then zeros) and chunk b's first.
+    let got = deferred_read(&Arc::new(batched), 13 * 4096, 2 * 4096);
     let a_tail = &data[0][3 * 4096..];
     assert_eq!(&got[..a_tail.len()], a_tail, "the end of chunk a");
     assert_eq!(&got[4096..], &data[1][..4096], "the start of chunk b");
     assert_eq!(source.reads() - before, 2, "each chunk of the batch fetched once");
 }
 
-/// The test image's device range across chunk a's last block (device block 13, its 100-byte tail
-/// then zeros) and chunk b's first (block 14): offset and length.
-fn read_across_a_and_b() -> (u64, usize) {
-    (13 * 4096, 2 * 4096)
+/// A read of `len` bytes at `offset` the way the daemon defers one: its chunks fetched ahead,
+/// then, on the fetch's thread once they are in, copied out of the tier — after the policy's
+/// pending work has run (on another thread, in a daemon), so what it refuses is gone.
+fn deferred_read<S: tessera_store::ChunkSource + 'static>(
+    tier: &Arc<MemTier<S>>,
+    offset: u64,
+    len: usize,
+) -> Vec<u8> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let reader = Arc::clone(tier);
+    tier.fetch_ahead(
+        offset,
+        len as u64,
+        Box::new(move |fetched| {
+            reader.weighted_size();
+            let mut buf = vec![0u8; len];
+            let read = fetched
+                .map_err(|e| e.to_string())
+                .and_then(|()| reader.read_at(offset, &mut buf).map_err(|e| e.to_string()));
+            let _ = tx.send(read.map(|()| buf));
+        }),
+    );
+    rx.recv_timeout(std::time::Duration::from_secs(10)).unwrap().unwrap()
 }
