@@ -197,11 +197,20 @@ impl tessera_store::ChunkSource for Paths {
         got: &mut tessera_store::RangeGot<'_>,
     ) -> Result<(), tessera_store::StoreError> {
         self.many.fetch_add(1, Ordering::Relaxed);
-        for (i, &(offset, len)) in ranges.iter().enumerate() {
-            got(i, self.inner.read_stored(pack, offset, len)?);
-        }
-        Ok(())
+        each_range(ranges, got, |offset, len| self.inner.read_stored(pack, offset, len))
     }
+}
+
+/// A batch read as single reads, one range after another.
+fn each_range(
+    ranges: &[(u64, u32)],
+    got: &mut tessera_store::RangeGot<'_>,
+    read: impl Fn(u64, u32) -> Result<Vec<u8>, tessera_store::StoreError>,
+) -> Result<(), tessera_store::StoreError> {
+    for (i, &(offset, len)) in ranges.iter().enumerate() {
+        got(i, read(offset, len)?);
+    }
+    Ok(())
 }
 
 /// A guest read's single chunk goes through the source's single read (where an origin joins
@@ -293,4 +302,127 @@ fn deferred_read<S: tessera_store::ChunkSource + 'static>(
         }),
     );
     rx.recv_timeout(std::time::Duration::from_secs(10)).unwrap().unwrap()
+}
+
+/// A source whose reads of one stored chunk wait until the test opens the gate (the other
+/// reads go through at once): a fetch held in flight while the test changes memory under it.
+struct Gated {
+    inner: Arc<Counting<LocalStore>>,
+    /// The gated chunk's pack and stored offset.
+    at: (tessera_image::Sha256Digest, u64),
+    open: std::sync::Mutex<bool>,
+    opened: std::sync::Condvar,
+    /// Reads that reached the gate.
+    waiting: std::sync::atomic::AtomicUsize,
+}
+
+impl Gated {
+    fn pass(&self, pack: &tessera_image::Sha256Digest, offset: u64) {
+        if (*pack, offset) != self.at {
+            return;
+        }
+        self.waiting.fetch_add(1, Ordering::SeqCst);
+        let mut open = self.open.lock().unwrap();
+        while !*open {
+            open = self.opened.wait(open).unwrap();
+        }
+    }
+
+    fn open(&self) {
+        *self.open.lock().unwrap() = true;
+        self.opened.notify_all();
+    }
+}
+
+impl tessera_store::ChunkSource for Gated {
+    fn read_stored(
+        &self,
+        pack: &tessera_image::Sha256Digest,
+        offset: u64,
+        len: u32,
+    ) -> Result<Vec<u8>, tessera_store::StoreError> {
+        self.pass(pack, offset);
+        self.inner.read_stored(pack, offset, len)
+    }
+
+    fn read_stored_many(
+        &self,
+        pack: &tessera_image::Sha256Digest,
+        ranges: &[(u64, u32)],
+        got: &mut tessera_store::RangeGot<'_>,
+    ) -> Result<(), tessera_store::StoreError> {
+        each_range(ranges, got, |offset, len| self.read_stored(pack, offset, len))
+    }
+}
+
+/// A deferred read's chunk that was in memory when the read was deferred, and that memory
+/// evicts while the read waits for its other chunk, is copied from the copy held for the read:
+/// not fetched again (inside the fetch that brings the other chunk).
+#[test]
+fn a_chunk_in_memory_when_its_read_waits_is_not_fetched_again_if_evicted_meanwhile() {
+    // The test image's chunks: a ~12.4 KB at device blocks 10..14, b 8 KiB at 14..16, d 100 B.
+    let (_dir, plain, counting, data) = tier(0);
+    let image = Arc::clone(plain.reader().shared_image());
+    let (a, b, d) = (0u32, 1u32, 3u32);
+    assert_eq!((data[b as usize].len(), data[d as usize].len()), (8 << 10, 100));
+    let b_at = first_offset_of(&image, b);
+    assert_eq!(first_offset_of(&image, a) + 4 * 4096, b_at, "a's four blocks are followed by b's");
+    let (_, pack, place) = image.chunk_location(a).unwrap();
+    let source = Arc::new(Gated {
+        inner: Arc::clone(&counting),
+        at: (pack, place.offset),
+        open: std::sync::Mutex::new(false),
+        opened: std::sync::Condvar::new(),
+        waiting: Default::default(),
+    });
+    // Memory for b, or for d and a, but not for b and d together.
+    let tier = Arc::new(
+        MemTier::new(
+            ImageReader::new(Arc::clone(&image), Arc::clone(&source)),
+            (8 << 10) + 50,
+            FetchLimits::new(2),
+        )
+        .unwrap(),
+    );
+    assert!(read_first_byte_of(&*tier, &image, b));
+    tier.weighted_size();
+    assert!(tier.contains(b), "b is in memory before the read");
+
+    // A read of a's last block and b's first: b is in memory, a goes to the (gated) source.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let reader = Arc::clone(&tier);
+    let offset = b_at - 4096;
+    tier.fetch_ahead(
+        offset,
+        8192,
+        Box::new(move |fetched| {
+            let mut buf = vec![0u8; 8192];
+            let read = fetched
+                .map_err(|e| e.to_string())
+                .and_then(|()| reader.read_at(offset, &mut buf).map_err(|e| e.to_string()));
+            let _ = tx.send(read.map(|()| buf));
+        }),
+    );
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while source.waiting.load(Ordering::SeqCst) == 0 {
+        assert!(std::time::Instant::now() < deadline, "a's fetch never reached the source");
+        std::thread::sleep(std::time::Duration::from_millis(1)); // polling interval
+    }
+    // While a is in flight, d pushes b out (d read a few times: the policy admits a chunk read
+    // more often than the one it would evict).
+    for _ in 0..16 {
+        if !tier.contains(b) {
+            break;
+        }
+        assert!(read_first_byte_of(&*tier, &image, d));
+        tier.weighted_size();
+    }
+    assert!(!tier.contains(b), "b still in memory: the test shows nothing");
+    let before = counting.reads();
+    source.open();
+    let got = rx.recv_timeout(std::time::Duration::from_secs(10)).unwrap().unwrap();
+    let a_tail = &data[a as usize][3 * 4096..];
+    assert_eq!(&got[..a_tail.len()], a_tail, "a's last block");
+    assert_eq!(&got[4096..], &data[b as usize][..4096], "b's first block");
+    assert_eq!(counting.reads() - before, 1, "only a fetched: b was copied from the copy held for the read");
 }
