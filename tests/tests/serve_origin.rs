@@ -866,6 +866,87 @@ fn a_file_read_at_random_is_fetched_whole_after_its_misses() -> Result<()> {
     Ok(())
 }
 
+/// A program read from its start, as an exec reads it: with `--programs-whole`, a miss of its
+/// first chunk fetches it whole (each byte once) though it is over `--whole-file-first`; a file
+/// as large that is not executable, a program first read elsewhere, or the rule turned off fetch
+/// only what was read.
+#[test]
+fn a_program_is_fetched_whole_at_a_miss_of_its_first_chunk() -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let t = tmp("serve-programs")?;
+    let (src, store) = (t.path().join("src"), t.path().join("store"));
+    fs::create_dir_all(&src)?;
+    let mut rng = Prng::from_label("serve-programs");
+    // Each 1 500 000 random bytes: 23 chunks of 64 KiB (the last short), stored raw.
+    let (chunks, chunk, file_bytes) = (23u64, 64u64 << 10, 1_500_000u64);
+    for (name, mode) in [("prog", 0o755), ("other-prog", 0o711), ("data.bin", 0o644)] {
+        fs::write(src.join(name), rng.bytes(file_bytes as usize))?;
+        fs::set_permissions(src.join(name), fs::Permissions::from_mode(mode))?;
+    }
+    tessera::build(&src, &store, &["--tag", "demo", "--chunk-size", "64K"])?;
+    let raw_path = t.path().join("local.raw");
+    tessera::export("demo", &store, &raw_path)?;
+    let raw = fs::read(&raw_path)?;
+    let origin = Nginx::serve(&store, "store")?;
+    let url = origin.url();
+    let socket = t.path().join("vm.sock");
+    for on in ["true", "false"] {
+        let _ = fs::remove_file(&socket);
+        let mut cmd = tessera::command(["serve", "demo", "--read-only", "--store", url.as_str()]);
+        // Misses only, no other whole-file rule: every file here is over --whole-file-first.
+        cmd.args(MISSES_ONLY);
+        cmd.args(["--whole-file-after", "0", "--whole-file-first", "1M", "--programs-whole", on]);
+        let (child, addr) = tessera_e2e::metrics::spawn_with_metrics(cmd.arg("--socket").arg(&socket))?;
+        let child = Killed(child);
+        let mut c = BlkClient::connect(&socket, 1, true)?;
+        let read = |c: &mut BlkClient, path: &str, k: u64| -> Result<()> {
+            let at = first_block_offset(&raw_path, path)? + k * chunk;
+            let len = (file_bytes - k * chunk).min(chunk).next_multiple_of(4096) as usize;
+            let bytes = c.read(at, len)?.map_err(|e| anyhow::anyhow!("read at {at}: errno {e}"))?;
+            ensure!(bytes == raw[at as usize..at as usize + len], "{path}, chunk {k}: wrong bytes");
+            Ok(())
+        };
+        let queued = || -> Result<f64> {
+            tessera_e2e::metrics::scrape(&addr)?
+                .value("tessera_prefetch_queued_chunks_total", &[("reason", "whole_file")])
+        };
+        // Not executable: the read's chunk only.
+        let mark = origin.access_log().lines().count();
+        read(&mut c, "/data.bin", 0)?;
+        let gets = ranged_gets(&origin, mark);
+        ensure!(ranged_bytes(&gets) == chunk, "--programs-whole {on}, data.bin: {gets:?}");
+        // A program first read in its middle: that chunk; then at its start: the rest, if on.
+        let mark = origin.access_log().lines().count();
+        read(&mut c, "/other-prog", 5)?;
+        ensure!(ranged_bytes(&ranged_gets(&origin, mark)) == chunk, "--programs-whole {on}, other-prog");
+        // A program read from its start.
+        let mark = origin.access_log().lines().count();
+        read(&mut c, "/prog", 0)?;
+        if on == "true" {
+            let gets = wait_for_ranged(&origin, mark, file_bytes);
+            ensure!(ranged_bytes(&gets) == file_bytes, "prog, each byte once: {gets:?}");
+            ensure!(disjoint(&gets), "prog: a byte fetched twice: {gets:?}");
+            ensure!(queued()? == (chunks - 1) as f64, "prog's other chunks queued, once");
+            let before = origin.access_log().lines().count();
+            for k in 0..chunks {
+                read(&mut c, "/prog", k)?;
+            }
+            let again = ranged_gets(&origin, before);
+            ensure!(again.is_empty(), "reads of a program fetched whole went to the origin: {again:?}");
+            let mark = origin.access_log().lines().count();
+            read(&mut c, "/other-prog", 0)?;
+            let gets = wait_for_ranged(&origin, mark, file_bytes - chunk);
+            ensure!(ranged_bytes(&gets) == file_bytes - chunk, "other-prog, the rest once: {gets:?}");
+        } else {
+            ensure!(ranged_bytes(&ranged_gets(&origin, mark)) == chunk, "--programs-whole false, prog");
+            ensure!(queued()? == 0.0, "--programs-whole false: queued");
+        }
+        drop(c);
+        drop(child);
+    }
+    Ok(())
+}
+
 /// Small files of one directory read one after another, as an interpreter imports its
 /// modules: once reads of `--stretch-after` distinct files stored in one stretch of a pack
 /// missed and went to the origin (or of two, within `--stretch-within` misses of each other),

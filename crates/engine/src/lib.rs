@@ -40,6 +40,7 @@ pub mod files;
 pub mod hugebuf;
 pub mod metrics;
 pub mod packorder;
+pub mod programs;
 pub mod tier;
 pub mod trace;
 pub mod warm;

@@ -52,6 +52,7 @@ pub mod inode;
 pub mod journal;
 pub mod layout;
 mod namespace;
+pub mod scan;
 pub mod superblock;
 pub mod xattr;
 
