@@ -14,6 +14,7 @@ pub mod cache_index;
 pub mod content_manifest;
 pub mod elf_deps;
 pub mod ext4_roundtrip;
+pub mod ext4_scan;
 pub mod gzip_index;
 pub mod image_record;
 pub mod oci_layers;

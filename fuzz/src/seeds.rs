@@ -25,7 +25,7 @@ pub type Seeds = Vec<(String, Vec<u8>)>;
 
 /// Seeds of the named target (`vhost_request`, `image_record`, `overlay_replay`, `oci_layers`,
 /// `content_manifest`, `source_index`, `gzip_index`, `pack_index`, `cache_index`, `profile`, `boot_trace`,
-/// `request_trace`, `ext4_roundtrip`, `byteranges`, `elf_deps`).
+/// `request_trace`, `ext4_roundtrip`, `byteranges`, `elf_deps`, `ext4_scan`).
 pub fn for_target(target: &str) -> Seeds {
     match target {
         "vhost_request" => vhost_request(),
@@ -43,11 +43,12 @@ pub fn for_target(target: &str) -> Seeds {
         "ext4_roundtrip" => crate::ext4_roundtrip::seeds(),
         "byteranges" => crate::byteranges::seeds(),
         "elf_deps" => crate::elf_deps::seeds(),
+        "ext4_scan" => crate::ext4_scan::seeds(),
         other => panic!("unknown fuzz target {other}"),
     }
 }
 
-pub const TARGETS: [&str; 15] = [
+pub const TARGETS: [&str; 16] = [
     "vhost_request",
     "image_record",
     "overlay_replay",
@@ -63,6 +64,7 @@ pub const TARGETS: [&str; 15] = [
     "ext4_roundtrip",
     "byteranges",
     "elf_deps",
+    "ext4_scan",
 ];
 
 const CAP: u64 = 4 << 20;

@@ -22,6 +22,7 @@ fn run(target: &str, data: &[u8]) {
         "ext4_roundtrip" => tessera_fuzz::ext4_roundtrip::run(data),
         "byteranges" => tessera_fuzz::byteranges::run(data),
         "elf_deps" => tessera_fuzz::elf_deps::run(data),
+        "ext4_scan" => tessera_fuzz::ext4_scan::run(data),
         _ => unreachable!(),
     }
 }
@@ -151,6 +152,11 @@ fn byteranges_seeds() {
 #[test]
 fn elf_deps_seeds() {
     seeds("elf_deps");
+}
+
+#[test]
+fn ext4_scan_seeds() {
+    seeds("ext4_scan");
 }
 
 #[test]

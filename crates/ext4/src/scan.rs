@@ -66,7 +66,9 @@ fn layout(block0: &[u8]) -> Option<Layout> {
     let inodes = u32_at(sb, 0x00)?;
     let inodes_per_group = u32_at(sb, 0x28)?;
     let inode_size = usize::from(u16_at(sb, 0x58)?);
-    if inodes_per_group == 0 || !(128..=BLOCK).contains(&inode_size) || !inode_size.is_power_of_two() {
+    // An inode bitmap is one block: at most 8 × 4096 inodes a group.
+    let ipg_ok = (1..=8 * BLOCK as u32).contains(&inodes_per_group);
+    if !ipg_ok || !(128..=BLOCK).contains(&inode_size) || !inode_size.is_power_of_two() {
         return None;
     }
     let desc_size = if u32_at(sb, 0x60)? & INCOMPAT_64BIT != 0 { usize::from(u16_at(sb, 0xFE)?) } else { 32 };
@@ -91,9 +93,11 @@ pub fn regular_files<B: AsRef<[u8]>>(block: impl Fn(u64) -> Option<B>) -> Vec<Re
     let per_block = BLOCK / l.inode_size;
     for group in 0..l.groups {
         let at = group as usize * l.desc_size;
-        let Some(desc) = block(l.gdt + (at / BLOCK) as u64) else { continue };
+        // The descriptor table is contiguous: a block of it missing ends the scan (so the work
+        // is bounded by the metadata at hand, whatever the superblock claims).
+        let Some(desc) = block(l.gdt + (at / BLOCK) as u64) else { break };
         let desc = desc.as_ref().get(at % BLOCK..at % BLOCK + l.desc_size).map(<[u8]>::to_vec);
-        let Some(desc) = desc else { continue };
+        let Some(desc) = desc else { break };
         let hi = if l.desc_size >= 64 { u32_at(&desc, 0x28).unwrap_or(0) } else { 0 };
         let Some(table) = u32_at(&desc, 0x08).map(|lo| u64::from(hi) << 32 | u64::from(lo)) else { continue };
         let unused = if l.desc_size >= 64 {
@@ -102,20 +106,22 @@ pub fn regular_files<B: AsRef<[u8]>>(block: impl Fn(u64) -> Option<B>) -> Vec<Re
             u32::from(u16_at(&desc, 0x1C).unwrap_or(0))
         };
         let used = l.inodes_per_group.saturating_sub(unused);
-        let mut current: Option<(u64, Option<B>)> = None;
-        for i in 0..used {
-            let (b, within) = (table + u64::from(i) / per_block as u64, i as usize % per_block);
-            if current.as_ref().map(|c| c.0) != Some(b) {
-                current = Some((b, block(b)));
-            }
-            let Some((_, Some(data))) = &current else { continue };
-            let Some(raw) = data.as_ref().get(within * l.inode_size..(within + 1) * l.inode_size) else {
+        // Block by block; a block the metadata does not hold (all zeros: no inode in use) is
+        // skipped whole.
+        for first in (0..used).step_by(per_block) {
+            let Some(data) = table.checked_add(u64::from(first) / per_block as u64).and_then(&block) else {
                 continue;
             };
-            let inode = group.checked_mul(l.inodes_per_group).and_then(|n| n.checked_add(i + 1));
-            let inode = inode.filter(|&ino| ino >= l.first_ino);
-            if let Some(file) = inode.and_then(|ino| regular_file(ino, raw, &block)) {
-                out.push(file);
+            for i in first..used.min(first.saturating_add(per_block as u32)) {
+                let within = (i - first) as usize;
+                let Some(raw) = data.as_ref().get(within * l.inode_size..(within + 1) * l.inode_size) else {
+                    break;
+                };
+                let inode = group.checked_mul(l.inodes_per_group).and_then(|n| n.checked_add(i + 1));
+                let inode = inode.filter(|&ino| ino >= l.first_ino);
+                if let Some(file) = inode.and_then(|ino| regular_file(ino, raw, &block)) {
+                    out.push(file);
+                }
             }
         }
     }
