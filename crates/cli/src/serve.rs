@@ -191,8 +191,9 @@ pub struct ServeArgs {
     /// background, when a read of its first chunk misses memory and goes to the origin: an exec
     /// reads a program's header first, then most of it page fault by page fault, a round trip
     /// each, which --whole-file-after would pay twice before fetching it all. Up to 64 MiB and a
-    /// quarter of --mem-cache; a large file that is not executable keeps the other rules. Remote stores only. On, it took a cold gcc compile
-    /// (cc1, 32 MiB) at 20 ms and 200 Mbit/s from 1 563 to 1 526 ms (docs/benchmarks.md).
+    /// quarter of --mem-cache; a large file that is not executable keeps the other rules. Remote
+    /// stores only. On, it took a cold gcc compile (cc1, 32 MiB) at 20 ms and 200 Mbit/s from
+    /// 1 565 to 1 525 ms for the same bytes (docs/benchmarks.md).
     #[arg(long, value_name = "BOOL", default_value_t = true, action = clap::ArgAction::Set)]
     programs_whole: bool,
     /// Fetch the shared libraries a program or library needs (its ELF DT_NEEDED entries, looked
