@@ -85,8 +85,8 @@ fn layout(block0: &[u8]) -> Option<Layout> {
     })
 }
 
-/// Every in-use regular file (reserved inodes aside) of the image whose metadata `block` gives (device block number →
-/// its 4096 bytes, `None` for a block it does not hold), in inode order.
+/// Every in-use regular file (reserved inodes aside) of the image whose metadata `block` gives
+/// (device block number → its 4096 bytes, `None` for a block it does not hold), in inode order.
 pub fn regular_files<B: AsRef<[u8]>>(block: impl Fn(u64) -> Option<B>) -> Vec<RegularFile> {
     let mut out = Vec::new();
     let Some(l) = block(0).and_then(|b| layout(b.as_ref())) else { return out };
