@@ -868,8 +868,9 @@ fn a_file_read_at_random_is_fetched_whole_after_its_misses() -> Result<()> {
 
 /// A program read from its start, as an exec reads it: with `--programs-whole`, a miss of its
 /// first chunk fetches it whole (each byte once) though it is over `--whole-file-first`; a file
-/// as large that is not executable, a program first read elsewhere, or the rule turned off fetch
-/// only what was read.
+/// as large that is not executable, and any file with the rule turned off, fetch only what was
+/// read; a program first read in its middle fetches that chunk, and the rest once its first
+/// chunk misses.
 #[test]
 fn a_program_is_fetched_whole_at_a_miss_of_its_first_chunk() -> Result<()> {
     use std::os::unix::fs::PermissionsExt;
