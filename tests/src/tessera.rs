@@ -291,9 +291,16 @@ pub fn check_store(store: &Path) -> Result<()> {
             let e = e?;
             let s = fs::read_to_string(e.path())?;
             let id = ref_text_id(&s).with_context(|| format!("ref {}", e.path().display()))?;
+            // Then, for an image with a profile, a line per pack of the profile's chunks.
+            let head = ref_text(store, &id)?;
+            let profiled = fs::read_to_string(images.join(format!("{}.json", id.hex())))
+                .is_ok_and(|e| !e.contains("\"profile\": null"));
+            let rest = s.strip_prefix(head.as_str());
+            let lines_ok = rest.is_some_and(|r| r.lines().all(|l| l.starts_with("profile sha256:")));
             ensure!(
-                s == ref_text(store, &id)?,
-                "ref {} holds {s:?}, not the ID, its entry's prefix and pack index and their lengths",
+                lines_ok && (profiled || rest == Some("")),
+                "ref {} holds {s:?}, not the ID, its entry's prefix and pack index and their lengths (and \
+                 its profile's ranges)",
                 e.path().display()
             );
             ensure!(

@@ -641,6 +641,50 @@ fn a_prefetch_profile_is_fetched_before_the_guest_reads() -> Result<()> {
     Ok(())
 }
 
+/// A tag profiled with `tessera profile` names where the profile's chunks are stored, and a
+/// daemon started by that tag without a disk cache fetches them with its start, in pieces of at
+/// most 128 KiB each on a request of its own (the profile's prefetch would ask for them as a few
+/// batches of up to 4 MiB once the image is open), each byte once; reads then need nothing
+/// more and get the right bytes.
+#[test]
+fn a_tag_s_profile_is_fetched_with_the_start() -> Result<()> {
+    let f = fixture("serve-staged")?;
+    let socket = f.t.path().join("vm.sock");
+    let trace = f.t.path().join("boot.trace");
+    let d = Daemon::start("demo", &f.store, &socket, &["--read-only", "--record-trace", path_str(&trace)?])?;
+    device_equals_export(&d, &f, "recording a trace")?;
+    d.stop()?;
+    let out =
+        tessera::run(["profile", "demo", "--store", path_str(&f.store)?, "--trace", path_str(&trace)?])?;
+    ensure!(out.status.success(), "tessera profile: {}", String::from_utf8_lossy(&out.stderr));
+    let tag = fs::read_to_string(f.store.join("refs/demo"))?;
+    let lines: Vec<&str> = tag.lines().filter(|l| l.starts_with("profile sha256:")).collect();
+    ensure!(!lines.is_empty(), "the tag names no profile ranges: {tag:?}");
+    tessera::check_store(&f.store)?;
+
+    let want = stored_chunk_bytes(&f.store, &f.id)?;
+    ensure!(want <= 16 << 20 && want > 4 * (128 << 10), "the image's chunks are {want} bytes");
+    let origin = Nginx::serve(&f.store, "store")?;
+    let mark = origin.access_log().lines().count();
+    let d = Daemon::start("demo", origin.url(), &socket, &["--read-only"])?;
+    let gets = wait_for_ranged(&origin, mark, want);
+    let got = ranged_bytes(&gets);
+    ensure!(got == want, "{got} bytes of ranged GETs before any read; the profile's chunks are {want} bytes");
+    ensure!(disjoint(&gets), "a byte was fetched twice: {gets:?}");
+    let largest = gets.iter().map(|g| g.2 + 1 - g.1).max().unwrap_or(0);
+    ensure!(
+        largest <= 128 << 10 && gets.len() as u64 >= want / (128 << 10),
+        "{} ranged GETs, the largest {largest} bytes: not the start's pieces",
+        gets.len()
+    );
+    let before = origin.access_log().lines().count();
+    device_equals_export(&d, &f, "after the start")?;
+    d.stop()?;
+    let after = ranged_gets(&origin, before);
+    ensure!(after.is_empty(), "reads after the start still fetched {after:?}");
+    Ok(())
+}
+
 #[test]
 fn a_scattered_profile_goes_out_in_multi_range_gets() -> Result<()> {
     use tessera_image::Trace;

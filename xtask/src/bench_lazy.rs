@@ -218,6 +218,7 @@ fn prepare_store(bin: &Path, dir: &Path, set: &workloads::PackageSet) -> Result<
     status(Command::new("zstd").args(["-q", "-f", "-T0", "-o"]).arg(served.join("image.raw.zst")).arg(&raw))?;
     let image = StoreImage::load(&store, "bench")?;
     fs::copy(entry_path(&store, &image), dir.join("entry.plain.json"))?;
+    fs::copy(store.join("refs/bench"), ref_beside(&dir.join("entry.plain.json")))?;
     fs::write(&marker, recipe)?;
     Ok((served, store, raw))
 }
@@ -226,12 +227,26 @@ fn entry_path(store: &Path, image: &StoreImage) -> PathBuf {
     store.join("images").join(format!("{}.json", image.id.0.hex()))
 }
 
-/// Put the image entry `from` (the plain one, or one with a workload's profile) in place.
+/// The tag's ref saved with the entry `entry` (`entry.W.json` → `ref.W`): a profiled image's
+/// tag names where its profile's chunks are, which a start fetches at once.
+fn ref_beside(entry: &Path) -> PathBuf {
+    let name = entry.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+    let w = name.strip_prefix("entry.").and_then(|n| n.strip_suffix(".json")).unwrap_or(name);
+    entry.with_file_name(format!("ref.{w}"))
+}
+
+/// Put the image entry `from` (the plain one, or one with a workload's profile) in place, and
+/// the tag's ref saved with it.
 fn use_entry(store: &Path, image: &StoreImage, from: &Path) -> Result<()> {
     let to = entry_path(store, image);
     let tmp = to.with_extension("json.bench-tmp");
     fs::copy(from, &tmp).with_context(|| format!("copying {}", from.display()))?;
     fs::rename(&tmp, &to)?;
+    let saved = ref_beside(from);
+    let tag = store.join("refs/bench");
+    let tmp = tag.with_extension("bench-tmp");
+    fs::copy(&saved, &tmp).with_context(|| format!("copying {}", saved.display()))?;
+    fs::rename(&tmp, &tag)?;
     Ok(())
 }
 
@@ -250,6 +265,7 @@ fn profile_entry(
         Command::new(bin).args(["profile", "bench", "--store"]).arg(store).arg("--trace").arg(&rec.trace),
     )?;
     fs::copy(entry_path(store, image), &out)?;
+    fs::copy(store.join("refs/bench"), ref_beside(&out))?;
     use_entry(store, image, &dir.join("entry.plain.json"))?;
     Ok(out)
 }

@@ -80,7 +80,9 @@ pub use origin::s3::{
     parse_credentials_file, s3_hint, CredentialSource, Credentials, S3Config, S3Gc, S3Location, S3Store,
     DEFAULT_PART_SIZE, S3_ENV,
 };
-pub use profile::{attach_profile, read_profile};
+pub use profile::{
+    attach_profile, profile_ranges, read_profile, PackRanges, MAX_STAGED_BYTES, MAX_STAGED_RANGES,
+};
 pub use read_store::{BlobSink, ProfileRead, ReadStore};
 pub use reader::{
     decode_stored_chunk, refetch_if_corrupt, ImageReader, OpenImage, Piece, ReadAt, Visit,

@@ -615,10 +615,25 @@ impl LocalStore {
                 pack_index: len(&entry.pack_index)?,
             })
         })();
-        let text = RefText::of(*id, &entry, lengths).encode();
+        let mut text = RefText::of(*id, &entry, lengths);
+        if lengths.is_some() && entry.profile.is_some() {
+            text.profile = self.profile_places(id).unwrap_or_else(|e| {
+                debug!(tag, image = %id, error = %e, "the ref names no profile ranges");
+                Vec::new()
+            });
+        }
+        let text = text.encode();
         self.write_atomic(&self.ref_path(tag), text.as_bytes(), "write ref")?;
         debug!(tag, image = %id, "stored ref");
         Ok(())
+    }
+
+    /// Where the chunks of image `id`'s prefetch profile are stored ([`crate::profile_ranges`];
+    /// none without a profile).
+    fn profile_places(&self, id: &ImageId) -> Result<crate::PackRanges, StoreError> {
+        let image = crate::OpenImage::open(self, id)?;
+        let profile = crate::read_profile(self, id, image.entry(), &image.record().block_map)?;
+        Ok(profile.map(|(_, p)| crate::profile_ranges(&image, &p)).unwrap_or_default())
     }
 
     /// Resolve `sha256:<64 hex>` (the store must hold that image) or a tag to an image ID.

@@ -11,8 +11,9 @@ use crate::read_store::ReadStore;
 use crate::reader::OpenImage;
 
 /// Attach `profile` to image `id`: it must have been made for `id` and name only chunks of the
-/// image. Writes the profile blob, then replaces the image entry (blobs before the entry); refs
-/// are untouched. Returns the new entry.
+/// image. Writes the profile blob, then replaces the image entry (blobs before the entry), then
+/// rewrites the tags pointing to the image, which name where the profile's chunks are stored
+/// (`docs/formats/store.md`, "Refs"). Returns the new entry.
 pub fn attach_profile(store: &LocalStore, id: &ImageId, profile: &Profile) -> Result<ImageEntry, StoreError> {
     let image = OpenImage::open(store, id)?;
     profile
@@ -22,6 +23,9 @@ pub fn attach_profile(store: &LocalStore, id: &ImageId, profile: &Profile) -> Re
     let mut entry = image.entry().clone();
     entry.profile = Some(digest);
     store.put_entry(id, &entry)?;
+    for (tag, _) in store.list_refs()?.into_iter().filter(|(_, to)| to == id) {
+        store.set_ref(&tag, id)?;
+    }
     debug!(image = %id, profile = %digest, chunks = profile.entries().len(), "attached a profile");
     Ok(entry)
 }
@@ -42,4 +46,62 @@ pub fn read_profile(
         Profile::decode(&bytes).map_err(|source| StoreError::Decode { what: "profile", digest, source })?;
     profile.check_against(*id, map).map_err(|source| StoreError::Profile { image: *id, source })?;
     Ok(Some((digest, profile)))
+}
+
+/// Stored ranges of packs: per pack, its ranges (`(offset, len)`).
+pub type PackRanges = Vec<(Sha256Digest, Vec<(u64, u32)>)>;
+
+/// Stored bytes of a profile's chunks a ref names at most ([`profile_ranges`]): the first 16 MiB
+/// in the profile's order, what a start needs first. A remote start fetches them while it
+/// fetches the image's metadata, and holds them until the profile's prefetch takes them; the
+/// rest of a larger profile is prefetched as before, once the image is open.
+pub const MAX_STAGED_BYTES: u64 = 16 << 20;
+
+/// Ranges a ref names at most ([`profile_ranges`]).
+pub const MAX_STAGED_RANGES: usize = 4096;
+
+/// Where the chunks of `profile` are stored for `image`: one `(pack, ranges)` per pack, packs in
+/// the order the profile first needs them, each pack's ranges ascending, chunks stored back to
+/// back merged into one range. The profile's chunks in its order, up to [`MAX_STAGED_BYTES`]
+/// and [`MAX_STAGED_RANGES`]; none for a `--reference-layers` image (its chunks are decoded from
+/// spans of layer blobs, not read as stored ranges).
+pub fn profile_ranges(image: &OpenImage, profile: &Profile) -> PackRanges {
+    if image.reference().is_some() {
+        return Vec::new();
+    }
+    let mut packs: PackRanges = Vec::new();
+    let (mut bytes, mut seen) = (0u64, std::collections::HashSet::new());
+    for e in profile.entries() {
+        let Some((_, pack, loc)) = image.chunk_index(&e.chunk).and_then(|i| image.chunk_location(i)) else {
+            continue;
+        };
+        if !seen.insert((pack, loc.offset)) {
+            continue;
+        }
+        if bytes + u64::from(loc.stored_len) > MAX_STAGED_BYTES || seen.len() > MAX_STAGED_RANGES {
+            break;
+        }
+        bytes += u64::from(loc.stored_len);
+        match packs.iter_mut().find(|p| p.0 == pack) {
+            Some(p) => p.1.push((loc.offset, loc.stored_len)),
+            None => packs.push((pack, vec![(loc.offset, loc.stored_len)])),
+        }
+    }
+    for (_, ranges) in &mut packs {
+        ranges.sort_unstable();
+        let mut merged: Vec<(u64, u32)> = Vec::with_capacity(ranges.len());
+        for &(offset, len) in ranges.iter() {
+            match merged.last_mut() {
+                Some(last)
+                    if last.0 + u64::from(last.1) == offset
+                        && u64::from(last.1) + u64::from(len) <= u64::from(u32::MAX) =>
+                {
+                    last.1 += len;
+                }
+                _ => merged.push((offset, len)),
+            }
+        }
+        *ranges = merged;
+    }
+    packs
 }

@@ -1,6 +1,7 @@
 //! The content of a tag's ref, `refs/<tag>` (docs/formats/store.md, "Refs"): the image ID and,
-//! since refs carry them, the digests of the image's metadata prefix and pack index and the
-//! lengths of those and the record.
+//! since refs carry them, the digests of the image's metadata prefix and pack index, the
+//! lengths of those and the record, and where the chunks of the image's prefetch profile are
+//! stored.
 //!
 //! Those two are fixed for an image ID (the entry names them, and only its profile and
 //! provenance may change), so a reader that resolves a tag can request them alongside the
@@ -40,32 +41,49 @@ pub struct RefLengths {
 }
 
 /// A ref's content.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RefText {
     pub id: ImageId,
     /// `None` in a ref written before refs named them (the ID line alone).
     pub parts: Option<RefParts>,
     /// `None` in a ref written before refs named them (or one without parts).
     pub lengths: Option<RefLengths>,
+    /// Where the chunks of the image's prefetch profile are stored, when the image has one
+    /// ([`crate::profile_ranges`]): per pack, in the order a start needs them, its ranges
+    /// (`(offset, len)`, ascending, apart). A remote start fetches them while it fetches the
+    /// image's metadata (a hint: the chunks are checked against their ids as any are). Only in a
+    /// ref that gives the lengths.
+    pub profile: crate::PackRanges,
 }
 
 impl RefText {
     /// The ref of image `id` whose entry is `entry`, and whose blobs are `lengths` long if known.
     pub fn of(id: ImageId, entry: &ImageEntry, lengths: Option<RefLengths>) -> Self {
-        Self { id, parts: Some(RefParts::of(entry)), lengths }
+        Self { id, parts: Some(RefParts::of(entry)), lengths, profile: Vec::new() }
     }
 
     /// Its bytes: `sha256:<id hex>\n`, then `prefix sha256:<hex>\n` and `pack-index
     /// sha256:<hex>\n` when it names them, then `lengths <record> <prefix> <pack index>\n` when
-    /// it names those.
+    /// it names those, then a `profile sha256:<pack hex> <offset>+<len> …\n` line per pack of
+    /// the profile's ranges.
     pub fn encode(&self) -> String {
         match (&self.parts, &self.lengths) {
             (None, _) => format!("{}\n", self.id),
             (Some(p), None) => format!("{}\nprefix {}\npack-index {}\n", self.id, p.prefix, p.pack_index),
-            (Some(p), Some(l)) => format!(
-                "{}\nprefix {}\npack-index {}\nlengths {} {} {}\n",
-                self.id, p.prefix, p.pack_index, l.record, l.prefix, l.pack_index
-            ),
+            (Some(p), Some(l)) => {
+                let mut text = format!(
+                    "{}\nprefix {}\npack-index {}\nlengths {} {} {}\n",
+                    self.id, p.prefix, p.pack_index, l.record, l.prefix, l.pack_index
+                );
+                for (pack, ranges) in &self.profile {
+                    text.push_str(&format!("profile {pack}"));
+                    for (offset, len) in ranges {
+                        text.push_str(&format!(" {offset}+{len}"));
+                    }
+                    text.push('\n');
+                }
+                text
+            }
         }
     }
 
@@ -74,7 +92,9 @@ impl RefText {
         let text = std::str::from_utf8(bytes).ok()?.strip_suffix('\n')?;
         let mut lines = text.split('\n');
         let id: ImageId = lines.next()?.parse().ok()?;
-        let Some(prefix) = lines.next() else { return Some(Self { id, parts: None, lengths: None }) };
+        let Some(prefix) = lines.next() else {
+            return Some(Self { id, parts: None, lengths: None, profile: Vec::new() });
+        };
         let digest = |line: Option<&str>, key: &str| -> Option<Sha256Digest> {
             line?.strip_prefix(key)?.strip_prefix(' ')?.parse().ok()
         };
@@ -91,7 +111,32 @@ impl RefText {
                 Some(l)
             }
         };
-        lines.next().is_none().then_some(Self { id, parts: Some(parts), lengths })
+        let mut profile: crate::PackRanges = Vec::new();
+        let (mut count, mut bytes) = (0usize, 0u64);
+        for line in lines {
+            lengths?;
+            let mut words = line.strip_prefix("profile ")?.split(' ');
+            let pack: Sha256Digest = words.next()?.parse().ok()?;
+            if profile.iter().any(|p| p.0 == pack) {
+                return None;
+            }
+            let mut ranges: Vec<(u64, u32)> = Vec::new();
+            for word in words {
+                let (offset, len) = word.split_once('+')?;
+                let (offset, len) = (canonical_u64(offset)?, u32::try_from(canonical_u64(len)?).ok()?);
+                let apart = ranges.last().is_none_or(|&(o, l)| o + u64::from(l) < offset);
+                if len == 0 || !apart || offset.checked_add(u64::from(len)).is_none() {
+                    return None;
+                }
+                (count, bytes) = (count + 1, bytes + u64::from(len));
+                ranges.push((offset, len));
+            }
+            if ranges.is_empty() || count > crate::MAX_STAGED_RANGES || bytes > crate::MAX_STAGED_BYTES {
+                return None;
+            }
+            profile.push((pack, ranges));
+        }
+        Some(Self { id, parts: Some(parts), lengths, profile })
     }
 }
 
@@ -109,10 +154,10 @@ mod tests {
     fn both_forms_round_trip_and_nothing_else_parses() {
         let id = ImageId(Sha256Digest::of(b"record"));
         let parts = RefParts { prefix: Sha256Digest::of(b"prefix"), pack_index: Sha256Digest::of(b"index") };
-        let old = RefText { id, parts: None, lengths: None };
-        let new = RefText { id, parts: Some(parts), lengths: None };
+        let old = RefText { id, parts: None, lengths: None, profile: Vec::new() };
+        let new = RefText { id, parts: Some(parts), lengths: None, profile: Vec::new() };
         let lengths = RefLengths { record: 1_120_000, prefix: 0, pack_index: 950_123 };
-        let newest = RefText { id, parts: Some(parts), lengths: Some(lengths) };
+        let newest = RefText { id, parts: Some(parts), lengths: Some(lengths), profile: Vec::new() };
         assert_eq!(old.encode(), format!("{id}\n"));
         assert_eq!(new.encode(), format!("{id}\nprefix {}\npack-index {}\n", parts.prefix, parts.pack_index));
         assert_eq!(
@@ -122,8 +167,34 @@ mod tests {
                 parts.prefix, parts.pack_index
             )
         );
-        for r in [old, new, newest] {
-            assert_eq!(RefText::parse(r.encode().as_bytes()), Some(r));
+        for r in [old, new, newest.clone()] {
+            assert_eq!(RefText::parse(r.encode().as_bytes()), Some(r.clone()));
+        }
+        // With the profile's ranges, a line per pack.
+        let (p1, p2) = (Sha256Digest::of(b"pack 1"), Sha256Digest::of(b"pack 2"));
+        let profiled =
+            RefText { profile: vec![(p2, vec![(0, 10), (11, 5)]), (p1, vec![(4096, 300)])], ..newest };
+        let text = profiled.encode();
+        assert!(
+            text.ends_with(&format!("950123\nprofile {p2} 0+10 11+5\nprofile {p1} 4096+300\n")),
+            "{text}"
+        );
+        assert_eq!(RefText::parse(text.as_bytes()), Some(profiled));
+        let two = format!("{id}\nprefix {}\npack-index {}\n", parts.prefix, parts.pack_index);
+        let four = format!("{two}lengths 1 2 3\n");
+        for bad in [
+            format!("{two}profile {p1} 0+10\n"),                      // without lengths
+            format!("{four}profile {p1}\n"),                          // no range
+            format!("{four}profile {p1} 0+10 10+5\n"),                // touching ranges
+            format!("{four}profile {p1} 11+5 0+10\n"),                // not ascending
+            format!("{four}profile {p1} 0+0\n"),                      // empty
+            format!("{four}profile {p1} 00+10\n"),                    // not canonical
+            format!("{four}profile {p1} 0+4294967296\n"),             // longer than u32
+            format!("{four}profile {p1} 0+10\nprofile {p1} 20+10\n"), // a pack twice
+            format!("{four}profile {p1}  0+10\n"),                    // spacing
+            format!("{four}profile {p1} 0+16777217\n"),               // over MAX_STAGED_BYTES
+        ] {
+            assert_eq!(RefText::parse(bad.as_bytes()), None, "{bad:?}");
         }
         let two = format!("{id}\nprefix {}\npack-index {}\n", parts.prefix, parts.pack_index);
         let bad = [

@@ -45,3 +45,47 @@ fn attach_then_read_keeps_the_id_and_refuses_strays() {
 fn chain(e: &dyn std::error::Error) -> String {
     std::iter::successors(Some(e), |e| e.source()).map(|e| e.to_string()).collect::<Vec<_>>().join(": ")
 }
+
+/// Attaching a profile rewrites the image's tags to name where the profile's chunks are stored,
+/// per pack in the profile's order, chunks stored back to back merged into one range: what a
+/// remote start fetches while it fetches the image's metadata.
+#[test]
+fn a_tag_names_where_its_profile_s_chunks_are_stored() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = LocalStore::create_or_open(dir.path()).unwrap();
+    let img = build_image(&store, 64);
+    let id = img.id;
+    let image = OpenImage::open(&store, &id).unwrap();
+    let ref_text = || {
+        let bytes = std::fs::read(dir.path().join("refs/test")).unwrap();
+        tessera_store::RefText::parse(&bytes).expect("a ref")
+    };
+    assert!(ref_text().profile.is_empty(), "no profile, no ranges");
+    let n = image.record().block_map.chunks().len() as u32;
+    assert!(n >= 4, "{n} chunks");
+    let place = |i: u32| image.chunk_location(i).map(|(c, p, l)| (c.id, p, l.offset, l.stored_len)).unwrap();
+    // Chunks 3, then 0 and 1 (stored back to back in the builder's order), then 3 again.
+    let (c3, c0, c1) = (place(3), place(0), place(1));
+    assert_eq!((c0.1, c0.2 + u64::from(c0.3)), (c1.1, c1.2), "chunks 0 and 1 adjacent in one pack");
+    attach_profile(&store, &id, &profile_of(id, &[c3.0, c0.0, c1.0])).unwrap();
+    let text = ref_text();
+    assert_eq!(text.id, id);
+    let mut want: Vec<(Sha256Digest, Vec<(u64, u32)>)> = Vec::new();
+    for (pack, offset, len) in [(c3.1, c3.2, c3.3), (c0.1, c0.2, c0.3 + c1.3)] {
+        match want.iter_mut().find(|w| w.0 == pack) {
+            Some(w) => w.1.push((offset, len)),
+            None => want.push((pack, vec![(offset, len)])),
+        }
+    }
+    for w in &mut want {
+        w.1.sort_unstable();
+    }
+    assert_eq!(text.profile, want);
+    // The bytes it names are the chunks' stored bytes.
+    for (pack, ranges) in &text.profile {
+        let blob = std::fs::read(dir.path().join("blobs/sha256").join(pack.hex())).unwrap();
+        for &(offset, len) in ranges {
+            assert!(offset + u64::from(len) <= blob.len() as u64);
+        }
+    }
+}

@@ -231,6 +231,11 @@ pub struct HttpConfig {
     /// [`HttpVersion::Negotiate`] an `https://` origin that offers HTTP/2 carries every request
     /// in flight on one connection.
     pub http: HttpVersion,
+    /// Fetch the chunks of the image's prefetch profile that a ref names at once, while the
+    /// start fetches the image's metadata ([`HttpStore::stage`]; default off: `tessera serve`
+    /// turns it on when it prefetches the profile and keeps no disk cache — a cache that holds
+    /// them already would make the fetch a waste).
+    pub stage_profile: bool,
 }
 
 impl Default for HttpConfig {
@@ -250,6 +255,7 @@ impl Default for HttpConfig {
             preconnect: 0,
             blob_piece: DEFAULT_BLOB_PIECE,
             http: HttpVersion::Http1,
+            stage_profile: false,
         }
     }
 }
@@ -537,6 +543,8 @@ struct Inner {
     auth: Option<Arc<S3Auth>>,
     /// Connections still to open at the first request ([`HttpConfig::preconnect`]; 0 once done).
     preconnect: std::sync::atomic::AtomicUsize,
+    /// Stored ranges fetched ahead of their readers ([`HttpStore::stage`]).
+    staging: super::staged::Staging,
 }
 
 impl std::fmt::Debug for HttpStore {
@@ -584,6 +592,7 @@ impl HttpStore {
                 whole_blobs: cache,
                 auth,
                 preconnect: std::sync::atomic::AtomicUsize::new(config.preconnect),
+                staging: Default::default(),
                 config,
             }),
         }
@@ -740,11 +749,16 @@ impl HttpStore {
     }
 
     /// Read `refs/<tag>` (`None` on 404). The prefix and pack index it names, if it does, are
-    /// kept for [`Self::ref_parts`], and the lengths it gives for reading those blobs in pieces.
+    /// kept for [`Self::ref_parts`], and the lengths it gives for reading those blobs in pieces;
+    /// with [`HttpConfig::stage_profile`], the profile's ranges it names are fetched now
+    /// ([`Self::stage`]).
     pub fn read_ref(&self, tag: &str) -> Result<Option<ImageId>, StoreError> {
         let url = self.ref_url(tag);
         let Some(text) = self.get_small(&url)? else { return Ok(None) };
         let r = RefText::parse(&text).ok_or(StoreError::BadRef { path: url.into() })?;
+        if self.inner.config.stage_profile && !r.profile.is_empty() {
+            self.stage(&r.profile);
+        }
         if let Some(parts) = r.parts {
             self.inner.ref_parts.lock().unwrap_or_else(|p| p.into_inner()).insert(r.id, parts);
             if let Some(l) = r.lengths {
@@ -1637,8 +1651,100 @@ impl Drop for UnderWay<'_> {
     }
 }
 
+/// Stored ranges a staged fetch reads in one request at most ([`HttpStore::stage`]): the
+/// ranges go out as requests of about this size, in parallel, each on a connection of its own.
+const STAGE_PIECE: u64 = 128 << 10;
+
+/// Threads a staged fetch uses at most.
+const STAGE_THREADS: usize = 32;
+
+impl HttpStore {
+    /// Fetch `packs`' ranges (each `(offset, len)`) now, in the background, for readers to come:
+    /// a read of bytes inside one of them ([`ChunkSource`]'s reads) takes them from it, waiting
+    /// while its fetch is under way ([`super::staged`]). Requests of about [`STAGE_PIECE`] stored
+    /// bytes, near ranges together, in parallel. Returns at once.
+    pub fn stage(&self, packs: &[(Sha256Digest, Vec<(u64, u32)>)]) {
+        // Per request: the pack, its ranges, their slots.
+        type Job = (Sha256Digest, Vec<(u64, u32)>, Vec<Arc<super::staged::Slot>>);
+        let mut jobs: Vec<Job> = Vec::new();
+        for (pack, ranges) in packs {
+            // A long range in pieces, each a request on a connection of its own (one fresh
+            // connection carries 2 MB only after seven slow-start round trips).
+            let mut cut: Vec<(u64, u32)> = Vec::with_capacity(ranges.len());
+            for &(mut offset, mut len) in ranges {
+                while u64::from(len) > STAGE_PIECE {
+                    let piece = STAGE_PIECE as u32;
+                    cut.push((offset, piece));
+                    (offset, len) = (offset + STAGE_PIECE, len - piece);
+                }
+                cut.push((offset, len));
+            }
+            let ranges = &cut;
+            let slots = self.inner.staging.add(pack, ranges);
+            let mut piece: (Vec<(u64, u32)>, Vec<Arc<super::staged::Slot>>, u64) = Default::default();
+            for (&range, slot) in ranges.iter().zip(slots) {
+                let Some(slot) = slot else { continue };
+                piece.0.push(range);
+                piece.1.push(slot);
+                piece.2 += u64::from(range.1);
+                if piece.2 >= STAGE_PIECE {
+                    let (r, s, _) = std::mem::take(&mut piece);
+                    jobs.push((*pack, r, s));
+                }
+            }
+            if !piece.0.is_empty() {
+                jobs.push((*pack, piece.0, piece.1));
+            }
+        }
+        if jobs.is_empty() {
+            return;
+        }
+        debug!(requests = jobs.len(), "fetching the profile's ranges the ref names");
+        let threads = jobs.len().min(STAGE_THREADS);
+        let mut per_thread: Vec<Vec<_>> = (0..threads).map(|_| Vec::new()).collect();
+        for (i, job) in jobs.into_iter().enumerate() {
+            per_thread[i % threads].push(job);
+        }
+        for work in per_thread {
+            let store = self.clone();
+            let spawned = std::thread::Builder::new().name("tessera-stage".into()).spawn(move || {
+                for (pack, ranges, slots) in work {
+                    // Ranges a reader asked for before their turn are that reader's.
+                    let (ranges, slots): (Vec<(u64, u32)>, Vec<_>) =
+                        ranges.into_iter().zip(slots).filter(|(_, slot)| slot.start()).unzip();
+                    if ranges.is_empty() {
+                        continue;
+                    }
+                    let result = store.read_blob_ranges(&pack, &ranges, &mut |i, bytes| {
+                        if let Some(slot) = slots.get(i) {
+                            slot.fill(Some(bytes));
+                        }
+                    });
+                    if let Err(e) = result {
+                        debug!(%pack, error = %e, "a staged fetch failed; its ranges are read when asked for");
+                    }
+                    // Ranges the fetch did not hand over (it failed): their readers ask the
+                    // origin.
+                    slots.iter().for_each(|s| s.fill(None));
+                }
+            });
+            if let Err(e) = spawned {
+                debug!(error = %e, "no thread for a staged fetch");
+            }
+        }
+    }
+
+    /// Ranges fetched ahead and not read yet, and their stored bytes ([`Self::stage`]).
+    pub fn staged(&self) -> (usize, u64) {
+        self.inner.staging.held()
+    }
+}
+
 impl ChunkSource for HttpStore {
     fn read_stored(&self, pack: &Sha256Digest, offset: u64, len: u32) -> Result<Vec<u8>, StoreError> {
+        if let Some(bytes) = self.inner.staging.take(pack, offset, len) {
+            return Ok(bytes);
+        }
         self.read_chunk_range(pack, offset, len)
     }
 
@@ -1649,16 +1755,38 @@ impl ChunkSource for HttpStore {
         len: u32,
         sink: &mut RangeSink<'_>,
     ) -> Result<(), StoreError> {
+        if let Some(bytes) = self.inner.staging.take(pack, offset, len) {
+            return sink(&bytes);
+        }
         self.read_blob_range_streamed(pack, offset, u64::from(len), sink)
     }
 
+    /// Ranges fetched ahead ([`Self::stage`]) are handed over from there; the others fetched.
     fn read_stored_many(
         &self,
         pack: &Sha256Digest,
         ranges: &[(u64, u32)],
         got: &mut RangeGot<'_>,
     ) -> Result<(), StoreError> {
-        self.read_blob_ranges(pack, ranges, got)
+        let mut rest: Vec<usize> = Vec::new();
+        for (i, &(offset, len)) in ranges.iter().enumerate() {
+            match self.inner.staging.take(pack, offset, len) {
+                Some(bytes) => got(i, bytes),
+                None => rest.push(i),
+            }
+        }
+        if rest.len() == ranges.len() {
+            return self.read_blob_ranges(pack, ranges, got);
+        }
+        if rest.is_empty() {
+            return Ok(());
+        }
+        let wanted: Vec<(u64, u32)> = rest.iter().map(|&i| ranges[i]).collect();
+        self.read_blob_ranges(pack, &wanted, &mut |k, bytes| {
+            if let Some(&i) = rest.get(k) {
+                got(i, bytes);
+            }
+        })
     }
 
     /// [`HttpConfig::multi_range_max`] until the origin is found not to answer multi-range GETs.
@@ -2190,6 +2318,51 @@ mod multi_range_refusing_server {
             }
         });
         (base, seen)
+    }
+
+    /// Ranges staged ahead ([`HttpStore::stage`]) are fetched at once, a long one in pieces; the
+    /// reads that come for bytes inside them take them without asking the origin again (in one
+    /// piece, across pieces, in a batch with ranges not staged); bytes not staged, or staged and
+    /// read whole already, are fetched as usual.
+    #[test]
+    fn staged_ranges_are_fetched_once_and_read_from_where_they_came() {
+        let blob: Vec<u8> = (0..400_000u32).map(|i| (i * 13 % 251) as u8).collect();
+        let (base, log) = serve(blob.clone(), Answer::FirstRangeOnly);
+        let store = HttpStore::new(&base, HttpConfig::default());
+        let d = Sha256Digest::of(&blob);
+        let long = (10_000u64, 300_000u32);
+        store.stage(&[(d, vec![(100, 50), long])]);
+        assert_eq!(store.staged(), (4, 300_050), "the long range in three pieces of at most 128 KiB");
+        // Every piece is asked for before any read (this server answers one range a request:
+        // pieces asked together in one request are asked again one by one).
+        let pieces = ["bytes=100-149", "bytes=10000-141071", "bytes=141072-272143", "bytes=272144-309999"];
+        let wait = std::time::Instant::now();
+        let all_asked = || pieces.iter().all(|p| log.lock().unwrap().iter().any(|r| r == p));
+        while !all_asked() && wait.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert!(all_asked(), "{:?}", log.lock().unwrap());
+        std::thread::sleep(Duration::from_millis(50));
+        log.lock().unwrap().clear();
+        let at = |o: u64, l: u32| blob[o as usize..o as usize + l as usize].to_vec();
+        assert_eq!(store.read_stored(&d, 110, 20).unwrap(), at(110, 20));
+        // Across the first two pieces of the long range.
+        assert_eq!(store.read_stored(&d, 130_000, 20_000).unwrap(), at(130_000, 20_000));
+        let mut got = Vec::new();
+        let batch = [(100, 10), (200_000, 1000), (350_000, 100)];
+        store.read_stored_many(&d, &batch, &mut |i, b| got.push((i, b))).unwrap();
+        got.sort_by_key(|g| g.0);
+        assert_eq!(got, batch.iter().enumerate().map(|(i, &(o, l))| (i, at(o, l))).collect::<Vec<_>>());
+        let asked = std::mem::take(&mut *log.lock().unwrap());
+        assert_eq!(asked, ["bytes=350000-350099"], "only the range not staged went to the origin");
+        // The short range, read whole already (20 + 10 of its 50 bytes, then the rest), goes.
+        assert_eq!(store.read_stored(&d, 100, 10).unwrap(), at(100, 10));
+        assert_eq!(store.read_stored(&d, 130, 20).unwrap(), at(130, 20));
+        assert_eq!(store.staged().0, 3, "{:?}", store.staged());
+        assert_eq!(store.read_stored(&d, 100, 10).unwrap(), at(100, 10));
+        assert_eq!(std::mem::take(&mut *log.lock().unwrap()), ["bytes=100-109"], "fetched again, as usual");
+        // Staging is off unless asked for: a ref read with it off fetches nothing.
+        assert!(!HttpConfig::default().stage_profile);
     }
 
     /// A streamed range whose body breaks off is asked again, and its sink gets every byte once:

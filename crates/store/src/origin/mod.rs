@@ -7,3 +7,4 @@ pub(crate) mod http;
 pub(crate) mod registry;
 pub(crate) mod s3;
 pub(crate) mod sigv4;
+pub(crate) mod staged;
