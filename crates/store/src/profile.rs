@@ -51,11 +51,15 @@ pub fn read_profile(
 /// Stored ranges of packs: per pack, its ranges (`(offset, len)`).
 pub type PackRanges = Vec<(Sha256Digest, Vec<(u64, u32)>)>;
 
-/// Stored bytes of a profile's chunks a ref names at most ([`profile_ranges`]): the first 16 MiB
-/// in the profile's order, what a start needs first. A remote start fetches them while it
-/// fetches the image's metadata, and holds them until the profile's prefetch takes them; the
-/// rest of a larger profile is prefetched as before, once the image is open.
-pub const MAX_STAGED_BYTES: u64 = 16 << 20;
+/// Stored bytes of a profile's chunks a ref names at most ([`profile_ranges`]): the first 2 MiB in
+/// the profile's order, what a start needs first. A remote start fetches them while it fetches
+/// the image's metadata, and holds them until the profile's prefetch takes them; the rest of a
+/// larger profile is prefetched as before, once the image is open. About what the 16
+/// connections of that fetch carry in a start's first round trips (slow start: 102 KB each in
+/// three); with 4 or 16 MiB the fetch delayed the start's own requests and profiled python,
+/// shell and gcc starts came out 10–40 ms later than with none (docs/benchmarks.md, "The
+/// profile's chunks with the start").
+pub const MAX_STAGED_BYTES: u64 = 2 << 20;
 
 /// Ranges a ref names at most ([`profile_ranges`]).
 pub const MAX_STAGED_RANGES: usize = 4096;

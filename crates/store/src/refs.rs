@@ -192,7 +192,7 @@ mod tests {
             format!("{four}profile {p1} 0+4294967296\n"),             // longer than u32
             format!("{four}profile {p1} 0+10\nprofile {p1} 20+10\n"), // a pack twice
             format!("{four}profile {p1}  0+10\n"),                    // spacing
-            format!("{four}profile {p1} 0+16777217\n"),               // over MAX_STAGED_BYTES
+            format!("{four}profile {p1} 0+2097153\n"),                // over MAX_STAGED_BYTES
         ] {
             assert_eq!(RefText::parse(bad.as_bytes()), None, "{bad:?}");
         }

@@ -1655,8 +1655,10 @@ impl Drop for UnderWay<'_> {
 /// ranges go out as requests of about this size, in parallel, each on a connection of its own.
 const STAGE_PIECE: u64 = 128 << 10;
 
-/// Threads a staged fetch uses at most.
-const STAGE_THREADS: usize = 32;
+/// Threads a staged fetch uses at most, each a request at a time: with a start's own ~29 requests
+/// (record, prefix and pack index in pieces, entry, profile) within the 48 a store has in flight
+/// ([`HttpConfig::max_concurrency`]); 32 delayed those by a whole request each.
+const STAGE_THREADS: usize = 16;
 
 impl HttpStore {
     /// Fetch `packs`' ranges (each `(offset, len)`) now, in the background, for readers to come:
