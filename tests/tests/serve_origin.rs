@@ -683,6 +683,23 @@ fn a_tag_s_profile_is_fetched_with_the_start() -> Result<()> {
     d.stop()?;
     let after = ranged_gets(&origin, before);
     ensure!(after.is_empty(), "reads after the start still fetched {after:?}");
+
+    // A fresh host's empty disk cache: the same, and the chunks land in the cache. A daemon over
+    // that cache (which holds chunks now) stages nothing: it asks the origin for no chunk.
+    let cache = f.t.path().join("cache");
+    for (round, staged) in [("an empty cache", true), ("a cache holding the chunks", false)] {
+        let mark = origin.access_log().lines().count();
+        let d =
+            Daemon::start("demo", origin.url(), &socket, &["--read-only", "--cache-dir", path_str(&cache)?])?;
+        let gets = if staged { wait_for_ranged(&origin, mark, want) } else { Vec::new() };
+        ensure!(ranged_bytes(&gets) == if staged { want } else { 0 }, "{round}: {gets:?}");
+        ensure!(gets.iter().all(|g| g.2 + 1 - g.1 <= 128 << 10), "{round}: not the start's pieces: {gets:?}");
+        device_equals_export(&d, &f, round)?;
+        d.stop()?;
+        let all = ranged_gets(&origin, mark);
+        ensure!(ranged_bytes(&all) == ranged_bytes(&gets), "{round}: more chunks fetched: {all:?}");
+    }
+    ensure!(!cached_chunks(&cache)?.is_empty(), "the staged chunks did not reach the cache");
     Ok(())
 }
 

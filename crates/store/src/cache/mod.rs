@@ -84,6 +84,17 @@ impl CacheConfig {
         self.max_bytes = max_bytes;
         self
     }
+
+    /// Whether the cache holds any chunk or span (a few directory reads; `false` for a cache
+    /// not made yet): a host that has cached nothing yet has none of an image's chunks.
+    pub fn holds_chunks(&self) -> bool {
+        let root = self.dir.join(VERSION_DIR);
+        ["chunks", "spans"].iter().any(|kind| {
+            std::fs::read_dir(root.join(kind)).is_ok_and(|fans| {
+                fans.flatten().any(|fan| std::fs::read_dir(fan.path()).is_ok_and(|mut d| d.next().is_some()))
+            })
+        })
+    }
 }
 
 /// A host disk cache directory. Cheap to clone (clones share their single-flight state and

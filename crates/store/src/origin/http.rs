@@ -233,8 +233,8 @@ pub struct HttpConfig {
     pub http: HttpVersion,
     /// Fetch the chunks of the image's prefetch profile that a ref names at once, while the
     /// start fetches the image's metadata ([`HttpStore::stage`]; default off: `tessera serve`
-    /// turns it on when it prefetches the profile and keeps no disk cache — a cache that holds
-    /// them already would make the fetch a waste).
+    /// turns it on when it prefetches the profile and keeps no disk cache or one that holds no
+    /// chunk yet — a cache that holds them already would make the fetch a waste).
     pub stage_profile: bool,
 }
 
