@@ -10,7 +10,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use clap::Args;
 use tessera_e2e::cold::{median, ColdRun};
 use tessera_e2e::floor::{Link, StoreImage};
@@ -211,6 +211,12 @@ pub(crate) fn measure(opts: &ColdBench) -> Result<ColdResult> {
     let mut arms: Vec<Arm> = specs.iter().map(|s| parse_arm(s, &bin)).collect::<Result<_>>()?;
     let store = opts.store.canonicalize().with_context(|| format!("{}", opts.store.display()))?;
     let image = StoreImage::load(&store, &opts.image)?;
+    // A daemon given an entry whose profile blob is gone prefetches nothing and says so only in
+    // its log: a saved entry swapped in after the store was rebuilt would measure no profile.
+    if let Some(profile) = image.entry.profile {
+        let path = store.join("blobs/sha256").join(profile.hex());
+        ensure!(path.is_file(), "the image's entry names profile {profile}, which the store does not hold");
+    }
     let trace = tessera_e2e::replay::load(&opts.trace)?;
     let link = Link { bytes_per_sec: opts.mbit * 1_000_000 / 8, rtt: Duration::from_millis(opts.rtt_ms) };
     let floor = image.floor(&trace, link)?;
