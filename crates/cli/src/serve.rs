@@ -232,8 +232,8 @@ pub struct ServeArgs {
     /// Do not prefetch the chunks of the image's prefetch profile. With it (the default), a
     /// remote start (without --cache-dir, or with one that holds no chunk yet) also fetches the
     /// profile's first 2 MiB of chunks, which the tag's ref names, while it fetches the image's
-    /// metadata, instead of once the image is open (profiled starts at 20 ms: 22–28 ms shorter at 200 Mbit/s, stat 211 to 169 ms at 1
-    /// Gbit/s; docs/store.md).
+    /// metadata, instead of once the image is open (profiled starts at 20 ms: 22–28 ms shorter
+    /// at 200 Mbit/s, stat 211 to 169 ms at 1 Gbit/s; docs/store.md).
     #[arg(long)]
     no_prefetch: bool,
     /// With --cache-dir: fetch the whole image into the disk cache in the background, as
