@@ -6,7 +6,10 @@
 //! (repeated to make back-references). Properties: indexing the gzip of the data gives the data
 //! back; every span decodes to its slice of the data; every range read through the index equals
 //! the same range of a straight inflate. Then the same gzip bytes with one byte flipped (at an
-//! input-chosen place): indexing fails or gives some stream, never a panic.
+//! input-chosen place): indexing fails or gives some stream, never a panic. The data itself, read
+//! as deflate by the sparse-window parser (`tessera_gzip::sparse::window_use`), is an error or a
+//! marking of the window, never a panic. (Every window the indexer stores is sparse where it can
+//! be, so the span property above is also the sparse windows' property.)
 
 use std::io::Write;
 
@@ -49,6 +52,7 @@ pub fn run(data: &[u8]) {
     let at = flip as usize % bad.len();
     bad[at] ^= 0x5a;
     let _ = tessera_gzip::index_all(&bad, spacing);
+    let _ = tessera_gzip::sparse::window_use(body, (level % 8) as u8, tessera_gzip::WINDOW, 1 << 16);
 }
 
 /// Seeds: text, random-looking bytes, and an empty body.

@@ -4,7 +4,7 @@
 //! records a [`Checkpoint`] at a deflate block boundary every `spacing` uncompressed bytes (and
 //! at the start of every gzip member): the compressed position (byte and bit), the uncompressed
 //! position, and the 32 KiB of output before it (the window back-references may reach into),
-//! kept zstd-compressed. The bytes between two checkpoints are a *span*; [`inflate_span`]
+//! with the bytes the span never reads zeroed ([`sparse`]), kept zstd-compressed. The bytes between two checkpoints are a *span*; [`inflate_span`]
 //! decodes one span from its compressed bytes alone, resuming inflation where the checkpoint
 //! says (zlib's `inflatePrime` for the bits of a shared byte, `inflateSetDictionary` for the
 //! window). [`GzipIndex::read`] serves any uncompressed range `[a, b)` from the spans covering it.
@@ -67,7 +67,8 @@ pub struct Checkpoint {
     /// Uncompressed offset of the boundary.
     pub out_offset: u64,
     /// The up to 32 KiB of uncompressed bytes before the boundary within its member (empty at the
-    /// start of a member), zstd-compressed.
+    /// start of a member), those no back-reference of the span reaches set to zero
+    /// ([`sparse`]), zstd-compressed.
     pub window: Vec<u8>,
 }
 
@@ -391,7 +392,27 @@ pub struct Indexer {
     members: u64,
     last_checkpoint_out: u64,
     index: GzipIndex,
+    /// Checkpoints whose window waits for the first bytes of their span ([`sparse`]).
+    pending: Vec<PendingWindow>,
+    /// The last compressed byte consumed (a checkpoint's shared first byte).
+    last_in: u8,
 }
+
+/// A checkpoint's window until its span's first [`WINDOW`] bytes are out: then the bytes its
+/// back-references reach are known, and the others are stored as zeros.
+struct PendingWindow {
+    checkpoint: usize,
+    bits: u8,
+    window: Vec<u8>,
+    /// The span's compressed bytes so far, from [`Checkpoint::start`].
+    compressed: Vec<u8>,
+    /// The span's first uncompressed bytes, up to [`WINDOW`].
+    out: Vec<u8>,
+}
+
+/// A pending window whose span has produced this many compressed bytes without its first
+/// [`WINDOW`] bytes of output is stored whole (no valid stream gets near it).
+const PENDING_INPUT_LIMIT: usize = 1 << 20;
 
 impl std::fmt::Debug for Indexer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -420,6 +441,8 @@ impl Indexer {
             members: 0,
             last_checkpoint_out: 0,
             index: GzipIndex::default(),
+            pending: Vec::new(),
+            last_in: 0,
         })
     }
 
@@ -444,6 +467,12 @@ impl Indexer {
             }
             let mut out = std::mem::take(&mut self.out);
             let (rc, used, made) = self.stream.inflate(input, &mut out, z::Z_BLOCK);
+            for p in &mut self.pending {
+                p.compressed.extend_from_slice(&input[..used]);
+            }
+            if let Some(&b) = input[..used].last() {
+                self.last_in = b;
+            }
             input = &input[used..];
             self.total_in += used as u64;
             // zlib may stop at a block boundary without progress once; twice is a stuck stream.
@@ -470,6 +499,11 @@ impl Indexer {
     ) -> Result<(), PushError<E>> {
         if !made.is_empty() {
             sink(made).map_err(PushError::Sink)?;
+            for p in &mut self.pending {
+                let room = WINDOW - p.out.len();
+                p.out.extend_from_slice(&made[..made.len().min(room)]);
+            }
+            self.settle_windows(false).map_err(PushError::Gzip)?;
             self.total_out += made.len() as u64;
             if made.len() >= WINDOW {
                 self.history.clear();
@@ -487,6 +521,7 @@ impl Indexer {
                 if let Some(end) = self.index.span_ends.last_mut() {
                     *end = self.total_in;
                 }
+                self.settle_windows(true).map_err(PushError::Gzip)?;
                 self.in_member = false;
                 self.members += 1;
                 return Ok(());
@@ -503,23 +538,30 @@ impl Indexer {
         if dt & 128 != 0 && dt & 64 == 0 {
             let due = self.member_start || self.total_out - self.last_checkpoint_out >= self.spacing;
             if due {
-                let window = if self.member_start { &[][..] } else { self.window() };
-                let window = if window.is_empty() {
-                    Vec::new()
-                } else {
-                    zstd::bulk::compress(window, WINDOW_ZSTD_LEVEL)
-                        .map_err(|e| PushError::Gzip(GzipError::BadWindow(e.to_string())))?
-                };
+                // The span before ends here: its window's uses are all known.
+                self.settle_windows(true).map_err(PushError::Gzip)?;
+                let window = if self.member_start { Vec::new() } else { self.window().to_vec() };
+                let bits = (dt & 7) as u8;
+                if !window.is_empty() {
+                    self.pending.push(PendingWindow {
+                        checkpoint: self.index.checkpoints.len(),
+                        bits,
+                        window,
+                        compressed: if bits > 0 { vec![self.last_in] } else { Vec::new() },
+                        out: Vec::new(),
+                    });
+                }
                 if let Some(end) = self.index.span_ends.last_mut() {
                     if !self.member_start {
                         *end = self.total_in;
                     }
                 }
+                // The window is set when it settles ([`Self::settle_windows`]).
                 self.index.checkpoints.push(Checkpoint {
                     in_offset: self.total_in,
-                    bits: (dt & 7) as u8,
+                    bits,
                     out_offset: self.total_out,
-                    window,
+                    window: Vec::new(),
                 });
                 self.index.span_ends.push(self.total_in);
                 self.last_checkpoint_out = self.total_out;
@@ -533,6 +575,31 @@ impl Indexer {
         &self.history[self.history.len().saturating_sub(WINDOW)..]
     }
 
+    /// Store the windows whose span has shown its first [`WINDOW`] bytes (all of them once
+    /// `ended`: their spans or member ended), each as sparse as its span allows.
+    fn settle_windows(&mut self, ended: bool) -> Result<(), GzipError> {
+        let mut k = 0;
+        while k < self.pending.len() {
+            let p = &self.pending[k];
+            let full = p.out.len() >= WINDOW;
+            if !(ended || full || p.compressed.len() > PENDING_INPUT_LIMIT) {
+                k += 1;
+                continue;
+            }
+            let p = self.pending.swap_remove(k);
+            // Only a span seen to its first WINDOW bytes (or its end) says every use.
+            let whole = !(ended || full);
+            let window =
+                if whole { p.window } else { sparse::settle(p.bits, p.window, &p.compressed, &p.out) };
+            let mut stored = zstd::bulk::compress(&window, WINDOW_ZSTD_LEVEL)
+                .map_err(|e| GzipError::BadWindow(e.to_string()))?;
+            // The compressor's buffer is sized for the worst case: a layer's index holds thousands.
+            stored.shrink_to_fit();
+            self.index.checkpoints[p.checkpoint].window = stored;
+        }
+        Ok(())
+    }
+
     /// The end of the stream: the index, or an error if it ended inside a member.
     pub fn finish(mut self) -> Result<GzipIndex, GzipError> {
         if self.in_member {
@@ -541,6 +608,7 @@ impl Indexer {
         if self.members == 0 {
             return Err(GzipError::Empty);
         }
+        self.settle_windows(true)?;
         self.index.compressed_len = self.total_in;
         self.index.uncompressed_len = self.total_out;
         // A member with no output has a checkpoint at its end too.
@@ -574,5 +642,6 @@ pub fn index_all(blob: &[u8], spacing: u64) -> Result<(Vec<u8>, GzipIndex), Gzip
 #[cfg(test)]
 mod tests;
 
+pub mod sparse;
 mod zstd_frames;
 pub use zstd_frames::{decode_zstd_span, AnyIndexer, ZstdIndexer};
