@@ -409,17 +409,7 @@ impl SpanCache {
             let first = started.is_some();
             if let Some((detach, stored)) = started {
                 if detach {
-                    let (cache, job) = (Arc::clone(self), load());
-                    let f = Arc::clone(&flight);
-                    let kept = stored.clone();
-                    let spawned = std::thread::Builder::new()
-                        .name("tessera-span".into())
-                        .spawn(move || cache.run((key, layer), &f, job, kept, true));
-                    if spawned.is_err() {
-                        // The system has no thread for it: this reader loads the span itself.
-                        self.lock().detached -= 1;
-                        self.run((key, layer), &flight, load(), stored, false);
-                    }
+                    self.detach((key, layer), &flight, &load, stored);
                 } else {
                     self.run((key, layer), &flight, load(), stored, false);
                 }
@@ -439,6 +429,51 @@ impl SpanCache {
                     Some(Err(_)) => break,
                 }
             }
+        }
+    }
+
+    /// Start the load of span `key` on a thread of its own, unless the span is cached, in flight,
+    /// or every detached load is taken: a reader that needs several spans starts them all
+    /// before it waits for its first ([`Self::bytes`] then finds them in flight). The load's
+    /// error, if any, is for no one: a reader finding it loads the span again.
+    pub(crate) fn start(
+        self: &Arc<Self>,
+        (key, layer): (SpanKey, Sha256Digest),
+        load: impl Fn() -> SpanLoad,
+    ) {
+        let (flight, stored) = {
+            let mut s = self.lock();
+            if s.detached >= MAX_DETACHED_LOADS
+                || s.inflight.contains_key(&key)
+                || s.lru.iter().any(|x| x.0 == key)
+            {
+                return;
+            }
+            let f = Arc::new(Flight::default());
+            s.inflight.insert(key, Arc::clone(&f));
+            s.detached += 1;
+            (f, s.stored.iter().find(|x| x.0 == key).map(|x| Arc::clone(&x.1)))
+        };
+        self.detach((key, layer), &flight, &load, stored);
+    }
+
+    /// Run span `key`'s load on a thread of its own (counted in `detached` already); without a
+    /// thread, here.
+    fn detach(
+        self: &Arc<Self>,
+        (key, layer): (SpanKey, Sha256Digest),
+        flight: &Arc<Flight>,
+        load: &dyn Fn() -> SpanLoad,
+        stored: Option<Arc<Stored>>,
+    ) {
+        let (cache, job, f, kept) = (Arc::clone(self), load(), Arc::clone(flight), stored.clone());
+        let spawned = std::thread::Builder::new()
+            .name("tessera-span".into())
+            .spawn(move || cache.run((key, layer), &f, job, kept, true));
+        if spawned.is_err() {
+            // The system has no thread for it: the caller loads the span itself.
+            self.lock().detached -= 1;
+            self.run((key, layer), flight, load(), stored, false);
         }
     }
 
@@ -563,6 +598,27 @@ pub(crate) fn fetch_reference_chunk<S: ChunkSource + 'static>(
     let (first, last) = layer
         .spans_covering(loc.offset, u64::from(loc.len))
         .ok_or_else(|| corrupt("it lies outside its layer"))?;
+    let load = |k: usize| -> SpanLoad {
+        let (image, source) = (Arc::clone(image), Arc::clone(source));
+        let (layer_no, digest) = (loc.layer, layer.digest);
+        Box::new(move |stored, publish| {
+            let no = |reason: String| StoreError::CorruptSpan { layer: digest, offset: 0, reason };
+            let r = image.reference().ok_or_else(|| no("the image has no reference index".into()))?;
+            let layer = r
+                .index
+                .layers
+                .get(layer_no as usize)
+                .ok_or_else(|| no(format!("no layer {layer_no} in the reference index")))?;
+            let windows = r.index.windows.as_ref().map(|w| w.digest);
+            stream_span(&*source, layer, k, windows.as_ref(), stored, publish)
+        })
+    };
+    // A chunk over several spans: all of them fetched at once, not one after another.
+    if last > first {
+        for k in first..=last {
+            spans.start(((loc.layer, k), layer.digest), || load(k));
+        }
+    }
     let read = |checked: bool| -> Result<Vec<u8>, StoreError> {
         let mut out = Vec::with_capacity(loc.len as usize);
         for k in first..=last {
@@ -571,22 +627,7 @@ pub(crate) fn fetch_reference_chunk<S: ChunkSource + 'static>(
             let to = (loc.offset + u64::from(loc.len)).min(e) - s;
             let range = usize::try_from(from).ok().zip(usize::try_from(to).ok());
             let range = range.ok_or_else(|| corrupt("a span is larger than memory"))?;
-            let load = || -> SpanLoad {
-                let (image, source) = (Arc::clone(image), Arc::clone(source));
-                let (layer_no, digest) = (loc.layer, layer.digest);
-                Box::new(move |stored, publish| {
-                    let no = |reason: String| StoreError::CorruptSpan { layer: digest, offset: 0, reason };
-                    let r = image.reference().ok_or_else(|| no("the image has no reference index".into()))?;
-                    let layer = r
-                        .index
-                        .layers
-                        .get(layer_no as usize)
-                        .ok_or_else(|| no(format!("no layer {layer_no} in the reference index")))?;
-                    let windows = r.index.windows.as_ref().map(|w| w.digest);
-                    stream_span(&*source, layer, k, windows.as_ref(), stored, publish)
-                })
-            };
-            out.extend_from_slice(&spans.bytes(((loc.layer, k), layer.digest), range, checked, load)?);
+            out.extend_from_slice(&spans.bytes(((loc.layer, k), layer.digest), range, checked, || load(k))?);
         }
         Ok(out)
     };
@@ -712,6 +753,37 @@ mod tests {
             "past the span's end"
         );
         assert_eq!(loads.load(Ordering::SeqCst), 2);
+    }
+
+    /// Spans started together load together: a reader of four spans that starts them all
+    /// waits about one load, not four; a started span that is cached or in flight is not
+    /// loaded again, and a started load that fails is loaded again by its reader.
+    #[test]
+    fn spans_started_together_load_together() {
+        let cache = Arc::new(SpanCache::new(1 << 20, 0));
+        let loads = Arc::new(AtomicUsize::new(0));
+        let delay = Duration::from_millis(200);
+        let t = std::time::Instant::now();
+        for k in 0..4 {
+            cache.start(((0, k), D), || slow_load(&loads, delay, k as u8, 100));
+        }
+        for k in 0..4 {
+            cache.start(((0, k), D), || panic!("in flight: not loaded again"));
+        }
+        for k in 0..4 {
+            let got = cache.bytes(((0, k), D), (0, 100), true, || panic!("started")).unwrap();
+            assert_eq!(got, vec![k as u8; 100]);
+        }
+        let took = t.elapsed();
+        assert!(took < delay * 2, "four spans took {took:?}, about one load each in turn");
+        assert_eq!(loads.load(Ordering::SeqCst), 4);
+        cache.start(((0, 2), D), || panic!("cached: not loaded again"));
+        // A started load that fails: its reader loads the span itself.
+        cache.start(((0, 9), D), || Box::new(|_, _| Err(injected())));
+        cache.settle((0, 9));
+        let got =
+            cache.bytes(((0, 9), D), (0, 10), true, || slow_load(&loads, Duration::ZERO, 9, 10)).unwrap();
+        assert_eq!(got, vec![9u8; 10]);
     }
 
     /// The reason for the flights: a reader of a span's first bytes — the one that started the
