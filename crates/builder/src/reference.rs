@@ -29,7 +29,7 @@ use crate::seed::FileChunks;
 use crate::source::{read_layer, EntryKind, ImageSource, LayerBlob, LayerStream, SourceError};
 use crate::Progress;
 
-/// The largest span of a zstd layer (its spans are whole frames; the spacing is 1 MiB): a layer
+/// The largest span of a zstd layer (its spans are whole frames; the spacing is 512 KiB): a layer
 /// with a larger frame is refused, with the way to recompress it.
 const MAX_ZSTD_SPAN: u64 = 8 << 20;
 

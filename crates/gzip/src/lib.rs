@@ -24,7 +24,7 @@ pub const WINDOW: usize = 32 << 10;
 
 /// The default checkpoint spacing (uncompressed bytes between checkpoints); see
 /// `docs/formats/reference-index.md` for the measurement behind it.
-pub const DEFAULT_SPACING: u64 = 1 << 20;
+pub const DEFAULT_SPACING: u64 = 512 << 10;
 
 /// zstd level for stored windows.
 const WINDOW_ZSTD_LEVEL: i32 = 3;

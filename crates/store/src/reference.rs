@@ -17,7 +17,7 @@ use crate::reader::MAX_CHUNK_LEN;
 use crate::source::ChunkSource;
 
 /// Bytes of decoded spans kept by an [`crate::ImageReader`] of a reference image (a span is about
-/// 1 MiB: the builder's checkpoint spacing).
+/// 512 KiB: the builder's checkpoint spacing).
 pub const DEFAULT_SPAN_CACHE: usize = 32 << 20;
 
 /// A reference image's index, with each BlockMap chunk's place resolved.
@@ -350,7 +350,7 @@ struct Progress {
 /// readers want one at the same time, and readable **as they arrive**: the first reader of a
 /// span starts its load (on a thread of its own, [`MAX_DETACHED_LOADS`] at most), and every
 /// reader — that one included — takes its bytes as soon as they are decoded, not when the whole
-/// span is in. A span is about 1 MiB of a layer (300 KB compressed); a reader of a chunk at its
+/// span is in. A span is about 512 KiB of a layer (150 KB compressed); a reader of a chunk at its
 /// start waited for the whole span's transfer and inflation before.
 #[derive(Debug)]
 pub(crate) struct SpanCache {
@@ -904,7 +904,7 @@ mod tests {
         }
     }
 
-    /// A gzip layer of ~3 MiB of text with ~1 MiB spans (the builder's spacing) and its windows
+    /// A gzip layer of ~3 MiB of text with ~1 MiB spans (the builder's spacing before 512 KiB) and its windows
     /// in a blob of their own: (the uncompressed bytes, the layer, the windows blob's digest, a
     /// source holding both blobs).
     fn layer() -> (Vec<u8>, RefLayer, Sha256Digest, Blobs) {
