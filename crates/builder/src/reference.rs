@@ -84,11 +84,15 @@ pub(crate) fn build_referenced(
     let flat = flatten(&source.layers, &layers, config.fs_time)?;
     info!(nodes = flat.tree.nodes.len(), layers = layers.len(), "flattened layers (reference)");
 
-    // Every span's compressed bytes hashed, from the store's copy of its layer blob.
-    let mut ref_layers = Vec::with_capacity(read.len());
-    for ((blob, digest), r) in source.layers.iter().zip(&digests).zip(&read) {
-        ref_layers.push(hash_spans(store, blob, digest, r)?);
-    }
+    // Every span's compressed bytes hashed, from the store's copy of its layer blob (the layers
+    // at once: each is a read of its blob and a sha256 of it).
+    let ref_layers = source
+        .layers
+        .par_iter()
+        .zip(&digests)
+        .zip(&read)
+        .map(|((blob, digest), r)| hash_spans(store, blob, digest, r))
+        .collect::<Result<Vec<_>, BuildError>>()?;
     let mut entries = Vec::new();
     for (layer, r) in read.iter().enumerate() {
         let layer =
