@@ -15,7 +15,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
-use tessera_e2e::daemon::BlkClient;
+use tessera_e2e::daemon::{BlkClient, Daemon};
 use tessera_e2e::prng::Prng;
 use tessera_e2e::proxy::{Fault, Proxy, ProxyConfig};
 use tessera_e2e::s3::{S3Server, ACCESS_KEY_ID, SECRET_ACCESS_KEY};
@@ -230,6 +230,47 @@ fn copy_then_export_inspect_and_serve_from_s3_and_keep_serving_cached_reads_afte
     )?;
     same_file(&f.local_raw, &out, "export from the cache with the server killed")?;
     Ok(())
+}
+
+/// A tag copied to a bucket names where its image's profile chunks are stored, as the local
+/// store's tag does (a remote start fetches them beside the metadata): the same ref, byte for
+/// byte, profile lines included; a `serve` from the bucket started by that tag reads right.
+#[test]
+fn a_tag_copied_to_s3_names_its_profile_s_chunks() -> Result<()> {
+    let f = fixture("s3-profile")?;
+    let socket = f.t.path().join("vm.sock");
+    let trace = f.t.path().join("boot.trace");
+    let d = Daemon::start("demo", &f.store, &socket, &["--read-only", "--record-trace", s(&trace)?])?;
+    let mut c = BlkClient::connect(d.socket(), 1, true)?;
+    let (bytes, failed) = c.read_device(1 << 20, 4)?;
+    ensure!(failed.is_empty() && bytes == f.local_raw, "recording a trace: the device differs");
+    drop(c);
+    d.stop()?;
+    let out = tessera::run(["profile", "demo", "--store", s(&f.store)?, "--trace", s(&trace)?])?;
+    ensure!(out.status.success(), "tessera profile: {}", String::from_utf8_lossy(&out.stderr));
+    let local = fs::read_to_string(f.store.join("refs/demo"))?;
+    ensure!(
+        local.lines().any(|l| l.starts_with("profile sha256:")),
+        "the local tag names no profile ranges: {local:?}"
+    );
+
+    let server = S3Server::start(&["images"])?;
+    let dest = "s3://images/profiled";
+    copy_to(&server, &f, dest)?;
+    let bucket = fs::read_to_string(server.root().join("images/profiled/refs/demo"))?;
+    ensure!(bucket == local, "the bucket's tag {bucket:?} is not the local one {local:?}");
+
+    let log = f.t.path().join("serve.log");
+    let mut child = serve(&server, GOOD, &["demo", "--store", dest], &socket, &log)?;
+    let read = (|| -> Result<()> {
+        let mut c = BlkClient::connect(&socket, 1, true)?;
+        let (bytes, failed) = c.read_device(1 << 20, 4)?;
+        ensure!(failed.is_empty() && bytes == f.local_raw, "served from the bucket: the device differs");
+        Ok(())
+    })();
+    let _ = child.kill();
+    let _ = child.wait();
+    read.with_context(|| fs::read_to_string(&log).unwrap_or_default())
 }
 
 fn tessera_e2e_sha256(bytes: &[u8]) -> String {

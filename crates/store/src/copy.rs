@@ -15,6 +15,7 @@ use tracing::debug;
 
 use crate::error::StoreError;
 use crate::local::LocalStore;
+use crate::profile::PackRanges;
 use crate::read_store::ReadStore;
 
 /// Bytes read from the source per write while streaming a pack.
@@ -54,8 +55,16 @@ pub trait CopyDest: Sync {
         -> Result<u64, StoreError>;
     /// Write the image entry (after every blob it names).
     fn put_entry(&self, id: &ImageId, entry: &ImageEntry) -> Result<(), StoreError>;
-    /// Point `tag` at `id`, whose entry is `entry` (after the entry).
-    fn set_ref(&self, tag: &str, id: &ImageId, entry: &ImageEntry) -> Result<(), StoreError>;
+    /// Point `tag` at `id`, whose entry is `entry` (after the entry). `profile` is where the
+    /// chunks of the image's profile are stored ([`crate::profile_ranges`]; empty without one),
+    /// for a ref that names them (a store that can read the image itself may work them out).
+    fn set_ref(
+        &self,
+        tag: &str,
+        id: &ImageId,
+        entry: &ImageEntry,
+        profile: &PackRanges,
+    ) -> Result<(), StoreError>;
 }
 
 impl CopyDest for LocalStore {
@@ -104,7 +113,13 @@ impl CopyDest for LocalStore {
         LocalStore::put_entry(self, id, entry)
     }
 
-    fn set_ref(&self, tag: &str, id: &ImageId, _entry: &ImageEntry) -> Result<(), StoreError> {
+    fn set_ref(
+        &self,
+        tag: &str,
+        id: &ImageId,
+        _entry: &ImageEntry,
+        _profile: &PackRanges,
+    ) -> Result<(), StoreError> {
         LocalStore::set_ref(self, tag, id)
     }
 }
@@ -196,10 +211,34 @@ pub fn copy_image(
     }
     dest.put_entry(id, &entry)?;
     if let Some(t) = tag {
-        dest.set_ref(t, id, &entry)?;
+        // The profile's places, for the tag's ref: a hint, so none if they cannot be worked out.
+        let profile = if entry.profile.is_some() {
+            profile_places(source, id, &entry, &index_bytes).unwrap_or_else(|e| {
+                debug!(tag = t, image = %id, error = %e, "the ref names no profile ranges");
+                PackRanges::new()
+            })
+        } else {
+            PackRanges::new()
+        };
+        dest.set_ref(t, id, &entry, &profile)?;
         report.tag = Some(t.to_owned());
     }
     Ok(report)
+}
+
+/// Where the chunks of image `id`'s profile are stored in `source` ([`crate::profile_ranges`]),
+/// from its record, prefix and pack index (`index_bytes`, read already) and its profile.
+fn profile_places(
+    source: &dyn ReadStore,
+    id: &ImageId,
+    entry: &ImageEntry,
+    index_bytes: &[u8],
+) -> Result<PackRanges, StoreError> {
+    let record = source.read_blob(&entry.record)?;
+    let prefix = source.read_blob(&entry.prefix)?;
+    let image = crate::OpenImage::from_parts(*id, entry.clone(), &record, &prefix, index_bytes)?;
+    let profile = crate::read_profile(source, id, entry, &image.record().block_map)?;
+    Ok(profile.map(|(_, p)| crate::profile_ranges(&image, &p)).unwrap_or_default())
 }
 
 /// Blobs [`copy_image`] copies at once.

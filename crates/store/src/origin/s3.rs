@@ -959,7 +959,13 @@ impl CopyDest for S3Store {
         self.put(&format!("images/{}.json", id.digest().hex()), &entry.to_json(), false)
     }
 
-    fn set_ref(&self, tag: &str, id: &ImageId, entry: &ImageEntry) -> Result<(), StoreError> {
+    fn set_ref(
+        &self,
+        tag: &str,
+        id: &ImageId,
+        entry: &ImageEntry,
+        profile: &crate::PackRanges,
+    ) -> Result<(), StoreError> {
         if !tessera_image::validate_tag(tag) {
             return Err(StoreError::InvalidTag { tag: tag.to_owned() });
         }
@@ -975,7 +981,12 @@ impl CopyDest for S3Store {
             }
             _ => None,
         };
-        self.put(&format!("refs/{tag}"), crate::RefText::of(*id, entry, lengths).encode().as_bytes(), false)
+        // The profile's places go with the lengths, as a local store's refs give them.
+        let mut text = crate::RefText::of(*id, entry, lengths);
+        if lengths.is_some() {
+            text.profile = profile.clone();
+        }
+        self.put(&format!("refs/{tag}"), text.encode().as_bytes(), false)
     }
 }
 
