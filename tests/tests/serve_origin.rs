@@ -643,7 +643,7 @@ fn a_prefetch_profile_is_fetched_before_the_guest_reads() -> Result<()> {
 
 /// A tag profiled with `tessera profile` names where the profile's chunks are stored, and a
 /// daemon started by that tag without a disk cache fetches them with its start, in pieces of at
-/// most 128 KiB each on a request of its own (the profile's prefetch would ask for them as a few
+/// most 192 KiB each on a request of its own (the profile's prefetch would ask for them as a few
 /// batches of up to 4 MiB once the image is open), each byte once; reads then need nothing
 /// more and get the right bytes.
 #[test]
@@ -664,7 +664,7 @@ fn a_tag_s_profile_is_fetched_with_the_start() -> Result<()> {
 
     let want = stored_chunk_bytes(&f.store, &f.id)?;
     // Within what a ref names (2 MiB), in several pieces.
-    ensure!(want <= 2 << 20 && want > 4 * (128 << 10), "the image's chunks are {want} bytes");
+    ensure!(want <= 2 << 20 && want > 4 * (192 << 10), "the image's chunks are {want} bytes");
     let origin = Nginx::serve(&f.store, "store")?;
     let mark = origin.access_log().lines().count();
     let d = Daemon::start("demo", origin.url(), &socket, &["--read-only"])?;
@@ -674,7 +674,7 @@ fn a_tag_s_profile_is_fetched_with_the_start() -> Result<()> {
     ensure!(disjoint(&gets), "a byte was fetched twice: {gets:?}");
     let largest = gets.iter().map(|g| g.2 + 1 - g.1).max().unwrap_or(0);
     ensure!(
-        largest <= 128 << 10 && gets.len() as u64 >= want / (128 << 10),
+        largest <= 192 << 10 && gets.len() as u64 >= want / (192 << 10),
         "{} ranged GETs, the largest {largest} bytes: not the start's pieces",
         gets.len()
     );
@@ -693,7 +693,7 @@ fn a_tag_s_profile_is_fetched_with_the_start() -> Result<()> {
             Daemon::start("demo", origin.url(), &socket, &["--read-only", "--cache-dir", path_str(&cache)?])?;
         let gets = if staged { wait_for_ranged(&origin, mark, want) } else { Vec::new() };
         ensure!(ranged_bytes(&gets) == if staged { want } else { 0 }, "{round}: {gets:?}");
-        ensure!(gets.iter().all(|g| g.2 + 1 - g.1 <= 128 << 10), "{round}: not the start's pieces: {gets:?}");
+        ensure!(gets.iter().all(|g| g.2 + 1 - g.1 <= 192 << 10), "{round}: not the start's pieces: {gets:?}");
         device_equals_export(&d, &f, round)?;
         d.stop()?;
         let all = ranged_gets(&origin, mark);

@@ -1652,13 +1652,18 @@ impl Drop for UnderWay<'_> {
 }
 
 /// Stored ranges a staged fetch reads in one request at most ([`HttpStore::stage`]): the
-/// ranges go out as requests of about this size, in parallel, each on a connection of its own.
-const STAGE_PIECE: u64 = 128 << 10;
+/// ranges go out as requests of at most this size, in parallel, each on a connection of its own.
+/// With [`STAGE_THREADS`], measured with `xtask bench cold` at 20 ms RTT and 1 Gbit/s (profiled
+/// starts, 7 rounds; docs/benchmarks.md): 192 KiB on 12 threads took stat's from 164.5 to 149.7
+/// ms, the others within 2 ms; 128 KiB on 16 (before) or 12, 96 KiB on 20 and 64 KiB on 24 made
+/// more requests that slowed the start's own by up to 20 ms; 256 KiB on 8 left stat's chunks
+/// behind.
+const STAGE_PIECE: u64 = 192 << 10;
 
 /// Threads a staged fetch uses at most, each a request at a time: with a start's own ~29 requests
 /// (record, prefix and pack index in pieces, entry, profile) within the 48 a store has in flight
 /// ([`HttpConfig::max_concurrency`]); 32 delayed those by a whole request each.
-const STAGE_THREADS: usize = 16;
+const STAGE_THREADS: usize = 12;
 
 impl HttpStore {
     /// Fetch `packs`' ranges (each `(offset, len)`) now, in the background, for readers to come:
@@ -1686,6 +1691,12 @@ impl HttpStore {
             let mut piece: (Vec<(u64, u32)>, Vec<Arc<super::staged::Slot>>, u64) = Default::default();
             for (&range, slot) in ranges.iter().zip(slots) {
                 let Some(slot) = slot else { continue };
+                // A request stays within a piece: one more range would make it slow-start a
+                // window or two longer than the others.
+                if !piece.0.is_empty() && piece.2 + u64::from(range.1) > STAGE_PIECE {
+                    let (r, s, _) = std::mem::take(&mut piece);
+                    jobs.push((*pack, r, s));
+                }
                 piece.0.push(range);
                 piece.1.push(slot);
                 piece.2 += u64::from(range.1);
@@ -2328,16 +2339,22 @@ mod multi_range_refusing_server {
     /// read whole already, are fetched as usual.
     #[test]
     fn staged_ranges_are_fetched_once_and_read_from_where_they_came() {
-        let blob: Vec<u8> = (0..400_000u32).map(|i| (i * 13 % 251) as u8).collect();
+        let blob: Vec<u8> = (0..700_000u32).map(|i| (i * 13 % 251) as u8).collect();
         let (base, log) = serve(blob.clone(), Answer::FirstRangeOnly);
         let store = HttpStore::new(&base, HttpConfig::default());
         let d = Sha256Digest::of(&blob);
-        let long = (10_000u64, 300_000u32);
+        let long = (10_000u64, 600_000u32);
         store.stage(&[(d, vec![(100, 50), long])]);
-        assert_eq!(store.staged(), (4, 300_050), "the long range in three pieces of at most 128 KiB");
+        assert_eq!(store.staged(), (5, 600_050), "the long range in four pieces of at most 192 KiB");
         // Every piece is asked for before any read (this server answers one range a request:
         // pieces asked together in one request are asked again one by one).
-        let pieces = ["bytes=100-149", "bytes=10000-141071", "bytes=141072-272143", "bytes=272144-309999"];
+        let pieces = [
+            "bytes=100-149",
+            "bytes=10000-206607",
+            "bytes=206608-403215",
+            "bytes=403216-599823",
+            "bytes=599824-609999",
+        ];
         let wait = std::time::Instant::now();
         let all_asked = || pieces.iter().all(|p| log.lock().unwrap().iter().any(|r| r == p));
         while !all_asked() && wait.elapsed() < Duration::from_secs(10) {
@@ -2349,18 +2366,18 @@ mod multi_range_refusing_server {
         let at = |o: u64, l: u32| blob[o as usize..o as usize + l as usize].to_vec();
         assert_eq!(store.read_stored(&d, 110, 20).unwrap(), at(110, 20));
         // Across the first two pieces of the long range.
-        assert_eq!(store.read_stored(&d, 130_000, 20_000).unwrap(), at(130_000, 20_000));
+        assert_eq!(store.read_stored(&d, 200_000, 20_000).unwrap(), at(200_000, 20_000));
         let mut got = Vec::new();
-        let batch = [(100, 10), (200_000, 1000), (350_000, 100)];
+        let batch = [(100, 10), (300_000, 1000), (650_000, 100)];
         store.read_stored_many(&d, &batch, &mut |i, b| got.push((i, b))).unwrap();
         got.sort_by_key(|g| g.0);
         assert_eq!(got, batch.iter().enumerate().map(|(i, &(o, l))| (i, at(o, l))).collect::<Vec<_>>());
         let asked = std::mem::take(&mut *log.lock().unwrap());
-        assert_eq!(asked, ["bytes=350000-350099"], "only the range not staged went to the origin");
+        assert_eq!(asked, ["bytes=650000-650099"], "only the range not staged went to the origin");
         // The short range, read whole already (20 + 10 of its 50 bytes, then the rest), goes.
         assert_eq!(store.read_stored(&d, 100, 10).unwrap(), at(100, 10));
         assert_eq!(store.read_stored(&d, 130, 20).unwrap(), at(130, 20));
-        assert_eq!(store.staged().0, 3, "{:?}", store.staged());
+        assert_eq!(store.staged().0, 4, "{:?}", store.staged());
         assert_eq!(store.read_stored(&d, 100, 10).unwrap(), at(100, 10));
         assert_eq!(std::mem::take(&mut *log.lock().unwrap()), ["bytes=100-109"], "fetched again, as usual");
         // Staging is off unless asked for: a ref read with it off fetches nothing.
