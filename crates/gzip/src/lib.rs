@@ -4,10 +4,11 @@
 //! records a [`Checkpoint`] at a deflate block boundary every `spacing` uncompressed bytes (and
 //! at the start of every gzip member): the compressed position (byte and bit), the uncompressed
 //! position, and the 32 KiB of output before it (the window back-references may reach into),
-//! with the bytes the span never reads zeroed ([`sparse`]), kept zstd-compressed. The bytes between two checkpoints are a *span*; [`inflate_span`]
-//! decodes one span from its compressed bytes alone, resuming inflation where the checkpoint
-//! says (zlib's `inflatePrime` for the bits of a shared byte, `inflateSetDictionary` for the
-//! window). [`GzipIndex::read`] serves any uncompressed range `[a, b)` from the spans covering it.
+//! with the bytes the span never reads zeroed ([`sparse`]), kept zstd-compressed. The bytes
+//! between two checkpoints are a *span*; [`inflate_span`] decodes one span from its compressed
+//! bytes alone, resuming inflation where the checkpoint says (zlib's `inflatePrime` for the bits
+//! of a shared byte, `inflateSetDictionary` for the window). [`GzipIndex::read`] serves any
+//! uncompressed range `[a, b)` from the spans covering it.
 //!
 //! The technique is zlib's `examples/zran.c` (also behind SOCI's zTOC, Nydus' zran and
 //! overlaybd's gzip index). The engine is zlib-rs through `libz-rs-sys`, its zlib C API: the

@@ -904,9 +904,9 @@ mod tests {
         }
     }
 
-    /// A gzip layer of ~3 MiB of text with ~1 MiB spans (the builder's spacing before 512 KiB) and its windows
-    /// in a blob of their own: (the uncompressed bytes, the layer, the windows blob's digest, a
-    /// source holding both blobs).
+    /// A gzip layer of ~3 MiB of text with ~1 MiB spans (the builder's spacing before 512 KiB)
+    /// and its windows in a blob of their own: (the uncompressed bytes, the layer, the windows
+    /// blob's digest, a source holding both blobs).
     fn layer() -> (Vec<u8>, RefLayer, Sha256Digest, Blobs) {
         let (data, gz, windows, layer) = test_layer(3 << 20, 1 << 20);
         let wd = Sha256Digest::of(&windows);
