@@ -260,8 +260,12 @@ fn a_tag_copied_to_s3_names_its_profile_s_chunks() -> Result<()> {
     let bucket = fs::read_to_string(server.root().join("images/profiled/refs/demo"))?;
     ensure!(bucket == local, "the bucket's tag {bucket:?} is not the local one {local:?}");
 
+    // Served through a proxy that logs every request: the staged ranges are the reads' bytes,
+    // so no byte of a blob is asked for twice.
+    let proxy = Proxy::start(server.addr(), ProxyConfig::default())?;
+    let endpoint = format!("http://{}", proxy.addr());
     let log = f.t.path().join("serve.log");
-    let mut child = serve(&server, GOOD, &["demo", "--store", dest], &socket, &log)?;
+    let mut child = serve_at(&endpoint, GOOD, &["demo", "--store", dest], &socket, &log)?;
     let read = (|| -> Result<()> {
         let mut c = BlkClient::connect(&socket, 1, true)?;
         let (bytes, failed) = c.read_device(1 << 20, 4)?;
@@ -270,7 +274,23 @@ fn a_tag_copied_to_s3_names_its_profile_s_chunks() -> Result<()> {
     })();
     let _ = child.kill();
     let _ = child.wait();
-    read.with_context(|| fs::read_to_string(&log).unwrap_or_default())
+    read.with_context(|| fs::read_to_string(&log).unwrap_or_default())?;
+    let mut asked: std::collections::BTreeMap<String, Vec<(u64, u64)>> = Default::default();
+    for r in proxy.log().iter().filter(|r| r.method == "GET" && r.path.contains("/blobs/sha256/")) {
+        let Some(range) = &r.range else { continue };
+        for part in range.trim_start_matches("bytes=").split(',') {
+            let (a, b) = part.split_once('-').context("a range")?;
+            asked.entry(r.path.clone()).or_default().push((a.trim().parse()?, b.trim().parse()?));
+        }
+    }
+    ensure!(!asked.is_empty(), "no ranged GET of a blob went through the proxy");
+    for (path, ranges) in &mut asked {
+        ranges.sort_unstable();
+        for w in ranges.windows(2) {
+            ensure!(w[1].0 > w[0].1, "{path}: bytes {:?} and {:?} were both asked for", w[0], w[1]);
+        }
+    }
+    Ok(())
 }
 
 fn tessera_e2e_sha256(bytes: &[u8]) -> String {

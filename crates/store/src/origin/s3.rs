@@ -1037,9 +1037,11 @@ impl ReadStore for S3Store {
     }
 }
 
+/// Reads go through the HTTP store's, which take the ranges a tag's ref had staged
+/// ([`HttpStore::stage`]) before asking the bucket.
 impl ChunkSource for S3Store {
     fn read_stored(&self, pack: &Sha256Digest, offset: u64, len: u32) -> Result<Vec<u8>, StoreError> {
-        self.http.read_chunk_range(pack, offset, len)
+        self.http.read_stored(pack, offset, len)
     }
 
     fn read_stored_streamed(
@@ -1049,7 +1051,7 @@ impl ChunkSource for S3Store {
         len: u32,
         sink: &mut crate::source::RangeSink<'_>,
     ) -> Result<(), StoreError> {
-        self.http.read_blob_range_streamed(pack, offset, u64::from(len), sink)
+        self.http.read_stored_streamed(pack, offset, len, sink)
     }
 
     fn read_stored_many(
@@ -1058,7 +1060,7 @@ impl ChunkSource for S3Store {
         ranges: &[(u64, u32)],
         got: &mut crate::source::RangeGot<'_>,
     ) -> Result<(), StoreError> {
-        self.http.read_blob_ranges(pack, ranges, got)
+        self.http.read_stored_many(pack, ranges, got)
     }
 }
 
