@@ -23,7 +23,7 @@ use crate::device::{BlockDevice, BufSink, Sink};
 use crate::error::{ReadError, StartError};
 use crate::fetcher::{Arrived, ChunkFetcher, ChunkPlace, FetchDone, FetchLimits, FetcherStats, Priority};
 use crate::files::{FileMap, MissCounts};
-use crate::hugebuf::ChunkBuf;
+use crate::hugebuf::{ChunkBuf, Located};
 use crate::packorder::PackOrder;
 use crate::trace::TraceRecorder;
 
@@ -214,10 +214,10 @@ struct Slots {
 }
 
 /// A slot's chunk, borrowed.
-type SlotGuard<'a> = RwLockReadGuard<'a, Option<Chunk>>;
+type SlotGuard<'a> = RwLockReadGuard<'a, Option<Located>>;
 
 struct Slot {
-    chunk: RwLock<Option<Chunk>>,
+    chunk: RwLock<Option<Located>>,
     reported: AtomicU32,
 }
 
@@ -238,7 +238,8 @@ impl Slots {
     #[inline]
     fn lookup(&self, index: u32) -> Option<(Chunk, bool)> {
         let slot = self.get(index)?;
-        let chunk = slot.chunk.read().unwrap_or_else(|p| p.into_inner()).clone()?;
+        let chunk =
+            slot.chunk.read().unwrap_or_else(|p| p.into_inner()).as_ref().map(|l| Arc::clone(l.buf()))?;
         let epoch = self.epoch.load(Ordering::Relaxed);
         let report = slot.reported.load(Ordering::Relaxed) != epoch;
         if report {
@@ -271,13 +272,13 @@ impl Slots {
     /// Chunk `index` if memory holds it, without counting a hit or telling the policy (a look
     /// by the daemon itself, not a guest read).
     fn peek(&self, index: u32) -> Option<Chunk> {
-        self.get(index)?.chunk.read().unwrap_or_else(|p| p.into_inner()).clone()
+        self.get(index)?.chunk.read().unwrap_or_else(|p| p.into_inner()).as_ref().map(|l| Arc::clone(l.buf()))
     }
 
     /// Chunk `index` is about to go into moka.
     fn put(&self, index: u32, chunk: &Chunk) {
         if let Some(slot) = self.get(index) {
-            *slot.chunk.write().unwrap_or_else(|p| p.into_inner()) = Some(Arc::clone(chunk));
+            *slot.chunk.write().unwrap_or_else(|p| p.into_inner()) = Some(Located::new(Arc::clone(chunk)));
             slot.reported
                 .store(self.epoch.fetch_add(1, Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
         }
@@ -288,7 +289,7 @@ impl Slots {
     fn remove(&self, index: u32, chunk: &Chunk) {
         if let Some(slot) = self.get(index) {
             let mut held = slot.chunk.write().unwrap_or_else(|p| p.into_inner());
-            if held.as_ref().is_some_and(|h| Arc::ptr_eq(h, chunk)) {
+            if held.as_ref().is_some_and(|h| Arc::ptr_eq(h.buf(), chunk)) {
                 *held = None;
             }
         }
@@ -316,7 +317,7 @@ impl std::ops::Deref for Held<'_> {
     fn deref(&self) -> &[u8] {
         match self {
             // `Slots::hold` returns only guards of a full slot.
-            Held::Slot(g) => g.as_deref().map_or(&[], |c| &c[..]),
+            Held::Slot(g) => g.as_deref().map_or(&[], |c| c),
             Held::Owned(a) => a,
         }
     }
