@@ -30,6 +30,7 @@ pub fn watch_mem_tier<S: ChunkSource + 'static>(metrics: &Arc<Metrics>, tier: &A
         m.memory_tier.span_bytes.set(gauge_value(spans));
         m.memory_tier.span_stored_bytes.set(gauge_value(stored));
         mirror(&m.prefetch.readahead_queued, stats.readahead_chunks.load(Ordering::Relaxed));
+        mirror(&m.prefetch.pack_window_queued, stats.pack_window_chunks.load(Ordering::Relaxed));
         mirror(&m.prefetch.profile_queued, stats.prefetch_chunks.load(Ordering::Relaxed));
         mirror(&m.prefetch.whole_file_queued, stats.whole_file_chunks.load(Ordering::Relaxed));
         mirror(&m.prefetch.stretch_queued, stats.stretch_chunks.load(Ordering::Relaxed));

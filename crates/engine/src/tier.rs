@@ -51,8 +51,10 @@ pub struct TierStats {
     pub fetches: AtomicU64,
     /// Bytes read from the chunk source (decoded bytes of the chunks fetched).
     pub fetched_bytes: AtomicU64,
-    /// Chunks queued for readahead.
+    /// Chunks queued for readahead (a file read sequentially).
     pub readahead_chunks: AtomicU64,
+    /// Chunks queued as a miss's pack window ([`MemTier::with_pack_readahead`]).
+    pub pack_window_chunks: AtomicU64,
     /// Chunks queued for profile prefetch.
     pub prefetch_chunks: AtomicU64,
     /// Chunks queued because their file is fetched whole ([`MemTier::with_whole_files`]).
@@ -1383,7 +1385,7 @@ impl<S: ChunkSource + 'static> BlockDevice for MemTier<S> {
                         Vec::new()
                     };
                 let mut ahead = self.pack_ahead(&chunks, &fresh);
-                self.core.stats.readahead_chunks.fetch_add(ahead.len() as u64, Ordering::Relaxed);
+                self.core.stats.pack_window_chunks.fetch_add(ahead.len() as u64, Ordering::Relaxed);
                 self.mark(&ahead, Ahead::PackWindow);
                 let whole = self.due_on_misses(&chunks, &fresh, &ahead);
                 ahead.extend(whole);

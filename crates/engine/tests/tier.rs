@@ -128,7 +128,8 @@ fn a_miss_also_fetches_what_follows_it_in_its_pack() {
         );
         std::thread::sleep(std::time::Duration::from_millis(5)); // polling interval
     }
-    assert_eq!(tier.stats().readahead_chunks.load(Ordering::Relaxed), same_pack.len() as u64 - 1);
+    assert_eq!(tier.stats().pack_window_chunks.load(Ordering::Relaxed), same_pack.len() as u64 - 1);
+    assert_eq!(tier.stats().readahead_chunks.load(Ordering::Relaxed), 0, "no file was read sequentially");
     // Counted as the pack window's, unused until a read takes one of them (once, however often).
     let window = tier.stats().ahead(Ahead::PackWindow);
     let len = |c: u32| u64::from(image.record().block_map.chunks()[c as usize].len);
@@ -166,7 +167,7 @@ fn a_miss_on_a_chunk_already_queued_adds_no_pack_window() {
     assert!(read_first_byte_of(&tier, &image, first), "the read is promoted and served");
     assert!(tier.contains(first));
     assert_eq!(
-        tier.stats().readahead_chunks.load(Ordering::Relaxed),
+        tier.stats().pack_window_chunks.load(Ordering::Relaxed),
         0,
         "a chunk the profile had queued carries no pack-order window"
     );

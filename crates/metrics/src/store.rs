@@ -300,6 +300,8 @@ pub fn origin_latency_histogram() -> Histogram {
 pub struct PrefetchMetrics {
     /// Chunks queued for readahead (a file read sequentially).
     pub readahead_queued: IntCounter,
+    /// Chunks queued as a miss's pack window (the chunks stored after it).
+    pub pack_window_queued: IntCounter,
     /// Chunks queued from the image's prefetch profile.
     pub profile_queued: IntCounter,
     /// Chunks queued because their file is fetched whole (its reads missed several times).
@@ -334,6 +336,7 @@ impl PrefetchMetrics {
         );
         Self {
             readahead_queued: queued.with_label_values(&["readahead"]),
+            pack_window_queued: queued.with_label_values(&["pack_window"]),
             profile_queued: queued.with_label_values(&["profile"]),
             whole_file_queued: queued.with_label_values(&["whole_file"]),
             stretch_queued: queued.with_label_values(&["stretch"]),
