@@ -641,6 +641,12 @@ fn copy_between_stores_with_profile_and_tag() -> Result<()> {
     let v = copy("demo", &store, s(&d1)?, &[])?;
     ensure!(v["tag"] == "demo" && v["copied"] == blobs && v["present"] == 0, "{v}");
     same_image(&f, &d1, serde_json::json!(["demo"]))?;
+    // The tag's ref as the source's, the places of the profile's chunks included (a local
+    // store works them out from its own copy).
+    let source_ref = fs::read_to_string(std::path::Path::new(&store).join("refs/demo"))?;
+    ensure!(source_ref.contains("\nprofile "), "the source's ref names the profile's chunks: {source_ref}");
+    let copied_ref = fs::read_to_string(d1.join("refs/demo"))?;
+    ensure!(copied_ref == source_ref, "copied ref {copied_ref:?}, source's {source_ref:?}");
     // Again: nothing to copy.
     let v = copy("demo", &store, s(&d1)?, &[])?;
     ensure!(v["copied"] == 0 && v["present"] == blobs, "{v}");

@@ -65,6 +65,11 @@ pub trait CopyDest: Sync {
         entry: &ImageEntry,
         profile: &PackRanges,
     ) -> Result<(), StoreError>;
+    /// Whether [`Self::set_ref`] uses its `profile` argument (a store that works the places
+    /// out itself says no, and the copy saves reading the record and prefix for them).
+    fn wants_profile_places(&self) -> bool {
+        true
+    }
 }
 
 impl CopyDest for LocalStore {
@@ -121,6 +126,10 @@ impl CopyDest for LocalStore {
         _profile: &PackRanges,
     ) -> Result<(), StoreError> {
         LocalStore::set_ref(self, tag, id)
+    }
+
+    fn wants_profile_places(&self) -> bool {
+        false
     }
 }
 
@@ -212,7 +221,7 @@ pub fn copy_image(
     dest.put_entry(id, &entry)?;
     if let Some(t) = tag {
         // The profile's places, for the tag's ref: a hint, so none if they cannot be worked out.
-        let profile = if entry.profile.is_some() {
+        let profile = if entry.profile.is_some() && dest.wants_profile_places() {
             profile_places(source, id, &entry, &index_bytes).unwrap_or_else(|e| {
                 debug!(tag = t, image = %id, error = %e, "the ref names no profile ranges");
                 PackRanges::new()
