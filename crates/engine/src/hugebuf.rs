@@ -20,7 +20,7 @@
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use rustix::mm::{self, Advice, MapFlags, ProtFlags};
@@ -105,10 +105,15 @@ impl std::ops::Deref for ChunkBuf {
 /// holds one, so a hit goes from the slot straight to the bytes. Reading them through the
 /// [`ChunkBuf`] itself loads its header from the shared allocation first, one more cache miss per
 /// hit when reads are random (the profile of 4 KiB reads at QD32: a tenth of the daemon's time).
+/// 24 bytes, a word of them the holder's ([`Self::mark`]), so that a slot with its lock fits in
+/// half a cache line.
 pub struct Located {
     buf: std::sync::Arc<ChunkBuf>,
     ptr: NonNull<u8>,
-    len: usize,
+    len: u32,
+    /// A word for the holder's use (the memory tier: the insertion epoch its hits were last
+    /// reported to the cache's policy in).
+    pub mark: AtomicU32,
 }
 
 // SAFETY: `ptr` only reads the bytes `buf` owns, which are immutable and shared as freely as
@@ -118,10 +123,12 @@ unsafe impl Send for Located {}
 unsafe impl Sync for Located {}
 
 impl Located {
-    pub fn new(buf: std::sync::Arc<ChunkBuf>) -> Self {
+    /// `buf` located, with `mark` its holder's word; `None` for a buffer of 4 GiB or more (no
+    /// chunk is: [`tessera_store::MAX_CHUNK_LEN`]).
+    pub fn new(buf: std::sync::Arc<ChunkBuf>, mark: u32) -> Option<Self> {
         let bytes: &[u8] = &buf;
-        let (ptr, len) = (NonNull::from(bytes).cast::<u8>(), bytes.len());
-        Self { buf, ptr, len }
+        let (ptr, len) = (NonNull::from(bytes).cast::<u8>(), u32::try_from(bytes.len()).ok()?);
+        Some(Self { buf, ptr, len, mark: AtomicU32::new(mark) })
     }
 
     /// The buffer.
@@ -144,7 +151,7 @@ impl std::ops::Deref for Located {
         // SAFETY: `ptr` and `len` are `buf`'s bytes as its `deref` gave them; `buf` is alive
         // while `self` is, and its bytes neither move (a boxed slice or a huge-page slot, not
         // the `ChunkBuf` value the `Arc` holds) nor change after creation.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len as usize) }
     }
 }
 
@@ -327,12 +334,13 @@ mod tests {
         for (len, seed) in [(0, 1), (4096, 2), (MIN_HUGE_BUF, 3), (300 << 10, 4), (HUGE_PAGE, 5)] {
             let data = pattern(len, seed);
             let buf = std::sync::Arc::new(ChunkBuf::from_vec_in(p, data.clone()));
-            let located = Located::new(std::sync::Arc::clone(&buf));
+            let located = Located::new(std::sync::Arc::clone(&buf), 7).unwrap();
             // Moved (into a box, then out of it) and with the other owner gone: the same bytes.
             drop(buf);
             let moved = *Box::new(located);
             assert_eq!(&moved[..], &data[..], "len {len}");
             assert_eq!(moved.buf().len(), len);
+            assert_eq!(moved.mark.load(Ordering::Relaxed), 7);
         }
     }
 

@@ -11,7 +11,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, RwLock, RwLockReadGuard};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use moka::notification::RemovalCause;
 use moka::policy::EvictionPolicy;
@@ -211,22 +211,24 @@ impl PrefetchFlags {
 /// every chunk read since the last one has been reported.
 struct Slots {
     slots: Box<[Slot]>,
-    /// Insertions so far (wrapping): a slot whose `reported` differs has not been reported since.
+    /// Insertions so far (wrapping): a slot whose mark differs has not been reported since.
     epoch: AtomicU32,
 }
 
 /// A slot's chunk, borrowed.
-type SlotGuard<'a> = RwLockReadGuard<'a, Option<Located>>;
+type SlotGuard<'a> = parking_lot::RwLockReadGuard<'a, Option<Located>>;
 
+/// A chunk's place in memory, if memory holds it, with the insertion epoch its hits were last
+/// reported in ([`Located::mark`]). 32 bytes, aligned to them: a slot never straddles two cache
+/// lines (a hit's first miss is its slot's line; at 48 bytes, half the slots cost two).
+#[repr(align(32))]
 struct Slot {
-    chunk: RwLock<Option<Located>>,
-    reported: AtomicU32,
+    chunk: parking_lot::RwLock<Option<Located>>,
 }
 
 impl Slots {
     fn new(chunks: usize) -> Self {
-        let slots =
-            (0..chunks).map(|_| Slot { chunk: RwLock::new(None), reported: AtomicU32::new(0) }).collect();
+        let slots = (0..chunks).map(|_| Slot { chunk: parking_lot::RwLock::new(None) }).collect();
         Self { slots, epoch: AtomicU32::new(0) }
     }
 
@@ -235,19 +237,24 @@ impl Slots {
         self.slots.get(index as usize)
     }
 
+    /// Whether a hit on `located` must be told to the policy (once per epoch), and noted so.
+    #[inline]
+    fn report(&self, located: &Located) -> bool {
+        let epoch = self.epoch.load(Ordering::Relaxed);
+        let report = located.mark.load(Ordering::Relaxed) != epoch;
+        if report {
+            located.mark.store(epoch, Ordering::Relaxed);
+        }
+        report
+    }
+
     /// Chunk `index`, if memory holds it; whether the policy must be told of the hit (once per
     /// epoch).
     #[inline]
     fn lookup(&self, index: u32) -> Option<(Chunk, bool)> {
-        let slot = self.get(index)?;
-        let chunk =
-            slot.chunk.read().unwrap_or_else(|p| p.into_inner()).as_ref().map(|l| Arc::clone(l.buf()))?;
-        let epoch = self.epoch.load(Ordering::Relaxed);
-        let report = slot.reported.load(Ordering::Relaxed) != epoch;
-        if report {
-            slot.reported.store(epoch, Ordering::Relaxed);
-        }
-        Some((chunk, report))
+        let held = self.get(index)?.chunk.read();
+        let located = held.as_ref()?;
+        Some((Arc::clone(located.buf()), self.report(located)))
     }
 
     /// Chunk `index` borrowed from its slot, if memory holds it: no reference count is taken
@@ -256,33 +263,26 @@ impl Slots {
     /// Also whether the policy must be told of the hit.
     #[inline]
     fn hold(&self, index: u32) -> Option<(SlotGuard<'_>, bool)> {
-        let slot = self.get(index)?;
-        let held = slot.chunk.read().unwrap_or_else(|p| p.into_inner());
-        held.as_ref()?;
-        let epoch = self.epoch.load(Ordering::Relaxed);
-        let report = slot.reported.load(Ordering::Relaxed) != epoch;
-        if report {
-            slot.reported.store(epoch, Ordering::Relaxed);
-        }
+        let held = self.get(index)?.chunk.read();
+        let report = self.report(held.as_ref()?);
         Some((held, report))
     }
 
     fn contains(&self, index: u32) -> bool {
-        self.get(index).is_some_and(|s| s.chunk.read().unwrap_or_else(|p| p.into_inner()).is_some())
+        self.get(index).is_some_and(|s| s.chunk.read().is_some())
     }
 
     /// Chunk `index` if memory holds it, without counting a hit or telling the policy (a look
     /// by the daemon itself, not a guest read).
     fn peek(&self, index: u32) -> Option<Chunk> {
-        self.get(index)?.chunk.read().unwrap_or_else(|p| p.into_inner()).as_ref().map(|l| Arc::clone(l.buf()))
+        self.get(index)?.chunk.read().as_ref().map(|l| Arc::clone(l.buf()))
     }
 
-    /// Chunk `index` is about to go into moka.
+    /// Chunk `index` is about to go into moka (not reported before the next insertion).
     fn put(&self, index: u32, chunk: &Chunk) {
         if let Some(slot) = self.get(index) {
-            *slot.chunk.write().unwrap_or_else(|p| p.into_inner()) = Some(Located::new(Arc::clone(chunk)));
-            slot.reported
-                .store(self.epoch.fetch_add(1, Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
+            let epoch = self.epoch.fetch_add(1, Ordering::Relaxed).wrapping_add(1);
+            *slot.chunk.write() = Located::new(Arc::clone(chunk), epoch);
         }
     }
 
@@ -290,7 +290,7 @@ impl Slots {
     /// copy (not a newer one put since).
     fn remove(&self, index: u32, chunk: &Chunk) {
         if let Some(slot) = self.get(index) {
-            let mut held = slot.chunk.write().unwrap_or_else(|p| p.into_inner());
+            let mut held = slot.chunk.write();
             if held.as_ref().is_some_and(|h| Arc::ptr_eq(h.buf(), chunk)) {
                 *held = None;
             }
@@ -1408,5 +1408,34 @@ impl<S: ChunkSource + 'static> BlockDevice for MemTier<S> {
             }
             Err(e) => done(Err(Arc::new(e))),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_slot_takes_half_a_cache_line_and_never_two() {
+        assert_eq!(std::mem::size_of::<Slot>(), 32);
+        assert_eq!(std::mem::align_of::<Slot>(), 32);
+        let slots = Slots::new(5);
+        assert!(slots.slots.iter().all(|s| (s as *const Slot as usize) % 32 == 0));
+    }
+
+    #[test]
+    fn a_hit_is_reported_once_per_insertion() {
+        let slots = Slots::new(3);
+        let chunk: Chunk = Arc::new(ChunkBuf::on_heap(vec![1, 2, 3]));
+        slots.put(1, &chunk);
+        // Just inserted: nothing to report until the next insertion.
+        assert!(!slots.hold(1).unwrap().1);
+        slots.put(2, &chunk);
+        assert!(slots.hold(1).unwrap().1, "first hit since an insertion");
+        assert!(!slots.lookup(1).unwrap().1, "reported already");
+        assert_eq!(&slots.hold(1).unwrap().0.as_deref().map(|l| l.to_vec()).unwrap(), &[1, 2, 3]);
+        slots.remove(1, &chunk);
+        assert!(slots.hold(1).is_none() && !slots.contains(1) && slots.contains(2));
+        assert!(slots.hold(7).is_none(), "past the image's chunks");
     }
 }
