@@ -361,6 +361,11 @@ struct ElfState {
     examined: std::collections::HashSet<u32>,
     /// Files the dynamic loader is loading: libraries of a program seen loading them.
     loading: std::collections::HashSet<u32>,
+    /// ELF files examined whose loader was not at work then, with the files of their libraries
+    /// and interpreter, oldest first, at most [`ELF_RECENT`]: a later miss on one of those shows
+    /// it is (the file's own bytes may arrive before it is first examined, as from a host's
+    /// disk, and the loader's next read is what tells a program being loaded from one read).
+    idle: std::collections::VecDeque<(u32, Vec<u32>, Option<u32>)>,
 }
 
 /// Files [`ElfRules`] keeps waiting for their headers or dynamic section to arrive.
@@ -872,7 +877,7 @@ impl<S: ChunkSource + 'static> MemTier<S> {
         };
         let reading: Vec<u32> = missed.iter().filter_map(|&c| files.file_of(c)).collect();
         let mut st = rules.state.lock().unwrap_or_else(|p| p.into_inner());
-        let ElfState { recent, examined, loading } = &mut *st;
+        let ElfState { recent, examined, loading, idle } = &mut *st;
         let note = |recent: &mut std::collections::VecDeque<u32>, f: u32| {
             if !recent.contains(&f) {
                 if recent.len() == ELF_RECENT {
@@ -888,6 +893,27 @@ impl<S: ChunkSource + 'static> MemTier<S> {
         }
         let mut libraries = Vec::new();
         let mut waiting = std::collections::VecDeque::new();
+        // Files examined before, whose loader this read shows at work now.
+        let at_work = |libs: &[u32], interp: Option<u32>| {
+            reading.iter().any(|r| libs.contains(r) || Some(*r) == interp)
+        };
+        let mut woken = Vec::new();
+        idle.retain(|(f, libs, interp)| {
+            let now = at_work(libs, *interp);
+            if now {
+                woken.push((*f, libs.clone()));
+            }
+            !now
+        });
+        for (f, libs) in woken {
+            tracing::trace!(file = f, "an ELF file's loader at work at a later read");
+            for &l in &libs {
+                if !examined.contains(&l) && loading.insert(l) {
+                    waiting.push_back(l);
+                }
+            }
+            libraries.extend(libs);
+        }
         while let Some(f) = recent.pop_front() {
             let chunks = files.chunks(f);
             // The file's bytes at `offset`, if memory holds them (its chunks are full-size but
@@ -921,16 +947,20 @@ impl<S: ChunkSource + 'static> MemTier<S> {
                     let libs: Vec<u32> =
                         found.libraries.into_iter().filter_map(file_at).filter(|&l| l != f).collect();
                     let interp = found.interp.and_then(file_at);
-                    let at_work = loading.contains(&f)
-                        || reading.iter().any(|r| libs.contains(r) || Some(*r) == interp);
-                    tracing::trace!(file = f, ?names, at_work, "an ELF file's libraries");
-                    if at_work {
+                    let working = loading.contains(&f) || at_work(&libs, interp);
+                    tracing::trace!(file = f, ?names, at_work = working, "an ELF file's libraries");
+                    if working {
                         for &l in &libs {
                             if !examined.contains(&l) && loading.insert(l) {
                                 waiting.push_back(l);
                             }
                         }
                         libraries.extend(libs);
+                    } else if !libs.is_empty() || interp.is_some() {
+                        if idle.len() == ELF_RECENT {
+                            idle.pop_front();
+                        }
+                        idle.push_back((f, libs, interp));
                     }
                 }
             }

@@ -116,6 +116,40 @@ fn the_libraries_of_a_program_being_loaded_are_fetched_and_those_of_a_file_read_
     assert_eq!(tier.stats().elf_dep_chunks.load(std::sync::atomic::Ordering::Relaxed), queued);
 }
 
+/// A program examined at a read that was not the loader's (its bytes were in memory by the time
+/// its miss was looked at, as from a host's disk, or another file's miss came between) is known
+/// to be loading once a later miss is one of its libraries: its other libraries are fetched
+/// then. (Examined once and forgotten, it never was: a race the first test lost when the local
+/// store's fetch beat the look at the program's own miss.)
+#[test]
+fn a_program_examined_before_its_loader_read_a_library_has_the_rest_fetched_when_it_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = dir.path().join("src");
+    let prog = elf(1, None, &["liba.so.1", "libb.so.1"], 20_000);
+    let (a, b, data) = (elf(2, None, &[], 30_000), elf(3, None, &[], 30_000), noise(4, 30_000));
+    write(&src, "usr/bin/prog", &prog);
+    write(&src, "usr/lib/x86_64-linux-gnu/liba.so.1", &a);
+    write(&src, "usr/lib/x86_64-linux-gnu/libb.so.1", &b);
+    write(&src, "usr/share/data.bin", &data);
+    let store = LocalStore::create_or_open(dir.path().join("store")).unwrap();
+    let config =
+        BuildConfig { chunk_size: 64 << 10, size: SizePolicy::Exact(64 << 20), ..BuildConfig::default() };
+    let id = build_dir(&src, &store, &config, &NoProgress).unwrap().id;
+    let image = Arc::new(OpenImage::open(&store, &id).unwrap());
+    let [p, ca, cb, d] = [&prog, &a, &b, &data].map(|f| chunk_of(&image, &store, f));
+    let tier =
+        MemTier::new(ImageReader::new(Arc::clone(&image), store.clone()), 16 << 20, FetchLimits::new(4))
+            .unwrap()
+            .with_elf_deps(true, 64 << 20);
+    read(&tier, &image, p);
+    // The program's bytes are in memory: the next miss examines it, and it is no library of
+    // that read's file.
+    read(&tier, &image, d);
+    assert!(!tier.contains(ca) && !tier.contains(cb), "no library fetched for a read of data");
+    read(&tier, &image, ca);
+    wait_for("the program's other library fetched", || tier.contains(cb));
+}
+
 /// Off, nothing is fetched for the loader.
 #[test]
 fn off_fetches_no_library() {
