@@ -601,8 +601,20 @@ impl LocalStore {
     /// Point tag `tag` at image `id` (atomically replacing an older ref). The image's entry must
     /// already be in the store: the ref names its prefix and pack index too ([`RefText`]).
     pub fn set_ref(&self, tag: &str, id: &ImageId) -> Result<(), StoreError> {
-        if !validate_tag(tag) {
-            return Err(StoreError::InvalidTag { tag: tag.to_owned() });
+        self.set_refs(&[tag], id, None)
+    }
+
+    /// [`Self::set_ref`] for each of `tags`, the ref's text made once; `places`: where the
+    /// chunks of the image's profile are stored, when the caller has worked them out already
+    /// (else they are, here, if the entry names a profile).
+    pub(crate) fn set_refs(
+        &self,
+        tags: &[&str],
+        id: &ImageId,
+        places: Option<crate::PackRanges>,
+    ) -> Result<(), StoreError> {
+        if let Some(tag) = tags.iter().find(|t| !validate_tag(t)) {
+            return Err(StoreError::InvalidTag { tag: (*tag).to_owned() });
         }
         let entry = self.get_entry(id)?;
         // The lengths of the blobs a start reads first, so that a remote reader asks for all of
@@ -617,14 +629,19 @@ impl LocalStore {
         })();
         let mut text = RefText::of(*id, &entry, lengths);
         if lengths.is_some() && entry.profile.is_some() {
-            text.profile = self.profile_places(id).unwrap_or_else(|e| {
-                debug!(tag, image = %id, error = %e, "the ref names no profile ranges");
-                Vec::new()
-            });
+            text.profile = match places {
+                Some(places) => places,
+                None => self.profile_places(id).unwrap_or_else(|e| {
+                    debug!(image = %id, error = %e, "the ref names no profile ranges");
+                    Vec::new()
+                }),
+            };
         }
         let text = text.encode();
-        self.write_atomic(&self.ref_path(tag), text.as_bytes(), "write ref")?;
-        debug!(tag, image = %id, "stored ref");
+        for tag in tags {
+            self.write_atomic(&self.ref_path(tag), text.as_bytes(), "write ref")?;
+            debug!(tag, image = %id, "stored ref");
+        }
         Ok(())
     }
 

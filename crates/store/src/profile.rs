@@ -23,8 +23,12 @@ pub fn attach_profile(store: &LocalStore, id: &ImageId, profile: &Profile) -> Re
     let mut entry = image.entry().clone();
     entry.profile = Some(digest);
     store.put_entry(id, &entry)?;
-    for (tag, _) in store.list_refs()?.into_iter().filter(|(_, to)| to == id) {
-        store.set_ref(&tag, id)?;
+    // The image's tags name the profile's chunks now: worked out once, from the image open here.
+    let tags: Vec<String> =
+        store.list_refs()?.into_iter().filter(|(_, to)| to == id).map(|(t, _)| t).collect();
+    if !tags.is_empty() {
+        let tags: Vec<&str> = tags.iter().map(String::as_str).collect();
+        store.set_refs(&tags, id, Some(crate::profile_ranges(&image, profile)))?;
     }
     debug!(image = %id, profile = %digest, chunks = profile.entries().len(), "attached a profile");
     Ok(entry)

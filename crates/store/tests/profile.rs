@@ -67,7 +67,13 @@ fn a_tag_names_where_its_profile_s_chunks_are_stored() {
     // Chunks 3, then 0 and 1 (stored back to back in the builder's order), then 3 again.
     let (c3, c0, c1) = (place(3), place(0), place(1));
     assert_eq!((c0.1, c0.2 + u64::from(c0.3)), (c1.1, c1.2), "chunks 0 and 1 adjacent in one pack");
+    store.set_ref("second", &id).unwrap();
     attach_profile(&store, &id, &profile_of(id, &[c3.0, c0.0, c1.0])).unwrap();
+    // Every tag of the image rewritten alike, as a ref written afresh names them.
+    let bytes = |tag: &str| std::fs::read(dir.path().join("refs").join(tag)).unwrap();
+    store.set_ref("third", &id).unwrap();
+    assert_eq!(bytes("second"), bytes("test"));
+    assert_eq!(bytes("third"), bytes("test"));
     let text = ref_text();
     assert_eq!(text.id, id);
     let mut want: Vec<(Sha256Digest, Vec<(u64, u32)>)> = Vec::new();
