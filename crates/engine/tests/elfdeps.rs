@@ -38,6 +38,16 @@ fn write(root: &Path, rel: &str, bytes: &[u8]) {
     std::fs::write(path, bytes).unwrap();
 }
 
+/// The image of `src` (64 KiB chunks, a 64 MiB device) built into a store under `dir`, opened.
+fn built(dir: &Path, src: &Path) -> (LocalStore, Arc<OpenImage>) {
+    let store = LocalStore::create_or_open(dir.join("store")).unwrap();
+    let config =
+        BuildConfig { chunk_size: 64 << 10, size: SizePolicy::Exact(64 << 20), ..BuildConfig::default() };
+    let id = build_dir(src, &store, &config, &NoProgress).unwrap().id;
+    let image = Arc::new(OpenImage::open(&store, &id).unwrap());
+    (store, image)
+}
+
 /// The chunk holding the file whose bytes are `bytes` (each file here is one chunk), found by
 /// content, independently of the ext4 lookup under test.
 fn chunk_of(image: &OpenImage, store: &LocalStore, bytes: &[u8]) -> u32 {
@@ -84,11 +94,7 @@ fn the_libraries_of_a_program_being_loaded_are_fetched_and_those_of_a_file_read_
     }
     // Merged /usr, as Debian's: the loader's /lib paths are links.
     std::os::unix::fs::symlink("usr/lib", src.join("lib")).unwrap();
-    let store = LocalStore::create_or_open(dir.path().join("store")).unwrap();
-    let config =
-        BuildConfig { chunk_size: 64 << 10, size: SizePolicy::Exact(64 << 20), ..BuildConfig::default() };
-    let id = build_dir(&src, &store, &config, &NoProgress).unwrap().id;
-    let image = Arc::new(OpenImage::open(&store, &id).unwrap());
+    let (store, image) = built(dir.path(), &src);
     let chunk: Vec<u32> = files.iter().map(|(_, bytes)| chunk_of(&image, &store, bytes)).collect();
     let [prog, foo, bar, baz, other, qux, data] = chunk[..] else { unreachable!() };
 
@@ -131,11 +137,7 @@ fn a_program_examined_before_its_loader_read_a_library_has_the_rest_fetched_when
     write(&src, "usr/lib/x86_64-linux-gnu/liba.so.1", &a);
     write(&src, "usr/lib/x86_64-linux-gnu/libb.so.1", &b);
     write(&src, "usr/share/data.bin", &data);
-    let store = LocalStore::create_or_open(dir.path().join("store")).unwrap();
-    let config =
-        BuildConfig { chunk_size: 64 << 10, size: SizePolicy::Exact(64 << 20), ..BuildConfig::default() };
-    let id = build_dir(&src, &store, &config, &NoProgress).unwrap().id;
-    let image = Arc::new(OpenImage::open(&store, &id).unwrap());
+    let (store, image) = built(dir.path(), &src);
     let [p, ca, cb, d] = [&prog, &a, &b, &data].map(|f| chunk_of(&image, &store, f));
     let tier =
         MemTier::new(ImageReader::new(Arc::clone(&image), store.clone()), 16 << 20, FetchLimits::new(4))
@@ -160,11 +162,7 @@ fn off_fetches_no_library() {
     write(&src, "usr/bin/prog", &prog);
     write(&src, "usr/lib/x86_64-linux-gnu/liba.so.1", &a);
     write(&src, "usr/lib/x86_64-linux-gnu/libb.so.1", &b);
-    let store = LocalStore::create_or_open(dir.path().join("store")).unwrap();
-    let config =
-        BuildConfig { chunk_size: 64 << 10, size: SizePolicy::Exact(64 << 20), ..BuildConfig::default() };
-    let id = build_dir(&src, &store, &config, &NoProgress).unwrap().id;
-    let image = Arc::new(OpenImage::open(&store, &id).unwrap());
+    let (store, image) = built(dir.path(), &src);
     let [p, ca, cb] = [&prog, &a, &b].map(|f| chunk_of(&image, &store, f));
     let tier =
         MemTier::new(ImageReader::new(Arc::clone(&image), store.clone()), 16 << 20, FetchLimits::new(4))
@@ -187,11 +185,7 @@ fn small_libraries_side_by_side_are_all_located() {
     for (name, bytes) in names.iter().zip(&libs) {
         write(&src, &format!("usr/lib/x86_64-linux-gnu/{name}"), bytes);
     }
-    let store = LocalStore::create_or_open(dir.path().join("store")).unwrap();
-    let config =
-        BuildConfig { chunk_size: 64 << 10, size: SizePolicy::Exact(64 << 20), ..BuildConfig::default() };
-    let id = build_dir(&src, &store, &config, &NoProgress).unwrap().id;
-    let image = Arc::new(OpenImage::open(&store, &id).unwrap());
+    let (store, image) = built(dir.path(), &src);
     let expected: Vec<u64> =
         libs.iter().map(|bytes| first_offset_of(&image, chunk_of(&image, &store, bytes))).collect();
     let found = tessera_engine::elfdeps::locate(&image, 62, &names, None);
