@@ -48,6 +48,13 @@ fn built(dir: &Path, src: &Path) -> (LocalStore, Arc<OpenImage>) {
     (store, image)
 }
 
+/// A memory tier of 16 MiB over `image` with the ELF rule on or off (libraries up to 64 MiB).
+fn tier(image: &Arc<OpenImage>, store: &LocalStore, elf_deps: bool) -> MemTier<LocalStore> {
+    MemTier::new(ImageReader::new(Arc::clone(image), store.clone()), 16 << 20, FetchLimits::new(4))
+        .unwrap()
+        .with_elf_deps(elf_deps, 64 << 20)
+}
+
 /// The chunk holding the file whose bytes are `bytes` (each file here is one chunk), found by
 /// content, independently of the ext4 lookup under test.
 fn chunk_of(image: &OpenImage, store: &LocalStore, bytes: &[u8]) -> u32 {
@@ -98,10 +105,7 @@ fn the_libraries_of_a_program_being_loaded_are_fetched_and_those_of_a_file_read_
     let chunk: Vec<u32> = files.iter().map(|(_, bytes)| chunk_of(&image, &store, bytes)).collect();
     let [prog, foo, bar, baz, other, qux, data] = chunk[..] else { unreachable!() };
 
-    let tier =
-        MemTier::new(ImageReader::new(Arc::clone(&image), store.clone()), 16 << 20, FetchLimits::new(4))
-            .unwrap()
-            .with_elf_deps(true, 64 << 20);
+    let tier = tier(&image, &store, true);
     // The loader: the program's header (and dynamic section: one chunk here), then its first
     // library. Its second library is fetched without a read of it …
     read(&tier, &image, prog);
@@ -139,10 +143,7 @@ fn a_program_examined_before_its_loader_read_a_library_has_the_rest_fetched_when
     write(&src, "usr/share/data.bin", &data);
     let (store, image) = built(dir.path(), &src);
     let [p, ca, cb, d] = [&prog, &a, &b, &data].map(|f| chunk_of(&image, &store, f));
-    let tier =
-        MemTier::new(ImageReader::new(Arc::clone(&image), store.clone()), 16 << 20, FetchLimits::new(4))
-            .unwrap()
-            .with_elf_deps(true, 64 << 20);
+    let tier = tier(&image, &store, true);
     read(&tier, &image, p);
     // The program's bytes are in memory: the next miss examines it, and it is no library of
     // that read's file.
@@ -164,10 +165,7 @@ fn off_fetches_no_library() {
     write(&src, "usr/lib/x86_64-linux-gnu/libb.so.1", &b);
     let (store, image) = built(dir.path(), &src);
     let [p, ca, cb] = [&prog, &a, &b].map(|f| chunk_of(&image, &store, f));
-    let tier =
-        MemTier::new(ImageReader::new(Arc::clone(&image), store.clone()), 16 << 20, FetchLimits::new(4))
-            .unwrap()
-            .with_elf_deps(false, 64 << 20);
+    let tier = tier(&image, &store, false);
     read(&tier, &image, p);
     read(&tier, &image, ca);
     std::thread::sleep(Duration::from_millis(200)); // time a wrong background fetch would have had
