@@ -282,6 +282,8 @@ impl Slots {
     fn put(&self, index: u32, chunk: &Chunk) {
         if let Some(slot) = self.get(index) {
             let epoch = self.epoch.fetch_add(1, Ordering::Relaxed).wrapping_add(1);
+            // `None` only for a buffer of 4 GiB or more, which no chunk is (the slot then stays
+            // empty and reads fetch it again rather than serve it).
             *slot.chunk.write() = Located::new(Arc::clone(chunk), epoch);
         }
     }
